@@ -1,1 +1,1 @@
-"""train"""
+"""The fine-tuning loop and what it calls: loss, schedule, evaluation, run assembly."""

@@ -1,0 +1,97 @@
+"""Atomic checkpoint folders: stage, fsync, rename, then write the commit marker last.
+
+A folder counts as a checkpoint only when its marker exists, so a crash at any moment
+leaves either the previous committed checkpoint or the new one, never a half-written one
+that resume would trust.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+MARKER = "phalanx_checkpoint.json"
+STEP_DIR = re.compile(r"checkpoint-(\d+)")
+
+
+def staging_dir(final: Path) -> Path:
+    return final.parent / f".{final.name}.staging"
+
+
+def fresh_staging_dir(final: Path) -> Path:
+    """An empty staging folder for `final` (leftovers of a crashed save are discarded)."""
+    staging = staging_dir(final)
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            _fsync(Path(dirpath) / name)
+        _fsync(Path(dirpath))
+
+
+def write_json_atomic(path: Path, payload: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(payload, f, indent=2, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def commit(staging: Path, final: Path, meta: dict) -> None:
+    """Move a fully written staging folder into place and mark it committed (one writer only)."""
+    fsync_tree(staging)
+    retired = final.parent / f".{final.name}.retired"
+    if retired.exists():
+        shutil.rmtree(retired)
+    if final.exists():
+        os.replace(final, retired)  # e.g. checkpoint-best being superseded
+    os.replace(staging, final)
+    write_json_atomic(final / MARKER, meta)
+    _fsync(final.parent)
+    if retired.exists():
+        shutil.rmtree(retired)
+
+
+def is_committed(path: Path) -> bool:
+    return (path / MARKER).is_file()
+
+
+def committed_step_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
+    """Committed checkpoint-{step} folders, oldest first."""
+    found = []
+    if output_dir.is_dir():
+        for child in output_dir.iterdir():
+            match = STEP_DIR.fullmatch(child.name)
+            if match and child.is_dir() and is_committed(child):
+                found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def apply_retention(output_dir: Path, limit: int | None, keep: set[Path]) -> list[Path]:
+    """Delete the oldest committed checkpoint-{step} folders beyond `limit`, never one in `keep`."""
+    if limit is None:
+        return []
+    checkpoints = [path for _, path in committed_step_checkpoints(output_dir)]
+    removable = [p for p in checkpoints[: max(len(checkpoints) - limit, 0)] if p not in keep]
+    for path in removable:
+        # Un-mark first: a crash mid-delete must not leave a marked, half-deleted checkpoint.
+        (path / MARKER).unlink()
+        shutil.rmtree(path)
+    return removable

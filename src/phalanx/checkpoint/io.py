@@ -1,0 +1,122 @@
+"""What a training checkpoint holds and how it is written and read back.
+
+Layout of checkpoint-{step}/ (and checkpoint-best/):
+  adapter_model.safetensors + adapter_config.json   (LoRA)  or  model.safetensors + config.json (full)
+  tokenizer files
+  optimizer.pt, scheduler.pt, precision.pt          (rank 0; plain tensors, read with weights_only=True)
+  rng_state_{rank}.pt                               (every rank)
+  trainer_state.json                                (counters, sampler position, config)
+  phalanx_checkpoint.json                           (commit marker, written last)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from phalanx.checkpoint.commit import commit, fresh_staging_dir
+from phalanx.errors import PhalanxError
+from phalanx.runtime import dist as rt
+from phalanx.runtime.seed import load_rng_state, rng_state
+
+
+def _portable_rng(state: dict) -> dict:
+    """RNG state as tensors and ints only, so it loads with weights_only=True."""
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    out = dict(state)
+    out["python"] = [state["python"][0], list(state["python"][1]), state["python"][2]]
+    out["numpy"] = [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss]
+    return out
+
+
+def _native_rng(state: dict) -> dict:
+    out = dict(state)
+    version, internal, gauss = state["python"]
+    out["python"] = (version, tuple(internal), gauss)
+    kind, keys, pos, has_gauss, gauss_np = state["numpy"]
+    out["numpy"] = (kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss_np)
+    return out
+
+
+def save_model_files(model: nn.Module, tokenizer: Any, folder: Path) -> None:
+    """The model (or adapter) as safetensors plus the tokenizer: loadable with from_pretrained."""
+    model.save_pretrained(folder, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+
+
+def save_checkpoint(
+    final: Path,
+    *,
+    rank: rt.RankInfo,
+    model: nn.Module,
+    tokenizer: Any,
+    stateful: dict[str, Any],
+    trainer_state: dict,
+) -> None:
+    """Every rank calls this. `stateful` maps names to objects with state_dict() saved by rank 0."""
+    staging = fresh_staging_dir(final) if rank.is_main else final.parent / f".{final.name}.staging"
+    rt.barrier()  # staging exists before any rank writes into it
+    torch.save(_portable_rng(rng_state()), staging / f"rng_state_{rank.rank}.pt")
+    if rank.is_main:
+        save_model_files(model, tokenizer, staging)
+        for name, obj in stateful.items():
+            torch.save(obj.state_dict(), staging / f"{name}.pt")
+        (staging / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2, default=str), encoding="utf-8")
+    rt.barrier()  # every rank's files are written
+    if rank.is_main:
+        commit(staging, final, {"global_step": trainer_state.get("global_step"), "world_size": rank.world_size})
+    rt.barrier()  # nobody reads or deletes checkpoints while the rename is in flight
+
+
+def load_checkpoint(
+    folder: Path, *, rank: rt.RankInfo, model: nn.Module, stateful: dict[str, Any], finetune: str
+) -> dict:
+    """Restore weights, stateful objects and this rank's RNG; returns trainer_state.json's content."""
+    from phalanx.checkpoint.commit import is_committed
+
+    if not is_committed(folder):
+        raise PhalanxError(f"{folder} is not a committed phalanx checkpoint (no phalanx_checkpoint.json); it may be a save that crashed")
+    load_model_weights(model, folder, finetune)
+    for name, obj in stateful.items():
+        obj.load_state_dict(torch.load(folder / f"{name}.pt", map_location="cpu", weights_only=True))
+    rng_file = folder / f"rng_state_{rank.rank}.pt"
+    if rng_file.is_file():
+        load_rng_state(_native_rng(torch.load(rng_file, map_location="cpu", weights_only=True)))
+    return json.loads((folder / "trainer_state.json").read_text(encoding="utf-8"))
+
+
+def load_model_weights(model: nn.Module, folder: Path, finetune: str) -> None:
+    """Load saved safetensors into `model`, refusing a checkpoint of another shape with the names that differ."""
+    if finetune == "lora":
+        from peft import set_peft_model_state_dict
+
+        state = load_file(folder / "adapter_model.safetensors")
+        result = set_peft_model_state_dict(model, state)
+        unexpected = list(getattr(result, "unexpected_keys", []) or [])
+        if unexpected:
+            raise PhalanxError(f"{folder}: adapter weights do not match this model: unexpected {unexpected[:5]}")
+        return
+    state = load_file(folder / "model.safetensors")
+    own = model.state_dict()
+    mismatched = [k for k, v in state.items() if k in own and own[k].shape != v.shape]
+    unexpected = [k for k in state if k not in own]
+    if mismatched or unexpected:
+        raise PhalanxError(f"{folder}: weights do not match this model: shape differs for {mismatched[:5]}, unknown {unexpected[:5]}")
+    missing = model.load_state_dict(state, strict=False).missing_keys
+    tied = {k for k in missing if _is_tied(model, k)}
+    if set(missing) - tied:
+        raise PhalanxError(f"{folder}: weights missing from the checkpoint: {sorted(set(missing) - tied)[:5]}")
+
+
+def _is_tied(model: nn.Module, key: str) -> bool:
+    tied: Optional[Any] = getattr(model, "_tied_weights_keys", None)
+    if isinstance(tied, dict):
+        return key in tied
+    return bool(tied) and any(key.endswith(t) or t in key for t in tied)

@@ -1,0 +1,108 @@
+"""The `phalanx` command: subcommands parse their arguments and dispatch, nothing more."""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional, Sequence
+
+from phalanx.errors import PhalanxError
+
+USAGE = """usage: phalanx <command> [args]
+
+commands:
+  train [CONFIG.yaml] [--flag value ...]   fine-tune a causal LM (LoRA or full) with DDP
+  config-docs                              print the config reference (Markdown)
+
+`phalanx train --help` lists every flag."""
+
+
+def split_flags(args: Sequence[str]) -> tuple[Optional[str], list[tuple[str, str]]]:
+    """'[CONFIG] --a 1 --b=2 --switch' -> ('CONFIG', [('a','1'), ('b','2'), ('switch','true')])."""
+    config: Optional[str] = None
+    pairs: list[tuple[str, str]] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg.startswith("--"):
+            name, eq, value = arg[2:].partition("=")
+            if not eq:
+                if i + 1 < len(args) and not args[i + 1].startswith("--"):
+                    value, i = args[i + 1], i + 1
+                else:
+                    value = "true"  # a bare switch such as --overwrite_output_dir
+            pairs.append((name.replace("-", "_") if "." not in name else name, value))
+        elif config is None:
+            config = arg
+        else:
+            raise PhalanxError(f"unexpected argument {arg!r}: give at most one CONFIG.yaml, then --flag value pairs")
+        i += 1
+    return config, pairs
+
+
+def train_help() -> str:
+    from phalanx.config.docs import flags_table
+
+    return "usage: phalanx train [CONFIG.yaml] [--flag value ...]\n\n" + flags_table()
+
+
+def cmd_train(args: Sequence[str]) -> int:
+    if "-h" in args or "--help" in args:
+        print(train_help())
+        return 0
+    from phalanx.config.loader import load_config, overrides_from_flags
+    from phalanx.runtime.dist import launched_by_torchrun
+
+    config_path, pairs = split_flags(args)
+    cfg = load_config(config_path, overrides_from_flags(pairs))
+    if cfg.distributed.world_size > 1 and not launched_by_torchrun():
+        from phalanx.launch.local import launch_local
+        from phalanx.runtime.dist import check_world_fits
+        from phalanx.train.run import check_output_dir, load_data
+
+        # Check everything that can be checked before any rank starts, so bad input is reported once.
+        check_world_fits(cfg.distributed.world_size, cfg.distributed.backend)
+        check_output_dir(cfg)
+        load_data(cfg)  # tokenizes into the shared cache; the ranks then load it
+        launch_local(["train", *args], cfg.distributed.world_size, cfg.distributed.master_port)
+        return 0
+    from phalanx.runtime.dist import shutdown
+    from phalanx.train.loop import train
+    from phalanx.train.run import build_run, finish_run
+
+    try:
+        run = build_run(cfg)
+        train(run)
+        finish_run(run)
+    finally:
+        shutdown()
+    return 0
+
+
+def cmd_config_docs(args: Sequence[str]) -> int:
+    from phalanx.config.docs import config_reference
+
+    print(config_reference())
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "config-docs": cmd_config_docs}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print(USAGE, file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except PhalanxError as exc:
+        import os
+
+        rank = os.environ.get("RANK")
+        prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
+        print(f"{prefix}error: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

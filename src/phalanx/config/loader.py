@@ -1,0 +1,205 @@
+"""Build a RunConfig from a YAML file, the seeds' flat flags and dotted overrides, with errors that point.
+
+Precedence: schema defaults < YAML file < command-line flags. A problem is reported with
+the file and line (for YAML) or the flag, the field, the value found and what is accepted.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from phalanx.config.schema import RunConfig
+from phalanx.errors import ConfigError
+
+# The seeds' flat flags (and the few phalanx adds) -> the dotted field they set.
+FLAT_FLAGS: dict[str, str] = {
+    "model_name": "model.model_name",
+    "trust_remote_code": "model.trust_remote_code",
+    "finetune": "model.finetune",
+    "gradient_checkpointing": "model.gradient_checkpointing",
+    "lora_r": "lora.r",
+    "r": "lora.r",  # seed 001's train_loop.py
+    "lora_alpha": "lora.alpha",
+    "lora_dropout": "lora.dropout",
+    "target_modules": "lora.target_modules",
+    "dataset_path": "data.dataset_path",
+    "dataset_name": "data.dataset_name",
+    "eval_dataset_path": "data.eval_dataset_path",
+    "test_size": "data.test_size",
+    "max_length": "data.max_length",
+    "truncation": "data.truncation",
+    "on_bad_row": "data.on_bad_row",
+    "num_epochs": "training.num_epochs",
+    "max_steps": "training.max_steps",
+    "batch_size": "training.batch_size",
+    "gradient_accumulation_steps": "training.gradient_accumulation_steps",
+    "learning_rate": "training.learning_rate",
+    "weight_decay": "training.weight_decay",
+    "warmup_ratio": "training.warmup_ratio",
+    "lr_scheduler": "training.lr_scheduler",
+    "max_grad_norm": "training.max_grad_norm",
+    "seed": "training.seed",
+    "mixed_precision": "training.mixed_precision",
+    "eval_steps": "eval.eval_steps",
+    "save_steps": "checkpoint.save_steps",
+    "save_total_limit": "checkpoint.save_total_limit",
+    "log_steps": "logging.log_steps",
+    "world_size": "distributed.world_size",
+    "backend": "distributed.backend",
+    "ddp_comm_hook": "distributed.ddp_comm_hook",
+    "master_port": "distributed.master_port",
+    "output_dir": "output_dir",
+    "overwrite_output_dir": "overwrite_output_dir",
+}
+
+
+def _field_names(model: type[BaseModel]) -> list[str]:
+    return list(model.model_fields)
+
+
+def all_dotted_fields(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[str]:
+    """Every settable dotted path, e.g. 'training.learning_rate'."""
+    out = []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            out += all_dotted_fields(ann, prefix + name + ".")
+        else:
+            out.append(prefix + name)
+    return out
+
+
+def _nearest(name: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
+    return f" Did you mean '{close[0]}'?" if close else ""
+
+
+def _yaml_lines(text: str) -> dict[tuple, int]:
+    """Map each key path in a YAML document to its 1-based line, for error messages."""
+    lines: dict[tuple, int] = {}
+
+    def walk(node: Any, path: tuple) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                p = path + (key.value,)
+                lines[p] = key.start_mark.line + 1
+                walk(value, p)
+
+    try:
+        walk(yaml.compose(text), ())
+    except yaml.YAMLError:
+        pass
+    return lines
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"'{'.'.join(parts[:-1])}' is a section; it cannot also be given a value")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_value(text: str) -> Any:
+    """Command-line values are YAML scalars: '5e-5' -> float, 'true' -> bool, '[a, b]' -> list."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    # YAML reads 5e-5 as a string (it wants 5.0e-5); numbers are what people mean.
+    if isinstance(value, str):
+        try:
+            return float(value) if any(c in value for c in ".eE") else int(value)
+        except ValueError:
+            pass
+    return value
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[dict[str, Any]] = None) -> RunConfig:
+    """Read the YAML at `path` (optional), apply dotted `overrides`, validate, and return a RunConfig."""
+    tree: dict = {}
+    lines: dict[tuple, int] = {}
+    source = "command line"
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"config file {path} does not exist (expected a YAML file such as configs/demo.yaml)")
+        text = file.read_text(encoding="utf-8")
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, data:, training: ...), found {type(loaded).__name__}")
+        tree = loaded
+        lines = _yaml_lines(text)
+        source = path
+    from_cli: set[tuple] = set()
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(tree, dotted, value)
+        from_cli.add(tuple(dotted.split(".")))
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_explain(exc, source, lines, from_cli)) from None
+
+
+def _explain(exc: ValidationError, source: str, lines: dict[tuple, int], from_cli: set[tuple]) -> str:
+    problems = []
+    for err in exc.errors():
+        loc = tuple(str(p) for p in err["loc"])
+        dotted = ".".join(loc)
+        if tuple(loc) in from_cli:
+            where = "command line"
+        elif tuple(loc) in lines:
+            where = f"{source} line {lines[tuple(loc)]}"
+        else:
+            where = source
+        if err["type"] == "extra_forbidden":
+            section_model = _section_model(loc[:-1])
+            choices = _field_names(section_model) if section_model else []
+            hint = _nearest(loc[-1], choices)
+            accepted = ", ".join(choices)
+            problems.append(f"{where}: unknown key '{dotted}'.{hint} Keys accepted here: {accepted}")
+        else:
+            value = err.get("input")
+            problems.append(f"{where}: field '{dotted}' = {value!r}: {err['msg']}")
+    return "invalid configuration:\n  " + "\n  ".join(problems)
+
+
+def _section_model(loc: tuple) -> Optional[type[BaseModel]]:
+    model: type[BaseModel] = RunConfig
+    for part in loc:
+        field = model.model_fields.get(part)
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return None
+        model = field.annotation
+    return model
+
+
+def overrides_from_flags(pairs: list[tuple[str, str]]) -> dict[str, Any]:
+    """Turn ('lora_r', '8') or ('training.seed', '3') into dotted overrides; unknown flags name the nearest."""
+    dotted_fields = all_dotted_fields()
+    out: dict[str, Any] = {}
+    for flag, raw in pairs:
+        if flag in FLAT_FLAGS:
+            out[FLAT_FLAGS[flag]] = parse_value(raw)
+        elif flag in dotted_fields:
+            out[flag] = parse_value(raw)
+        else:
+            hint = _nearest(flag, list(FLAT_FLAGS) + dotted_fields)
+            raise ConfigError(
+                f"unknown flag --{flag}.{hint} Flags are the seeds' names (--{', --'.join(sorted(FLAT_FLAGS)[:6])} ...) "
+                "or any dotted config field such as --training.learning_rate; `phalanx train --help` lists them."
+            )
+    return out

@@ -1,0 +1,68 @@
+"""Rank-0 reporting: metrics.jsonl, TensorBoard events, console lines and a progress bar.
+
+Every method is safe to call on every rank; only rank 0 writes or prints, so the loop
+does not need `if rank == 0` around each report.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from tqdm.auto import tqdm
+
+
+class Reporter:
+    def __init__(self, output_dir: Path, *, is_main: bool, total_steps: int, tensorboard: bool, progress_bar: bool):
+        self.is_main = is_main
+        self.history: list[dict] = []
+        self._jsonl = None
+        self._tb = None
+        self._bar: Optional[tqdm] = None
+        if not is_main:
+            return
+        output_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(output_dir / "metrics.jsonl", "a", encoding="utf-8")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(output_dir / "tensorboard"))
+        if progress_bar:
+            self._bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout)
+
+    def say(self, line: str) -> None:
+        if not self.is_main:
+            return
+        if self._bar is not None:
+            self._bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def log(self, step: int, metrics: dict, kind: str) -> None:
+        """Record metrics of `kind` ('train', 'eval', 'epoch') at optimizer step `step`."""
+        if not self.is_main:
+            return
+        record = {"kind": kind, "step": step, "time": time.time(), **metrics}
+        self.history.append(record)
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)):
+                    self._tb.add_scalar(f"{kind}/{key}", value, step)
+
+    def advance(self, steps: int, postfix: dict) -> None:
+        if self._bar is not None:
+            self._bar.update(steps)
+            self._bar.set_postfix(postfix, refresh=False)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._jsonl is not None:
+            self._jsonl.close()

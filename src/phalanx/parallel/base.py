@@ -1,0 +1,112 @@
+"""The Strategy interface: how a model is wrapped, how gradients are synchronised and applied.
+
+The training loop calls only these verbs (`prepare`, `micro_step`, `backward`, `step`,
+`unwrap`), so it never branches on the strategy. Mixed precision lives here too, because
+loss scaling is part of how a backward pass and an optimizer step are carried out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, ContextManager, Iterator, Optional
+
+import torch
+from torch import nn
+
+from phalanx.errors import ConfigError
+from phalanx.runtime.dist import RankInfo
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Autocast dtype (None = fp32) and whether fp16 loss scaling is needed."""
+
+    dtype: Optional[torch.dtype]
+
+    @property
+    def needs_scaler(self) -> bool:
+        return self.dtype == torch.float16
+
+    @classmethod
+    def choose(cls, mixed_precision: str, device: torch.device) -> "Precision":
+        if device.type != "cuda":
+            if mixed_precision in ("fp16", "bf16"):
+                raise ConfigError(
+                    f"training.mixed_precision = '{mixed_precision}' needs a CUDA device; this run is on {device}. "
+                    "Use 'auto' or 'no' (fp32) on CPU."
+                )
+            return cls(None)
+        if mixed_precision == "auto":
+            return cls(torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16)
+        return cls({"no": None, "fp16": torch.float16, "bf16": torch.bfloat16}[mixed_precision])
+
+
+class Strategy:
+    """Single process: no wrapping, no synchronisation. Other strategies override what differs."""
+
+    name = "single"
+
+    def __init__(self, rank: RankInfo, precision: Precision):
+        self.rank = rank
+        self.precision = precision
+        self.scaler = torch.amp.GradScaler("cuda") if precision.needs_scaler else None
+        self.model: Optional[nn.Module] = None
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+
+    def prepare(
+        self, model: nn.Module, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        self.model = self.wrap(model.to(self.rank.device))
+        self.optimizer = make_optimizer(self.unwrap())
+        return self.model, self.optimizer
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def unwrap(self) -> nn.Module:
+        assert self.model is not None, "prepare() first"
+        return self.model
+
+    def micro_step(self, sync_gradients: bool) -> ContextManager:
+        """Context for one micro-batch's forward and backward; gradients sync only on the last one."""
+        return contextlib.nullcontext()
+
+    def eval_model(self) -> nn.Module:
+        """The module to run evaluation forwards on; ranks may hold different numbers of eval batches."""
+        return self.unwrap()
+
+    def autocast(self) -> ContextManager:
+        """Mixed precision for forward passes only (backward runs in the dtypes autocast chose)."""
+        if self.precision.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.rank.device.type, dtype=self.precision.dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def step(self, max_grad_norm: float) -> float:
+        """Unscale, clip (0 = off, norm still reported), apply and clear gradients; returns the pre-clip norm."""
+        assert self.optimizer is not None
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        params = [p for p in self.unwrap().parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def state_dict(self) -> dict:
+        return {"scaler": self.scaler.state_dict()} if self.scaler else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.scaler and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
+
+
+def trainable_parameters(model: nn.Module) -> Iterator[nn.Parameter]:
+    return (p for p in model.parameters() if p.requires_grad)

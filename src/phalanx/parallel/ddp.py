@@ -1,0 +1,46 @@
+"""DistributedDataParallel: a full replica per rank, gradients averaged by all-reduce."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import ContextManager
+
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from phalanx.parallel.base import Precision, Strategy
+from phalanx.runtime.dist import RankInfo
+
+COMM_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+
+
+class DDPStrategy(Strategy):
+    name = "ddp"
+
+    def __init__(self, rank: RankInfo, precision: Precision, comm_hook: str = "none"):
+        super().__init__(rank, precision)
+        self.comm_hook = comm_hook
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        on_cuda = self.rank.device.type == "cuda"
+        # Adapter first, DDP second: only the trainable (LoRA) weights get gradient buckets, so no unused-parameter search.
+        ddp = DDP(
+            model,
+            device_ids=[self.rank.device.index] if on_cuda else None,
+            output_device=self.rank.device.index if on_cuda else None,
+            find_unused_parameters=False,
+            # Causal LMs hold no running statistics; skipping the per-forward buffer broadcast saves a collective.
+            broadcast_buffers=False,
+        )
+        if self.comm_hook != "none":
+            ddp.register_comm_hook(None, COMM_HOOKS[self.comm_hook])
+        return ddp
+
+    def unwrap(self) -> nn.Module:
+        assert self.model is not None, "prepare() first"
+        return self.model.module
+
+    def micro_step(self, sync_gradients: bool) -> ContextManager:
+        # no_sync must cover the forward too: DDP decides at forward time whether backward all-reduces.
+        return contextlib.nullcontext() if sync_gradients else self.model.no_sync()

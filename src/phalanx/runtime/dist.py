@@ -1,0 +1,133 @@
+"""Process-group lifecycle and rank facts: who am I, which device, and the reductions the loop needs.
+
+One process with no process group is a first-class case: every helper here works
+without torch.distributed being initialised, so single-process code paths are the same.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from phalanx.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def launched_by_torchrun() -> bool:
+    """True inside a worker started by torchrun / torch's elastic launcher (the environment holds the rank)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def env_rank_info() -> tuple[int, int, int, int]:
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return rank, world, local_rank, local_world
+
+
+def resolve_backend(backend: str) -> str:
+    if backend != "auto":
+        return backend
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def check_world_fits(local_world_size: int, backend: str) -> None:
+    """Refuse more ranks per machine than devices: one CUDA device per rank, one core per CPU rank."""
+    if resolve_backend(backend) == "nccl":
+        count = torch.cuda.device_count()
+        if local_world_size > count:
+            raise ConfigError(
+                f"distributed.world_size = {local_world_size} ranks on this machine, but only {count} CUDA device(s) "
+                f"are visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}). "
+                f"Use --world_size {max(count, 1)} or fewer."
+            )
+    else:
+        cores = os.cpu_count() or 1
+        if local_world_size > cores:
+            raise ConfigError(
+                f"distributed.world_size = {local_world_size} CPU ranks on this machine, but it has {cores} core(s). "
+                f"Use --world_size {cores} or fewer (each gloo rank needs a core)."
+            )
+
+
+def init_runtime(backend: str = "auto", timeout_minutes: float = 10.0) -> RankInfo:
+    """Join the process group the environment describes (if any) and pick this rank's device."""
+    rank, world, local_rank, local_world = env_rank_info()
+    backend = resolve_backend(backend)
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise ConfigError("distributed.backend = 'nccl' needs CUDA devices; none are visible. Use 'gloo' or 'auto'.")
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        check_world_fits(local_world, backend)
+        dist.init_process_group(
+            backend=backend,
+            timeout=timedelta(minutes=timeout_minutes),
+            device_id=device if backend == "nccl" else None,
+        )
+    return RankInfo(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world, device=device)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over ranks (in place and returned); a no-op without a process group."""
+    if dist.is_initialized():
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return values
+
+
+def all_reduce_max(values: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return values
+
+
+def gather_objects(obj: object) -> list:
+    """Every rank's `obj`, in rank order, on every rank."""
+    if not dist.is_initialized():
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: object) -> object:
+    """Rank 0's `obj` on every rank."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -1,0 +1,252 @@
+"""Assemble a fine-tuning run from its config: runtime -> data + model -> strategy -> loop -> outputs.
+
+`Run` holds the components the loop calls; `build_run` creates them in the order the
+design fixes (tokenize before joining the process group, adapter before DDP), and
+`finish_run` writes the final model, the info files, the plot and the summary.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+from torch.utils.data import DataLoader, Subset
+
+from phalanx.checkpoint.commit import apply_retention, fsync_tree
+from phalanx.checkpoint.io import save_checkpoint, save_model_files
+from phalanx.config.schema import RunConfig
+from phalanx.data.collate import pad_batch
+from phalanx.data.prepare import PreparedData, prepare_data
+from phalanx.data.sampler import StatefulDistributedSampler, eval_shard
+from phalanx.errors import ConfigError
+from phalanx.models.adapters import apply_finetuning, trainable_parameter_count
+from phalanx.models.load import cache_root, load_model, load_tokenizer
+from phalanx.observe.memory import peak_memory_mb
+from phalanx.observe.metrics import Reporter
+from phalanx.observe.plot import plot_loss_curve
+from phalanx.parallel import Precision, Strategy, make_strategy
+from phalanx.runtime import dist as rt
+from phalanx.runtime.seed import seed_everything
+from phalanx.train.schedule import make_optimizer, make_scheduler
+from phalanx.train.state import TrainerState
+
+# What a finished or running phalanx job leaves in output_dir; any of it means "a run is here".
+RUN_ARTIFACTS = ("training_info.json", "final_training_info.json", "metrics.jsonl", "checkpoint-best")
+
+
+@dataclass
+class Run:
+    cfg: RunConfig
+    rank: rt.RankInfo
+    tokenizer: Any
+    model: torch.nn.Module
+    strategy: Strategy
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    sampler: StatefulDistributedSampler
+    train_loader: DataLoader
+    eval_batches: Optional[DataLoader]
+    reporter: Reporter
+    data: PreparedData
+    total_steps: int
+    output_dir: Path
+    state: TrainerState = field(default_factory=TrainerState)
+    started: float = field(default_factory=time.perf_counter)
+
+    def steps_of_epoch(self) -> Iterator[list[dict]]:
+        """This epoch's remaining micro-batches, grouped per optimizer step (the last group may be short)."""
+        group: list[dict] = []
+        for batch in self.train_loader:
+            group.append(batch)
+            if len(group) == self.cfg.training.gradient_accumulation_steps:
+                yield group
+                group = []
+        if group:
+            yield group
+
+    def save(self, name: str) -> None:
+        """Commit a checkpoint folder atomically; keep retention and the info file up to date."""
+        folder = self.output_dir / name
+        save_checkpoint(
+            folder, rank=self.rank, model=self.strategy.unwrap(), tokenizer=self.tokenizer,
+            stateful={"optimizer": self.optimizer, "scheduler": self.scheduler, "precision": self.strategy},
+            trainer_state={**self.state.state_dict(), "sampler": self.sampler.state_dict(), "config": self.cfg.model_dump()},
+        )
+        if self.rank.is_main:
+            keep = {self.output_dir / "checkpoint-best", folder}
+            apply_retention(self.output_dir, self.cfg.checkpoint.save_total_limit, keep)
+            write_info(self, self.output_dir / "training_info.json")
+        rt.barrier()
+
+
+def existing_run_artifacts(output_dir: Path) -> list[str]:
+    if not output_dir.is_dir():
+        return []
+    return sorted(p.name for p in output_dir.iterdir() if p.name in RUN_ARTIFACTS or p.name.startswith("checkpoint-"))
+
+
+def check_output_dir(cfg: RunConfig) -> None:
+    """Refuse to mix a new run into an earlier one unless asked to replace it."""
+    found = existing_run_artifacts(Path(cfg.output_dir))
+    if found and not cfg.overwrite_output_dir:
+        raise ConfigError(
+            f"output_dir {cfg.output_dir} already holds a run ({', '.join(found[:4])}{' ...' if len(found) > 4 else ''}). "
+            "Choose another --output_dir, or pass --overwrite_output_dir true to replace it."
+        )
+
+
+def clear_previous_run(output_dir: Path) -> None:
+    for name in existing_run_artifacts(output_dir) + ["tensorboard", "loss_curve.png"]:
+        path = output_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
+def load_data(cfg: RunConfig) -> tuple[Any, PreparedData]:
+    """Tokenizer and tokenized data; cached on disk and safe to call from several processes at once."""
+    tokenizer = load_tokenizer(cfg.model.model_name, cfg.model.trust_remote_code)
+    data = prepare_data(cfg.data, tokenizer, seed=cfg.training.seed, cache_root=cache_root() / "data")
+    return tokenizer, data
+
+
+def count_total_steps(cfg: RunConfig, train_rows: int, world_size: int) -> int:
+    micro_per_epoch = math.ceil(math.ceil(train_rows / world_size) / cfg.training.batch_size)
+    steps_per_epoch = math.ceil(micro_per_epoch / cfg.training.gradient_accumulation_steps)
+    if cfg.training.max_steps:
+        return cfg.training.max_steps
+    return max(1, math.ceil(cfg.training.num_epochs * steps_per_epoch))
+
+
+def build_run(cfg: RunConfig) -> Run:
+    rank_id, world, _, local_world = rt.env_rank_info()
+    rt.check_world_fits(local_world, cfg.distributed.backend)
+    check_output_dir(cfg)
+    # Tokenize before joining the process group: a long tokenization can never trip a collective timeout.
+    tokenizer, data = load_data(cfg)
+    rank = rt.init_runtime(cfg.distributed.backend, cfg.distributed.timeout_minutes)
+    seed_everything(cfg.training.seed)
+    precision = Precision.choose(cfg.training.mixed_precision, rank.device)
+    # Frozen base weights may live in the compute dtype; weights that train stay fp32 (master copy).
+    base_dtype = precision.dtype if (precision.dtype and cfg.model.finetune == "lora") else torch.float32
+    model = apply_finetuning(load_model(cfg.model.model_name, base_dtype, cfg.model.trust_remote_code), cfg.model, cfg.lora)
+    strategy = make_strategy(rank, precision, cfg.distributed.ddp_comm_hook)
+    model, optimizer = strategy.prepare(model, partial(make_optimizer, cfg=cfg.training))
+
+    collate = partial(pad_batch, pad_token_id=tokenizer.pad_token_id)
+    sampler = StatefulDistributedSampler(len(data.train), rank.rank, rank.world_size, seed=cfg.training.seed)
+    train_loader = DataLoader(data.train, batch_size=cfg.training.batch_size, sampler=sampler, collate_fn=collate,
+                              pin_memory=rank.device.type == "cuda")
+    eval_batches = None
+    if data.eval is not None and len(data.eval) > 0:
+        shard = Subset(data.eval, eval_shard(len(data.eval), rank.rank, rank.world_size))
+        eval_batches = DataLoader(shard, batch_size=cfg.eval.eval_batch_size or cfg.training.batch_size, collate_fn=collate)
+    total_steps = count_total_steps(cfg, len(data.train), rank.world_size)
+    scheduler = make_scheduler(optimizer, cfg.training, total_steps)
+
+    output_dir = Path(cfg.output_dir)
+    if rank.is_main:
+        clear_previous_run(output_dir)  # only reached when overwriting was allowed
+        output_dir.mkdir(parents=True, exist_ok=True)
+    rt.barrier()
+    reporter = Reporter(output_dir, is_main=rank.is_main, total_steps=total_steps,
+                        tensorboard=cfg.logging.tensorboard, progress_bar=cfg.logging.progress_bar)
+    run = Run(cfg=cfg, rank=rank, tokenizer=tokenizer, model=model, strategy=strategy, optimizer=optimizer,
+              scheduler=scheduler, sampler=sampler, train_loader=train_loader, eval_batches=eval_batches,
+              reporter=reporter, data=data, total_steps=total_steps, output_dir=output_dir)
+    announce(run)
+    return run
+
+
+def announce(run: Run) -> None:
+    cfg, r, say = run.cfg, run.data.report, run.reporter.say
+    trainable, total = trainable_parameter_count(run.strategy.unwrap())
+    effective = cfg.training.batch_size * run.rank.world_size * cfg.training.gradient_accumulation_steps
+    say("🔧 Distributed Training Configuration:")
+    say(f"   - Model: {cfg.model.model_name} ({cfg.model.finetune}; {trainable:,} of {total:,} parameters train)")
+    say(f"   - Dataset: {cfg.data.dataset_name or cfg.data.dataset_path or 'bundled health-agent chats'}")
+    say(f"   - World Size: {run.rank.world_size} ({run.strategy.name}, {run.rank.device.type}, "
+        f"{run.strategy.precision.dtype or 'fp32'})")
+    say(f"   - Batch Size per GPU: {cfg.training.batch_size}")
+    say(f"   - Effective Batch Size: {effective}")
+    say(f"   - Learning Rate: {cfg.training.learning_rate}")
+    say(f"   - Epochs: {cfg.training.num_epochs} ({run.total_steps} optimizer steps)")
+    say(f"   - Gradient Accumulation: {cfg.training.gradient_accumulation_steps}")
+    say(f"   - Max Sequence Length: {cfg.data.max_length}")
+    say(f"📊 Data: {r.train_rows} train rows, {r.eval_rows} eval rows; {r.rows_skipped} skipped, "
+        f"{r.rows_truncated} truncated, {r.rows_dropped} dropped (max_length {cfg.data.max_length}, "
+        f"{cfg.data.truncation}); tokenization {'cached' if r.cache_hit else 'done'} ({r.cache_dir})")
+    for reason in r.skip_reasons:
+        say(f"   skipped: {reason}")
+    say("🚀 Starting distributed training...")
+
+
+def info_payload(run: Run) -> dict:
+    cfg, state = run.cfg, run.state
+    return {
+        "model_name": cfg.model.model_name,
+        "dataset_name": cfg.data.dataset_name or cfg.data.dataset_path or "bundled:health-agent",
+        "finetune": cfg.model.finetune,
+        "global_step": state.global_step,
+        "total_steps": run.total_steps,
+        "epoch": state.epoch,
+        "best_eval_loss": state.best_eval_loss,
+        "best_step": state.best_step,
+        "last_eval_loss": state.last_eval_loss,
+        "world_size": run.rank.world_size,
+        "batch_size": cfg.training.batch_size,
+        "gradient_accumulation_steps": cfg.training.gradient_accumulation_steps,
+        "effective_batch_size": cfg.training.batch_size * run.rank.world_size * cfg.training.gradient_accumulation_steps,
+        "learning_rate": cfg.training.learning_rate,
+        "tokens_seen": state.tokens_seen,
+        "strategy": run.strategy.name,
+    }
+
+
+def write_info(run: Run, path: Path, extra: Optional[dict] = None) -> None:
+    from phalanx.checkpoint.commit import write_json_atomic
+
+    write_json_atomic(path, {**info_payload(run), **(extra or {})})
+
+
+def finish_run(run: Run) -> dict:
+    """Final model at output_dir, info files, loss plot and summary. Returns the summary on every rank."""
+    peaks = rt.gather_objects(peak_memory_mb(run.rank.device))
+    elapsed = time.perf_counter() - run.started
+    summary = {"train_seconds": round(elapsed, 2), "peak_memory_mb_per_rank": [round(p, 1) for p in peaks]}
+    if run.rank.is_main:
+        save_final_model(run)
+        write_info(run, run.output_dir / "training_info.json")
+        write_info(run, run.output_dir / "final_training_info.json", summary)
+        plot_loss_curve(run.reporter.history, run.output_dir / "loss_curve.png")
+    run.reporter.close()
+    s = run.state
+    run.reporter.say(
+        f"🏁 Done: {s.global_step} steps, {s.tokens_seen:,} target tokens in {elapsed:.1f}s; "
+        f"eval loss {s.last_eval_loss if s.last_eval_loss is None else round(s.last_eval_loss, 4)} "
+        f"(best {s.best_eval_loss if s.best_eval_loss is None else round(s.best_eval_loss, 4)} at step {s.best_step}); "
+        f"peak memory per rank (MB): {summary['peak_memory_mb_per_rank']}; outputs in {run.output_dir}"
+    )
+    rt.barrier()
+    return {**info_payload(run), **summary}
+
+
+def save_final_model(run: Run) -> None:
+    """Write the model or adapter next to a staging copy, then move files into output_dir one rename each."""
+    staging = run.output_dir / ".final.staging"
+    if staging.exists():
+        shutil.rmtree(staging)
+    save_model_files(run.strategy.unwrap(), run.tokenizer, staging)
+    fsync_tree(staging)
+    for item in staging.iterdir():
+        os.replace(item, run.output_dir / item.name)
+    staging.rmdir()
