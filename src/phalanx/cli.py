@@ -88,8 +88,26 @@ def cmd_config_docs(args: Sequence[str]) -> int:
 COMMANDS = {"train": cmd_train, "config-docs": cmd_config_docs}
 
 
+def quiet_libraries() -> None:
+    """phalanx prints its own progress; the libraries' bars and deprecation chatter would interleave with it."""
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    try:
+        import datasets
+        import transformers
+
+        datasets.disable_progress_bars()
+        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.set_verbosity_error()
+    except ImportError:
+        pass
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in COMMANDS:
+        quiet_libraries()
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print(USAGE, file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
         return 0 if not argv or argv[0] in ("-h", "--help") else 2

@@ -22,6 +22,7 @@ class Reporter:
         self._jsonl = None
         self._tb = None
         self._bar: Optional[tqdm] = None
+        self._bar_args: Optional[dict] = None
         if not is_main:
             return
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -30,8 +31,7 @@ class Reporter:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(output_dir / "tensorboard"))
-        if progress_bar:
-            self._bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout)
+        self._bar_args = dict(total=total_steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout) if progress_bar else None
 
     def say(self, line: str) -> None:
         if not self.is_main:
@@ -55,6 +55,8 @@ class Reporter:
                     self._tb.add_scalar(f"{kind}/{key}", value, step)
 
     def advance(self, steps: int, postfix: dict) -> None:
+        if self._bar is None and self._bar_args is not None:
+            self._bar = tqdm(**self._bar_args)  # created at the first step, after the start-up lines
         if self._bar is not None:
             self._bar.update(steps)
             self._bar.set_postfix(postfix, refresh=False)

@@ -1,0 +1,29 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both create .venv first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+# The CPU wheel this machine kind ships; a GPU box keeps the torch it already has.
+TORCH_CPU ?= torch==2.13.0
+
+.PHONY: install demo test clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@if python3 -c "import torch" 2>/dev/null; then \
+		echo "torch found on the system python: reusing it"; python3 -m venv --system-site-packages $(VENV); \
+	else \
+		python3 -m venv $(VENV) && $(PIP) install -q $(TORCH_CPU); \
+	fi
+	# torch is installed first so nothing below can pull a CUDA build.
+	$(PIP) install -q -e '.[dev]'
+	@touch $@
+
+demo: install
+	$(PY) -m phalanx train configs/demo.yaml
+
+test: install
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

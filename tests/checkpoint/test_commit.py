@@ -1,0 +1,43 @@
+"""Atomic commits and retention: only marked folders count; retention never deletes what it must keep."""
+
+from pathlib import Path
+
+from phalanx.checkpoint.commit import MARKER, apply_retention, commit, committed_step_checkpoints, fresh_staging_dir, is_committed
+
+
+def make_checkpoint(out: Path, name: str) -> Path:
+    final = out / name
+    staging = fresh_staging_dir(final)
+    (staging / "weights.bin").write_bytes(b"x" * 10)
+    commit(staging, final, {"name": name})
+    return final
+
+
+def test_commit_moves_staging_and_writes_marker_last(tmp_path: Path):
+    final = make_checkpoint(tmp_path, "checkpoint-5")
+    assert is_committed(final) and (final / "weights.bin").read_bytes() == b"x" * 10
+    assert not (tmp_path / ".checkpoint-5.staging").exists()
+
+
+def test_uncommitted_folders_are_ignored(tmp_path: Path):
+    make_checkpoint(tmp_path, "checkpoint-5")
+    (tmp_path / "checkpoint-10").mkdir()  # a save that crashed before its marker
+    assert [step for step, _ in committed_step_checkpoints(tmp_path)] == [5]
+
+
+def test_replacing_a_committed_folder(tmp_path: Path):
+    make_checkpoint(tmp_path, "checkpoint-best")
+    staging = fresh_staging_dir(tmp_path / "checkpoint-best")
+    (staging / "weights.bin").write_bytes(b"new")
+    commit(staging, tmp_path / "checkpoint-best", {})
+    assert (tmp_path / "checkpoint-best" / "weights.bin").read_bytes() == b"new"
+    assert (tmp_path / "checkpoint-best" / MARKER).is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-best"]
+
+
+def test_retention_keeps_newest_and_protected(tmp_path: Path):
+    for step in (10, 20, 30, 40):
+        make_checkpoint(tmp_path, f"checkpoint-{step}")
+    removed = apply_retention(tmp_path, 2, keep={tmp_path / "checkpoint-10"})
+    assert sorted(p.name for p in removed) == ["checkpoint-20"]
+    assert [s for s, _ in committed_step_checkpoints(tmp_path)] == [10, 30, 40]

@@ -1,0 +1,82 @@
+"""The config loader: YAML + flags + dotted overrides, and errors that point at the problem."""
+
+from pathlib import Path
+
+import pytest
+
+from phalanx.config.loader import FLAT_FLAGS, all_dotted_fields, load_config, overrides_from_flags, parse_value
+from phalanx.errors import ConfigError
+
+SEED_FLAGS = [
+    "model_name", "dataset_path", "dataset_name", "output_dir", "num_epochs", "batch_size", "learning_rate",
+    "gradient_accumulation_steps", "max_grad_norm", "lora_r", "lora_alpha", "lora_dropout", "eval_steps",
+    "save_steps", "log_steps", "world_size", "max_length", "r", "max_steps", "seed", "warmup_ratio",
+    "lr_scheduler", "finetune", "test_size", "eval_dataset_path",
+]
+
+
+def test_every_seed_flag_maps_to_a_real_field():
+    fields = set(all_dotted_fields())
+    for flag in SEED_FLAGS:
+        assert flag in FLAT_FLAGS, flag
+        assert FLAT_FLAGS[flag] in fields, flag
+
+
+def test_flags_override_yaml(tmp_path: Path):
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text("training:\n  learning_rate: 1.0e-4\n  batch_size: 2\nlora:\n  r: 8\n")
+    cfg = load_config(str(cfg_file), overrides_from_flags([("learning_rate", "5e-5"), ("r", "32"), ("training.seed", "7")]))
+    assert cfg.training.learning_rate == 5e-5
+    assert cfg.training.batch_size == 2
+    assert cfg.lora.r == 32
+    assert cfg.training.seed == 7
+
+
+def test_parse_value_reads_numbers_people_write():
+    assert parse_value("5e-5") == 5e-5
+    assert parse_value("3") == 3
+    assert parse_value("true") is True
+    assert parse_value("[q_proj, v_proj]") == ["q_proj", "v_proj"]
+    assert parse_value("./data") == "./data"
+
+
+def test_unknown_yaml_key_names_line_and_nearest(tmp_path: Path):
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text("training:\n  batch_size: 2\n  learnig_rate: 1.0e-4\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(cfg_file))
+    msg = str(err.value)
+    assert f"{cfg_file} line 3" in msg
+    assert "training.learnig_rate" in msg and "Did you mean 'learning_rate'" in msg
+
+
+def test_wrong_type_names_field_and_value(tmp_path: Path):
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text("training:\n  batch_size: lots\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(cfg_file))
+    assert "line 2" in str(err.value) and "training.batch_size" in str(err.value) and "'lots'" in str(err.value)
+
+
+def test_batch_size_zero_is_refused_from_the_command_line():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides_from_flags([("batch_size", "0")]))
+    assert "command line" in str(err.value) and "training.batch_size" in str(err.value) and "greater than 0" in str(err.value)
+
+
+def test_unknown_flag_suggests_nearest():
+    with pytest.raises(ConfigError) as err:
+        overrides_from_flags([("learning_rat", "1")])
+    assert "--learning_rat" in str(err.value) and "learning_rate" in str(err.value)
+
+
+def test_missing_config_file_is_named(tmp_path: Path):
+    with pytest.raises(ConfigError) as err:
+        load_config(str(tmp_path / "nope.yaml"))
+    assert "nope.yaml does not exist" in str(err.value)
+
+
+def test_both_dataset_sources_refused():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, {"data.dataset_path": "a.jsonl", "data.dataset_name": "org/ds"})
+    assert "dataset_path or dataset_name" in str(err.value)

@@ -1,0 +1,49 @@
+"""Helpers the tests share: run the CLI as a user would, read metrics back."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_phalanx(*args: str, cwd: Path | None = None, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `python -m phalanx ARGS` as a user would; returns the completed process (never raises on failure)."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "phalanx", *args], cwd=cwd or ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(output_dir: Path, kind: str = "train") -> list[dict]:
+    lines = (Path(output_dir) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def chat_row(i: int) -> dict:
+    """A small tool-calling conversation whose numbers vary with i (so rows differ in length)."""
+    weight, height = 50 + i % 40, 150 + i % 35
+    bmi = round(weight / (height / 100) ** 2, 1)
+    call = {"id": f"call_{i}", "type": "function",
+            "function": {"name": "get_bmi", "arguments": json.dumps({"weight_kg": weight, "height_cm": height})}}
+    return {
+        "tools": [{"type": "function", "function": {"name": "get_bmi", "description": "Body-mass index",
+                   "parameters": {"type": "object", "properties": {"weight_kg": {"type": "number"}, "height_cm": {"type": "number"}},
+                                  "required": ["weight_kg", "height_cm"]}}}],
+        "messages": [
+            {"role": "system", "content": "You are a careful health assistant."},
+            {"role": "user", "content": f"I weigh {weight} kg and I am {height} cm tall. What is my BMI?" + " Thanks!" * (i % 3)},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"call_{i}", "content": json.dumps({"bmi": bmi})},
+            {"role": "assistant", "content": f"Your BMI is {bmi}." + (" That is in the healthy range." if 18.5 <= bmi < 25 else "")},
+        ],
+    }
+
+
+def write_chat_jsonl(path: Path, rows: int, start: int = 0) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(start, start + rows):
+            f.write(json.dumps(chat_row(i)) + "\n")
+    return path
