@@ -53,6 +53,11 @@ class StatefulDistributedSampler(Sampler[int]):
     def __len__(self) -> int:
         return self.rows_per_rank - self.consumed
 
+    @property
+    def exhausted(self) -> bool:
+        """Every row of this epoch has been handed out."""
+        return self.consumed >= self.rows_per_rank
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed, "world_size": self.world_size}
 

@@ -78,7 +78,8 @@ def train(run: Run) -> None:
                 run.save(f"checkpoint-{step}")
             if last:
                 break
-        else:
-            reporter.log(state.global_step, {"loss": sum(epoch_losses) / max(len(epoch_losses), 1)}, kind="epoch")
-            reporter.say(f"📊 Epoch {state.epoch + 1} average loss: {sum(epoch_losses) / max(len(epoch_losses), 1):.4f}")
+        if run.sampler.exhausted:
+            mean = sum(epoch_losses) / max(len(epoch_losses), 1)
+            reporter.log(state.global_step, {"loss": mean}, kind="epoch")
+            reporter.say(f"📊 Epoch {state.epoch + 1} average loss: {mean:.4f}")
             state.epoch += 1

@@ -1,0 +1,146 @@
+"""Bad input gets one clear paragraph naming file, line or field; non-zero exit on every rank; earlier outputs untouched."""
+
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import chat_row, run_phalanx, write_chat_jsonl
+
+from phalanx.cli import main
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def earlier_run(tmp_path: Path) -> Path:
+    """An output_dir holding a previous run; --overwrite_output_dir is passed, yet bad input must not touch it."""
+    out = tmp_path / "out"
+    (out / "checkpoint-5").mkdir(parents=True)
+    (out / "checkpoint-5" / "adapter_model.safetensors").write_bytes(b"weights")
+    (out / "checkpoint-5" / "phalanx_checkpoint.json").write_text("{}")
+    (out / "training_info.json").write_text(json.dumps({"global_step": 5}))
+    return out
+
+
+def lines(*rows) -> str:
+    return "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows)
+
+
+GOOD = chat_row(0)
+BAD_ROLE = {"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "hello"}]}
+NO_ASSISTANT = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]}
+BAD_ARGS = json.loads(json.dumps(GOOD))
+BAD_ARGS["messages"][2]["tool_calls"][0]["function"]["arguments"] = "{weight: 70"
+
+DATA_CASES = {
+    "malformed_json": (lines(GOOD, GOOD, '{"messages": [oops'), ["train.jsonl line 3"]),
+    "unknown_role": (lines(GOOD, BAD_ROLE), ["train.jsonl line 2", "messages[1].role", "'bot'", "assistant"]),
+    "no_assistant": (lines(NO_ASSISTANT), ["train.jsonl line 1", "assistant"]),
+    "args_not_json": (lines(GOOD, BAD_ARGS), ["train.jsonl line 2", "messages[2].tool_calls[0].function.arguments"]),
+    "wrong_schema": (lines({"prompt": "x", "completion": "y"}), ["train.jsonl line 1", "messages"]),
+}
+
+
+def run_main(argv: list[str], capsys) -> tuple[int, str]:
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+@pytest.mark.parametrize("case", sorted(DATA_CASES))
+def test_bad_rows_are_named(case, tmp_path, earlier_run, capsys):
+    content, needles = DATA_CASES[case]
+    data = tmp_path / "train.jsonl"
+    data.write_text(content)
+    before = tree_digest(earlier_run)
+    code, out = run_main(["train", "--dataset_path", str(data), "--output_dir", str(earlier_run), "--overwrite_output_dir",
+                          "--world_size", "2", "--max_length", "768"], capsys)
+    assert code == 2
+    for needle in needles:
+        assert needle in out, (needle, out)
+    assert tree_digest(earlier_run) == before
+
+
+def test_non_utf8_bytes_are_named(tmp_path, earlier_run, capsys):
+    data = tmp_path / "train.jsonl"
+    data.write_bytes(json.dumps(GOOD).encode() + b"\n" + b'{"text": "caf\xe9"}\n')
+    code, out = run_main(["train", "--dataset_path", str(data), "--output_dir", str(earlier_run), "--overwrite_output_dir"], capsys)
+    assert code == 2 and "train.jsonl line 2" in out and "UTF-8" in out
+
+
+def test_bad_rows_can_be_skipped_and_counted(tmp_path, capsys):
+    data = tmp_path / "train.jsonl"
+    write_chat_jsonl(data, 6)
+    with open(data, "a") as f:
+        f.write(lines(BAD_ROLE, '{"broken'))
+    code, out = run_main(["train", "--dataset_path", str(data), "--output_dir", str(tmp_path / "o"), "--on_bad_row", "skip",
+                          "--max_steps", "1", "--max_length", "768", "--test_size", "0", "--logging.progress_bar", "false"], capsys)
+    assert code == 0, out
+    assert "2 skipped" in out and "line 7" in out and "line 8" in out
+
+
+@pytest.mark.parametrize("make_path,needle", [
+    (lambda tmp: tmp / "missing.jsonl", "missing.jsonl"),
+    (lambda tmp: (tmp / "empty.jsonl").write_text("") and None or tmp / "empty.jsonl", "empty.jsonl"),
+])
+def test_missing_or_empty_dataset(make_path, needle, tmp_path, capsys):
+    code, out = run_main(["train", "--dataset_path", str(make_path(tmp_path)), "--output_dir", str(tmp_path / "o")], capsys)
+    assert code == 2 and needle in out
+
+
+def test_config_with_unknown_and_mistyped_keys(tmp_path, capsys):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("training:\n  batch_size: two\n  lerning_rate: 1.0e-4\n")
+    code, out = run_main(["train", str(cfg)], capsys)
+    assert code == 2
+    assert "run.yaml line 2" in out and "training.batch_size" in out and "'two'" in out
+    assert "run.yaml line 3" in out and "Did you mean 'learning_rate'" in out
+
+
+def test_model_path_that_does_not_exist(tmp_path, capsys):
+    code, out = run_main(["train", "--model_name", str(tmp_path / "no-model"), "--output_dir", str(tmp_path / "o")], capsys)
+    assert code == 2 and "no-model" in out and "no such folder" in out
+
+
+def test_world_size_larger_than_the_machine(tmp_path, capsys):
+    import os
+
+    too_many = (os.cpu_count() or 1) + 1
+    code, out = run_main(["train", "--world_size", str(too_many), "--output_dir", str(tmp_path / "o")], capsys)
+    assert code == 2 and f"world_size = {too_many}" in out and "core" in out
+
+
+def test_batch_size_zero(tmp_path, capsys):
+    code, out = run_main(["train", "--batch_size", "0"], capsys)
+    assert code == 2 and "training.batch_size" in out and "greater than 0" in out
+
+
+def test_existing_run_is_not_overwritten_silently(earlier_run, capsys):
+    before = tree_digest(earlier_run)
+    code, out = run_main(["train", "--output_dir", str(earlier_run)], capsys)
+    assert code == 2 and "already holds a run" in out and "--overwrite_output_dir" in out
+    assert tree_digest(earlier_run) == before
+
+
+@pytest.mark.distributed
+def test_every_rank_exits_under_torchrun(tmp_path, earlier_run):
+    """No parent to pre-check under torchrun: each rank meets the bad row itself and exits non-zero, quickly."""
+    data = tmp_path / "train.jsonl"
+    data.write_text(lines(GOOD, BAD_ROLE))
+    before = tree_digest(earlier_run)
+    start = time.monotonic()
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0",
+                           "-m", "phalanx", "train", "--dataset_path", str(data), "--output_dir", str(earlier_run),
+                           "--overwrite_output_dir"], capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    assert "error: " in proc.stderr and "train.jsonl line 2" in proc.stderr
+    assert elapsed < 60
+    assert tree_digest(earlier_run) == before
