@@ -1,0 +1,361 @@
+"""The data pipeline: read rows, normalise, render + tokenize with the loss mask, apply max_length, split, cache.
+
+Tokenization runs once per (source content, tokenizer, data settings, seed) and is stored under
+``cache_root/<key>``. The key hashes:
+
+- the source: jsonl files and save_to_disk folders by the content (blake2b) of every file up to
+  64 MiB and by size + mtime for larger files; a ``dataset_name`` by the fingerprint
+  ``datasets.load_dataset`` gives the loaded split (it follows the files / Hub revision);
+- the tokenizer: class, vocabulary (size and a hash of token -> id), special tokens, chat template;
+- the DataConfig fields that shape the result, the seed and CACHE_VERSION.
+
+The folder is written under ``<key>.tmp-*`` and renamed into place with ``os.replace`` while a
+``filelock.FileLock`` is held, so when several processes on one machine (the ranks of a job)
+call ``prepare_data`` together one of them tokenizes and the others wait and load its result.
+A folder that exists is complete. (FileLock on network file systems is only as good as their
+locking; give each machine a local ``cache_root`` when in doubt.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import datasets
+from filelock import FileLock
+
+from phalanx.config.schema import BUNDLED_DATASET, DataConfig
+from phalanx.data.chat import IGNORE_INDEX, tokenize_conversation
+from phalanx.data.formats import detect_format, to_conversation
+from phalanx.data.sources import (
+    ACCEPTED_PATHS,
+    DISK_MARKERS,
+    bundled_dataset_path,
+    iter_dataset_rows,
+    iter_rows,
+    load_named_dataset,
+)
+from phalanx.errors import DataError
+
+log = logging.getLogger(__name__)
+
+CACHE_VERSION = 1  # bump when tokenization or the cache layout changes meaning
+MAX_SKIP_REASONS = 10
+_HASH_CONTENT_UP_TO = 64 * 2**20
+_FEATURES = datasets.Features(
+    {"input_ids": datasets.List(datasets.Value("int32")), "labels": datasets.List(datasets.Value("int32"))}
+)
+
+
+@dataclass
+class DataReport:
+    """What happened to the rows. Counts cover the training source and, when set, eval_dataset_path."""
+
+    rows_read: int  # rows and lines read, unreadable ones included
+    rows_skipped: int  # bad rows skipped under on_bad_row="skip"
+    skip_reasons: list[str]  # the first few skip messages
+    rows_truncated: int  # cut to max_length
+    rows_dropped: int  # longer than max_length under truncation="drop", or no target token left
+    train_rows: int
+    eval_rows: int
+    train_target_tokens: int
+    cache_hit: bool
+    cache_dir: str
+
+
+@dataclass
+class PreparedData:
+    train: datasets.Dataset  # columns input_ids, labels (lists of ints)
+    eval: Optional[datasets.Dataset]
+    report: DataReport
+
+
+def prepare_data(cfg: DataConfig, tokenizer: Any, *, seed: int, cache_root: Path) -> PreparedData:
+    """Tokenized train (and eval) sets for ``cfg``, from the cache when an identical run made them before."""
+    cache_root = Path(cache_root)
+    train_source = _Source.for_training(cfg)
+    eval_source = _Source.path(cfg.eval_dataset_path) if cfg.eval_dataset_path else None
+    key = _cache_key(cfg, tokenizer, seed, train_source, eval_source)
+    final = cache_root / key
+    if final.is_dir():  # rename is atomic: an existing folder is complete
+        return _load(final, cache_hit=True)
+    cache_root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(cache_root / f"{key}.lock")):
+        if final.is_dir():  # another process built it while we waited
+            return _load(final, cache_hit=True)
+        for stale in cache_root.glob(f"{key}.tmp-*"):  # left by a process that died mid-write
+            shutil.rmtree(stale, ignore_errors=True)
+        train, eval_, report = _build(cfg, tokenizer, seed, train_source, eval_source)
+        tmp = cache_root / f"{key}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            _dataset(train).save_to_disk(str(tmp / "train"))
+            if eval_ is not None:
+                _dataset(eval_).save_to_disk(str(tmp / "eval"))
+            (tmp / "report.json").write_text(json.dumps(report, indent=2))
+            _fsync_tree(tmp)
+            os.replace(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return _load(final, cache_hit=False)
+
+
+# ---------------------------------------------------------------------------- sources
+
+
+@dataclass
+class _Source:
+    kind: str  # "path" or "name"
+    target: str
+    split: str = "train"
+    dataset: Any = None  # the loaded datasets.Dataset of a "name" source
+
+    @classmethod
+    def for_training(cls, cfg: DataConfig) -> "_Source":
+        if cfg.dataset_name and cfg.dataset_name != BUNDLED_DATASET:
+            ds = load_named_dataset(cfg.dataset_name, cfg.dataset_split)
+            return cls("name", cfg.dataset_name, cfg.dataset_split, ds)
+        if cfg.dataset_path and cfg.dataset_path != BUNDLED_DATASET:
+            return cls.path(cfg.dataset_path)
+        bundled = bundled_dataset_path()
+        if not bundled.is_file():
+            raise DataError(f"the bundled dataset is missing from the installation ({bundled}); reinstall phalanx or set dataset_path")
+        return cls.path(str(bundled))
+
+    @classmethod
+    def path(cls, path: str) -> "_Source":
+        return cls("path", path)
+
+    def rows(self, on_bad_row):
+        if self.kind == "name":
+            return iter_dataset_rows(self.dataset, f"{self.target} (split '{self.split}')")
+        return iter_rows(self.target, kind="path", on_bad_row=on_bad_row)
+
+    def identity(self) -> dict:
+        if self.kind == "name":
+            return {"name": self.target, "split": self.split, "fingerprint": self.dataset._fingerprint}
+        root = Path(self.target)
+        if not root.exists():
+            raise DataError(f"{root}: no such file or folder; {ACCEPTED_PATHS}")
+        if root.is_file():
+            files = [root]
+        elif any((root / marker).is_file() for marker in DISK_MARKERS):  # save_to_disk: every file
+            files = sorted(p for p in root.rglob("*") if p.is_file())
+        else:  # a folder of jsonl files: the files that are read
+            files = sorted(p for p in root.glob("*.jsonl") if p.is_file())
+        return {"path": str(root), "files": [_file_identity(p, root) for p in files]}
+
+
+def _file_identity(path: Path, root: Path) -> list:
+    stat = path.stat()
+    name = str(path.relative_to(root)) if path != root else path.name
+    if stat.st_size > _HASH_CONTENT_UP_TO:
+        return [name, stat.st_size, stat.st_mtime_ns]
+    digest = hashlib.blake2b(digest_size=16)
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return [name, stat.st_size, digest.hexdigest()]
+
+
+# ---------------------------------------------------------------------------- cache key
+
+
+def _cache_key(cfg: DataConfig, tokenizer: Any, seed: int, train: _Source, eval_: Optional[_Source]) -> str:
+    identity = {
+        "version": CACHE_VERSION,
+        "train": train.identity(),
+        "eval": eval_.identity() if eval_ else None,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "config": {
+            "format": cfg.format,
+            "max_length": cfg.max_length,
+            "truncation": cfg.truncation,
+            "on_bad_row": cfg.on_bad_row,
+            "test_size": None if eval_ else cfg.test_size,
+        },
+        "seed": seed,
+    }
+    blob = json.dumps(identity, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:20]
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A hash of what decides token ids: class, vocabulary, special tokens and chat template."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    parts = {
+        "class": type(tokenizer).__name__,
+        "len": len(tokenizer),
+        "vocab_size": getattr(tokenizer, "vocab_size", None),
+        "vocab": hashlib.sha256(json.dumps(vocab).encode()).hexdigest(),
+        "special": {k: str(v) for k, v in sorted(getattr(tokenizer, "special_tokens_map", {}).items())},
+        "special_ids": [tokenizer.bos_token_id, tokenizer.eos_token_id, getattr(tokenizer, "pad_token_id", None)],
+        "chat_template": getattr(tokenizer, "chat_template", None),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+# ---------------------------------------------------------------------------- build
+
+
+class _Counts:
+    def __init__(self) -> None:
+        self.read = self.skipped = self.truncated = self.dropped = 0
+        self.reasons: list[str] = []
+
+    def skip(self, error: DataError) -> None:
+        self.read += 1  # unreadable lines count as read
+        self.skipped += 1
+        if len(self.reasons) < MAX_SKIP_REASONS:
+            self.reasons.append(str(error))
+
+
+def _build(cfg: DataConfig, tokenizer: Any, seed: int, train_source: _Source, eval_source: Optional[_Source]):
+    counts = _Counts()
+    rows, n_rows = _tokenize_source(train_source, cfg, tokenizer, counts)
+    if eval_source is not None:
+        train = [ex for _, ex in rows]
+        eval_ = [ex for _, ex in _tokenize_source(eval_source, cfg, tokenizer, counts)[0]] or None
+    else:
+        train, eval_ = _split(rows, cfg.test_size, seed, n_rows)
+    if not train:
+        raise DataError(
+            f"{train_source.target}: no usable training rows ({counts.read} read, {counts.skipped} skipped, "
+            f"{counts.dropped} dropped, {len(eval_ or [])} held out for evaluation)"
+            + (f"; first problem: {counts.reasons[0]}" if counts.reasons else "")
+        )
+    report = {
+        "rows_read": counts.read,
+        "rows_skipped": counts.skipped,
+        "skip_reasons": counts.reasons,
+        "rows_truncated": counts.truncated,
+        "rows_dropped": counts.dropped,
+        "train_rows": len(train),
+        "eval_rows": len(eval_) if eval_ else 0,
+        "train_target_tokens": sum(sum(1 for t in ex["labels"] if t != IGNORE_INDEX) for ex in train),
+    }
+    if counts.skipped:
+        log.warning("skipped %d bad rows; first: %s", counts.skipped, counts.reasons[0])
+    return train, eval_, report
+
+
+def _tokenize_source(source: _Source, cfg: DataConfig, tokenizer: Any, counts: _Counts):
+    """``(index, example)`` for every usable row, and the number of readable rows the index counts."""
+    skip = cfg.on_bad_row == "skip"
+    fmt, detected_at = cfg.format, None
+    out = []
+    index = -1
+    for where, row in source.rows(counts.skip if skip else None):
+        counts.read += 1
+        index += 1
+        try:
+            if fmt == "auto":  # the first readable row decides for the whole source
+                fmt, detected_at = detect_format(row, where), where
+            example = tokenize_conversation(tokenizer, _convert(row, where, fmt, detected_at), where)
+        except DataError as e:
+            if not skip:
+                raise
+            counts.skipped += 1
+            if len(counts.reasons) < MAX_SKIP_REASONS:
+                counts.reasons.append(str(e))
+            continue
+        example = _fit(example, cfg, where, counts)
+        if example is not None:
+            out.append((index, example))
+    return out, index + 1
+
+
+def _convert(row: dict, where: str, fmt: str, detected_at: Optional[str]):
+    try:
+        return to_conversation(row, where, fmt)
+    except DataError as e:
+        if detected_at and detected_at != where:
+            try:
+                own = detect_format(row, where)
+            except DataError:
+                own = None
+            if own and own != fmt:
+                raise DataError(
+                    f"{e} (this row looks like format '{own}', but format '{fmt}' was detected from the first "
+                    f"row, {detected_at}; all rows of a dataset share one format)"
+                ) from None
+        raise
+
+
+def _fit(example: dict, cfg: DataConfig, where: str, counts: _Counts) -> Optional[dict]:
+    """Apply max_length / truncation; drop a row with no target token left."""
+    n = len(example["input_ids"])
+    if n > cfg.max_length:
+        if cfg.truncation == "error":
+            raise DataError(
+                f"{where}: {n} tokens, longer than max_length={cfg.max_length}; raise max_length, "
+                "or set truncation to 'truncate' or 'drop'"
+            )
+        if cfg.truncation == "drop":
+            counts.dropped += 1
+            return None
+        counts.truncated += 1
+        example = {k: v[: cfg.max_length] for k, v in example.items()}
+    if all(t == IGNORE_INDEX for t in example["labels"]):
+        counts.dropped += 1
+        return None
+    return example
+
+
+def _split(rows: list[tuple[int, dict]], test_size: float, seed: int, n_read: int):
+    """Hold out ceil(test_size * readable rows) by a seeded draw of row indices.
+
+    Drawing indices of the source rows, not of the rows that survived, keeps a row on the same
+    side of the split when max_length or the skip policy change."""
+    if test_size <= 0:
+        return [ex for _, ex in rows], None
+    n_eval = math.ceil(n_read * test_size - 1e-9)
+    held_out = set(random.Random(seed).sample(range(n_read), n_eval))
+    train = [ex for i, ex in rows if i not in held_out]
+    eval_ = [ex for i, ex in rows if i in held_out]
+    return train, (eval_ or None)
+
+
+# ---------------------------------------------------------------------------- storage
+
+
+def _dataset(examples: list[dict]) -> datasets.Dataset:
+    return datasets.Dataset.from_dict(
+        {"input_ids": [ex["input_ids"] for ex in examples], "labels": [ex["labels"] for ex in examples]},
+        features=_FEATURES,
+    )
+
+
+def _load(folder: Path, *, cache_hit: bool) -> PreparedData:
+    fields = json.loads((folder / "report.json").read_text())
+    report = DataReport(**fields, cache_hit=cache_hit, cache_dir=str(folder))
+    train = datasets.load_from_disk(str(folder / "train"))
+    eval_ = datasets.load_from_disk(str(folder / "eval")) if (folder / "eval").is_dir() else None
+    return PreparedData(train=train, eval=eval_, report=report)
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in sorted(root.rglob("*"), reverse=True):
+        if path.is_file():
+            with path.open("rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def report_dict(report: DataReport) -> dict:
+    """The report as plain JSON-ready data (for training_info.json and logs)."""
+    return dataclasses.asdict(report)

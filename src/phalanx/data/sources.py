@@ -1,0 +1,187 @@
+"""Read raw rows, each with its location, from a jsonl file, a folder, a save_to_disk folder or load_dataset.
+
+``iter_rows`` yields ``(where, row)``; ``where`` ("data/train.jsonl line 17",
+"data/disk row 3") starts every error about that row. Lines count from 1 as editors do,
+rows of an Arrow dataset count from 0 as ``dataset[i]`` does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Callable, Iterator, Literal, Optional
+
+from phalanx.errors import DataError
+
+log = logging.getLogger(__name__)
+
+ACCEPTED_PATHS = (
+    "accepted: a .jsonl (or .json) file with one JSON object per line, a folder of *.jsonl files, "
+    "or a folder written by datasets' save_to_disk"
+)
+# save_to_disk writes one of these next to the Arrow files.
+DISK_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+
+OnBadRow = Callable[[DataError], None]
+
+
+def bundled_dataset_path() -> Path:
+    """The small tool-calling dataset shipped inside the package (OpenAI ``messages`` + ``tools``)."""
+    return Path(__file__).resolve().parent / "bundled" / "health_agent.jsonl"
+
+
+def iter_rows(
+    path_or_name: str | Path,
+    *,
+    kind: Literal["path", "name"],
+    split: str = "train",
+    on_bad_row: Optional[OnBadRow] = None,
+) -> Iterator[tuple[str, dict]]:
+    """Yield ``(where, row)`` for every row of a dataset path (kind="path") or load_dataset name (kind="name").
+
+    A row that cannot be read (malformed JSON, bytes that are not UTF-8, not a JSON object)
+    raises DataError, or, when ``on_bad_row`` is given, is handed to it and reading goes on.
+    A missing path or a dataset without any rows always raises. ``split`` picks the split of
+    a load_dataset name, and of a save_to_disk DatasetDict.
+    """
+    if kind == "path":
+        rows = _iter_path(Path(path_or_name), split)
+        label = f"dataset path '{path_or_name}'"
+    elif kind == "name":
+        ds = load_named_dataset(str(path_or_name), split)
+        rows = _iter_arrow(ds, f"{path_or_name} (split '{split}')")
+        label = f"dataset '{path_or_name}' (split '{split}')"
+    else:
+        raise ValueError(f"kind must be 'path' or 'name', not {kind!r}")
+    return _checked(rows, label, on_bad_row)
+
+
+def iter_dataset_rows(ds, label: str) -> Iterator[tuple[str, dict]]:
+    """Yield ``(where, row)`` from an already loaded ``datasets.Dataset`` (e.g. from load_named_dataset)."""
+    return _checked(_iter_arrow(ds, label), f"dataset '{label}'", None)
+
+
+def load_named_dataset(name: str, split: str = "train"):
+    """``datasets.load_dataset(name, split=split)``; any failure becomes a DataError naming the dataset."""
+    import datasets
+
+    try:
+        return datasets.load_dataset(name, split=split)
+    except Exception as e:  # noqa: BLE001 - network, missing repo, bad split, bad files: all the user's to fix
+        raise DataError(
+            f"dataset '{name}' (split '{split}'): datasets.load_dataset failed: {type(e).__name__}: {e}"
+        ) from None
+
+
+def _checked(rows, label: str, on_bad_row: Optional[OnBadRow]) -> Iterator[tuple[str, dict]]:
+    seen = 0
+    for item in rows:
+        seen += 1
+        if isinstance(item, DataError):  # a row-level failure from the readers below
+            if on_bad_row is None:
+                raise item
+            on_bad_row(item)
+            continue
+        yield item
+    if seen == 0:
+        raise DataError(f"{label}: no rows; the dataset is empty")
+
+
+# ---------------------------------------------------------------------------- paths
+
+
+def _iter_path(path: Path, split: str):
+    if not path.exists():
+        raise DataError(f"{path}: no such file or folder; {ACCEPTED_PATHS}")
+    if path.is_file():
+        if path.suffix not in (".jsonl", ".json"):
+            raise DataError(f"{path}: unsupported file type '{path.suffix or '(none)'}'; {ACCEPTED_PATHS}")
+        yield from _iter_json_file(path)
+        return
+    if any((path / marker).is_file() for marker in DISK_MARKERS):
+        yield from _iter_arrow(*_load_disk(path, split))
+        return
+    files = sorted(p for p in path.glob("*.jsonl") if p.is_file())
+    if not files:
+        raise DataError(f"{path}: folder holds no *.jsonl files and is not a save_to_disk folder; {ACCEPTED_PATHS}")
+    for file in files:
+        yield from _iter_json_file(file)
+
+
+def _iter_json_file(path: Path):
+    """One JSON object per line; a .json file that is one JSON array is read as a list of rows."""
+    try:
+        f = path.open("rb")
+    except OSError as e:
+        raise DataError(f"{path}: cannot be read: {e.strerror or e}") from None
+    with f:
+        if path.suffix == ".json" and f.read(64).lstrip()[:1] == b"[":
+            f.seek(0)
+            yield from _iter_json_array(path, f.read())
+            return
+        f.seek(0)
+        for number, raw in enumerate(f, start=1):
+            where = f"{path} line {number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield DataError(
+                    f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start} of the line); "
+                    "save the file as UTF-8"
+                )
+                continue
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                yield DataError(f"{where}: malformed JSON: {e.msg} at column {e.colno}; each line must be one JSON object")
+                continue
+            if not isinstance(row, dict):
+                yield DataError(f"{where}: expected a JSON object, found {type(row).__name__} {line.strip()[:60]}")
+                continue
+            yield where, row
+
+
+def _iter_json_array(path: Path, data: bytes):
+    try:
+        rows = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 (byte 0x{data[e.start]:02x} at byte offset {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path} line {e.lineno}: malformed JSON: {e.msg} at column {e.colno}") from None
+    for i, row in enumerate(rows):
+        where = f"{path} row {i}"
+        if isinstance(row, dict):
+            yield where, row
+        else:
+            yield DataError(f"{where}: expected a JSON object, found {type(row).__name__}")
+
+
+# ---------------------------------------------------------------------------- Arrow datasets
+
+
+def _load_disk(path: Path, split: str):
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as e:  # noqa: BLE001 - any failure here is a bad dataset folder
+        raise DataError(f"{path}: cannot be loaded with datasets.load_from_disk: {type(e).__name__}: {e}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise DataError(f"{path}: a DatasetDict without a '{split}' split (splits: {', '.join(ds)})")
+        log.info("%s is a DatasetDict: using its '%s' split", path, split)
+        return ds[split], f"{path} (split '{split}')"
+    return ds, str(path)
+
+
+def _iter_arrow(ds, label: str, batch_size: int = 1000):
+    index = 0
+    # Reading column batches is much faster than ds[i] one row at a time.
+    for batch in ds.iter(batch_size=batch_size):
+        columns = list(batch)
+        for values in zip(*(batch[c] for c in columns)):
+            yield f"{label} row {index}", dict(zip(columns, values))
+            index += 1

@@ -1,0 +1,213 @@
+"""The whole pipeline: policies and their counts, the eval split, and the on-disk cache shared by processes."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import queue
+
+import pytest
+
+from phalanx.config.schema import DataConfig
+from phalanx.data import prepare as prepare_module
+from phalanx.data.chat import IGNORE_INDEX
+from phalanx.data.prepare import prepare_data
+from phalanx.errors import DataError
+
+
+def _cfg(**kw) -> DataConfig:
+    kw.setdefault("test_size", 0.0)
+    return DataConfig(**kw)
+
+
+def _prepare(cfg, tok, tmp_path, seed=0):
+    return prepare_data(cfg, tok, seed=seed, cache_root=tmp_path / "cache")
+
+
+def _answers(ds, tok) -> list[str]:
+    return [tok.decode([t for t in row if t != IGNORE_INDEX]) for row in ds["labels"]]
+
+
+def test_jsonl_to_train_and_eval_sets(tmp_path, tokenizer, write_jsonl, chat_row):
+    f = write_jsonl(tmp_path / "train.jsonl", [chat_row(i) for i in range(10)])
+    data = _prepare(_cfg(dataset_path=str(f), test_size=0.2), tokenizer, tmp_path, seed=3)
+    assert data.train.column_names == ["input_ids", "labels"]
+    assert (len(data.train), len(data.eval)) == (8, 2)
+    everything = _answers(data.train, tokenizer) + _answers(data.eval, tokenizer)
+    assert sorted(everything) == sorted(f"fine {i}<|im_end|>\n" for i in range(10))
+    r = data.report
+    assert (r.rows_read, r.rows_skipped, r.train_rows, r.eval_rows, r.cache_hit) == (10, 0, 8, 2, False)
+    assert r.train_target_tokens == sum(sum(t != IGNORE_INDEX for t in row) for row in data.train["labels"])
+
+    again = _prepare(_cfg(dataset_path=str(f), test_size=0.2), tokenizer, tmp_path, seed=3)
+    assert _answers(again.eval, tokenizer) == _answers(data.eval, tokenizer)  # deterministic
+    other = _prepare(_cfg(dataset_path=str(f), test_size=0.2), tokenizer, tmp_path, seed=4)
+    assert other.report.cache_dir != data.report.cache_dir
+    assert _answers(other.eval, tokenizer) != _answers(data.eval, tokenizer)
+
+    none = _prepare(_cfg(dataset_path=str(f), test_size=0.0), tokenizer, tmp_path)
+    assert none.eval is None and len(none.train) == 10
+
+
+def test_eval_dataset_path_replaces_test_size(tmp_path, tokenizer, write_jsonl, chat_row):
+    train = write_jsonl(tmp_path / "train.jsonl", [chat_row(i) for i in range(4)])
+    evalf = write_jsonl(tmp_path / "eval.jsonl", [{"text": "held out"}])
+    data = _prepare(_cfg(dataset_path=str(train), eval_dataset_path=str(evalf), test_size=0.5), tokenizer, tmp_path)
+    assert (data.report.train_rows, data.report.eval_rows, data.report.rows_read) == (4, 1, 5)
+    assert tokenizer.decode(data.eval[0]["input_ids"]) == "held out</s>"
+
+
+def test_every_source_kind(tmp_path, tokenizer, write_jsonl, chat_row, tool_row):
+    import datasets
+
+    folder = tmp_path / "folder"
+    write_jsonl(folder / "a.jsonl", [chat_row(0)])
+    write_jsonl(folder / "b.jsonl", [{"instruction": "hi", "output": "fine 1"}])  # first row decides: messages
+    with pytest.raises(DataError, match=r"b.jsonl line 1: messages: missing.*looks like format 'alpaca'.*a.jsonl line 1"):
+        _prepare(_cfg(dataset_path=str(folder)), tokenizer, tmp_path)
+    write_jsonl(folder / "b.jsonl", [chat_row(1)])
+    assert _answers(_prepare(_cfg(dataset_path=str(folder)), tokenizer, tmp_path).train, tokenizer) == [
+        "fine 0<|im_end|>\n", "fine 1<|im_end|>\n"]
+
+    datasets.Dataset.from_list([tool_row] * 3).save_to_disk(str(tmp_path / "disk"))
+    data = _prepare(_cfg(dataset_path=str(tmp_path / "disk")), tokenizer, tmp_path)
+    assert data.report.train_rows == 3 and "ASSISTANT-TWO" in _answers(data.train, tokenizer)[0]
+
+    write_jsonl(tmp_path / "repo" / "data" / "train.jsonl", [{"text": f"story {i}"} for i in range(3)])
+    data = _prepare(_cfg(dataset_name=str(tmp_path / "repo")), tokenizer, tmp_path)
+    assert [tokenizer.decode(x) for x in data.train["input_ids"]] == [f"story {i}</s>" for i in range(3)]
+    assert _prepare(_cfg(dataset_name=str(tmp_path / "repo")), tokenizer, tmp_path).report.cache_hit
+
+
+def test_bundled_dataset_when_no_source_is_set(tmp_path, tokenizer, write_jsonl, tool_row, monkeypatch):
+    fake = write_jsonl(tmp_path / "bundled" / "health_agent.jsonl", [tool_row] * 2)
+    monkeypatch.setattr(prepare_module, "bundled_dataset_path", lambda: fake)
+    assert _prepare(_cfg(), tokenizer, tmp_path).report.train_rows == 2
+    monkeypatch.setattr(prepare_module, "bundled_dataset_path", lambda: tmp_path / "missing.jsonl")
+    with pytest.raises(DataError, match="bundled dataset is missing"):
+        _prepare(_cfg(), tokenizer, tmp_path)
+
+
+def _mixed_file(tmp_path, chat_row):
+    f = tmp_path / "mixed.jsonl"
+    lines = [
+        json.dumps(chat_row(0)).encode(),
+        b'{"messages": [',  # line 2: malformed JSON
+        json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]}).encode(),  # 3
+        b'{"text": "caf\xe9"}',  # line 4: not UTF-8
+        json.dumps(chat_row(4)).encode(),
+        json.dumps({"messages": [{"role": "user", "content": "only a question"}]}).encode(),  # 6: no assistant
+    ]
+    f.write_bytes(b"\n".join(lines) + b"\n")
+    return f
+
+
+def test_bad_rows_stop_the_run_by_default(tmp_path, tokenizer, chat_row):
+    with pytest.raises(DataError, match=r"mixed.jsonl line 2: malformed JSON"):
+        _prepare(_cfg(dataset_path=str(_mixed_file(tmp_path, chat_row))), tokenizer, tmp_path)
+
+
+def test_skip_mode_counts_and_keeps_the_reasons(tmp_path, tokenizer, chat_row):
+    f = _mixed_file(tmp_path, chat_row)
+    r = _prepare(_cfg(dataset_path=str(f), on_bad_row="skip"), tokenizer, tmp_path).report
+    assert (r.rows_read, r.rows_skipped, r.train_rows) == (6, 4, 2)
+    assert [reason.split(": ")[0] for reason in r.skip_reasons] == [f"{f} line {n}" for n in (2, 3, 4, 6)]
+    assert "messages[1].role: unknown role 'bot'" in r.skip_reasons[1]
+    assert "no assistant turn" in r.skip_reasons[3]
+
+
+def test_skip_mode_with_nothing_usable_left_raises(tmp_path, tokenizer):
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"oops"\n{"messages": []}\n')
+    with pytest.raises(DataError, match=r"no usable training rows \(2 read, 2 skipped.*first problem: .*line 1: malformed"):
+        _prepare(_cfg(dataset_path=str(f), on_bad_row="skip"), tokenizer, tmp_path)
+
+
+def _lengths_file(tmp_path, write_jsonl):
+    # ByT5 has one token per byte: 62 template bytes + the question + the answer.
+    rows = [
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "short"}]},
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a" * 200}]},
+        {"messages": [{"role": "user", "content": "q" * 200}, {"role": "assistant", "content": "late answer"}]},
+    ]
+    return write_jsonl(tmp_path / "lengths.jsonl", rows)
+
+
+def test_truncate_cuts_and_drops_rows_left_without_targets(tmp_path, tokenizer, write_jsonl):
+    f = _lengths_file(tmp_path, write_jsonl)
+    data = _prepare(_cfg(dataset_path=str(f), max_length=100, truncation="truncate"), tokenizer, tmp_path)
+    r = data.report
+    assert (r.rows_truncated, r.rows_dropped, r.train_rows) == (2, 1, 2)  # row 3 lost its whole answer
+    assert [len(x) for x in data.train["input_ids"]] == [len(data.train[0]["input_ids"]), 100]
+    assert all(len(a) == len(b) for a, b in zip(data.train["input_ids"], data.train["labels"]))
+
+
+def test_drop_omits_long_rows(tmp_path, tokenizer, write_jsonl):
+    f = _lengths_file(tmp_path, write_jsonl)
+    r = _prepare(_cfg(dataset_path=str(f), max_length=100, truncation="drop"), tokenizer, tmp_path).report
+    assert (r.rows_truncated, r.rows_dropped, r.train_rows) == (0, 2, 1)
+
+
+def test_error_names_the_row_and_its_length(tmp_path, tokenizer, write_jsonl):
+    f = _lengths_file(tmp_path, write_jsonl)
+    with pytest.raises(DataError, match=rf"{f} line 2: 262 tokens, longer than max_length=100"):
+        _prepare(_cfg(dataset_path=str(f), max_length=100, truncation="error"), tokenizer, tmp_path)
+
+
+def test_cache_is_hit_and_follows_settings_content_and_tokenizer(tmp_path, tokenizer, make_tokenizer, write_jsonl, chat_row):
+    f = write_jsonl(tmp_path / "train.jsonl", [chat_row(i) for i in range(5)])
+    first = _prepare(_cfg(dataset_path=str(f)), tokenizer, tmp_path)
+    second = _prepare(_cfg(dataset_path=str(f)), make_tokenizer(), tmp_path)  # an equal tokenizer
+    assert (first.report.cache_hit, second.report.cache_hit) == (False, True)
+    assert second.report.cache_dir == first.report.cache_dir and os.path.isdir(first.report.cache_dir)
+    assert second.train["input_ids"] == first.train["input_ids"] and second.report.rows_read == 5
+
+    longer = _prepare(_cfg(dataset_path=str(f), max_length=64), tokenizer, tmp_path)
+    assert not longer.report.cache_hit and longer.report.cache_dir != first.report.cache_dir
+
+    other_template = make_tokenizer(tokenizer.chat_template.replace("<|im_end|>", "<|end|>"))
+    assert not _prepare(_cfg(dataset_path=str(f)), other_template, tmp_path).report.cache_hit
+
+    write_jsonl(f, [chat_row(i, "changed") for i in range(5)])
+    changed = _prepare(_cfg(dataset_path=str(f)), tokenizer, tmp_path)
+    assert not changed.report.cache_hit and _answers(changed.train, tokenizer)[0] == "changed 0<|im_end|>\n"
+    assert not [p for p in (tmp_path / "cache").iterdir() if ".tmp-" in p.name]
+
+
+# Runs in a fresh interpreter. Test modules are not importable by name there (pytest imports them
+# with --import-mode=importlib), so the child runs this source through the builtin exec.
+CHILD = """
+from transformers import ByT5Tokenizer
+from phalanx.config.schema import DataConfig
+from phalanx.data.prepare import prepare_data
+
+tok = ByT5Tokenizer()
+tok.chat_template = template
+barrier.wait()  # both processes start preparing at the same moment
+data = prepare_data(DataConfig(dataset_path=path, test_size=0.1), tok, seed=7, cache_root=cache_root)
+results.put((data.report.cache_hit, data.report.cache_dir, data.train["input_ids"], data.train["labels"],
+             data.eval["input_ids"]))
+"""
+
+
+def test_two_processes_prepare_at_once_and_get_identical_data(tmp_path, write_jsonl, tool_row, chatml):
+    f = write_jsonl(tmp_path / "train.jsonl", [tool_row] * 150)
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(2), ctx.Queue()
+    scope = {"path": str(f), "cache_root": tmp_path / "cache", "template": chatml, "barrier": barrier, "results": results}
+    procs = [ctx.Process(target=exec, args=(CHILD, dict(scope))) for _ in range(2)]
+    for p in procs:
+        p.start()
+    got = []
+    while len(got) < 2:
+        try:
+            got.append(results.get(timeout=1))
+        except queue.Empty:
+            assert all(p.is_alive() for p in procs), "a child process died; see its traceback above"
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    assert sorted(hit for hit, *_ in got) == [False, True]  # one tokenized, the other loaded its result
+    assert got[0][1:] == got[1][1:]
+    assert len(got[0][2]) == 135 and len(got[0][4]) == 15

@@ -1,0 +1,127 @@
+"""Rows come with their location from every kind of source; unreadable input names file and line."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import pytest
+
+from phalanx.data.sources import bundled_dataset_path, iter_rows
+from phalanx.errors import DataError
+
+
+def rows_of(path, **kw):
+    return list(iter_rows(path, kind=kw.pop("kind", "path"), **kw))
+
+
+def test_jsonl_file_counts_lines_from_one_and_skips_blank_lines(tmp_path, write_jsonl):
+    f = write_jsonl(tmp_path / "train.jsonl", [{"text": "a"}, "", {"text": "b"}])
+    assert rows_of(f) == [(f"{f} line 1", {"text": "a"}), (f"{f} line 3", {"text": "b"})]
+    assert rows_of(str(f)) == rows_of(f)
+
+
+def test_json_file_holding_lines_or_an_array(tmp_path, write_jsonl):
+    lines = write_jsonl(tmp_path / "lines.json", [{"text": "a"}])
+    assert rows_of(lines) == [(f"{lines} line 1", {"text": "a"})]
+    array = tmp_path / "array.json"
+    array.write_text(json.dumps([{"text": "a"}, {"text": "b"}], indent=1))
+    assert rows_of(array) == [(f"{array} row 0", {"text": "a"}), (f"{array} row 1", {"text": "b"})]
+
+
+def test_folder_of_jsonl_files_in_sorted_order(tmp_path, write_jsonl):
+    write_jsonl(tmp_path / "d" / "b.jsonl", [{"text": "b1"}])
+    write_jsonl(tmp_path / "d" / "a.jsonl", [{"text": "a1"}, {"text": "a2"}])
+    (tmp_path / "d" / "notes.txt").write_text("ignored")
+    got = rows_of(tmp_path / "d")
+    assert [r["text"] for _, r in got] == ["a1", "a2", "b1"]
+    assert got[2][0] == f"{tmp_path / 'd' / 'b.jsonl'} line 1"
+
+
+def test_save_to_disk_dataset_and_dataset_dict(tmp_path, tool_row):
+    ds = datasets.Dataset.from_list([tool_row, {"messages": tool_row["messages"][:2], "tools": None}])
+    ds.save_to_disk(str(tmp_path / "disk"))
+    got = rows_of(tmp_path / "disk")
+    assert [w for w, _ in got] == [f"{tmp_path / 'disk'} row 0", f"{tmp_path / 'disk'} row 1"]
+    assert got[0][1]["messages"][2]["tool_calls"][0]["function"]["name"] == "get_weather"
+
+    datasets.DatasetDict({"train": ds, "test": ds.select([0])}).save_to_disk(str(tmp_path / "dict"))
+    got = rows_of(tmp_path / "dict")
+    assert len(got) == 2 and got[0][0] == f"{tmp_path / 'dict'} (split 'train') row 0"
+    with pytest.raises(DataError, match=r"without a 'validation' split \(splits: train, test\)"):
+        rows_of(tmp_path / "dict", split="validation")
+
+
+def test_load_dataset_on_a_local_dataset_repository(tmp_path, write_jsonl, chat_row):
+    write_jsonl(tmp_path / "repo" / "data" / "train.jsonl", [chat_row(i) for i in range(3)])
+    got = rows_of(str(tmp_path / "repo"), kind="name")
+    assert [r["messages"][1]["content"] for _, r in got] == ["fine 0", "fine 1", "fine 2"]
+    assert got[1][0] == f"{tmp_path / 'repo'} (split 'train') row 1"
+
+
+def test_load_dataset_failures_name_the_dataset(tmp_path, write_jsonl, chat_row):
+    write_jsonl(tmp_path / "repo" / "data" / "train.jsonl", [chat_row(0)])
+    with pytest.raises(DataError, match=r"dataset '.*repo' \(split 'validation'\): datasets.load_dataset failed: .*split"):
+        rows_of(str(tmp_path / "repo"), kind="name", split="validation")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match=r"dataset '.*empty' .*load_dataset failed: \w+"):
+        rows_of(str(tmp_path / "empty"), kind="name")
+
+
+def test_missing_path_says_what_is_accepted(tmp_path):
+    with pytest.raises(DataError) as info:
+        rows_of(tmp_path / "nope.jsonl")
+    msg = str(info.value)
+    assert "nope.jsonl: no such file or folder" in msg and ".jsonl" in msg and "save_to_disk" in msg
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(DataError, match=r"x.csv: unsupported file type '.csv'; accepted"):
+        rows_of(tmp_path / "x.csv")
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(DataError, match=r"folder holds no \*.jsonl files"):
+        rows_of(tmp_path / "folder")
+
+
+def test_empty_dataset(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(DataError, match=r"empty.jsonl.*no rows"):
+        rows_of(tmp_path / "empty.jsonl")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "a.jsonl").write_text("")
+    with pytest.raises(DataError, match=r"folder' *: no rows"):
+        rows_of(tmp_path / "folder")
+
+
+def test_malformed_json_line(tmp_path, write_jsonl):
+    f = write_jsonl(tmp_path / "bad.jsonl", [{"text": "a"}, {"text": "b"}, '{"text": "c",'])
+    with pytest.raises(DataError) as info:
+        rows_of(f)
+    assert str(info.value).startswith(f"{f} line 3: malformed JSON: ")
+    assert "column" in str(info.value)
+
+
+def test_bytes_that_are_not_utf8(tmp_path):
+    f = tmp_path / "latin1.jsonl"
+    f.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"latin1.jsonl line 2: not UTF-8 \(byte 0xe9"):
+        rows_of(f)
+
+
+def test_row_that_is_not_an_object(tmp_path, write_jsonl):
+    f = write_jsonl(tmp_path / "list.jsonl", [{"text": "a"}, [1, 2]])
+    with pytest.raises(DataError, match=r"list.jsonl line 2: expected a JSON object, found list"):
+        rows_of(f)
+
+
+def test_bad_rows_go_to_the_callback_and_reading_goes_on(tmp_path, write_jsonl):
+    f = tmp_path / "mixed.jsonl"
+    f.write_bytes(b'{"text": "a"}\n{oops\n\xff\n[1]\n{"text": "b"}\n')
+    seen = []
+    got = list(iter_rows(f, kind="path", on_bad_row=seen.append))
+    assert [w for w, _ in got] == [f"{f} line 1", f"{f} line 5"]
+    assert [str(e).split(":")[0] for e in seen] == [f"{f} line 2", f"{f} line 3", f"{f} line 4"]
+
+
+def test_bundled_dataset_path_points_inside_the_package():
+    path = bundled_dataset_path()
+    assert path.name == "health_agent.jsonl" and path.parent.name == "bundled"
+    assert path.parent.parent.name == "data" and (path.parent.parent / "sources.py").is_file()
