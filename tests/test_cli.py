@@ -103,3 +103,19 @@ def test_checkpoint_contents_load_back(seed_run):
         assert match and torch.equal(match[0], value), key
     assert optimizer.state_dict()["state"], "optimizer moments restored"
     assert optimizer.param_groups[0]["lr"] != 1.0, "scheduled learning rate restored"
+
+
+def test_seed002_hub_style_dataset_name_and_separate_eval_file(tmp_path):
+    """`--dataset_name` goes through datasets.load_dataset (a local dataset repository here), eval from its own file."""
+    repo = tmp_path / "health-agent-dataset"
+    write_chat_jsonl(repo / "data" / "train.jsonl", 16)
+    eval_file = write_chat_jsonl(tmp_path / "val.jsonl", 6, start=100)
+    out = tmp_path / "health-agent-distributed-hub"
+    proc = run_phalanx("train", "--world_size", "2", "--dataset_name", str(repo), "--eval_dataset_path", str(eval_file),
+                       "--output_dir", str(out), "--num_epochs", "1", "--batch_size", "2", "--gradient_accumulation_steps", "2",
+                       "--max_length", "768", "--learning_rate", "5e-3", "--logging.progress_bar", "false")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "16 train rows, 6 eval rows" in proc.stdout
+    info = json.loads((out / "final_training_info.json").read_text())
+    assert info["dataset_name"] == str(repo) and info["global_step"] == 2
+    assert read_metrics(out, "eval")[-1]["tokens"] > 0

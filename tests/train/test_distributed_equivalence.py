@@ -57,3 +57,17 @@ def test_accumulation_does_not_change_the_global_batch_loss(dataset, tmp_path, s
     _, single = single_lora
     accumulated = train(dataset, tmp_path / "accum", world=2, batch=1, accum=2)
     assert accumulated == pytest.approx(single, abs=1e-5)
+
+
+def test_fp16_gradient_compression_stays_close(dataset, tmp_path, single_lora):
+    """seed 000's comm hook: gradients travel as fp16, so the match is close rather than exact."""
+    _, single = single_lora
+    proc_losses = train_with(dataset, tmp_path / "hook", "--ddp_comm_hook", "fp16")
+    assert proc_losses == pytest.approx(single, abs=1e-2)
+
+
+def train_with(dataset: Path, out: Path, *extra: str) -> list[float]:
+    proc = run_phalanx("train", "--dataset_path", str(dataset), "--output_dir", str(out), "--world_size", "2",
+                       "--batch_size", "2", *COMMON, *extra)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [r["loss"] for r in read_metrics(out)]

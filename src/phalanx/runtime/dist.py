@@ -82,6 +82,9 @@ def init_runtime(backend: str = "auto", timeout_minutes: float = 10.0) -> RankIn
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
+        if "OMP_NUM_THREADS" not in os.environ:
+            # Ranks on one machine share its cores; more threads than cores makes every rank slower.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     if world > 1 and not dist.is_initialized():
         check_world_fits(local_world, backend)
         dist.init_process_group(
