@@ -17,6 +17,6 @@ def test_make_demo_runs_and_learns():
     assert len(evals) >= 3
     assert evals[-1] < evals[0] - 0.2, f"eval loss should fall visibly: {evals}"
     info = json.loads((ROOT / "runs" / "demo" / "final_training_info.json").read_text())
-    assert info["world_size"] == 2 and info["best_eval_loss"] <= evals[-1]
+    assert info["world_size"] == 2 and info["best_eval_loss"] <= evals[-1] + 1e-4  # console rounds to 4 places
     assert (ROOT / "runs" / "demo" / "adapter_model.safetensors").is_file()
     print(f"demo: {info['train_seconds']} s of training, eval loss {evals[0]:.3f} -> {evals[-1]:.3f}")

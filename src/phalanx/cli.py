@@ -7,13 +7,6 @@ from typing import Optional, Sequence
 
 from phalanx.errors import PhalanxError
 
-USAGE = """usage: phalanx <command> [args]
-
-commands:
-  train [CONFIG.yaml] [--flag value ...]   fine-tune a causal LM (LoRA or full) with DDP
-  config-docs                              print the config reference (Markdown)
-
-`phalanx train --help` lists every flag."""
 
 
 def split_flags(args: Sequence[str]) -> tuple[Optional[str], list[tuple[str, str]]]:
@@ -85,7 +78,36 @@ def cmd_config_docs(args: Sequence[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "config-docs": cmd_config_docs}
+# Each subcommand lives with its component; "module:function" strings keep `phalanx --help` import-light.
+COMMANDS = {
+    "train": (cmd_train, "[CONFIG.yaml] [--flag value ...]  fine-tune a causal LM (LoRA or full) on 1..N ranks"),
+    "generate": ("phalanx.generate.command:main", "--model_name M --prompts FILE ...  sharded batch generation"),
+    "config": ("phalanx.launch.command:config_main", "deepspeed|fsdp [--flags]  write a DeepSpeed / FSDP config file"),
+    "launcher": ("phalanx.launch.command:launcher_main", "--config C --num_gpus_per_node N  write a launch script"),
+    "slurm": ("phalanx.launch.command:slurm_main", "--config C --num_nodes N  write an sbatch script"),
+    "env": ("phalanx.launch.command:env_main", "versions, devices and an all-reduce check"),
+    "config-docs": (cmd_config_docs, "print the config reference (Markdown)"),
+}
+
+
+def usage() -> str:
+    lines = [f"  {name:<12} {doc}" for name, (_, doc) in COMMANDS.items()]
+    return "usage: phalanx <command> [args]\n\ncommands:\n" + "\n".join(lines) + "\n\n`phalanx train --help` lists every flag."
+
+
+def resolve_command(name: str):
+    target = COMMANDS[name][0]
+    if callable(target):
+        return target
+    import importlib
+
+    module, _, function = target.partition(":")
+    try:
+        return getattr(importlib.import_module(module), function)
+    except ModuleNotFoundError as exc:
+        if exc.name != module:
+            raise
+        raise PhalanxError(f"`phalanx {name}` is not available in this version yet") from None
 
 
 def quiet_libraries() -> None:
@@ -109,10 +131,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv and argv[0] in COMMANDS:
         quiet_libraries()
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print(USAGE, file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
+        print(usage(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     try:
-        return COMMANDS[argv[0]](argv[1:])
+        return resolve_command(argv[0])(argv[1:])
     except PhalanxError as exc:
         import os
 
