@@ -22,7 +22,7 @@ def earlier_run(tmp_path: Path) -> Path:
     out = tmp_path / "out"
     (out / "checkpoint-5").mkdir(parents=True)
     (out / "checkpoint-5" / "adapter_model.safetensors").write_bytes(b"weights")
-    (out / "checkpoint-5" / "phalanx_checkpoint.json").write_text("{}")
+    # no commit marker: a save that crashed, so there is nothing to resume and the run must not be replaced silently
     (out / "training_info.json").write_text(json.dumps({"global_step": 5}))
     return out
 
@@ -123,7 +123,7 @@ def test_batch_size_zero(tmp_path, capsys):
 def test_existing_run_is_not_overwritten_silently(earlier_run, capsys):
     before = tree_digest(earlier_run)
     code, out = run_main(["train", "--output_dir", str(earlier_run)], capsys)
-    assert code == 2 and "already holds a run" in out and "--overwrite_output_dir" in out
+    assert code == 2 and "already holds a run" in out and "no committed checkpoint" in out and "--overwrite_output_dir" in out
     assert tree_digest(earlier_run) == before
 
 

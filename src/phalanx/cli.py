@@ -56,17 +56,38 @@ def cmd_train(args: Sequence[str]) -> int:
         check_world_fits(cfg.distributed.world_size, cfg.distributed.backend)
         check_output_dir(cfg)
         load_data(cfg)  # tokenizes into the shared cache; the ranks then load it
-        launch_local(["train", *args], cfg.distributed.world_size, cfg.distributed.master_port)
-        return 0
-    from phalanx.runtime.dist import shutdown
+        return launch_local(["train", *args], cfg.distributed.world_size, cfg.distributed.master_port)
+    return train_worker(cfg)
+
+
+def train_worker(cfg) -> int:
+    """One rank's whole run. A failure is reported with what every rank was doing, so the stuck one is named."""
+    from phalanx.runtime.dist import env_rank_info, shutdown
+    from phalanx.runtime.signals import PREEMPTED_EXIT_CODE, Preempted
+    from phalanx.runtime.watch import describe_ranks
     from phalanx.train.loop import train
     from phalanx.train.run import build_run, finish_run
 
+    rank, world = env_rank_info()[:2]
+    run = None
     try:
         run = build_run(cfg)
         train(run)
         finish_run(run)
+    except Preempted as exc:
+        print(f"⏸️  {exc}; exiting with status {PREEMPTED_EXIT_CODE} so a requeue resumes it", file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT_CODE
+    except PhalanxError:
+        raise
+    except Exception as exc:
+        if world > 1:
+            raise PhalanxError(f"rank {rank} failed: {type(exc).__name__}: {exc}\n  what each rank was doing: "
+                               f"{describe_ranks(world)}") from exc
+        raise
     finally:
+        # Free DDP (its reducer holds the process group) before destroying the group: the other order can
+        # tear gloo down inside a Python destructor, where its threads wait for the GIL we hold: a hang at exit.
+        del run
         shutdown()
     return 0
 

@@ -37,3 +37,15 @@ def test_epochs_reshuffle_and_resume_continues_where_it_stopped():
 def test_eval_shard_has_no_padding():
     assert eval_shard(5, 0, 2) == [0, 2, 4]
     assert eval_shard(5, 1, 2) == [1, 3]
+
+
+def test_position_is_global_so_a_different_world_size_reads_the_remaining_rows():
+    two = [StatefulDistributedSampler(10, r, 2, seed=5) for r in range(2)]
+    iters = [iter(s) for s in two]
+    read = [next(iters[r]) for _ in range(2) for r in range(2)]  # two rows per rank
+    state = two[0].state_dict()
+    assert state["position"] == 4
+    one = StatefulDistributedSampler(10, 0, 1, seed=5)
+    one.load_state_dict(state)
+    rest = list(one)
+    assert sorted(read + rest) == list(range(10)) and len(rest) == 6

@@ -55,6 +55,9 @@ FLAT_FLAGS: dict[str, str] = {
     "master_port": "distributed.master_port",
     "output_dir": "output_dir",
     "overwrite_output_dir": "overwrite_output_dir",
+    "force": "force",
+    "resume_from_checkpoint": "checkpoint.resume_from_checkpoint",
+    "nan_policy": "training.nan_policy",
 }
 
 

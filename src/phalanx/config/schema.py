@@ -83,6 +83,9 @@ class TrainingConfig(Section):
     mixed_precision: Literal["auto", "no", "fp16", "bf16"] = Field(
         "auto", description="'auto' is bf16 on CUDA devices that support it, else fp16 on CUDA, fp32 on CPU."
     )
+    nan_policy: Literal["skip", "stop"] = Field(
+        "skip", description="A step whose global loss is NaN or Inf is skipped and counted, or saves a checkpoint and stops the run."
+    )
 
 
 class EvalConfig(Section):
@@ -94,6 +97,11 @@ class CheckpointConfig(Section):
     save_steps: int = Field(50, gt=0, description="Save checkpoint-{step} every this many optimizer steps.")
     save_total_limit: Optional[int] = Field(None, gt=0, description="Keep at most this many checkpoint-{step} folders (checkpoint-best is kept apart).")
     save_best: bool = Field(True, description="Keep checkpoint-best with the lowest evaluation loss.")
+    resume_from_checkpoint: Optional[str] = Field(
+        None,
+        description="'latest' or a checkpoint folder to resume from. Unset: resume from the newest committed "
+        "checkpoint when output_dir holds a run with the same config, else start fresh.",
+    )
 
 
 class LoggingConfig(Section):
@@ -107,12 +115,14 @@ class DistributedConfig(Section):
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="'auto' is NCCL on CUDA, gloo on CPU.")
     ddp_comm_hook: Literal["none", "fp16", "bf16"] = Field("none", description="Compress DDP gradients before the all-reduce.")
     master_port: Optional[int] = Field(None, gt=0, lt=65536, description="Rendezvous port for --world_size; a free one when unset.")
-    timeout_minutes: float = Field(10, gt=0, description="How long a collective may wait before every rank gives up.")
+    init_timeout_minutes: float = Field(10, gt=0, description="How long ranks wait for each other to start (and through the first step).")
+    timeout_minutes: float = Field(5, gt=0, description="How long a training collective may wait for a missing rank before every rank gives up.")
 
 
 class RunConfig(Section):
     output_dir: str = Field("./phalanx-output", description="Where checkpoints, the final model and logs go.")
-    overwrite_output_dir: bool = Field(False, description="Replace an earlier run in output_dir instead of refusing to start.")
+    overwrite_output_dir: bool = Field(False, description="Replace an earlier run in output_dir instead of resuming it or refusing to start.")
+    force: bool = Field(False, description="Resume even though the config differs from the one the checkpoint was trained with.")
     model: ModelConfig = Field(default_factory=ModelConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     data: DataConfig = Field(default_factory=DataConfig)

@@ -2,8 +2,11 @@
 
 Every rank gets the same number of rows per epoch (the shuffled order is padded by
 wrapping around), so no rank runs out of batches while another waits in a collective.
-Rank r takes positions r, r+W, r+2W ... of the epoch's permutation, so W ranks with
+Rank r takes positions p+r, p+r+W, p+r+2W ... of the epoch's permutation, so W ranks with
 batch b read exactly the rows one process with batch W*b reads, step for step.
+
+The position p is global (rows of the epoch's order consumed by all ranks together), so
+a run saved with W ranks resumes with a different W on the same remaining rows.
 """
 
 from __future__ import annotations
@@ -25,13 +28,13 @@ class StatefulDistributedSampler(Sampler[int]):
         self.seed = seed
         self.shuffle = shuffle
         self.epoch = 0
-        self.consumed = 0  # rows of this epoch this rank has already handed out
-        self.rows_per_rank = math.ceil(num_rows / world_size)
+        self.position = 0  # rows of this epoch's order handed out over all ranks
+        self.total = math.ceil(num_rows / world_size) * world_size
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
             self.epoch = epoch
-            self.consumed = 0
+            self.position = 0
 
     def _epoch_order(self) -> list[int]:
         if self.shuffle:
@@ -39,31 +42,33 @@ class StatefulDistributedSampler(Sampler[int]):
             order = torch.randperm(self.num_rows, generator=generator).tolist()
         else:
             order = list(range(self.num_rows))
-        total = self.rows_per_rank * self.world_size
-        order += order[: total - len(order)]  # wrap around so every rank has rows_per_rank
-        return order[self.rank : total : self.world_size]
+        while len(order) < self.total:  # wrap around so every rank gets the same count
+            order += order[: self.total - len(order)]
+        return order
 
     def __iter__(self) -> Iterator[int]:
-        mine = self._epoch_order()
-        while self.consumed < len(mine):
-            index = mine[self.consumed]
-            self.consumed += 1
+        order = self._epoch_order()
+        while self.position + self.rank < self.total:
+            index = order[self.position + self.rank]
+            # Every rank advances in lockstep, so the global position moves by W per row handed out.
+            self.position += self.world_size
             yield index
+        self.position = max(self.position, self.total)
 
     def __len__(self) -> int:
-        return self.rows_per_rank - self.consumed
+        return max(0, math.ceil((self.total - self.position - self.rank) / self.world_size))
 
     @property
     def exhausted(self) -> bool:
         """Every row of this epoch has been handed out."""
-        return self.consumed >= self.rows_per_rank
+        return self.position >= self.total
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed, "world_size": self.world_size}
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "world_size": self.world_size}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch = int(state["epoch"])
-        self.consumed = int(state["consumed"])
+        self.position = min(int(state["position"]), self.total)
 
 
 def eval_shard(num_rows: int, rank: int, world_size: int) -> list[int]:

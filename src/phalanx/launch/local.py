@@ -16,8 +16,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch_local(module_args: Sequence[str], nproc: int, master_port: Optional[int] = None, max_restarts: int = 0) -> None:
-    """Run `python -m phalanx <module_args>` as `nproc` ranks; raise PhalanxError naming the ranks that failed."""
+def launch_local(module_args: Sequence[str], nproc: int, master_port: Optional[int] = None, max_restarts: int = 0) -> int:
+    """Run `python -m phalanx <module_args>` as `nproc` ranks; returns 0, or the preemption status when the ranks
+    saved and stopped on a signal; raises PhalanxError naming the ranks that failed otherwise."""
+    import signal
+
+    from phalanx.runtime.signals import PREEMPTED_EXIT_CODE
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -32,8 +36,22 @@ def launch_local(module_args: Sequence[str], nproc: int, master_port: Optional[i
         max_restarts=max_restarts,
         monitor_interval=0.2,  # notice a dead rank quickly and stop the others
     )
+    # SIGUSR1 is meant for the ranks (they save and stop); its default action would kill this launcher first.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "phalanx", *module_args)
     except ChildFailedError as exc:
-        failed = ", ".join(f"rank {f.global_rank} (exit code {f.exitcode})" for f in exc.failures.values())
-        raise PhalanxError(f"training failed on {failed}; the other ranks were stopped. See the rank's message above.") from None
+        codes = {f.exitcode for f in exc.failures.values()}
+        if codes == {PREEMPTED_EXIT_CODE}:
+            return PREEMPTED_EXIT_CODE
+        failed = ", ".join(f"rank {rank} ({describe_exit(f.exitcode)})" for rank, f in sorted(exc.failures.items()))
+        raise PhalanxError(f"failed on {failed}; the other ranks were stopped. See the rank's message above.") from None
+    return 0
+
+
+def describe_exit(code: int) -> str:
+    import signal
+
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"

@@ -7,6 +7,7 @@ does not need `if rank == 0` around each report.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -16,7 +17,8 @@ from tqdm.auto import tqdm
 
 
 class Reporter:
-    def __init__(self, output_dir: Path, *, is_main: bool, total_steps: int, tensorboard: bool, progress_bar: bool):
+    def __init__(self, output_dir: Path, *, is_main: bool, total_steps: int, tensorboard: bool, progress_bar: bool,
+                 resume_step: int = 0):
         self.is_main = is_main
         self.history: list[dict] = []
         self._jsonl = None
@@ -26,12 +28,14 @@ class Reporter:
         if not is_main:
             return
         output_dir.mkdir(parents=True, exist_ok=True)
+        self.history = keep_until(output_dir / "metrics.jsonl", resume_step)
         self._jsonl = open(output_dir / "metrics.jsonl", "a", encoding="utf-8")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(output_dir / "tensorboard"))
-        self._bar_args = dict(total=total_steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout) if progress_bar else None
+            # purge_step hides events a crashed run logged after the checkpoint it resumes from
+            self._tb = SummaryWriter(log_dir=str(output_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
+        self._bar_args = dict(total=total_steps, initial=resume_step, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout) if progress_bar else None
 
     def say(self, line: str) -> None:
         if not self.is_main:
@@ -68,3 +72,14 @@ class Reporter:
             self._tb.close()
         if self._jsonl is not None:
             self._jsonl.close()
+
+
+def keep_until(path: Path, step: int) -> list[dict]:
+    """Records up to `step` (what a resumed run continues from); later ones, from a crashed run, are dropped."""
+    if not path.is_file():
+        return []
+    kept = [r for r in map(json.loads, path.read_text(encoding="utf-8").splitlines()) if r["step"] <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+    os.replace(tmp, path)
+    return kept

@@ -57,9 +57,14 @@ class Strategy:
     def prepare(
         self, model: nn.Module, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
-        self.model = self.wrap(model.to(self.rank.device))
+        self.setup_model(model)
         self.optimizer = make_optimizer(self.unwrap())
         return self.model, self.optimizer
+
+    def setup_model(self, model: nn.Module) -> nn.Module:
+        """Move and wrap the model only: for callers that bring their own optimizer later (set `optimizer`)."""
+        self.model = self.wrap(model.to(self.rank.device))
+        return self.model
 
     def wrap(self, model: nn.Module) -> nn.Module:
         return model
@@ -99,6 +104,11 @@ class Strategy:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
+
+    def discard_gradients(self) -> None:
+        """Drop this step's gradients without applying them (a skipped step)."""
+        assert self.optimizer is not None
+        self.optimizer.zero_grad(set_to_none=True)
 
     def state_dict(self) -> dict:
         return {"scaler": self.scaler.state_dict()} if self.scaler else {}

@@ -18,20 +18,24 @@ COMM_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf
 class DDPStrategy(Strategy):
     name = "ddp"
 
-    def __init__(self, rank: RankInfo, precision: Precision, comm_hook: str = "none"):
+    def __init__(self, rank: RankInfo, precision: Precision, comm_hook: str = "none", *, broadcast_buffers: bool = False):
         super().__init__(rank, precision)
         self.comm_hook = comm_hook
+        # Models with running statistics (BatchNorm) want rank 0's buffers on every rank before each forward.
+        self.broadcast_buffers = broadcast_buffers
 
     def wrap(self, model: nn.Module) -> nn.Module:
         on_cuda = self.rank.device.type == "cuda"
+        # Causal LMs hold no running statistics; skipping the per-forward buffer broadcast saves a collective.
+        # Broadcasting is DDP's default, so it is asked for by saying nothing (torch >= 2.13 deprecates the flag).
+        buffers = {} if self.broadcast_buffers else {"broadcast_buffers": False}
         # Adapter first, DDP second: only the trainable (LoRA) weights get gradient buckets, so no unused-parameter search.
         ddp = DDP(
             model,
             device_ids=[self.rank.device.index] if on_cuda else None,
             output_device=self.rank.device.index if on_cuda else None,
             find_unused_parameters=False,
-            # Causal LMs hold no running statistics; skipping the per-forward buffer broadcast saves a collective.
-            broadcast_buffers=False,
+            **buffers,
         )
         if self.comm_hook != "none":
             ddp.register_comm_hook(None, COMM_HOOKS[self.comm_hook])

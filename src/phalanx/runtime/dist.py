@@ -96,7 +96,11 @@ def init_runtime(backend: str = "auto", timeout_minutes: float = 10.0) -> RankIn
 
 
 def shutdown() -> None:
+    """Leave the process group once nothing else holds it (collect first: DDP reducers keep references)."""
     if dist.is_initialized():
+        import gc
+
+        gc.collect()
         dist.destroy_process_group()
 
 

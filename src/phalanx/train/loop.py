@@ -2,24 +2,44 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
 
+from phalanx.errors import PhalanxError
 from phalanx.runtime.dist import all_reduce_sum
+from phalanx.runtime.faults import kill_self
+from phalanx.runtime.signals import Preempted
+from phalanx.runtime.watch import set_collective_timeout, set_phase
 from phalanx.train.evaluate import evaluate
 from phalanx.train.loss import count_target_tokens, token_loss_sum
 from phalanx.train.run import Run
 
 
+def inject_fault(run: Run, step: int, loss_sum: torch.Tensor) -> torch.Tensor:
+    fault, rank = run.fault, run.rank.rank
+    if fault is None:
+        return loss_sum
+    if fault.due("kill", step, rank):
+        kill_self()
+    if fault.due("raise", step, rank):
+        raise RuntimeError(f"injected fault in forward at step {step}")
+    if fault.due("nan", step, rank):
+        return loss_sum * float("nan")
+    return loss_sum
+
+
 def train_step(run: Run, micro_batches: list[dict]) -> dict:
     """One optimizer step over this rank's micro-batches; the loss is the mean over the global batch's target tokens."""
-    device, strategy = run.rank.device, run.strategy
+    device, strategy, step = run.rank.device, run.strategy, run.state.global_step + 1
+    # Token counts and the preemption flag travel in one collective: every rank learns both in the same step.
     counts = torch.tensor(
-        [sum(count_target_tokens(mb["labels"]) for mb in micro_batches), sum(int(mb["attention_mask"].sum()) for mb in micro_batches)],
+        [sum(count_target_tokens(mb["labels"]) for mb in micro_batches),
+         sum(int(mb["attention_mask"].sum()) for mb in micro_batches), float(run.preemption.requested)],
         dtype=torch.float64, device=device,
     )
-    target_tokens, input_tokens = all_reduce_sum(counts).tolist()
+    target_tokens, input_tokens, preempt = all_reduce_sum(counts).tolist()
     # DDP averages gradients over ranks; multiplying by world size turns that average into a global token sum.
     scale = run.rank.world_size / max(target_tokens, 1.0)
     loss_total = torch.zeros((), dtype=torch.float64, device=device)
@@ -27,22 +47,29 @@ def train_step(run: Run, micro_batches: list[dict]) -> dict:
         mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
         with strategy.micro_step(sync_gradients=i == len(micro_batches) - 1):
             with strategy.autocast():
-                loss_sum = token_loss_sum(run.model, mb)
+                loss_sum = inject_fault(run, step, token_loss_sum(run.model, mb))
             strategy.backward(loss_sum * scale)
         loss_total += loss_sum.detach().double()
-    grad_norm = strategy.step(run.cfg.training.max_grad_norm)
-    lr = run.scheduler.get_last_lr()[0]
-    run.scheduler.step()
+    # Reduced before the optimizer step, so a NaN on any rank is seen, and decided on, by all of them.
     loss = (all_reduce_sum(loss_total) / max(target_tokens, 1.0)).item()
-    return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "target_tokens": int(target_tokens), "input_tokens": int(input_tokens)}
+    lr = run.scheduler.get_last_lr()[0]
+    metrics = {"loss": loss, "lr": lr, "target_tokens": int(target_tokens), "input_tokens": int(input_tokens),
+               "preempt": preempt > 0, "finite": math.isfinite(loss)}
+    if not metrics["finite"]:
+        strategy.discard_gradients()
+        return {**metrics, "grad_norm": float("nan")}
+    metrics["grad_norm"] = strategy.step(run.cfg.training.max_grad_norm)
+    run.scheduler.step()
+    return metrics
 
 
 def run_eval(run: Run) -> dict | None:
     if run.eval_batches is None:
         return None
+    step = run.state.global_step
+    set_phase(run.rank.rank, f"evaluating at step {step}")
     metrics = evaluate(run.strategy.eval_model(), run.eval_batches, run.rank.device, run.strategy.autocast)
     run.state.last_eval_loss = metrics["loss"]
-    step = run.state.global_step
     run.reporter.log(step, metrics, kind="eval")
     run.reporter.say(f"✅ Eval at step {step} | loss: {metrics['loss']:.4f} | perplexity: {metrics['perplexity']:.2f}")
     if run.state.best_eval_loss is None or metrics["loss"] < run.state.best_eval_loss:
@@ -53,14 +80,35 @@ def run_eval(run: Run) -> dict | None:
     return metrics
 
 
+def handle_non_finite(run: Run, metrics: dict) -> None:
+    """NaN/Inf global loss: the same decision on every rank, because the loss was reduced first."""
+    step = run.state.global_step + 1
+    if run.cfg.training.nan_policy == "stop":
+        run.save(f"checkpoint-{run.state.global_step}")
+        raise PhalanxError(f"non-finite loss ({metrics['loss']}) at step {step}; checkpoint-{run.state.global_step} "
+                           "saved. Lower the learning rate or check the data, then resume; or use --nan_policy skip.")
+    run.state.skipped_steps += 1
+    run.reporter.say(f"⚠️  Step {step}: non-finite loss ({metrics['loss']}); update skipped ({run.state.skipped_steps} so far)")
+
+
 def train(run: Run) -> None:
     cfg, state, reporter = run.cfg, run.state, run.reporter
     window = {"loss": 0.0, "steps": 0, "tokens": 0, "start": time.perf_counter()}
+    started = False
     while state.global_step < run.total_steps:
         run.sampler.set_epoch(state.epoch)
         epoch_losses = []
         for micro_batches in run.steps_of_epoch():
+            if run.fault is not None and run.fault.due("hang", state.global_step + 1, run.rank.rank):
+                return  # this rank stops taking part, as a rank with fewer batches would
+            set_phase(run.rank.rank, f"training step {state.global_step + 1}")
             metrics = train_step(run, micro_batches)
+            if not metrics["finite"]:
+                handle_non_finite(run, metrics)
+                continue
+            if not started:
+                set_collective_timeout(cfg.distributed.timeout_minutes)  # start-up (and the first step) is over
+                started = True
             state.global_step += 1
             state.tokens_seen += metrics["target_tokens"]
             epoch_losses.append(metrics["loss"])
@@ -74,8 +122,11 @@ def train(run: Run) -> None:
                 window = {"loss": 0.0, "steps": 0, "tokens": 0, "start": time.perf_counter()}
             if step % cfg.eval.eval_steps == 0 or last:
                 run_eval(run)
-            if step % cfg.checkpoint.save_steps == 0:
+            if step % cfg.checkpoint.save_steps == 0 or metrics["preempt"]:
                 run.save(f"checkpoint-{step}")
+            if metrics["preempt"]:
+                raise Preempted(f"preempted ({run.preemption.signal_name or 'signal on another rank'}) at step {step}; "
+                                f"checkpoint-{step} saved")
             if last:
                 break
         if run.sampler.exhausted:

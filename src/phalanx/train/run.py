@@ -21,7 +21,8 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 from phalanx.checkpoint.commit import apply_retention, fsync_tree
-from phalanx.checkpoint.io import save_checkpoint, save_model_files
+from phalanx.checkpoint.io import load_checkpoint, save_checkpoint, save_model_files
+from phalanx.checkpoint.resume import existing_run_artifacts, resume_point
 from phalanx.config.schema import RunConfig
 from phalanx.data.collate import pad_batch
 from phalanx.data.prepare import PreparedData, prepare_data
@@ -34,12 +35,12 @@ from phalanx.observe.metrics import Reporter
 from phalanx.observe.plot import plot_loss_curve
 from phalanx.parallel import Precision, Strategy, make_strategy
 from phalanx.runtime import dist as rt
+from phalanx.runtime.faults import Fault, planned_fault
 from phalanx.runtime.seed import seed_everything
+from phalanx.runtime.signals import PreemptionFlag
+from phalanx.runtime.watch import set_phase
 from phalanx.train.schedule import make_optimizer, make_scheduler
 from phalanx.train.state import TrainerState
-
-# What a finished or running phalanx job leaves in output_dir; any of it means "a run is here".
-RUN_ARTIFACTS = ("training_info.json", "final_training_info.json", "metrics.jsonl", "checkpoint-best")
 
 
 @dataclass
@@ -60,6 +61,9 @@ class Run:
     output_dir: Path
     state: TrainerState = field(default_factory=TrainerState)
     started: float = field(default_factory=time.perf_counter)
+    preemption: PreemptionFlag = field(default_factory=PreemptionFlag)
+    fault: Optional[Fault] = None
+    resumed_from: Optional[Path] = None
 
     def steps_of_epoch(self) -> Iterator[list[dict]]:
         """This epoch's remaining micro-batches, grouped per optimizer step (the last group may be short)."""
@@ -75,6 +79,7 @@ class Run:
     def save(self, name: str) -> None:
         """Commit a checkpoint folder atomically; keep retention and the info file up to date."""
         folder = self.output_dir / name
+        set_phase(self.rank.rank, f"saving {name}")
         save_checkpoint(
             folder, rank=self.rank, model=self.strategy.unwrap(), tokenizer=self.tokenizer,
             stateful={"optimizer": self.optimizer, "scheduler": self.scheduler, "precision": self.strategy},
@@ -87,20 +92,9 @@ class Run:
         rt.barrier()
 
 
-def existing_run_artifacts(output_dir: Path) -> list[str]:
-    if not output_dir.is_dir():
-        return []
-    return sorted(p.name for p in output_dir.iterdir() if p.name in RUN_ARTIFACTS or p.name.startswith("checkpoint-"))
-
-
-def check_output_dir(cfg: RunConfig) -> None:
-    """Refuse to mix a new run into an earlier one unless asked to replace it."""
-    found = existing_run_artifacts(Path(cfg.output_dir))
-    if found and not cfg.overwrite_output_dir:
-        raise ConfigError(
-            f"output_dir {cfg.output_dir} already holds a run ({', '.join(found[:4])}{' ...' if len(found) > 4 else ''}). "
-            "Choose another --output_dir, or pass --overwrite_output_dir true to replace it."
-        )
+def check_output_dir(cfg: RunConfig) -> Optional[Path]:
+    """Where this run starts (see checkpoint.resume); raises before anything is written when it cannot."""
+    return resume_point(cfg)
 
 
 def clear_previous_run(output_dir: Path) -> None:
@@ -130,10 +124,11 @@ def count_total_steps(cfg: RunConfig, train_rows: int, world_size: int) -> int:
 def build_run(cfg: RunConfig) -> Run:
     rank_id, world, _, local_world = rt.env_rank_info()
     rt.check_world_fits(local_world, cfg.distributed.backend)
-    check_output_dir(cfg)
+    resume_from = check_output_dir(cfg)
     # Tokenize before joining the process group: a long tokenization can never trip a collective timeout.
     tokenizer, data = load_data(cfg)
-    rank = rt.init_runtime(cfg.distributed.backend, cfg.distributed.timeout_minutes)
+    rank = rt.init_runtime(cfg.distributed.backend, cfg.distributed.init_timeout_minutes)
+    set_phase(rank.rank, "starting")
     seed_everything(cfg.training.seed)
     precision = Precision.choose(cfg.training.mixed_precision, rank.device)
     # Frozen base weights may live in the compute dtype; weights that train stay fp32 (master copy).
@@ -144,8 +139,9 @@ def build_run(cfg: RunConfig) -> Run:
 
     collate = partial(pad_batch, pad_token_id=tokenizer.pad_token_id)
     sampler = StatefulDistributedSampler(len(data.train), rank.rank, rank.world_size, seed=cfg.training.seed)
+    # The loader gets its own generator: drawing its base seed from the global RNG would shift dropout after a resume.
     train_loader = DataLoader(data.train, batch_size=cfg.training.batch_size, sampler=sampler, collate_fn=collate,
-                              pin_memory=rank.device.type == "cuda")
+                              pin_memory=rank.device.type == "cuda", generator=torch.Generator().manual_seed(cfg.training.seed))
     eval_batches = None
     if data.eval is not None and len(data.eval) > 0:
         shard = Subset(data.eval, eval_shard(len(data.eval), rank.rank, rank.world_size))
@@ -154,15 +150,24 @@ def build_run(cfg: RunConfig) -> Run:
     scheduler = make_scheduler(optimizer, cfg.training, total_steps)
 
     output_dir = Path(cfg.output_dir)
+    state = TrainerState()
+    if resume_from is not None:
+        saved = load_checkpoint(resume_from, rank=rank, model=strategy.unwrap(), finetune=cfg.model.finetune,
+                                stateful={"optimizer": optimizer, "scheduler": scheduler, "precision": strategy})
+        state.load_state_dict(saved)
+        sampler.load_state_dict(saved["sampler"])
+    elif rank.is_main:
+        clear_previous_run(output_dir)  # only reached on a fresh start: overwriting was allowed or nothing was there
     if rank.is_main:
-        clear_previous_run(output_dir)  # only reached when overwriting was allowed
         output_dir.mkdir(parents=True, exist_ok=True)
     rt.barrier()
-    reporter = Reporter(output_dir, is_main=rank.is_main, total_steps=total_steps,
+    reporter = Reporter(output_dir, is_main=rank.is_main, total_steps=total_steps, resume_step=state.global_step,
                         tensorboard=cfg.logging.tensorboard, progress_bar=cfg.logging.progress_bar)
     run = Run(cfg=cfg, rank=rank, tokenizer=tokenizer, model=model, strategy=strategy, optimizer=optimizer,
               scheduler=scheduler, sampler=sampler, train_loader=train_loader, eval_batches=eval_batches,
-              reporter=reporter, data=data, total_steps=total_steps, output_dir=output_dir)
+              reporter=reporter, data=data, total_steps=total_steps, output_dir=output_dir, state=state,
+              fault=planned_fault(), resumed_from=resume_from)
+    run.preemption.install()
     announce(run)
     return run
 
@@ -187,6 +192,9 @@ def announce(run: Run) -> None:
         f"{cfg.data.truncation}); tokenization {'cached' if r.cache_hit else 'done'} ({r.cache_dir})")
     for reason in r.skip_reasons:
         say(f"   skipped: {reason}")
+    if run.resumed_from is not None:
+        say(f"↩️  Resuming from {run.resumed_from} at step {run.state.global_step} (epoch {run.state.epoch}, "
+            f"{run.state.tokens_seen:,} tokens seen, best eval loss {run.state.best_eval_loss})")
     say("🚀 Starting distributed training...")
 
 
@@ -208,6 +216,7 @@ def info_payload(run: Run) -> dict:
         "effective_batch_size": cfg.training.batch_size * run.rank.world_size * cfg.training.gradient_accumulation_steps,
         "learning_rate": cfg.training.learning_rate,
         "tokens_seen": state.tokens_seen,
+        "skipped_steps": state.skipped_steps,
         "strategy": run.strategy.name,
     }
 
@@ -220,6 +229,7 @@ def write_info(run: Run, path: Path, extra: Optional[dict] = None) -> None:
 
 def finish_run(run: Run) -> dict:
     """Final model at output_dir, info files, loss plot and summary. Returns the summary on every rank."""
+    set_phase(run.rank.rank, "finishing: gathering memory peaks")
     peaks = rt.gather_objects(peak_memory_mb(run.rank.device))
     elapsed = time.perf_counter() - run.started
     summary = {"train_seconds": round(elapsed, 2), "peak_memory_mb_per_rank": [round(p, 1) for p in peaks]}

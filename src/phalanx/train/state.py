@@ -14,6 +14,7 @@ class TrainerState:
     best_eval_loss: Optional[float] = None
     best_step: Optional[int] = None
     last_eval_loss: Optional[float] = None
+    skipped_steps: int = 0  # steps whose global loss was NaN/Inf and whose update was dropped
 
     def state_dict(self) -> dict:
         return asdict(self)

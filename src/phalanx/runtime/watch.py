@@ -1,0 +1,43 @@
+"""What each rank is doing, kept in the rendezvous store so a failure report can name the rank that stopped.
+
+Each rank records a short phase ("step 12", "saving checkpoint-10", "finishing") in the
+store the ranks share. When a collective fails or times out, the rank that noticed reads
+every rank's last phase: the one that differs is the one that stopped taking part.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+_KEY = "phalanx/phase/{}"
+
+
+def set_phase(rank: int, phase: str) -> None:
+    if dist.is_initialized():
+        c10d._get_default_store().set(_KEY.format(rank), phase)
+
+
+def describe_ranks(world_size: int) -> str:
+    """One line per rank with its last recorded phase (best effort: the store may be gone too)."""
+    if not dist.is_initialized():
+        return ""
+    try:
+        store = c10d._get_default_store()
+        store.set_timeout(timedelta(seconds=5))
+        parts = []
+        for r in range(world_size):
+            key = _KEY.format(r)
+            phase = store.get(key).decode() if store.check([key]) else "not started"
+            parts.append(f"rank {r}: {phase}")
+        return "; ".join(parts)
+    except Exception as exc:  # the store's host may have died with its rank
+        return f"(ranks' phases unavailable: {exc})"
+
+
+def set_collective_timeout(minutes: float) -> None:
+    """Switch from the generous start-up timeout to the training one (a missing rank is noticed sooner)."""
+    if dist.is_initialized():
+        c10d._set_pg_timeout(timedelta(minutes=minutes), None)

@@ -1,0 +1,93 @@
+"""Exact resume: SIGKILL every rank mid-step, rerun, and every later loss is bit-identical (DDP, CPU, fp32)."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from helpers import read_metrics, run_phalanx, write_chat_jsonl
+
+pytestmark = pytest.mark.distributed
+
+# lora dropout stays on: identical losses after a resume prove the RNG state came back too.
+COMMON = ["--max_steps", "8", "--save_steps", "2", "--log_steps", "1", "--eval_steps", "4", "--test_size", "0.2",
+          "--lora_dropout", "0.1", "--learning_rate", "1e-2", "--max_length", "768", "--lora_r", "4", "--batch_size", "2",
+          "--logging.progress_bar", "false"]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    return write_chat_jsonl(tmp_path_factory.mktemp("resume") / "train.jsonl", 30)
+
+
+def train(dataset: Path, out: Path, *extra: str, world: int = 2, fault: str | None = None):
+    env = {"PHALANX_FAULT": fault} if fault else None
+    return run_phalanx("train", "--dataset_path", str(dataset), "--output_dir", str(out), "--world_size", str(world),
+                       *COMMON, *extra, env=env)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(dataset, tmp_path_factory):
+    out = tmp_path_factory.mktemp("full")
+    proc = train(dataset, out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def killed(dataset, tmp_path_factory):
+    """A run whose every rank is SIGKILLed in the middle of step 5 (after forward, before the update)."""
+    out = tmp_path_factory.mktemp("killed")
+    proc = train(dataset, out, fault="kill@step=5")
+    assert proc.returncode != 0 and "killed by SIGKILL" in proc.stderr, proc.stderr[-3000:]
+    return out
+
+
+def test_resume_after_sigkill_is_bit_identical(dataset, uninterrupted, killed, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(killed, out)
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
+    proc = train(dataset, out)  # the same command again: resumes from the newest committed checkpoint
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Resuming from" in proc.stdout and "checkpoint-4 at step 4" in proc.stdout
+    reference = [r["loss"] for r in read_metrics(uninterrupted)]
+    resumed = [r["loss"] for r in read_metrics(out)]
+    assert resumed == reference  # bit-identical: exact float equality, steps 1-4 from before, 5-8 after the kill
+    assert [r["loss"] for r in read_metrics(out, "eval")] == [r["loss"] for r in read_metrics(uninterrupted, "eval")]
+    final = json.loads((out / "final_training_info.json").read_text())
+    ref = json.loads((uninterrupted / "final_training_info.json").read_text())
+    for key in ("global_step", "tokens_seen", "best_eval_loss", "best_step", "epoch"):
+        assert final[key] == ref[key], key
+
+
+def test_resume_on_one_rank_continues_the_same_data(dataset, killed, tmp_path):
+    """2 -> 1 ranks: the global data position carries over; the one rank reads the rows both would have read."""
+    out = tmp_path / "run"
+    shutil.copytree(killed, out)
+    proc = train(dataset, out, "--batch_size", "4", "--force", world=1)  # same global batch on one rank
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "checkpoint-4 at step 4" in proc.stdout
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, 9))
+    state = json.loads((out / "checkpoint-8" / "trainer_state.json").read_text())
+    assert state["sampler"]["world_size"] == 1 and state["tokens_seen"] > 0
+
+
+def test_changed_config_is_shown_and_refused_unless_forced(dataset, killed, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(killed, out)
+    proc = train(dataset, out, "--learning_rate", "3e-2")
+    assert proc.returncode == 2
+    assert "different config" in proc.stderr and "training.learning_rate: 0.01 -> 0.03" in proc.stderr and "--force" in proc.stderr
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4], "a refused resume touches nothing"
+    proc = train(dataset, out, "--learning_rate", "3e-2", "--force")
+    assert proc.returncode == 0 and "checkpoint-4 at step 4" in proc.stdout
+
+
+def test_named_checkpoint_and_finished_run(dataset, uninterrupted, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)
+    proc = train(dataset, out)
+    assert proc.returncode == 2 and "finished run" in proc.stderr
+    proc = train(dataset, out, "--resume_from_checkpoint", str(out / "checkpoint-6"), "--max_steps", "7", "--force")
+    assert proc.returncode == 0 and "checkpoint-6 at step 6" in proc.stdout
+    assert json.loads((out / "final_training_info.json").read_text())["global_step"] == 7
