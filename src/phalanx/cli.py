@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import sys
+from pathlib import Path
 from typing import Optional, Sequence
 
 from phalanx.errors import PhalanxError
@@ -79,6 +81,15 @@ def train_worker(cfg) -> int:
         return PREEMPTED_EXIT_CODE
     except PhalanxError:
         raise
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EACCES, errno.EROFS, errno.EDQUOT):
+            raise
+        from phalanx.checkpoint.commit import committed_step_checkpoints
+
+        kept = [p.name for _, p in committed_step_checkpoints(Path(cfg.output_dir))]
+        raise PhalanxError(f"rank {rank} cannot write to output_dir {cfg.output_dir}: {exc.strerror} ({exc.filename}). "
+                           f"Committed checkpoints are intact: {kept or 'none yet'}; free space or fix permissions, "
+                           "then rerun the same command to resume.") from None
     except Exception as exc:
         if world > 1:
             raise PhalanxError(f"rank {rank} failed: {type(exc).__name__}: {exc}\n  what each rank was doing: "

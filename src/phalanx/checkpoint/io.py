@@ -12,6 +12,7 @@ Layout of checkpoint-{step}/ (and checkpoint-best/):
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any, Optional
 
@@ -24,6 +25,20 @@ from phalanx.checkpoint.commit import commit, fresh_staging_dir
 from phalanx.errors import PhalanxError
 from phalanx.runtime import dist as rt
 from phalanx.runtime.seed import load_rng_state, rng_state
+
+
+class CheckpointWriteError(PhalanxError):
+    def __init__(self, final: Path, exc: Exception):
+        from phalanx.checkpoint.commit import committed_step_checkpoints
+
+        free_mb = shutil.disk_usage(final.parent).free / 2**20 if final.parent.exists() else 0.0
+        kept = [p.name for _, p in committed_step_checkpoints(final.parent)]
+        shutil.rmtree(final.parent / f".{final.name}.staging", ignore_errors=True)
+        super().__init__(
+            f"cannot write checkpoint {final.name} into {final.parent}: {exc}. Free space there: {free_mb:.1f} MB. "
+            f"Committed checkpoints are intact: {kept or 'none yet'}. Free space or fix permissions, then rerun "
+            "the same command to resume."
+        )
 
 
 def _portable_rng(state: dict) -> dict:
@@ -61,14 +76,17 @@ def save_checkpoint(
     trainer_state: dict,
 ) -> None:
     """Every rank calls this. `stateful` maps names to objects with state_dict() saved by rank 0."""
-    staging = fresh_staging_dir(final) if rank.is_main else final.parent / f".{final.name}.staging"
-    rt.barrier()  # staging exists before any rank writes into it
-    torch.save(_portable_rng(rng_state()), staging / f"rng_state_{rank.rank}.pt")
-    if rank.is_main:
-        save_model_files(model, tokenizer, staging)
-        for name, obj in stateful.items():
-            torch.save(obj.state_dict(), staging / f"{name}.pt")
-        (staging / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2, default=str), encoding="utf-8")
+    try:
+        staging = fresh_staging_dir(final) if rank.is_main else final.parent / f".{final.name}.staging"
+        rt.barrier()  # staging exists before any rank writes into it
+        torch.save(_portable_rng(rng_state()), staging / f"rng_state_{rank.rank}.pt")
+        if rank.is_main:
+            save_model_files(model, tokenizer, staging)
+            for name, obj in stateful.items():
+                torch.save(obj.state_dict(), staging / f"{name}.pt")
+            (staging / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2, default=str), encoding="utf-8")
+    except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as a RuntimeError
+        raise CheckpointWriteError(final, exc) from exc
     rt.barrier()  # every rank's files are written
     if rank.is_main:
         commit(staging, final, {"global_step": trainer_state.get("global_step"), "world_size": rank.world_size})

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
+from pathlib import Path
 import uuid
 from typing import Optional, Sequence
 
@@ -36,13 +38,23 @@ def launch_local(module_args: Sequence[str], nproc: int, master_port: Optional[i
         max_restarts=max_restarts,
         monitor_interval=0.2,  # notice a dead rank quickly and stop the others
     )
-    # SIGUSR1 is meant for the ranks (they save and stop); its default action would kill this launcher first.
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    # The elastic agent starts each rank in its own session, so a signal sent to this launcher's process group
+    # never reaches them: pass SIGUSR1 (SLURM's usual warning) on; the ranks save a checkpoint and stop.
+    signal.signal(signal.SIGUSR1, forward_to_children)
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "phalanx", *module_args)
+    except SignalException as exc:
+        # SIGTERM/SIGINT: the agent has already passed SIGTERM to the ranks, which save before they exit.
+        print(f"launcher received {exc.sigval.name}; the ranks saved a checkpoint if they reached a step boundary",
+              file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT_CODE
     except ChildFailedError as exc:
         codes = {f.exitcode for f in exc.failures.values()}
-        if codes == {PREEMPTED_EXIT_CODE}:
+        # A rank exits 75 only after the preemption checkpoint is committed (save ends in a barrier); the agent
+        # then stops the ranks still tearing down, which is no failure.
+        if PREEMPTED_EXIT_CODE in codes:
             return PREEMPTED_EXIT_CODE
         failed = ", ".join(f"rank {rank} ({describe_exit(f.exitcode)})" for rank, f in sorted(exc.failures.items()))
         raise PhalanxError(f"failed on {failed}; the other ranks were stopped. See the rank's message above.") from None
@@ -55,3 +67,24 @@ def describe_exit(code: int) -> str:
     if code < 0:
         return f"killed by {signal.Signals(-code).name}"
     return f"exit code {code}"
+
+
+def child_pids(parent: int) -> list[int]:
+    """Direct children of `parent`, read from /proc (Linux)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the process ended while we looked
+        if int(fields[1]) == parent:
+            children.append(int(stat.parent.name))
+    return children
+
+
+def forward_to_children(signum, frame) -> None:
+    for pid in child_pids(os.getpid()):
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass

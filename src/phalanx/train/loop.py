@@ -17,6 +17,10 @@ from phalanx.train.loss import count_target_tokens, token_loss_sum
 from phalanx.train.run import Run
 
 
+# Skipping cannot rescue a run whose loss is NaN step after step (diverged weights): stop instead of looping.
+MAX_CONSECUTIVE_SKIPS = 10
+
+
 def inject_fault(run: Run, step: int, loss_sum: torch.Tensor) -> torch.Tensor:
     fault, rank = run.fault, run.rank.rank
     if fault is None:
@@ -26,6 +30,7 @@ def inject_fault(run: Run, step: int, loss_sum: torch.Tensor) -> torch.Tensor:
     if fault.due("raise", step, rank):
         raise RuntimeError(f"injected fault in forward at step {step}")
     if fault.due("nan", step, rank):
+        run.fault = None  # once: the step number does not advance past a skipped step
         return loss_sum * float("nan")
     return loss_sum
 
@@ -88,7 +93,11 @@ def handle_non_finite(run: Run, metrics: dict) -> None:
         raise PhalanxError(f"non-finite loss ({metrics['loss']}) at step {step}; checkpoint-{run.state.global_step} "
                            "saved. Lower the learning rate or check the data, then resume; or use --nan_policy skip.")
     run.state.skipped_steps += 1
+    run.consecutive_skips += 1
     run.reporter.say(f"⚠️  Step {step}: non-finite loss ({metrics['loss']}); update skipped ({run.state.skipped_steps} so far)")
+    if run.consecutive_skips >= MAX_CONSECUTIVE_SKIPS:
+        raise PhalanxError(f"the loss stayed non-finite for {MAX_CONSECUTIVE_SKIPS} steps in a row from step {step}; "
+                           "the run cannot recover by skipping. Lower the learning rate or check the data.")
 
 
 def train(run: Run) -> None:
@@ -106,6 +115,7 @@ def train(run: Run) -> None:
             if not metrics["finite"]:
                 handle_non_finite(run, metrics)
                 continue
+            run.consecutive_skips = 0
             if not started:
                 set_collective_timeout(cfg.distributed.timeout_minutes)  # start-up (and the first step) is over
                 started = True

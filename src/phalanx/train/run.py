@@ -64,6 +64,7 @@ class Run:
     preemption: PreemptionFlag = field(default_factory=PreemptionFlag)
     fault: Optional[Fault] = None
     resumed_from: Optional[Path] = None
+    consecutive_skips: int = 0
 
     def steps_of_epoch(self) -> Iterator[list[dict]]:
         """This epoch's remaining micro-batches, grouped per optimizer step (the last group may be short)."""

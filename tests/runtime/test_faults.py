@@ -1,0 +1,133 @@
+"""Faults on real ranks: a rank that raises, dies, stops taking part or sees NaN; preemption; a full disk.
+
+Every case must end every rank within the timeout with a message naming the rank, keep what was
+committed, and (for NaN and preemption) decide the same on all ranks.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import ROOT, read_metrics, run_phalanx, write_chat_jsonl
+
+from phalanx.checkpoint.commit import committed_step_checkpoints
+
+pytestmark = pytest.mark.distributed
+
+COMMON = ["--world_size", "2", "--save_steps", "2", "--log_steps", "1", "--eval_steps", "100", "--test_size", "0",
+          "--lora_dropout", "0", "--learning_rate", "1e-2", "--max_length", "768", "--lora_r", "4", "--batch_size", "2",
+          "--logging.progress_bar", "false"]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    return write_chat_jsonl(tmp_path_factory.mktemp("faults") / "train.jsonl", 24)
+
+
+def train(dataset: Path, out: Path, *extra: str, fault: str | None = None, timeout: float = 300):
+    env = {"PHALANX_FAULT": fault} if fault else None
+    start = time.monotonic()
+    proc = run_phalanx("train", "--dataset_path", str(dataset), "--output_dir", str(out), *COMMON, *extra, env=env, timeout=timeout)
+    return proc, time.monotonic() - start
+
+
+def test_rank_that_raises_in_forward_stops_everyone_and_is_named(dataset, tmp_path):
+    proc, _ = train(dataset, tmp_path / "o", "--max_steps", "6", fault="raise@step=3,rank=1")
+    assert proc.returncode != 0
+    assert "rank 1" in proc.stderr and "injected fault in forward at step 3" in proc.stderr
+    assert [s for s, _ in committed_step_checkpoints(tmp_path / "o")] == [2]
+
+
+def test_rank_killed_mid_step_is_named(dataset, tmp_path):
+    proc, _ = train(dataset, tmp_path / "o", "--max_steps", "6", fault="kill@step=3,rank=1")
+    assert proc.returncode != 0 and "rank 1 (killed by SIGKILL)" in proc.stderr
+
+
+def test_rank_that_stops_taking_part_is_named_within_the_timeout(dataset, tmp_path):
+    """Rank 1 leaves the loop at step 3 (fewer batches than rank 0); rank 0 waits in a collective until the timeout."""
+    proc, elapsed = train(dataset, tmp_path / "o", "--max_steps", "6", "--distributed.timeout_minutes", "0.1",
+                          fault="hang@step=3,rank=1")
+    assert proc.returncode != 0
+    assert "rank 1: finishing" in proc.stderr and "rank 0: training step 3" in proc.stderr, proc.stderr[-2000:]
+    assert elapsed < 120
+
+
+def test_nan_loss_on_one_rank_is_skipped_by_all(dataset, tmp_path):
+    out = tmp_path / "o"
+    proc, _ = train(dataset, out, "--max_steps", "4", fault="nan@step=3,rank=1")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "non-finite loss" in proc.stdout
+    info = json.loads((out / "final_training_info.json").read_text())
+    assert info["skipped_steps"] == 1 and info["global_step"] == 4
+    assert all(r["loss"] == r["loss"] for r in read_metrics(out)), "no NaN reaches the logged losses"
+
+
+def test_nan_loss_with_stop_policy_saves_and_exits(dataset, tmp_path):
+    out = tmp_path / "o"
+    proc, _ = train(dataset, out, "--max_steps", "6", "--save_steps", "100", "--nan_policy", "stop", fault="nan@step=3,rank=0")
+    assert proc.returncode != 0 and "non-finite loss" in proc.stderr and "checkpoint-2 saved" in proc.stderr
+    assert [s for s, _ in committed_step_checkpoints(out)] == [2]
+
+
+def test_sigusr1_saves_a_checkpoint_and_exits_for_requeue(dataset, tmp_path):
+    out = tmp_path / "o"
+    cmd = [sys.executable, "-m", "phalanx", "train", "--dataset_path", str(dataset), "--output_dir", str(out),
+           *COMMON, "--max_steps", "200", "--save_steps", "1000"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if (out / "metrics.jsonl").is_file() and len(read_metrics(out)) >= 2:
+            break
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGUSR1)  # SLURM's --signal=B:USR1 warns the launcher; it passes the signal to the ranks
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 75, stderr[-3000:]
+    assert "preempted (SIGUSR1)" in stderr
+    steps = [s for s, _ in committed_step_checkpoints(out)]
+    assert len(steps) == 1 and steps[0] >= 2
+    resumed = run_phalanx("train", "--dataset_path", str(dataset), "--output_dir", str(out), *COMMON,
+                          "--max_steps", "200", "--save_steps", "1000", "--max_steps", str(steps[0] + 2), "--force")
+    assert resumed.returncode == 0 and f"checkpoint-{steps[0]} at step {steps[0]}" in resumed.stdout
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8M", "tmpfs", str(mount)], capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.fail(f"this test needs to mount a small tmpfs (as root) to fill a disk for real: {result.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_full_disk_at_save_time_keeps_the_previous_checkpoint(dataset, small_disk):
+    out = small_disk / "run"
+    cmd = [sys.executable, "-m", "phalanx", "train", "--dataset_path", str(dataset), "--output_dir", str(out),
+           *COMMON, "--max_steps", "200", "--logging.tensorboard", "false"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and not committed_step_checkpoints(out):
+        time.sleep(0.1)
+    filler = small_disk / "filler"
+    with open(filler, "wb") as f:  # take every remaining byte
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+        except OSError:
+            pass
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert "cannot write checkpoint checkpoint-" in stderr and "Free space there: 0.0 MB" in stderr, stderr[-3000:]
+    assert "Committed checkpoints are intact: ['checkpoint-2'" in stderr
+    kept = committed_step_checkpoints(out)
+    assert kept and kept[0][0] == 2
+    filler.unlink()
+    from safetensors.torch import load_file
+
+    assert load_file(kept[-1][1] / "adapter_model.safetensors"), "the committed checkpoint still loads"
