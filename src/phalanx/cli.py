@@ -58,7 +58,8 @@ def cmd_train(args: Sequence[str]) -> int:
         check_world_fits(cfg.distributed.world_size, cfg.distributed.backend)
         check_output_dir(cfg)
         load_data(cfg)  # tokenizes into the shared cache; the ranks then load it
-        return launch_local(["train", *args], cfg.distributed.world_size, cfg.distributed.master_port)
+        return launch_local(["train", *args], cfg.distributed.world_size, cfg.distributed.master_port,
+                            max_restarts=cfg.distributed.max_restarts)
     return train_worker(cfg)
 
 

@@ -91,3 +91,20 @@ def test_named_checkpoint_and_finished_run(dataset, uninterrupted, tmp_path):
     proc = train(dataset, out, "--resume_from_checkpoint", str(out / "checkpoint-6"), "--max_steps", "7", "--force")
     assert proc.returncode == 0 and "checkpoint-6 at step 6" in proc.stdout
     assert json.loads((out / "final_training_info.json").read_text())["global_step"] == 7
+
+
+def test_elastic_restart_resumes_and_finishes_like_an_uninterrupted_run(dataset, uninterrupted, tmp_path):
+    """--max_restarts 1: rank 1 is SIGKILLed mid step 5; the agent restarts both ranks, which resume from checkpoint-4."""
+    out = tmp_path / "run"
+    proc = train(dataset, out, "--max_restarts", "1", fault="kill@step=5,rank=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "checkpoint-4 at step 4" in proc.stdout
+    assert [r["loss"] for r in read_metrics(out)] == [r["loss"] for r in read_metrics(uninterrupted)]
+
+
+def test_checkpoint_of_another_adapter_shape_is_refused_with_names(dataset, killed, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(killed, out)
+    proc = train(dataset, out, "--lora_r", "8", "--force")
+    assert proc.returncode != 0
+    assert "lora_A" in proc.stderr and "shape" in proc.stderr and "[4," in proc.stderr and "[8," in proc.stderr, proc.stderr[-2000:]

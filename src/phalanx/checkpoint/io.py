@@ -113,24 +113,31 @@ def load_checkpoint(
 def load_model_weights(model: nn.Module, folder: Path, finetune: str) -> None:
     """Load saved safetensors into `model`, refusing a checkpoint of another shape with the names that differ."""
     if finetune == "lora":
-        from peft import set_peft_model_state_dict
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
         state = load_file(folder / "adapter_model.safetensors")
-        result = set_peft_model_state_dict(model, state)
-        unexpected = list(getattr(result, "unexpected_keys", []) or [])
-        if unexpected:
-            raise PhalanxError(f"{folder}: adapter weights do not match this model: unexpected {unexpected[:5]}")
+        check_same_shapes(folder, state, get_peft_model_state_dict(model), allow_missing=set())
+        set_peft_model_state_dict(model, state)
         return
     state = load_file(folder / "model.safetensors")
     own = model.state_dict()
-    mismatched = [k for k, v in state.items() if k in own and own[k].shape != v.shape]
-    unexpected = [k for k in state if k not in own]
-    if mismatched or unexpected:
-        raise PhalanxError(f"{folder}: weights do not match this model: shape differs for {mismatched[:5]}, unknown {unexpected[:5]}")
-    missing = model.load_state_dict(state, strict=False).missing_keys
-    tied = {k for k in missing if _is_tied(model, k)}
-    if set(missing) - tied:
-        raise PhalanxError(f"{folder}: weights missing from the checkpoint: {sorted(set(missing) - tied)[:5]}")
+    # save_pretrained leaves out weights tied to others (the output head tied to the embeddings).
+    check_same_shapes(folder, state, own, allow_missing={k for k in own if _is_tied(model, k)})
+    model.load_state_dict(state, strict=False)
+
+
+def check_same_shapes(folder: Path, saved: dict, expected: dict, allow_missing: set) -> None:
+    """Refuse a checkpoint of another model or adapter shape, naming the tensors that differ."""
+    shapes = [f"{k}: checkpoint {list(v.shape)} vs model {list(expected[k].shape)}"
+              for k, v in saved.items() if k in expected and expected[k].shape != v.shape]
+    unknown = [k for k in saved if k not in expected]
+    missing = [k for k in expected if k not in saved and k not in allow_missing]
+    if shapes or unknown or missing:
+        raise PhalanxError(
+            f"{folder} does not fit this model: {len(shapes)} tensor(s) differ in shape {shapes[:3]}, "
+            f"{len(unknown)} unknown {unknown[:3]}, {len(missing)} missing {missing[:3]}. "
+            "Resume with the model and adapter settings it was trained with."
+        )
 
 
 def _is_tied(model: nn.Module, key: str) -> bool:

@@ -53,6 +53,7 @@ FLAT_FLAGS: dict[str, str] = {
     "backend": "distributed.backend",
     "ddp_comm_hook": "distributed.ddp_comm_hook",
     "master_port": "distributed.master_port",
+    "max_restarts": "distributed.max_restarts",
     "output_dir": "output_dir",
     "overwrite_output_dir": "overwrite_output_dir",
     "force": "force",

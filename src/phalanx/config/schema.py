@@ -114,6 +114,7 @@ class DistributedConfig(Section):
     world_size: int = Field(1, gt=0, description="Processes to start on this machine (ignored under torchrun, which sets it).")
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="'auto' is NCCL on CUDA, gloo on CPU.")
     ddp_comm_hook: Literal["none", "fp16", "bf16"] = Field("none", description="Compress DDP gradients before the all-reduce.")
+    max_restarts: int = Field(0, ge=0, description="Restart all ranks this many times when one fails; each restart resumes from the newest committed checkpoint.")
     master_port: Optional[int] = Field(None, gt=0, lt=65536, description="Rendezvous port for --world_size; a free one when unset.")
     init_timeout_minutes: float = Field(10, gt=0, description="How long ranks wait for each other to start (and through the first step).")
     timeout_minutes: float = Field(5, gt=0, description="How long a training collective may wait for a missing rank before every rank gives up.")

@@ -91,8 +91,23 @@ def init_runtime(backend: str = "auto", timeout_minutes: float = 10.0) -> RankIn
             backend=backend,
             timeout=timedelta(minutes=timeout_minutes),
             device_id=device if backend == "nccl" else None,
+            **attempt_store(rank, world, timeout_minutes),
         )
     return RankInfo(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world, device=device)
+
+
+def attempt_store(rank: int, world: int, timeout_minutes: float) -> dict:
+    """Under torch's elastic agent, give each restart attempt its own key space in the agent's store.
+
+    The agent keeps one store across restarts; without a per-attempt prefix, restarted ranks can read
+    the previous attempt's gloo addresses and fail to connect to ranks that no longer exist.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                           timeout=timedelta(minutes=timeout_minutes))
+    return {"store": dist.PrefixStore(f"phalanx/attempt_{attempt}", client), "rank": rank, "world_size": world}
 
 
 def shutdown() -> None:

@@ -26,7 +26,8 @@ class Fault:
 
 def planned_fault() -> Optional[Fault]:
     spec = os.environ.get("PHALANX_FAULT")
-    if not spec:
+    # Only the first attempt fails: a restarted job (torchrun --max-restarts) must be able to recover.
+    if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         return None
     kind, _, rest = spec.partition("@")
     fields = dict(item.split("=", 1) for item in rest.split(",") if item)

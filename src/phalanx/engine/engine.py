@@ -1,0 +1,458 @@
+"""TrainingEngine: seed 004's API for training any PyTorch model on one process or many ranks.
+
+Built from the parts `phalanx train` uses, not beside them: the runtime joins the process
+group, a Strategy (DDP or single) wraps the model and applies AMP and gradient steps, the
+checkpoint component commits best/last folders, the Reporter writes rank-0 metrics and the
+progress bar. What is particular to arbitrary models lives next to this file: synchronised
+BatchNorm on every device (syncbn.py), EMA weights (ema.py) and count-weighted epoch
+metrics (metrics.py).
+
+Batches are `(inputs, targets)` pairs; `model(inputs)` gives outputs and
+`criterion(outputs, targets)` a batch-mean loss.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Iterable, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from phalanx.engine.checkpoint import load_engine_checkpoint, save_engine_checkpoint
+from phalanx.engine.ema import ModelEMA
+from phalanx.engine.metrics import MetricTotals, reduce_tensor
+from phalanx.engine.syncbn import convert_sync_batchnorm, has_batchnorm
+from phalanx.errors import ConfigError
+from phalanx.observe.metrics import Reporter
+from phalanx.parallel.base import Precision, Strategy
+from phalanx.runtime import dist as rt
+
+# launch_distributed_training tells its ranks the backend through this variable, so a train_fn
+# that calls TrainingEngine.setup_distributed(rank, world_size) without one gets the launcher's.
+BACKEND_ENV = "PHALANX_ENGINE_BACKEND"
+DEFAULT_PORT = "12355"  # seed 004's rendezvous port when MASTER_PORT is unset
+MONITORS = ("val_loss", "val_acc", "train_loss", "train_acc")  # what checkpoint-best can follow
+
+
+class DistributedFallbackWarning(RuntimeWarning):
+    """Distributed training was asked for but could not start; the run continues in one process."""
+
+
+def warn_fallback(message: str) -> None:
+    warnings.warn(f"⚠️  {message}", DistributedFallbackWarning, stacklevel=3)
+
+
+class TrainingEngine:
+    """Train `model` with DDP across ranks (when `distributed`) or in one process, with optional AMP and EMA.
+
+    Seed 004's arguments keep their meaning; the keyword-only ones are phalanx additions:
+    `output_dir` (checkpoints and metrics go to output_dir/experiment_name), `sync_batchnorm`
+    (convert BatchNorm layers when distributed), `amp_dtype` ('auto' = bf16 where supported,
+    else fp16 with a GradScaler), `ema_warmup` (see ema.py), `progress_bar`, `tensorboard`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        device: Union[str, torch.device, None] = None,
+        distributed: bool = False,
+        local_rank: int = 0,
+        world_size: int = 1,
+        backend: Optional[str] = None,
+        use_amp: bool = False,
+        use_ema: bool = False,
+        ema_decay: float = 0.9999,
+        experiment_name: str = "experiment",
+        *,
+        output_dir: Union[str, Path] = "runs",
+        sync_batchnorm: bool = True,
+        amp_dtype: str = "auto",
+        ema_warmup: bool = True,
+        progress_bar: bool = True,
+        tensorboard: bool = True,
+    ):
+        if device is None:
+            device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = torch.device(device)
+        self.backend = backend
+        self.fallback_reason: Optional[str] = None
+        self.distributed = distributed and self._join_process_group(world_size, backend)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", local_rank if self.distributed else 0)
+        self.local_rank = local_rank if self.distributed else 0
+        self.rank = self._rank_info()
+        self.world_size = self.rank.world_size
+
+        self.strategy = self._make_strategy(use_amp, amp_dtype)
+        if self.distributed and sync_batchnorm and has_batchnorm(model):
+            # Statistics over the global batch: N ranks with batch b normalise like one process with N*b.
+            model = convert_sync_batchnorm(model, self.device)
+        self.model = self.strategy.setup_model(model)
+        self.ema = ModelEMA(self.unwrapped_model, ema_decay, ema_warmup) if use_ema else None
+        self.use_amp, self.use_ema = self.strategy.precision.dtype is not None, use_ema
+
+        self.experiment_name = experiment_name
+        self.output_dir = Path(output_dir) / experiment_name
+        self.progress_bar, self.tensorboard = progress_bar, tensorboard
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+        self.scheduler: Any = None
+        self.epochs_done = 0
+        self.global_step = 0
+        self.best_metric: Optional[float] = None
+        self.history: dict[str, list] = {}
+
+    # ---- distributed set-up (seed 004's static methods) -------------------------------------------
+
+    @staticmethod
+    def setup_distributed(rank: int, world_size: int, backend: Optional[str] = None,
+                          timeout_minutes: float = 10.0) -> rt.RankInfo:
+        """Join a process group of `world_size` ranks as `rank` (call it in every process before the engine).
+
+        backend None: the launcher's choice when started by launch_distributed_training, else NCCL on
+        CUDA and gloo on CPU. The rendezvous is MASTER_ADDR:MASTER_PORT (default localhost:12355).
+        Raises when the group cannot be formed; the environment is left as it was then.
+        """
+        backend = backend or os.environ.get(BACKEND_ENV) or "auto"
+        env = {
+            "RANK": str(rank), "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": os.environ.get("LOCAL_RANK", str(rank)),
+            "LOCAL_WORLD_SIZE": os.environ.get("LOCAL_WORLD_SIZE", str(world_size)),
+            "MASTER_ADDR": os.environ.get("MASTER_ADDR", "localhost"),
+            "MASTER_PORT": os.environ.get("MASTER_PORT", DEFAULT_PORT),
+        }
+        saved = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)
+        try:
+            return rt.init_runtime(backend, timeout_minutes)
+        except BaseException:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+            raise
+
+    @staticmethod
+    def cleanup_distributed() -> None:
+        rt.shutdown()
+
+    def _join_process_group(self, world_size: int, backend: Optional[str]) -> bool:
+        """True when a process group is up (joining it from torchrun's environment if needed), else warn."""
+        if not dist.is_initialized() and rt.launched_by_torchrun():
+            rank, world, _, _ = rt.env_rank_info()
+            try:
+                self.setup_distributed(rank, world, backend)
+            except Exception as exc:  # noqa: BLE001 - any start-up failure means the seed's fallback
+                self.fallback_reason = f"joining the process group failed: {type(exc).__name__}: {exc}"
+        if not dist.is_initialized():
+            self.fallback_reason = self.fallback_reason or (
+                "no process group is initialised (call TrainingEngine.setup_distributed(rank, world_size) first, "
+                "or start the script with launch_distributed_training or torchrun)")
+            warn_fallback(f"distributed=True but {self.fallback_reason}; training in a single process on {self.device}.")
+            return False
+        if dist.get_world_size() != world_size:
+            warnings.warn(f"world_size={world_size} was passed but the process group has {dist.get_world_size()} ranks; "
+                          "using the process group's", RuntimeWarning, stacklevel=3)
+        return True
+
+    def _rank_info(self) -> rt.RankInfo:
+        if not self.distributed:
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                raise ConfigError(f"a process group of {dist.get_world_size()} ranks is running but distributed=False: "
+                                  "pass distributed=True (ranks then share the work), or call "
+                                  "TrainingEngine.cleanup_distributed() first")
+            return rt.RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=self.device)
+        world = dist.get_world_size()
+        return rt.RankInfo(rank=dist.get_rank(), world_size=world, local_rank=self.local_rank,
+                           local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)), device=self.device)
+
+    def _make_strategy(self, use_amp: bool, amp_dtype: str) -> Strategy:
+        if amp_dtype not in ("auto", "bf16", "fp16"):
+            raise ConfigError(f"amp_dtype = {amp_dtype!r}; use 'auto' (bf16 where supported, else fp16), 'bf16' or 'fp16'")
+        if use_amp and self.device.type != "cuda" and self.rank.is_main:
+            warnings.warn(f"use_amp=True needs a CUDA device; this run is on {self.device} and trains in fp32",
+                          RuntimeWarning, stacklevel=3)
+        precision = Precision.choose(amp_dtype if use_amp and self.device.type == "cuda" else "no", self.device)
+        if not self.distributed:
+            return Strategy(self.rank, precision)
+        from phalanx.parallel.ddp import DDPStrategy
+
+        # Buffers (running statistics) follow rank 0 before every forward, as torch's DDP does by default.
+        return DDPStrategy(self.rank, precision, broadcast_buffers=True)
+
+    # ---- facts and reductions ----------------------------------------------------------------------
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.rank.is_main
+
+    @property
+    def unwrapped_model(self) -> nn.Module:
+        """The model without its DDP wrapper: what is saved, loaded and averaged by EMA."""
+        return self.strategy.unwrap()
+
+    @property
+    def scaler(self) -> Optional[torch.amp.GradScaler]:
+        return self.strategy.scaler
+
+    def reduce_tensor(self, tensor: torch.Tensor, average: bool = True) -> torch.Tensor:
+        """Mean (or sum) of `tensor` over ranks, on every rank; unchanged in one process. See metrics.reduce_tensor."""
+        return reduce_tensor(tensor, average) if self.distributed else tensor.detach().clone()
+
+    _reduce_tensor = reduce_tensor  # seed 004's name
+
+    # ---- the loop ---------------------------------------------------------------------------------
+
+    def train(self, train_loader: Iterable, val_loader: Optional[Iterable], optimizer: torch.optim.Optimizer,
+              criterion: nn.Module, scheduler: Any = None, num_epochs: int = 100, save_best: bool = True,
+              save_last: bool = True, *, resume_from: Union[str, Path, None] = None, monitor: str = "val_loss",
+              max_grad_norm: float = 0.0, scheduler_interval: str = "epoch") -> dict[str, list]:
+        """Train for `num_epochs` epochs (counting those a resumed checkpoint already did); returns the history.
+
+        history: lists per epoch of epoch, train_loss, val_loss, lr, epoch_time, and train_acc / val_acc
+        when outputs are class scores for integer labels. Every rank returns the same numbers.
+        `monitor` picks checkpoint-best (one of MONITORS): lower is better for losses, higher for accuracies.
+        `scheduler_interval`: 'epoch' (ReduceLROnPlateau gets the monitored value) or 'step'.
+        """
+        if scheduler_interval not in ("epoch", "step"):
+            raise ConfigError(f"scheduler_interval = {scheduler_interval!r}; use 'epoch' or 'step'")
+        if monitor not in MONITORS:
+            raise ConfigError(f"monitor = {monitor!r}; choose one of {', '.join(MONITORS)}")
+        self.attach(optimizer, scheduler)
+        self._check_batches_agree(train_loader)
+        if resume_from is not None:
+            self.load_checkpoint(resume_from)
+        reporter = self._reporter(train_loader, num_epochs, resumed=resume_from is not None)
+        self._announce(reporter, train_loader, num_epochs)
+        for epoch in range(self.epochs_done, num_epochs):
+            started = time.perf_counter()
+            for loader in (train_loader, val_loader):
+                set_sampler_epoch(loader, epoch)
+            lr = optimizer.param_groups[0]["lr"]
+            train_metrics = self.train_epoch(train_loader, criterion, max_grad_norm, scheduler_interval, reporter)
+            val_metrics = self.validate(val_loader, criterion) if val_loader is not None else None
+            record = self._record(epoch, train_metrics, val_metrics, lr, time.perf_counter() - started)
+            if scheduler is not None and scheduler_interval == "epoch":
+                step_scheduler(scheduler, record.get(self._monitor_key(monitor, record)))
+            reporter.log(self.global_step, record, kind="epoch")
+            reporter.say(epoch_line(record, num_epochs))
+            if save_best and self._improved(record, monitor):
+                self.save_checkpoint("checkpoint-best")
+                reporter.say(f"💾 New best {self._monitor_key(monitor, record)} {self.best_metric:.4f}: "
+                             f"{self.output_dir / 'checkpoint-best'}")
+            if save_last:
+                self.save_checkpoint("checkpoint-last")
+        reporter.close()
+        return self.history
+
+    def train_epoch(self, loader: Iterable, criterion: nn.Module, max_grad_norm: float = 0.0,
+                    scheduler_interval: str = "epoch", reporter: Optional[Reporter] = None) -> dict:
+        """One pass over `loader`; returns loss (and accuracy) averaged over every rank's samples."""
+        self.model.train()
+        totals = MetricTotals(self.device)
+        postfix: dict = {}
+        for i, batch in enumerate(loader):
+            inputs, targets = self._to_device(batch)
+            with self.strategy.autocast():
+                outputs = self.model(inputs)
+                loss = criterion(outputs, targets)
+            self.strategy.backward(loss)
+            self.strategy.step(max_grad_norm)
+            if self.ema is not None:
+                self.ema.update(self.unwrapped_model)  # every rank: the weights are the same after the all-reduce
+            if self.scheduler is not None and scheduler_interval == "step":
+                self.scheduler.step()
+            self.global_step += 1
+            totals.add(loss.detach().float(), outputs.detach(), targets)
+            if reporter is not None and reporter.is_main:
+                if i % 10 == 0:  # .item() waits for the device: only rank 0 reads it, every few steps
+                    postfix = {"loss": f"{loss.item():.4f}"}
+                reporter.advance(1, postfix)
+        return totals.reduce()
+
+    @torch.no_grad()
+    def validate(self, loader: Iterable, criterion: nn.Module) -> dict:
+        """Loss (and accuracy) over every rank's validation shard, on the EMA weights when EMA is on.
+
+        Runs on the unwrapped model, so ranks may hold different numbers of batches (no DDP collective).
+        """
+        model = self.ema.module if self.ema is not None else self.unwrapped_model
+        self._sync_buffers(model)
+        was_training = model.training
+        model.eval()
+        totals = MetricTotals(self.device)
+        for batch in loader:
+            inputs, targets = self._to_device(batch)
+            with self.strategy.autocast():
+                outputs = model(inputs)
+                loss = criterion(outputs, targets)
+            totals.add(loss.float(), outputs, targets)
+        model.train(was_training)
+        return totals.reduce()
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+
+    def attach(self, optimizer: torch.optim.Optimizer, scheduler: Any = None) -> None:
+        """Use the caller's optimizer (built on the model's parameters) and scheduler for steps and checkpoints."""
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.strategy.optimizer = optimizer
+        optimizer.zero_grad(set_to_none=True)
+
+    def _stateful(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"precision": self.strategy}
+        if self.optimizer is not None:
+            state["optimizer"] = self.optimizer
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler
+        if self.ema is not None:
+            state["ema"] = self.ema
+        return state
+
+    def save_checkpoint(self, name: str = "checkpoint-last") -> Path:
+        """Commit output_dir/name atomically (every rank calls it; rank 0 writes). Returns the folder."""
+        folder = self.output_dir / name
+        trainer_state = {"epochs_done": self.epochs_done, "global_step": self.global_step, "best_metric": self.best_metric,
+                         "history": self.history, "world_size": self.world_size, "experiment_name": self.experiment_name}
+        save_engine_checkpoint(folder, rank=self.rank, model=self.unwrapped_model, stateful=self._stateful(),
+                               trainer_state=trainer_state)
+        return folder
+
+    def load_checkpoint(self, folder: Union[str, Path], optimizer: Optional[torch.optim.Optimizer] = None,
+                        scheduler: Any = None) -> dict:
+        """Restore weights, EMA, optimizer/scheduler/scaler (those attached), RNG and counters from a checkpoint.
+
+        Weights land on this engine's device whatever device saved them; returns trainer_state.
+        """
+        if optimizer is not None:
+            self.attach(optimizer, scheduler)
+        state = load_engine_checkpoint(Path(folder), rank=self.rank, model=self.unwrapped_model, stateful=self._stateful())
+        self.epochs_done, self.global_step = int(state["epochs_done"]), int(state["global_step"])
+        self.best_metric, self.history = state.get("best_metric"), state.get("history", {})
+        return state
+
+    # ---- helpers ----------------------------------------------------------------------------------
+
+    def _to_device(self, batch) -> tuple[Any, torch.Tensor]:
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise ConfigError(f"TrainingEngine expects batches of (inputs, targets); got {type(batch).__name__}"
+                              f"{f' of length {len(batch)}' if isinstance(batch, (tuple, list)) else ''}")
+        return move_to(batch[0], self.device), move_to(batch[1], self.device)
+
+    def _sync_buffers(self, model: nn.Module) -> None:
+        """Rank 0's buffers everywhere, so every rank validates the same model."""
+        if self.distributed:
+            for buffer in model.buffers():
+                dist.broadcast(buffer, src=0)
+
+    def _check_batches_agree(self, loader: Iterable) -> None:
+        """Ranks must run the same number of training steps, or DDP's all-reduce waits forever."""
+        if not self.distributed:
+            return
+        try:
+            mine = len(loader)  # type: ignore[arg-type]
+        except TypeError:
+            return
+        counts = rt.gather_objects(mine)
+        if len(set(counts)) > 1:
+            raise ConfigError(f"train_loader yields {counts} batches on ranks 0..{len(counts) - 1}; every rank needs the "
+                              "same number. Use a DistributedSampler (or phalanx's StatefulDistributedSampler) for training")
+        sampler = getattr(loader, "sampler", None)
+        if sampler is not None and not hasattr(sampler, "set_epoch"):
+            warnings.warn("train_loader has no distributed sampler: every rank reads the whole dataset each epoch",
+                          RuntimeWarning, stacklevel=3)
+
+    def _reporter(self, loader: Iterable, num_epochs: int, resumed: bool) -> Reporter:
+        try:
+            total = len(loader) * num_epochs  # type: ignore[arg-type]
+        except TypeError:
+            total = None
+        extra = {"resume_step": self.global_step} if resumed else {}
+        return Reporter(self.output_dir, is_main=self.is_main_process, total_steps=total, tensorboard=self.tensorboard,
+                        progress_bar=self.progress_bar, **extra)
+
+    def _announce(self, reporter: Reporter, loader: Iterable, num_epochs: int) -> None:
+        say = reporter.say
+        batch = getattr(loader, "batch_size", None)
+        say("🔧 TrainingEngine configuration:")
+        say(f"   - World size: {self.world_size} ({self.strategy.name}, {self.device}"
+            f"{', ' + dist.get_backend() if self.distributed else ''})"
+            + (f" - fallback: {self.fallback_reason}" if self.fallback_reason else ""))
+        say(f"   - Batch size per rank: {batch}; effective: {batch * self.world_size if batch else '?'}")
+        say(f"   - Precision: {self.strategy.precision.dtype or 'fp32'}"
+            f"{' with GradScaler' if self.strategy.scaler else ''}; EMA: "
+            f"{f'decay {self.ema.decay}' if self.ema else 'off'}")
+        say(f"   - Epochs: {num_epochs} (starting at {self.epochs_done + 1}); outputs in {self.output_dir}")
+
+    def _record(self, epoch: int, train: dict, val: Optional[dict], lr: float, seconds: float) -> dict:
+        record = {"epoch": epoch + 1, "train_loss": train["loss"]}
+        if "accuracy" in train:
+            record["train_acc"] = train["accuracy"]
+        if val is not None:
+            record["val_loss"] = val["loss"]
+            if "accuracy" in val:
+                record["val_acc"] = val["accuracy"]
+        # The slowest rank's time, so every rank's history is the same
+        seconds = rt.all_reduce_max(torch.tensor([seconds], dtype=torch.float64, device=self.device)).item()
+        record.update(lr=lr, epoch_time=seconds)
+        for key, value in record.items():
+            self.history.setdefault(key, []).append(value)
+        self.epochs_done = epoch + 1
+        return record
+
+    def _monitor_key(self, monitor: str, record: dict) -> str:
+        if monitor in record:
+            return monitor
+        if monitor.startswith("val_") and "val_loss" not in record:
+            return "train_" + monitor[4:] if "train_" + monitor[4:] in record else "train_loss"
+        raise ConfigError(f"monitor = {monitor!r} is not in this run's history; choose one of {sorted(record)}")
+
+    def _improved(self, record: dict, monitor: str) -> bool:
+        key = self._monitor_key(monitor, record)
+        value, lower_is_better = record[key], "loss" in key
+        better = self.best_metric is None or (value < self.best_metric if lower_is_better else value > self.best_metric)
+        if better and not math.isnan(value):
+            self.best_metric = value
+            return True
+        return False
+
+
+def move_to(obj: Any, device: torch.device) -> Any:
+    """Tensors (also inside tuples, lists and dicts) on `device`; pinned memory copies asynchronously."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=obj.is_pinned())
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(move_to(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: move_to(v, device) for k, v in obj.items()}
+    return obj
+
+
+def set_sampler_epoch(loader: Optional[Iterable], epoch: int) -> None:
+    """A new shuffle per epoch, the same on every rank (DistributedSampler and phalanx's sampler)."""
+    for sampler in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+            return
+
+
+def step_scheduler(scheduler: Any, monitored: Optional[float]) -> None:
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        scheduler.step(monitored)
+    else:
+        scheduler.step()
+
+
+def epoch_line(record: dict, num_epochs: int) -> str:
+    parts = [f"📊 Epoch {record['epoch']}/{num_epochs}", f"train loss {record['train_loss']:.4f}"]
+    if "train_acc" in record:
+        parts[-1] += f" acc {record['train_acc']:.2%}"
+    if "val_loss" in record:
+        parts.append(f"val loss {record['val_loss']:.4f}" + (f" acc {record['val_acc']:.2%}" if "val_acc" in record else ""))
+    parts += [f"lr {record['lr']:.2e}", f"{record['epoch_time']:.1f}s"]
+    return " | ".join(parts)

@@ -1,0 +1,285 @@
+"""TrainingEngine in one process: EMA against a hand-computed reference, checkpoints and resume, fallbacks, API."""
+
+import os
+import warnings
+
+import pytest
+import torch
+from engine import engine_ranks
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+import phalanx
+from phalanx.engine.checkpoint import load_weights
+from phalanx.engine.ema import ModelEMA
+from phalanx.engine.engine import DistributedFallbackWarning, TrainingEngine
+from phalanx.engine.launch import distributed_train_worker, launch_distributed_training
+from phalanx.engine.metrics import MetricTotals, is_classification, reduce_tensor
+from phalanx.engine.syncbn import CPUSyncBatchNorm, convert_sync_batchnorm
+from phalanx.errors import ConfigError, PhalanxError
+
+QUIET = {"progress_bar": False, "tensorboard": False}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models: one intra-op thread is fastest, and much faster when other jobs share the cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_seed_004_names_are_exported():
+    assert phalanx.TrainingEngine is TrainingEngine
+    assert phalanx.launch_distributed_training is launch_distributed_training
+    assert phalanx.distributed_train_worker is distributed_train_worker
+
+
+# ---- EMA ---------------------------------------------------------------------------------------
+
+
+def test_ema_matches_a_hand_computed_average():
+    model = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+    ema = ModelEMA(model, decay=0.9)
+    expected = {k: v.clone().double() for k, v in model.state_dict().items()}
+    for t in range(4):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+            model[1].running_mean.add_(1.0)
+            model[1].num_batches_tracked.add_(1)
+        d = min(0.9, (1 + t) / (10 + t))  # warm-up: 0.1, 0.18, 0.25, 0.31
+        for k, v in model.state_dict().items():
+            expected[k] = d * expected[k] + (1 - d) * v.double() if v.is_floating_point() else v.clone()
+        ema.update(model)
+    assert ema.updates == 4
+    for k, v in ema.module.state_dict().items():
+        assert torch.allclose(v.double(), expected[k].double(), atol=1e-6), k
+    assert ema.module.state_dict()["1.num_batches_tracked"].item() == 4  # counters are copied, not averaged
+
+
+def test_ema_without_warmup_uses_the_constant_decay():
+    model = nn.Linear(2, 1, bias=False)
+    ema = ModelEMA(model, decay=0.5, warmup=False)
+    start = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    ema.update(model)
+    assert torch.allclose(ema.module.weight, 0.5 * start + 0.5)
+
+
+def test_engine_ema_follows_every_optimizer_step():
+    """The engine's EMA equals a hand-written loop: SGD step, then ema = d*ema + (1-d)*w with the warm-up decay."""
+    data = engine_ranks.dataset("mlp", 24, 1)
+    loader = DataLoader(data, batch_size=8)
+    engine = TrainingEngine(engine_ranks.mlp(), "cpu", use_ema=True, ema_decay=0.95, output_dir="unused", **QUIET)
+    optimizer = torch.optim.SGD(engine.unwrapped_model.parameters(), lr=0.1)
+    engine.attach(optimizer)
+    engine.train_epoch(loader, nn.CrossEntropyLoss())
+    engine.train_epoch(loader, nn.CrossEntropyLoss())
+
+    model = engine_ranks.mlp()
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    manual = torch.optim.SGD(model.parameters(), lr=0.1)
+    t = 0
+    for _ in range(2):
+        for x, y in loader:
+            manual.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            manual.step()
+            d = min(0.95, (1 + t) / (10 + t))
+            reference = {k: d * reference[k] + (1 - d) * v for k, v in model.state_dict().items()}
+            t += 1
+    assert engine.ema.updates == t == 6
+    for k, v in engine.ema.module.state_dict().items():
+        assert torch.allclose(v, reference[k], atol=1e-6), k
+
+
+# ---- metrics -------------------------------------------------------------------------------------
+
+
+def test_epoch_metrics_weigh_batches_by_their_sample_counts():
+    totals = MetricTotals(torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    outputs, targets = torch.randn(7, 3, generator=g), torch.randint(0, 3, (7,), generator=g)
+    for lo, hi in [(0, 4), (4, 7)]:  # an uneven last batch
+        totals.add(nn.functional.cross_entropy(outputs[lo:hi], targets[lo:hi]), outputs[lo:hi], targets[lo:hi])
+    reduced = totals.reduce()
+    assert reduced["samples"] == 7
+    assert reduced["loss"] == pytest.approx(nn.functional.cross_entropy(outputs, targets).item(), abs=1e-6)
+    assert reduced["accuracy"] == pytest.approx((outputs.argmax(1) == targets).float().mean().item())
+
+
+def test_accuracy_only_for_class_scores_against_integer_labels():
+    assert is_classification(torch.zeros(4, 3), torch.zeros(4, dtype=torch.long))
+    assert is_classification(torch.zeros(2, 3, 5, 5), torch.zeros(2, 5, 5, dtype=torch.long))  # segmentation
+    assert not is_classification(torch.zeros(4, 1), torch.zeros(4, 1))  # regression
+    totals = MetricTotals(torch.device("cpu"))
+    totals.add(torch.tensor(0.5), torch.zeros(4, 1), torch.zeros(4, 1))
+    assert "accuracy" not in totals.reduce()
+
+
+def test_reduce_tensor_without_a_process_group_is_a_copy():
+    value = torch.tensor([2.0])
+    out = reduce_tensor(value)
+    assert out.tolist() == [2.0] and out is not value
+    engine = TrainingEngine(nn.Linear(2, 2), "cpu", **QUIET)
+    assert engine._reduce_tensor(value).tolist() == [2.0]
+
+
+def test_cpu_sync_batchnorm_is_plain_batchnorm_in_one_process():
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(1, 3, 3), nn.BatchNorm2d(3))
+    synced = convert_sync_batchnorm(engine_ranks.bn_cnn(), torch.device("cpu"))
+    assert isinstance(synced[1], CPUSyncBatchNorm) and isinstance(synced[6], CPUSyncBatchNorm)
+    converted = convert_sync_batchnorm(plain, torch.device("cpu"))
+    assert converted[1].weight is plain[1].weight and converted[1].running_mean is plain[1].running_mean
+    x = torch.randn(4, 1, 6, 6)
+    reference = nn.BatchNorm2d(3)
+    reference.load_state_dict(converted[1].state_dict())
+    h = converted[0](x).detach()
+    assert torch.allclose(converted[1](h), reference(h), atol=1e-6)
+    assert torch.allclose(converted[1].running_var, reference.running_var)
+
+
+# ---- checkpoints and resume ------------------------------------------------------------------------
+
+
+def resumable_run(out_dir, epochs, resume_from=None) -> TrainingEngine:
+    """BatchNorm + dropout (RNG), EMA, a scheduler and a shuffling sampler: everything resume must restore."""
+    data, val = engine_ranks.dataset("bn", 24, 1), engine_ranks.dataset("bn", 9, 2)
+    torch.manual_seed(123)
+    model = nn.Sequential(engine_ranks.bn_cnn(), nn.Dropout(0.3), nn.Linear(3, 3))
+    loader = DataLoader(data, batch_size=8, sampler=DistributedSampler(data, num_replicas=1, rank=0, seed=3))
+    engine = TrainingEngine(model, "cpu", use_ema=True, ema_decay=0.9, experiment_name="resume", output_dir=out_dir, **QUIET)
+    optimizer = torch.optim.SGD(engine.unwrapped_model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+    engine.train(loader, DataLoader(val, batch_size=4), optimizer, nn.CrossEntropyLoss(), scheduler, num_epochs=epochs,
+                 resume_from=resume_from)
+    return engine
+
+
+def test_checkpoint_resume_continues_exactly_and_loads_on_cpu(tmp_path):
+    straight = resumable_run(tmp_path / "a", epochs=4)
+    resumable_run(tmp_path / "b", epochs=2)
+    last = tmp_path / "b" / "resume" / "checkpoint-last"
+    resumed = resumable_run(tmp_path / "c", epochs=4, resume_from=last)
+    assert resumed.epochs_done == 4 and resumed.global_step == straight.global_step == 12
+    for key, values in straight.history.items():
+        if key != "epoch_time":
+            assert resumed.history[key] == pytest.approx(values, abs=1e-6), key
+    for mine, theirs in [(resumed.unwrapped_model, straight.unwrapped_model), (resumed.ema.module, straight.ema.module)]:
+        for (k, a), b in zip(mine.state_dict().items(), theirs.state_dict().values()):
+            assert torch.allclose(a, b, atol=1e-6), k
+    assert resumed.scheduler.get_last_lr() == pytest.approx(straight.scheduler.get_last_lr())
+
+    # Weights alone, onto a device of the reader's choice, into a model that was never wrapped.
+    fresh = nn.Sequential(engine_ranks.bn_cnn(), nn.Dropout(0.3), nn.Linear(3, 3))
+    fresh.load_state_dict(load_weights(tmp_path / "a" / "resume" / "checkpoint-last", map_location="cpu"))
+    for (k, a), b in zip(fresh.state_dict().items(), straight.unwrapped_model.state_dict().values()):
+        assert torch.equal(a, b), k
+    ema = load_weights(tmp_path / "a" / "resume" / "checkpoint-last", map_location=torch.device("cpu"), ema=True)
+    assert all(torch.equal(ema[k], v) for k, v in straight.ema.module.state_dict().items())
+    # State files are plain tensors: safe loading works.
+    torch.load(last / "optimizer.pt", map_location="cpu", weights_only=True)
+    assert (tmp_path / "a" / "resume" / "checkpoint-best" / "phalanx_checkpoint.json").is_file()
+
+
+def test_uncommitted_checkpoints_are_refused(tmp_path):
+    (tmp_path / "half").mkdir()
+    with pytest.raises(PhalanxError, match="not a committed phalanx checkpoint"):
+        load_weights(tmp_path / "half")
+    engine = TrainingEngine(nn.Linear(2, 2), "cpu", **QUIET)
+    with pytest.raises(PhalanxError, match="not a committed"):
+        engine.load_checkpoint(tmp_path / "half")
+
+
+# ---- fallbacks and bad input ------------------------------------------------------------------------
+
+
+def tiny_config(out_dir, batch=8) -> dict:
+    config = engine_ranks.worker_config(str(out_dir), batch)
+    config["train_kwargs"] = {"num_epochs": 1}
+    return config
+
+
+def test_engine_without_a_process_group_warns_and_trains_alone(tmp_path):
+    assert not torch.distributed.is_initialized()
+    with pytest.warns(DistributedFallbackWarning, match="no process group is initialised"):
+        engine = TrainingEngine(engine_ranks.mlp(), "cpu", distributed=True, world_size=2, output_dir=tmp_path, **QUIET)
+    assert not engine.distributed and engine.world_size == 1 and engine.strategy.name == "single"
+    assert "no process group" in engine.fallback_reason
+
+
+def test_worker_falls_back_to_one_process_when_start_up_fails(tmp_path, recwarn):
+    before = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    # NCCL cannot start on a machine without CUDA devices: the seed's fallback trains in one process.
+    history = distributed_train_worker(0, 2, backend="nccl", **tiny_config(tmp_path))
+    messages = [str(w.message) for w in recwarn if issubclass(w.category, DistributedFallbackWarning)]
+    assert any("distributed start-up failed" in m and "single process" in m for m in messages), messages
+    assert history["epoch"] == [1] and (tmp_path / "worker" / "checkpoint-last" / "phalanx_checkpoint.json").is_file()
+    assert {k: os.environ.get(k) for k in before} == before, "a failed start-up leaves the environment as it was"
+    with pytest.warns(DistributedFallbackWarning, match="rank 1: distributed start-up failed"):
+        assert distributed_train_worker(1, 2, backend="nccl", **tiny_config(tmp_path / "r1")) is None
+
+
+def test_launch_with_no_devices_warns_and_runs_here(tmp_path):
+    with pytest.warns(DistributedFallbackWarning, match="world_size=0"):
+        history = launch_distributed_training(distributed_train_worker, 0, **tiny_config(tmp_path))
+    assert history["epoch"] == [1]
+
+
+def test_amp_on_cpu_warns_and_trains_in_fp32():
+    with pytest.warns(RuntimeWarning, match="use_amp=True needs a CUDA device"):
+        engine = TrainingEngine(nn.Linear(2, 2), "cpu", use_amp=True, **QUIET)
+    assert engine.strategy.precision.dtype is None and engine.scaler is None and not engine.use_amp
+    with pytest.raises(ConfigError, match="amp_dtype = 'fp8'"):
+        TrainingEngine(nn.Linear(2, 2), "cpu", use_amp=True, amp_dtype="fp8", **QUIET)
+
+
+def test_worker_config_errors_name_the_keys(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['batchsize'\].*accepted keys"):
+        distributed_train_worker(0, 1, **tiny_config(tmp_path), batchsize=4)
+    config = tiny_config(tmp_path)
+    config["engine_kwargs"] = {"device": "cpu"}
+    with pytest.raises(ConfigError, match="set by distributed_train_worker"):
+        distributed_train_worker(0, 1, **config)
+
+
+def test_lambdas_cannot_be_spawned_so_the_ranks_fork(monkeypatch):
+    from phalanx.engine import launch
+
+    assert launch._start_method("auto", distributed_train_worker, {"model_fn": engine_ranks.mlp}) == "spawn"
+    assert launch._start_method("auto", distributed_train_worker, {"model_fn": lambda: None}) == "fork"
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(ConfigError, match="model_fn .* cannot be sent to spawned ranks"):
+        launch._start_method("auto", distributed_train_worker, {"model_fn": lambda: None})
+
+
+def test_bad_batches_and_monitor_get_clear_errors(tmp_path):
+    engine = TrainingEngine(nn.Linear(2, 2), "cpu", output_dir=tmp_path, **QUIET)
+    optimizer = torch.optim.SGD(engine.unwrapped_model.parameters(), lr=0.1)
+    triples = DataLoader(TensorDataset(torch.zeros(4, 2), torch.zeros(4, dtype=torch.long), torch.zeros(4)), batch_size=2)
+    with pytest.raises(ConfigError, match=r"expects batches of \(inputs, targets\); got list of length 3"):
+        engine.train(triples, None, optimizer, nn.CrossEntropyLoss(), num_epochs=1)
+    pairs = DataLoader(TensorDataset(torch.zeros(4, 2), torch.zeros(4, dtype=torch.long)), batch_size=2)
+    with pytest.raises(ConfigError, match="monitor = 'val_f1'; choose one of val_loss, val_acc"):
+        engine.train(pairs, pairs, optimizer, nn.CrossEntropyLoss(), num_epochs=1, monitor="val_f1")
+
+
+def test_the_digits_example_learns_in_one_process(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "digits_classification.py"
+    spec = importlib.util.spec_from_file_location("digits_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # --use-amp on CPU warns and trains in fp32
+        history = example.main(["--epochs", "2", "--use-ema", "--use-amp", "--output-dir", str(tmp_path), "--no-progress-bar"])
+    assert history["val_acc"][-1] > 0.8
+    assert (tmp_path / "digits" / "checkpoint-best" / "ema.pt").is_file()
+
