@@ -21,4 +21,5 @@ def test_configs_exist():
 
 def test_readme_config_reference_is_current():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert config_reference() in readme, "README's config reference is stale: run `python -m phalanx config-docs` and paste it"
+    assert f"<!-- config-reference:start -->\n{config_reference()}\n<!-- config-reference:end -->" in readme, (
+        "README's config reference is stale: run `python -m phalanx.config.docs --update README.md`")

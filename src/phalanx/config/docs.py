@@ -48,5 +48,23 @@ def flags_table() -> str:
     return "\n".join(lines)
 
 
+START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
+
+
+def update_readme(path: str) -> None:
+    """Rewrite the block between the config-reference markers of `path` from the schema."""
+    from pathlib import Path
+
+    text = Path(path).read_text(encoding="utf-8")
+    head, _, rest = text.partition(START)
+    _, _, tail = rest.partition(END)
+    Path(path).write_text(f"{head}{START}\n{config_reference()}\n{END}{tail}", encoding="utf-8")
+
+
 if __name__ == "__main__":
-    print(config_reference())
+    import sys
+
+    if sys.argv[1:2] == ["--update"]:
+        update_readme(sys.argv[2])
+    else:
+        print(config_reference())
