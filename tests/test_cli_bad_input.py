@@ -144,3 +144,18 @@ def test_every_rank_exits_under_torchrun(tmp_path, earlier_run):
     assert "error: " in proc.stderr and "train.jsonl line 2" in proc.stderr
     assert elapsed < 60
     assert tree_digest(earlier_run) == before
+
+
+def test_master_port_already_taken(tmp_path, capsys):
+    import socket
+
+    with socket.socket() as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.bind(("0.0.0.0", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        data = write_chat_jsonl(tmp_path / "train.jsonl", 4)
+        start = time.monotonic()
+        code, out = run_main(["train", "--dataset_path", str(data), "--output_dir", str(tmp_path / "o"), "--world_size", "2",
+                              "--master_port", str(port), "--max_length", "768"], capsys)
+    assert code == 2 and str(port) in out and time.monotonic() - start < 60

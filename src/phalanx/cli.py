@@ -115,7 +115,7 @@ def cmd_config_docs(args: Sequence[str]) -> int:
 COMMANDS = {
     "train": (cmd_train, "[CONFIG.yaml] [--flag value ...]  fine-tune a causal LM (LoRA or full) on 1..N ranks"),
     "generate": ("phalanx.generate.command:main", "--model_name M --prompts FILE ...  sharded batch generation"),
-    "config": ("phalanx.launch.command:config_main", "deepspeed|fsdp [--flags]  write a DeepSpeed / FSDP config file"),
+    "config": ("phalanx.launch.ds_fsdp_config:config_main", "deepspeed|fsdp [--flags]  write a DeepSpeed / FSDP config file"),
     "launcher": ("phalanx.launch.command:launcher_main", "--config C --num_gpus_per_node N  write a launch script"),
     "slurm": ("phalanx.launch.command:slurm_main", "--config C --num_nodes N  write an sbatch script"),
     "env": ("phalanx.launch.command:env_main", "versions, devices and an all-reduce check"),
@@ -161,8 +161,8 @@ def quiet_libraries() -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in COMMANDS:
-        quiet_libraries()
+    if argv and argv[0] in ("train", "generate"):
+        quiet_libraries()  # only the commands that load models; the others stay fast to start
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print(usage(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
         return 0 if not argv or argv[0] in ("-h", "--help") else 2

@@ -7,6 +7,7 @@ shown as a diff and refused unless --force. Only committed checkpoints are consi
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -56,6 +57,11 @@ def saved_config(folder: Path) -> dict:
                           "with --resume_from_checkpoint PATH, or --overwrite_output_dir") from None
 
 
+def restarted() -> bool:
+    """This process is a restart of the same job: torch's elastic agent or a SLURM requeue started it again."""
+    return any(int(os.environ.get(var, "0") or 0) > 0 for var in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+
+
 def resume_point(cfg: RunConfig) -> Optional[Path]:
     """The checkpoint folder to resume from, None for a fresh start; ConfigError when neither is right."""
     out = Path(cfg.output_dir)
@@ -73,6 +79,8 @@ def resume_point(cfg: RunConfig) -> Optional[Path]:
         checkpoints = committed_step_checkpoints(out)
         found = existing_run_artifacts(out)
         if not checkpoints:
+            if restarted():
+                return None  # a restart (elastic or SLURM requeue) before the first save starts the run over
             if requested == "latest":
                 raise ConfigError(f"--resume_from_checkpoint latest: {out} holds no committed checkpoint-N folder")
             if found:

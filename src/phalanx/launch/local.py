@@ -27,6 +27,10 @@ def launch_local(module_args: Sequence[str], nproc: int, master_port: Optional[i
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    if master_port:
+        from phalanx.launch.preflight import check_port_free
+
+        check_port_free(master_port)  # c10d would join whatever listens there as a client, and wait forever
     port = master_port or free_port()
     config = LaunchConfig(
         min_nodes=1,

@@ -1,0 +1,286 @@
+"""`phalanx launcher`, `phalanx slurm` and `phalanx env`: parse the flags, check them, write or run.
+
+The spelling follows seed 003's `scripts/distributed_setup.py launcher|slurm`. Everything after
+a bare `--` is passed to `phalanx train` inside the generated script, after being checked
+against the config schema here, so a typo is reported now rather than on the cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import stat
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from phalanx.errors import ConfigError, PhalanxError
+from phalanx.launch import scripts
+from phalanx.launch.scripts import DEFAULT_PORT, DEFAULT_RDZV_TIMEOUT, LaunchSpec, SlurmSpec
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports bad input as a PhalanxError (one clear line, exit 2) instead of exiting itself."""
+
+    def error(self, message: str):
+        raise ConfigError(f"phalanx {self.prog.split()[-1]}: {message}. `phalanx {self.prog.split()[-1]} --help` lists the flags.")
+
+
+def split_train_args(args: Sequence[str]) -> tuple[list[str], list[str]]:
+    """('--num_nodes 2 -- --max_steps 5') -> (['--num_nodes', '2'], ['--max_steps', '5'])."""
+    args = list(args)
+    if "--" in args:
+        i = args.index("--")
+        return args[:i], args[i + 1:]
+    return args, []
+
+
+def common_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="the training YAML (e.g. configs/demo.yaml); checked now")
+    p.add_argument("--num_gpus_per_node", type=int, required=True,
+                   help="GPUs per node, one rank each; 0 runs CPU ranks over gloo (with --nproc_per_node)")
+    p.add_argument("--nproc_per_node", type=int, help="ranks per node (default: the GPU count, or 1 on CPU)")
+    p.add_argument("--num_nodes", type=int, default=1)
+    p.add_argument("--use_deepspeed", action="store_true", help="start the ranks with the DeepSpeed launcher")
+    p.add_argument("--max_restarts", type=int, default=0,
+                   help="restart all ranks this many times when one fails (elastic; resumes from the newest checkpoint)")
+    p.add_argument("--rdzv_timeout", type=int, default=DEFAULT_RDZV_TIMEOUT,
+                   help="seconds a node waits for the others before it stops with a message")
+    p.add_argument("--python", default=sys.executable, help="the Python that runs phalanx on the nodes")
+
+
+def layout(args: argparse.Namespace) -> tuple[int, int]:
+    """(num_gpus_per_node, nproc_per_node), checked."""
+    gpus = args.num_gpus_per_node
+    if gpus < 0:
+        raise ConfigError(f"--num_gpus_per_node {gpus}: give 0 (CPU ranks) or a positive number of GPUs")
+    nproc = args.nproc_per_node if args.nproc_per_node is not None else (gpus or 1)
+    if nproc < 1:
+        raise ConfigError(f"--nproc_per_node {nproc}: each node runs at least one rank")
+    if gpus and nproc != gpus:
+        raise ConfigError(
+            f"--nproc_per_node {nproc} with --num_gpus_per_node {gpus}: GPU nodes run one rank per GPU. "
+            "Leave --nproc_per_node out, or use --num_gpus_per_node 0 --nproc_per_node N for CPU ranks."
+        )
+    if args.num_nodes < 1:
+        raise ConfigError(f"--num_nodes {args.num_nodes}: at least 1")
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max_restarts {args.max_restarts}: 0 or more")
+    if args.use_deepspeed and gpus == 0:
+        raise ConfigError("--use_deepspeed needs GPUs (--num_gpus_per_node N); CPU ranks run under torchrun")
+    return gpus, nproc
+
+
+def check_training(config: Optional[str], train_args: list[str]):
+    """Load the config with the extra flags exactly as `phalanx train` will; returns the RunConfig."""
+    from phalanx.cli import split_flags
+    from phalanx.config.loader import load_config, overrides_from_flags
+
+    if config is not None and not Path(config).is_file():
+        raise ConfigError(f"--config {config}: no such file (expected a training YAML such as configs/demo.yaml)")
+    extra_config, pairs = split_flags(train_args)
+    if extra_config is not None:
+        raise ConfigError(f"after `--` give --flag value pairs for `phalanx train`, not a file ({extra_config}); use --config")
+    return load_config(config, overrides_from_flags(pairs))
+
+
+def warn_if_restarts_start_over(cfg, restarts: bool) -> None:
+    """A restarted or requeued job runs the same command; with overwrite_output_dir it would start over."""
+    if restarts and cfg.overwrite_output_dir:
+        print("warning: the config sets overwrite_output_dir, so a restarted or requeued run starts over instead of "
+              "resuming from its checkpoint; remove it (or pass -- --overwrite_output_dir false) to resume.",
+              file=sys.stderr)
+
+
+def config_for_script(config: Optional[str], project_dir: Path) -> Optional[str]:
+    """The config path as the script (which cds to the project folder) should name it."""
+    if config is None:
+        return None
+    path = Path(config).resolve()
+    try:
+        return str(path.relative_to(project_dir))
+    except ValueError:
+        return str(path)
+
+
+def write_script(path: Path, text: str) -> None:
+    """Write `text` byte for byte (a .bat keeps its CRLF line ends) and make it executable."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        f.write(text)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+
+
+def command_line(name: str, args: Sequence[str]) -> str:
+    return " ".join(["phalanx", name, *map(shlex.quote, args)])
+
+
+# --- phalanx launcher ----------------------------------------------------------------------------
+
+
+def launcher_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="phalanx launcher", description="Write a script that starts training on this node "
+               "(torchrun or the DeepSpeed launcher), plus a Windows .bat for single-node runs.",
+               epilog="Flags after a bare -- go to `phalanx train`, e.g. -- --max_steps 100.")
+    common_flags(p)
+    p.add_argument("--node_rank", type=int, default=0, help="this node's rank, 0 on the master node")
+    p.add_argument("--master_addr", help="the master node's address (required with --num_nodes > 1)")
+    p.add_argument("--master_port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--output", default="scripts/run_training.sh", help="where to write the script")
+    return p
+
+
+def launcher_main(argv: Sequence[str]) -> int:
+    own, train_args = split_train_args(argv)
+    args = launcher_parser().parse_args(own)
+    gpus, nproc = layout(args)
+    if not 0 <= args.node_rank < args.num_nodes:
+        raise ConfigError(f"--node_rank {args.node_rank} is outside 0..{args.num_nodes - 1} for --num_nodes {args.num_nodes}")
+    if not 0 < args.master_port < 65536:
+        raise ConfigError(f"--master_port {args.master_port}: give a TCP port, 1..65535")
+    master = args.master_addr or "127.0.0.1"
+    if args.num_nodes > 1:
+        from phalanx.launch.preflight import is_loopback
+
+        if args.master_addr is None:
+            raise ConfigError(f"--num_nodes {args.num_nodes} needs --master_addr: the master node's address, the same on every node")
+        if is_loopback(master):
+            raise ConfigError(f"--master_addr {master} is a loopback address; the other nodes cannot reach it. "
+                              "Give the master node's address on the network the nodes share.")
+    cfg = check_training(args.config, train_args)
+    warn_if_restarts_start_over(cfg, args.max_restarts > 0)
+    out = Path(args.output)
+    project = Path.cwd().resolve()
+    spec = LaunchSpec(
+        config=config_for_script(args.config, project), python=args.python, project_dir=project,
+        num_gpus_per_node=gpus, nproc_per_node=nproc, num_nodes=args.num_nodes, node_rank=args.node_rank,
+        master_addr=master, master_port=args.master_port, use_deepspeed=args.use_deepspeed,
+        max_restarts=args.max_restarts, rdzv_timeout=args.rdzv_timeout, train_args=train_args,
+        command_line=command_line("launcher", argv),
+    )
+    write_script(out, scripts.render_launcher_sh(spec, out))
+    written = [out]
+    if args.num_nodes == 1 and not args.use_deepspeed:
+        bat = out.with_suffix(".bat")
+        write_script(bat, scripts.render_launcher_bat(spec, bat))
+        written.append(bat)
+    where = f"node {args.node_rank} of {args.num_nodes}" if args.num_nodes > 1 else "this machine"
+    print(f"wrote {', '.join(map(str, written))}: {nproc} rank(s) on {where}.")
+    print(f"run it with: bash {out}" + (f"   (on Windows: {written[1]})" if len(written) > 1 else ""))
+    if args.num_nodes > 1:
+        print(f"start the script for every node_rank 0..{args.num_nodes - 1} at about the same time; "
+              f"each waits up to {args.rdzv_timeout} s for the others.")
+    return 0
+
+
+# --- phalanx slurm -------------------------------------------------------------------------------
+
+TIME_FORMATS = "MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS"
+
+
+def check_time_limit(value: str) -> str:
+    days, _, rest = value.rpartition("-") if "-" in value else ("", "", value)
+    parts = rest.split(":")
+    ok = (not days or days.isdigit()) and all(p.isdigit() for p in parts) and 1 <= len(parts) <= 3
+    if not ok or (days and len(parts) > 3):
+        raise ConfigError(f"--time_limit {value!r} is not a SLURM time; accepted: {TIME_FORMATS} (e.g. 48:00:00)")
+    return value
+
+
+def slurm_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="phalanx slurm", description="Write an sbatch script: one torchrun per node through srun, "
+               "c10d rendezvous on the first node, NCCL settings, and save-then-requeue before the time limit.",
+               epilog="Flags after a bare -- go to `phalanx train`, e.g. -- --max_steps 100.")
+    common_flags(p)
+    p.add_argument("--time_limit", default="24:00:00", type=check_time_limit, help=f"job time limit ({TIME_FORMATS})")
+    p.add_argument("--partition")
+    p.add_argument("--account")
+    p.add_argument("--cpus_per_task", type=int, help="CPUs per rank (default 8 on GPU nodes, 1 for CPU ranks)")
+    p.add_argument("--mem_per_gpu", default="32G", help="memory per GPU (GPU nodes)")
+    p.add_argument("--mem", help="memory per node, e.g. 64G (instead of --mem_per_gpu; CPU nodes)")
+    p.add_argument("--job_name", default="llm_finetune")
+    p.add_argument("--log", default="slurm-%j.out", help="the job's log file (SLURM's --output)")
+    p.add_argument("--master_port", type=int, help="rendezvous port (default: derived from the job id)")
+    p.add_argument("--signal_time", type=int, default=300,
+                   help="seconds before the time limit at which the job saves a checkpoint and requeues itself")
+    p.add_argument("--no_requeue", action="store_true", help="let the job end at its time limit instead")
+    p.add_argument("--setup", action="append", default=[],
+                   help="a shell line to run first, e.g. 'module load cuda/12.2' (repeatable)")
+    p.add_argument("--chdir", help="the folder the job runs in (default: this one)")
+    p.add_argument("--output", default="scripts/slurm_job.sh", help="where to write the sbatch script")
+    return p
+
+
+def slurm_main(argv: Sequence[str]) -> int:
+    own, train_args = split_train_args(argv)
+    args = slurm_parser().parse_args(own)
+    gpus, nproc = layout(args)
+    if args.master_port is not None and not 0 < args.master_port < 65536:
+        raise ConfigError(f"--master_port {args.master_port}: give a TCP port, 1..65535")
+    if args.signal_time < 1:
+        raise ConfigError(f"--signal_time {args.signal_time}: seconds before the time limit, at least 1")
+    cpus = args.cpus_per_task if args.cpus_per_task is not None else (8 if gpus else 1)
+    if cpus < 1:
+        raise ConfigError(f"--cpus_per_task {cpus}: at least 1")
+    cfg = check_training(args.config, train_args)
+    project = Path(args.chdir or Path.cwd()).resolve()
+    out = Path(args.output)
+    requeue = not args.no_requeue
+    warn_if_restarts_start_over(cfg, requeue or args.max_restarts > 0)
+    spec = SlurmSpec(
+        config=config_for_script(args.config, project), python=args.python, project_dir=project,
+        num_gpus_per_node=gpus, nproc_per_node=nproc, num_nodes=args.num_nodes,
+        master_port=args.master_port or DEFAULT_PORT, fixed_port=args.master_port is not None,
+        use_deepspeed=args.use_deepspeed, max_restarts=args.max_restarts, rdzv_timeout=args.rdzv_timeout,
+        train_args=train_args,
+        command_line=command_line("slurm", argv), job_name=args.job_name, time_limit=args.time_limit,
+        partition=args.partition, account=args.account, cpus_per_rank=cpus, mem_per_gpu=args.mem_per_gpu,
+        mem=args.mem, log=args.log, signal_time=args.signal_time, requeue=requeue, setup=args.setup,
+        output_dir=cfg.output_dir,
+    )
+    write_script(out, scripts.render_slurm(spec, out))
+    kind = f"{gpus} GPU(s)" if gpus else f"{nproc} CPU rank(s)"
+    print(f"wrote {out}: {args.num_nodes} node(s) x {kind}, time limit {args.time_limit}"
+          + (f", saves and requeues {args.signal_time} s before it." if requeue else "."))
+    print(f"submit it with: sbatch {out}")
+    return 0
+
+
+# --- phalanx env ---------------------------------------------------------------------------------
+
+
+def env_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="phalanx env", description="Print versions, devices, backends and the rendezvous/NCCL/gloo "
+               "environment; on several ranks, check an all-reduce across them and report bus bandwidth.")
+    p.add_argument("--world_size", type=int, default=1, help="start this many local ranks and check across them")
+    p.add_argument("--sizes_mb", default="0.25,1,4,16", help="all-reduce sizes in MiB, comma-separated")
+    p.add_argument("--iters", type=int, default=5, help="timed all-reduces per size")
+    p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
+    p.add_argument("--timeout", type=float, default=120, help="seconds to wait for the other ranks before giving up")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of text")
+    return p
+
+
+def env_main(argv: Sequence[str]) -> int:
+    from phalanx.launch.envcheck import env
+    from phalanx.runtime.dist import launched_by_torchrun
+
+    args = env_parser().parse_args(list(argv))
+    try:
+        sizes = [float(s) for s in args.sizes_mb.split(",") if s.strip()]
+    except ValueError:
+        raise ConfigError(f"--sizes_mb {args.sizes_mb!r}: give sizes in MiB separated by commas, e.g. 1,16,64") from None
+    if not sizes or any(s <= 0 for s in sizes) or args.iters < 1 or args.world_size < 1 or args.timeout <= 0:
+        raise ConfigError("phalanx env: --sizes_mb, --iters, --world_size and --timeout must be positive")
+    if args.world_size > 1 and not launched_by_torchrun():
+        from phalanx.launch.local import launch_local
+
+        rest = list(argv)
+        i = rest.index("--world_size") if "--world_size" in rest else None
+        rest = [a for j, a in enumerate(rest) if i is None or j not in (i, i + 1)]
+        rest = [a for a in rest if not a.startswith("--world_size=")]
+        return launch_local(["env", *rest], args.world_size) or 0
+    return env(sizes, args.iters, args.backend, args.timeout, args.json)
+
+
+# --- phalanx config ------------------------------------------------------------------------------

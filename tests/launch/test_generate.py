@@ -1,0 +1,178 @@
+"""What `phalanx launcher` and `phalanx slurm` write, and what they refuse (fast: no training runs here).
+
+The scripts themselves are executed in test_launcher_run.py, test_multinode.py and test_slurm.py.
+The Windows .bat cannot run on this Linux machine, so its content is checked line by line here.
+"""
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from phalanx.cli import main
+
+
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture
+def in_project(project, monkeypatch):
+    monkeypatch.chdir(project)
+    return project
+
+
+def bash_syntax_ok(path: Path) -> None:
+    proc = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=10)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_launcher_single_node_writes_sh_and_bat(in_project, capsys, tmp_path):
+    code, out, err = cli(capsys, "launcher", "--config", "train.yaml", "--num_gpus_per_node", "0", "--nproc_per_node", "2",
+                         "--output", str(tmp_path / "gen" / "run.sh"), "--", "--max_steps", "3")
+    assert code == 0, err
+    sh, bat = tmp_path / "gen" / "run.sh", tmp_path / "gen" / "run.bat"
+    assert "bash" in out and str(bat) in out
+    assert sh.stat().st_mode & 0o111, "the script is executable"
+    bash_syntax_ok(sh)
+    text = sh.read_text()
+    assert "-m torch.distributed.run" in text and "-m phalanx train train.yaml --max_steps 3" in text
+    assert 'NPROC_PER_NODE="${PHALANX_NPROC_PER_NODE:-2}"' in text and "--backend gloo" in text
+    assert 'export CUDA_VISIBLE_DEVICES=""' in text, "CPU ranks never touch a GPU"
+    assert "phalanx.launch.preflight" in text
+    # The script finds the project folder relative to itself, so the two can move together.
+    assert f'cd "$(dirname "${{BASH_SOURCE[0]}}")"/{os.path.relpath(in_project, sh.parent)}\n' in text
+    raw = bat.read_bytes()
+    assert raw.count(b"\r\n") == raw.count(b"\n"), "a .bat uses CRLF line ends"
+    lines = raw.decode().splitlines()
+    assert lines[0] == "@echo off"
+    assert "set NPROC_PER_NODE=2" in lines and "set USE_LIBUV=0" in lines
+    run = [line for line in lines if "torch.distributed.run" in line]
+    assert len(run) == 1
+    assert "--standalone --nnodes 1 --nproc_per_node %NPROC_PER_NODE%" in run[0]
+    assert '-m phalanx train "train.yaml" --max_steps 3 --backend gloo %ARGS%' in run[0]
+    assert any(line.startswith('cd /d "%~dp0') for line in lines), "runs from the project folder wherever it is"
+    assert any("delims=0123456789" in line for line in lines), "a numeric first argument sets the process count"
+    assert lines[-1] == "exit /b %ERRORLEVEL%"
+
+
+def test_launcher_multi_node_and_deepspeed(in_project, capsys, tmp_path):
+    out_sh = tmp_path / "node1.sh"
+    code, out, err = cli(capsys, "launcher", "--config", "train.yaml", "--num_gpus_per_node", "8", "--num_nodes", "4",
+                         "--node_rank", "1", "--master_addr", "192.168.1.100", "--master_port", "29500", "--use_deepspeed",
+                         "--output", str(out_sh))
+    assert code == 0, err
+    assert not out_sh.with_suffix(".bat").exists(), "the .bat is for single-node runs"
+    bash_syntax_ok(out_sh)
+    text = out_sh.read_text()
+    for expected in ('NUM_NODES="${PHALANX_NUM_NODES:-4}"', 'NODE_RANK="${PHALANX_NODE_RANK:-1}"', 'MASTER_ADDR="${PHALANX_MASTER_ADDR:-192.168.1.100}"',
+                     'NPROC_PER_NODE="${PHALANX_NPROC_PER_NODE:-8}"', "-m deepspeed.launcher.runner", "--no_ssh", "--no_local_rank",
+                     "--module phalanx train train.yaml", "export LOCAL_WORLD_SIZE=$NPROC_PER_NODE",
+                     '--hostfile "$DS_HOSTFILE"', '--node_rank "$NODE_RANK"', 'slots=$NPROC_PER_NODE'):
+        assert expected in text, expected
+    assert "CUDA_VISIBLE_DEVICES" not in text
+
+
+def test_launcher_elastic_uses_c10d_with_fresh_stores(in_project, capsys, tmp_path):
+    code, _, err = cli(capsys, "launcher", "--config", "train.yaml", "--num_gpus_per_node", "0", "--nproc_per_node", "2",
+                       "--max_restarts", "3", "--output", str(tmp_path / "e.sh"))
+    assert code == 0, err
+    text = (tmp_path / "e.sh").read_text()
+    assert 'MAX_RESTARTS="${PHALANX_MAX_RESTARTS:-3}"' in text
+    assert "--rdzv_backend c10d" in text and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text and "is_host=$IS_HOST" in text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--num_gpus_per_node", "0", "--num_nodes", "2", "--node_rank", "2", "--master_addr", "10.0.0.1"], "--node_rank 2 is outside 0..1"),
+    (["--num_gpus_per_node", "0", "--num_nodes", "2"], "needs --master_addr"),
+    (["--num_gpus_per_node", "0", "--num_nodes", "2", "--master_addr", "127.0.0.1"], "loopback"),
+    (["--num_gpus_per_node", "4", "--nproc_per_node", "2"], "one rank per GPU"),
+    (["--num_gpus_per_node", "0", "--use_deepspeed"], "--use_deepspeed needs GPUs"),
+    (["--num_gpus_per_node", "-1"], "--num_gpus_per_node -1"),
+    (["--num_gpus_per_node", "0", "--master_port", "70000"], "--master_port 70000"),
+    (["--nproc_per_node", "2"], "--num_gpus_per_node"),
+    (["--num_gpus_per_node", "0", "--config", "missing.yaml"], "missing.yaml: no such file"),
+    (["--num_gpus_per_node", "0", "--", "--max_stepz", "3"], "unknown flag --max_stepz. Did you mean 'max_steps'?"),
+    (["--num_gpus_per_node", "0", "--", "--learning_rate", "-1"], "learning_rate"),
+    (["--num_gpus_per_node", "0", "--bogus", "1"], "unrecognized arguments: --bogus"),
+])
+def test_launcher_refuses_bad_input_with_a_clear_message(in_project, capsys, tmp_path, args, message):
+    code, _, err = cli(capsys, "launcher", *args, "--output", str(tmp_path / "x.sh"))
+    assert code == 2
+    assert message in err
+    assert not (tmp_path / "x.sh").exists(), "nothing is written for bad input"
+
+
+def test_slurm_script_like_seed_003(in_project, capsys, tmp_path):
+    """The seed's example: 4 nodes x 8 GPUs, DeepSpeed, 48 hours; plus the preemption handling it lacked."""
+    script = tmp_path / "slurm_job.sh"
+    code, out, err = cli(capsys, "slurm", "--config", "train.yaml", "--num_nodes", "4", "--num_gpus_per_node", "8",
+                         "--use_deepspeed", "--time_limit", "48:00:00", "--partition", "gpu", "--account", "proj42",
+                         "--cpus_per_task", "8", "--mem_per_gpu", "32G", "--job_name", "llm_finetune",
+                         "--setup", "module load cuda/12.2", "--output", str(script))
+    assert code == 0, err
+    assert f"sbatch {script}" in out
+    bash_syntax_ok(script)
+    text = script.read_text()
+    for expected in ("#SBATCH --job-name=llm_finetune", "#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1",
+                     "#SBATCH --gres=gpu:8", "#SBATCH --cpus-per-task=64", "#SBATCH --mem-per-gpu=32G",
+                     "#SBATCH --time=48:00:00", "#SBATCH --partition=gpu", "#SBATCH --account=proj42",
+                     "#SBATCH --signal=B:USR1@300", "#SBATCH --requeue", "#SBATCH --open-mode=append",
+                     f"#SBATCH --chdir={in_project}", "module load cuda/12.2",
+                     'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1',
+                     "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1", 'NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-^lo,docker}"',
+                     "NCCL_IB_DISABLE", "NCCL_DEBUG", "export OMP_NUM_THREADS=8",
+                     "-m deepspeed.launcher.runner", "--no_ssh", '--node_rank "$SLURM_NODEID"', "slots=8", "scontrol requeue",
+                     'scancel --signal=USR1 "$SLURM_JOB_ID"', "srun --ntasks-per-node=1 --kill-on-bad-exit=1"):
+        assert expected in text, expected
+    # Every #SBATCH line comes before the first command, or sbatch ignores it.
+    lines = text.splitlines()
+    first_command = next(i for i, line in enumerate(lines) if line.strip() and not line.startswith("#"))
+    assert all(i < first_command for i, line in enumerate(lines) if line.startswith("#SBATCH"))
+
+
+def test_slurm_cpu_nodes_request_no_gpus(in_project, capsys, tmp_path):
+    script = tmp_path / "cpu.sh"
+    code, _, err = cli(capsys, "slurm", "--config", "train.yaml", "--num_nodes", "2", "--num_gpus_per_node", "0",
+                       "--nproc_per_node", "4", "--cpus_per_task", "2", "--mem", "16G", "--max_restarts", "2",
+                       "--output", str(script))
+    assert code == 0, err
+    text = script.read_text()
+    assert "--gres" not in text and "--mem-per-gpu" not in text
+    assert "#SBATCH --cpus-per-task=8" in text and "#SBATCH --mem=16G" in text
+    assert "--nproc_per_node 4" in text and "--rdzv_backend c10d" in text and "--max_restarts 2" in text
+    assert "--backend gloo" in text and 'export CUDA_VISIBLE_DEVICES=""' in text
+    # With elastic restarts torchrun would restart ranks that stop to save; the job stops torchrun instead.
+    assert 'scancel --signal=TERM "$SLURM_JOB_ID"' in text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--num_gpus_per_node", "8", "--time_limit", "48h"], "--time_limit '48h' is not a SLURM time"),
+    (["--num_gpus_per_node", "8", "--signal_time", "0"], "--signal_time 0"),
+    (["--num_gpus_per_node", "0", "--cpus_per_task", "0"], "--cpus_per_task 0"),
+    (["--num_nodes", "2"], "--num_gpus_per_node"),
+])
+def test_slurm_refuses_bad_input(in_project, capsys, tmp_path, args, message):
+    code, _, err = cli(capsys, "slurm", "--config", "train.yaml", *args, "--output", str(tmp_path / "x.sh"))
+    assert code == 2 and message in err
+    assert not (tmp_path / "x.sh").exists()
+
+
+def test_slurm_accepts_every_slurm_time_format(in_project, capsys, tmp_path):
+    for value in ("30", "30:00", "48:00:00", "2-12", "2-12:30", "2-12:30:00"):
+        code, _, err = cli(capsys, "slurm", "--num_gpus_per_node", "1", "--time_limit", value, "--output", str(tmp_path / "t.sh"))
+        assert code == 0, (value, err)
+        assert f"#SBATCH --time={value}" in (tmp_path / "t.sh").read_text()
+
+
+def test_restarts_that_would_start_over_are_pointed_out(in_project, capsys, tmp_path):
+    """configs/demo.yaml sets overwrite_output_dir: a requeued job would train from the start again."""
+    code, _, err = cli(capsys, "slurm", "--config", "train.yaml", "--num_gpus_per_node", "0", "--output",
+                       str(tmp_path / "s.sh"), "--", "--overwrite_output_dir", "true")
+    assert code == 0 and "a restarted or requeued run starts over" in err
+    code, _, err = cli(capsys, "launcher", "--config", "train.yaml", "--num_gpus_per_node", "0", "--output",
+                       str(tmp_path / "l.sh"), "--", "--overwrite_output_dir", "true")
+    assert code == 0 and "starts over" not in err, "no restarts, nothing to warn about"

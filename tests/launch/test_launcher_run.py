@@ -1,0 +1,115 @@
+"""Generated launcher scripts, executed: a single-node run, the failure messages, and an elastic restart.
+
+Every script here is the file `phalanx launcher` wrote, started with bash as a user would,
+with 2 CPU ranks over gloo (`--num_gpus_per_node 0`). Ports are free ones on loopback.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from phalanx.checkpoint.commit import is_committed
+
+pytestmark = pytest.mark.system
+
+
+def run_script(support, project: Path, env: dict, *args: str, timeout: float = 240) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.monotonic()
+    proc = support.run_bounded(["bash", *args], project, env, timeout)
+    return proc, time.monotonic() - start
+
+
+def test_single_node_script_trains_on_two_ranks(reference_run, project, support):
+    """The reference run is `bash scripts/run_training.sh 2 --output_dir runs/reference` (see conftest)."""
+    info = support.read_info(project / "runs" / "reference")
+    assert info["world_size"] == 2 and info["global_step"] == support.MAX_STEPS and info["effective_batch_size"] == 4
+    losses = [reference_run[s] for s in sorted(reference_run)]
+    assert all(l == l and l < 20 for l in losses) and losses[-1] < losses[0], losses
+    assert (project / "runs" / "reference" / "adapter_model.safetensors").is_file()
+    # The Windows twin was written next to it (it cannot run here; test_generate.py checks its lines).
+    assert (project / "scripts" / "run_training.bat").is_file()
+
+
+def test_port_already_taken_fails_fast_with_the_holder(project, generate, support):
+    generate("launcher", "--config", "train.yaml", "--num_gpus_per_node", "0", "--nproc_per_node", "2",
+             "--master_port", str(support.free_port()), "--output", "scripts/taken.sh")
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        # The port comes from the environment here, which also shows the override reaches the script.
+        env = support.local_env(PHALANX_MASTER_PORT=str(port))
+        proc, seconds = run_script(support, project, env, "scripts/taken.sh", "--output_dir", "runs/taken", timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"port {port} is already in use on this machine" in proc.stderr and f"pid {os.getpid()}" in proc.stderr
+    assert "Choose another --master_port" in proc.stderr
+    assert seconds < 30
+    assert not (project / "runs" / "taken").exists(), "no rank started"
+
+
+def test_more_gpus_than_the_node_has_fails_fast(project, generate, support):
+    generate("launcher", "--config", "train.yaml", "--num_gpus_per_node", "2", "--master_port", str(support.free_port()),
+             "--output", "scripts/gpus.sh")
+    proc, seconds = run_script(support, project, support.local_env(CUDA_VISIBLE_DEVICES=""), "scripts/gpus.sh", timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "has 0 CUDA device(s) visible" in proc.stderr and "asks for 2 per node" in proc.stderr
+    assert "--num_gpus_per_node 0 --nproc_per_node N" in proc.stderr
+    assert seconds < 30
+
+
+def worker_pids(launcher_pid: int) -> dict[int, int]:
+    """{global rank: pid} of the ranks torchrun (the script exec's into it) has started."""
+    out = {}
+    try:
+        children = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split()
+    except OSError:
+        return out
+    for child in map(int, children):
+        try:
+            env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for item in env:
+            if item.startswith(b"RANK="):
+                out[int(item[5:])] = child
+    return out
+
+
+def test_killed_rank_restarts_and_resumes_under_max_restarts(project, generate, reference_run, support):
+    """Elastic: SIGKILL rank 1 after the first checkpoint; torchrun restarts both ranks, which resume from it."""
+    generate("launcher", "--config", "train.yaml", "--num_gpus_per_node", "0", "--nproc_per_node", "2",
+             "--max_restarts", "1", "--master_port", str(support.free_port()), "--output", "scripts/elastic.sh")
+    out = project / "runs" / "elastic"
+    log = project / "elastic.log"
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(["bash", "scripts/elastic.sh", "--output_dir", str(out)], cwd=project,
+                                env=support.local_env(), stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        killed = None
+        while time.monotonic() < deadline and proc.poll() is None:
+            if is_committed(out / f"checkpoint-{support.SAVE_STEPS}"):
+                ranks = worker_pids(proc.pid)
+                if 1 in ranks:
+                    os.kill(ranks[1], signal.SIGKILL)
+                    killed = ranks[1]
+                    break
+            time.sleep(0.1)
+        assert killed, "rank 1 was not found running after the first checkpoint:\n" + log.read_text()[-3000:]
+        rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            support.kill_tree(proc)
+    text = log.read_text()
+    assert rc == 0, text[-4000:]
+    assert "-9" in text or "SIGKILL" in text, "torchrun saw the killed rank"
+    info = support.read_info(out)
+    assert info["world_size"] == 2 and info["global_step"] == support.MAX_STEPS
+    resumed = support.losses_by_step(out)
+    assert sorted(resumed) == sorted(reference_run)
+    assert [resumed[s] for s in sorted(resumed)] == pytest.approx([reference_run[s] for s in sorted(reference_run)], abs=1e-5)

@@ -1,0 +1,101 @@
+"""The node checks behind the launcher's clear failure messages, one by one (in process, loopback only)."""
+
+import socket
+import time
+
+import pytest
+
+from phalanx.errors import PhalanxError
+from phalanx.launch import preflight
+
+
+@pytest.fixture
+def listener():
+    """A process-local socket listening on a free loopback port (stands in for 'another job holds the port')."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    yield sock.getsockname()[1]
+    sock.close()
+
+
+def test_taken_port_names_the_port_and_the_holder(listener):
+    with pytest.raises(PhalanxError) as err:
+        preflight.check_port_free(listener)
+    message = str(err.value)
+    assert f"port {listener} is already in use" in message and "--master_port" in message
+    assert "pid " in message and "pytest" in message, "the process holding the port is named"
+
+
+def test_free_port_passes():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    preflight.check_port_free(port)
+
+
+def test_master_nobody_listens_on_fails_within_the_timeout():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, never listening: connections are refused
+        start = time.monotonic()
+        with pytest.raises(PhalanxError) as err:
+            preflight.wait_for_master("127.0.0.1", port, timeout=1.5)
+    assert time.monotonic() - start < 5
+    assert f"cannot reach the master node at 127.0.0.1:{port} after 2 s" in str(err.value)
+    assert "connection was refused" in str(err.value)
+
+
+def test_master_that_listens_is_found(listener):
+    preflight.wait_for_master("127.0.0.1", listener, timeout=5)
+
+
+def test_unresolvable_master_fails_at_once(monkeypatch):
+    def no_such_name(*args, **kwargs):  # no DNS query leaves this machine
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(preflight.socket, "getaddrinfo", no_such_name)
+    start = time.monotonic()
+    with pytest.raises(PhalanxError, match="cannot resolve the master address 'head-node' .Name or service not known"):
+        preflight.wait_for_master("head-node", 29500, timeout=60)
+    assert time.monotonic() - start < 1
+
+
+def test_node_zero_must_own_the_master_address():
+    # 192.0.2.1 is TEST-NET-1: never an address of this machine; binding to it sends nothing.
+    with pytest.raises(PhalanxError, match="192.0.2.1 .* is not an address of this machine"):
+        preflight.check_master_is_here("192.0.2.1")
+    preflight.check_master_is_here("127.0.0.1")
+
+
+def test_more_gpus_than_the_node_has():
+    with pytest.raises(PhalanxError) as err:
+        preflight.check_devices(4, 4, cuda_count=lambda: 1)
+    assert "has 1 CUDA device(s) visible" in str(err.value) and "asks for 4 per node" in str(err.value)
+    assert "--num_gpus_per_node 1 or fewer" in str(err.value)
+    preflight.check_devices(1, 1, cuda_count=lambda: 1)
+
+
+def test_more_cpu_ranks_than_cores(monkeypatch):
+    monkeypatch.setattr(preflight.os, "cpu_count", lambda: 2)
+    with pytest.raises(PhalanxError, match="--nproc_per_node 3 CPU ranks .* it has 2 core"):
+        preflight.check_devices(0, 3)
+
+
+def test_multi_node_refuses_a_loopback_master():
+    with pytest.raises(PhalanxError, match="loopback"):
+        preflight.preflight(0, 1, num_nodes=2, node_rank=0, master_addr="localhost", master_port=29500, timeout=1)
+
+
+def test_interface_towards_loopback():
+    assert preflight.interface_towards("127.0.0.1") == ("lo", "127.0.0.1")
+
+
+def test_main_prints_the_interface_or_exits_2(capsys, listener):
+    assert preflight.main(["--num_gpus_per_node", "0", "--nproc_per_node", "1", "--master_port", str(listener)]) == 2
+    assert "already in use" in capsys.readouterr().err
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert preflight.main(["--num_gpus_per_node", "0", "--nproc_per_node", "1", "--master_port", str(port)]) == 0
+    assert capsys.readouterr().out.strip() == "lo 127.0.0.1"

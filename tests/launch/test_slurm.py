@@ -1,0 +1,74 @@
+"""SLURM for real: the sbatch script `phalanx slurm` writes, submitted to a one-machine cluster.
+
+The `slurm_cluster` fixture (conftest.py) starts munged, slurmctld and slurmd on this host
+with private configs, ports and socket, and stops them afterwards. The job runs one node with
+2 CPU ranks; mid-run it gets the time-limit warning SLURM sends `--signal_time` seconds early
+(here by hand, with `scancel --signal=USR1 --batch`), so the ranks save a checkpoint, the job
+requeues itself, starts again and resumes: the losses must equal the uninterrupted run's.
+"""
+
+import time
+
+import pytest
+
+from phalanx.checkpoint.commit import is_committed
+
+pytestmark = pytest.mark.system
+
+
+def wait_for_state(cluster, job_id: str, done, timeout: float, what: str) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = cluster.job(job_id)
+        if done(job):
+            return job
+        time.sleep(1)
+    pytest.fail(f"job {job_id}: {what} within {timeout:.0f} s; last state {cluster.job(job_id)}\n{cluster.logs()}")
+
+
+def test_sbatch_job_trains_is_preempted_requeues_and_resumes(slurm_cluster, project, generate, reference_run, support):
+    generate("slurm", "--config", "train.yaml", "--num_nodes", "1", "--num_gpus_per_node", "0", "--nproc_per_node", "2",
+             "--time_limit", "00:15:00", "--job_name", "phalanx-test", "--output", "scripts/slurm_job.sh",
+             "--", "--output_dir", "runs/slurm")
+    submitted = slurm_cluster.run("sbatch", "--parsable", "scripts/slurm_job.sh", timeout=30, cwd=project)
+    assert submitted.returncode == 0, submitted.stderr + slurm_cluster.logs()
+    job_id = submitted.stdout.strip().split(";")[0]
+    out = project / "runs" / "slurm"
+    log = project / f"slurm-{job_id}.out"
+
+    # Wait for the first checkpoint, then send what SLURM sends --signal_time seconds before the time limit.
+    deadline = time.monotonic() + 180
+    while not is_committed(out / f"checkpoint-{support.SAVE_STEPS}"):
+        state = slurm_cluster.job(job_id).get("JobState")
+        assert state in ("PENDING", "CONFIGURING", "RUNNING"), f"job {job_id} is {state} before its first checkpoint:\n" + (
+            log.read_text()[-4000:] if log.exists() else slurm_cluster.logs())
+        assert time.monotonic() < deadline, "no checkpoint within 180 s:\n" + (log.read_text()[-4000:] if log.exists() else "")
+        time.sleep(0.2)
+    warned = slurm_cluster.run("scancel", "--signal=USR1", "--batch", job_id)
+    assert warned.returncode == 0, warned.stderr
+
+    job = wait_for_state(slurm_cluster, job_id, lambda j: j.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
+                         and j.get("Restarts") != "0", 240, "did not finish after a requeue")
+    text = log.read_text()
+    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", text[-5000:]
+    assert job["Restarts"] == "1"
+    for expected in (f"phalanx: job {job_id} (restart 0)", "time limit near: asking the ranks to save",
+                     "requeueing job", f"phalanx: job {job_id} (restart 1)", "Resuming from",
+                     "training step ended with exit code 0", "master 127.0.0.1:", "phalanx: node 0 of 1"):
+        assert expected in text, expected
+    assert text.count("World Size: 2") == 2, "both runs of the job had 2 ranks"
+    info = support.read_info(out)
+    assert info["world_size"] == 2 and info["global_step"] == support.MAX_STEPS
+    resumed = support.losses_by_step(out)
+    assert sorted(resumed) == sorted(reference_run)
+    assert [resumed[s] for s in sorted(resumed)] == pytest.approx([reference_run[s] for s in sorted(reference_run)], abs=1e-5)
+
+
+def test_gpus_the_cluster_does_not_have_are_refused_at_submission(slurm_cluster, project, generate):
+    generate("slurm", "--config", "train.yaml", "--num_nodes", "1", "--num_gpus_per_node", "8", "--time_limit", "10",
+             "--output", "scripts/slurm_gpu.sh")
+    start = time.monotonic()
+    proc = slurm_cluster.run("sbatch", "scripts/slurm_gpu.sh", timeout=30, cwd=project)
+    assert proc.returncode != 0
+    assert "gres" in proc.stderr.lower() or "configuration is not available" in proc.stderr, proc.stderr
+    assert time.monotonic() - start < 20
