@@ -30,7 +30,8 @@ def fresh_staging_dir(final: Path) -> Path:
     return staging
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync one file or folder (a folder's fsync makes renames inside it durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -41,8 +42,8 @@ def _fsync(path: Path) -> None:
 def fsync_tree(root: Path) -> None:
     for dirpath, _, files in os.walk(root):
         for name in files:
-            _fsync(Path(dirpath) / name)
-        _fsync(Path(dirpath))
+            fsync_path(Path(dirpath) / name)
+        fsync_path(Path(dirpath))
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:
@@ -64,7 +65,7 @@ def commit(staging: Path, final: Path, meta: dict) -> None:
         os.replace(final, retired)  # e.g. checkpoint-best being superseded
     os.replace(staging, final)
     write_json_atomic(final / MARKER, meta)
-    _fsync(final.parent)
+    fsync_path(final.parent)
     if retired.exists():
         shutil.rmtree(retired)
 

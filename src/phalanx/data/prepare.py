@@ -45,6 +45,7 @@ from phalanx.data.sources import (
     iter_rows,
     load_named_dataset,
 )
+from phalanx.checkpoint.commit import fsync_tree
 from phalanx.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, *, seed: int, cache_root: Path
             if eval_ is not None:
                 _dataset(eval_).save_to_disk(str(tmp / "eval"))
             (tmp / "report.json").write_text(json.dumps(report, indent=2))
-            _fsync_tree(tmp)
+            fsync_tree(tmp)
             os.replace(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -342,18 +343,6 @@ def _load(folder: Path, *, cache_hit: bool) -> PreparedData:
     train = datasets.load_from_disk(str(folder / "train"))
     eval_ = datasets.load_from_disk(str(folder / "eval")) if (folder / "eval").is_dir() else None
     return PreparedData(train=train, eval=eval_, report=report)
-
-
-def _fsync_tree(root: Path) -> None:
-    for path in sorted(root.rglob("*"), reverse=True):
-        if path.is_file():
-            with path.open("rb") as f:
-                os.fsync(f.fileno())
-    fd = os.open(root, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def report_dict(report: DataReport) -> dict:

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from phalanx.checkpoint.commit import fsync_path, fsync_tree
 from phalanx.errors import ConfigError, PhalanxError
 
 EMBEDDED_PREFIX = "embedded:"
@@ -187,7 +188,7 @@ def materialize_embedded_model(name: str, root: Path) -> Path:
             os.chmod(tmp, 0o755)  # mkdtemp makes it private; the model is for every user of the cache
             try:
                 _build(preset, tmp)
-                _fsync_tree(tmp)
+                fsync_tree(tmp)
                 os.replace(tmp, target)
             except OSError:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -197,7 +198,7 @@ def materialize_embedded_model(name: str, root: Path) -> Path:
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
-            _fsync_dir(root)
+            fsync_path(root)
     except Timeout as e:
         raise PhalanxError(
             f"waited 600 s for the lock {lock_path} while building embedded model {name!r}; "
@@ -257,19 +258,3 @@ def _build(preset: EmbeddedPreset, folder: Path) -> None:
     )
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-
-
-def _fsync_tree(folder: Path) -> None:
-    for path in folder.rglob("*"):
-        if path.is_file():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-    _fsync_dir(folder)
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
