@@ -51,7 +51,7 @@ def launch_local(module_args: Sequence[str], nproc: int, master_port: Optional[i
         elastic_launch(config, entrypoint=sys.executable)("-m", "phalanx", *module_args)
     except SignalException as exc:
         # SIGTERM/SIGINT: the agent has already passed SIGTERM to the ranks, which save before they exit.
-        print(f"launcher received {exc.sigval.name}; the ranks saved a checkpoint if they reached a step boundary",
+        print(f"launcher received {exc.sigval.name}; the ranks were asked to stop and keep what they finished (rerun to resume)",
               file=sys.stderr, flush=True)
         return PREEMPTED_EXIT_CODE
     except ChildFailedError as exc:

@@ -1,0 +1,258 @@
+"""Generated tokens/s: phalanx's batched generation against a plain `model.generate` loop, same model and prompts.
+
+One invocation, one process, one after the other on the same loaded model:
+
+  (a) phalanx: the engine `phalanx generate` runs on each rank (phalanx.generate.engine), over
+      the batches the command plans (prompts longest first, `--batch_size` sequences per batch);
+  (b) loop: `model.generate` on one prompt at a time, once per (prompt, sequence) pair: what a
+      hand-written script does;
+  (c) loop, K per call: `model.generate(num_return_sequences=K)` once per prompt: the usual
+      improvement on (b), shown for context.
+
+Held equal: the model (fp32 on CPU, or --dtype on CUDA), the prompts (the bundled health-agent
+chats rendered with the chat template, their final answer left out), temperature / top-p / top-k,
+max_new_tokens, the stop tokens (EOS and end of turn) and the ids that can be drawn (the tokenizer's
+vocabulary, not the padded embedding rows). Sampling is random in every arm, so arms differ in how
+many tokens they produce before a stop; tokens/s counts the tokens each arm actually produced (the
+stop token included) over the wall time of its generation calls (no model load, no file writing).
+The arms run in interleaved rounds (--repeats, default 3) and the median round of each is reported,
+with every round's time and the CPU that other processes used meanwhile (the machine may be shared).
+
+What phalanx does that (b) does not: K sequences of a question share one prefill, sequences of
+different questions share forward passes, and finished sequences leave the batch.
+
+Not measured here: the GPU path with a static KV cache / torch.compile (no GPU on this machine).
+
+Run from the repository root:
+  .venv/bin/python benchmarks/generate_vs_loop.py                       # 16 prompts x 4, 64 new tokens
+  .venv/bin/python benchmarks/generate_vs_loop.py --num_questions 8 --no-results
+Results are appended to benchmarks/RESULTS.md (reported, never asserted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import os
+import platform
+import resource
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "RESULTS.md"
+sys.path.insert(0, str(ROOT / "src"))
+
+
+def busy_core_seconds() -> float | None:
+    """Core-seconds every process on the machine has spent busy since boot (Linux), or None."""
+    try:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, Path("/proc/stat").read_text().split()[1:9])
+    except (OSError, ValueError):
+        return None
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def own_core_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def wait_until_idle(limit: float, busy_below: float = 0.3) -> float:
+    """Wait (at most `limit` seconds) for a second in which other processes keep less than `busy_below` of a core busy."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < limit:
+        busy, own = busy_core_seconds(), own_core_seconds()
+        if busy is None:
+            break
+        time.sleep(1.0)
+        if (busy_core_seconds() - busy) - (own_core_seconds() - own) < busy_below:
+            break
+    return time.perf_counter() - start
+
+
+class Timer:
+    """Wall time of a block, and the core-seconds other processes used meanwhile (this machine is shared)."""
+
+    def __enter__(self):
+        self.busy, self.own, self.start = busy_core_seconds(), own_core_seconds(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall = time.perf_counter() - self.start
+        busy = busy_core_seconds()
+        self.others = None if busy is None else max(0.0, (busy - self.busy) - (own_core_seconds() - self.own))
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model_name", default="embedded:tiny-qwen3")
+    p.add_argument("--prompts", default="bundled:health-agent")
+    p.add_argument("--num_questions", type=int, default=16)
+    p.add_argument("--num_sequences_per_question", type=int, default=4)
+    p.add_argument("--batch_size", type=int, default=16)
+    p.add_argument("--max_new_tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top_p", type=float, default=0.95)
+    p.add_argument("--top_k", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (the same for every arm)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--repeats", type=int, default=3, help="rounds over all arms; the median round is reported")
+    p.add_argument("--wait-idle", dest="wait_idle", type=float, default=0, metavar="SECONDS",
+                   help="before each arm, wait up to SECONDS for the machine to be idle (shared machines)")
+    p.add_argument("--skip-k-loop", dest="skip_k_loop", action="store_true", help="leave out arm (c)")
+    p.add_argument("--no-results", dest="no_results", action="store_true", help="do not append to RESULTS.md")
+    p.add_argument("--note", default="", help="free text for the RESULTS.md entry")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault("PHALANX_CACHE", str(Path.home() / ".cache" / "phalanx"))
+    import torch
+    import transformers
+
+    from phalanx.generate.engine import generate_with_fallback
+    from phalanx.generate.job import DTYPES, generation_stop_ids, plan_batches, resolve_dtype
+    from phalanx.generate.prompts import read_prompts
+    from phalanx.generate.sampling import SamplingParams
+    from phalanx.models.load import load_model, load_tokenizer
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = resolve_dtype(args.dtype) if device.type == "cuda" else "float32"
+    tok = load_tokenizer(args.model_name)
+    model = load_model(args.model_name, DTYPES[dtype]).to(device).eval()
+    prompts = read_prompts(args.prompts, tok, args.num_questions, warn=print)
+    k = args.num_sequences_per_question
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=0)
+    stops = generation_stop_ids(tok, args.model_name)
+    vocab = len(tok)
+    beyond = list(range(vocab, model.config.vocab_size))
+    lengths = [len(p.input_ids) for p in prompts]
+    print(f"model {args.model_name} ({dtype}, {device}, {args.threads} thread(s)); {len(prompts)} prompts "
+          f"({min(lengths)}-{max(lengths)} tokens, mean {sum(lengths) / len(lengths):.0f}) x {k} sequences; "
+          f"max_new_tokens {args.max_new_tokens}, temperature {args.temperature}, top_p {args.top_p}, top_k {args.top_k}")
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def phalanx_arm(pairs_batches):
+        tokens = 0
+        ids = {p.id: list(p.input_ids) for p in prompts}
+        for pairs in pairs_batches:
+            finished, _ = generate_with_fallback(model, ids, pairs, params, stops, tok.pad_token_id, args.batch_size,
+                                                 vocab_limit=vocab)
+            tokens += sum(f.computed_tokens for f in finished)
+        sync()
+        return tokens
+
+    hf_kwargs = dict(do_sample=args.temperature > 0, max_new_tokens=args.max_new_tokens, eos_token_id=stops,
+                     pad_token_id=tok.pad_token_id, suppress_tokens=beyond or None)
+    if args.temperature > 0:
+        hf_kwargs.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+
+    def new_tokens(out, prompt_len):
+        """Tokens generate() produced per row: up to and including the first stop token."""
+        total = 0
+        for row in out[:, prompt_len:].tolist():
+            n = len(row)
+            for i, t in enumerate(row):
+                if t in stops:
+                    n = i + 1
+                    break
+            total += n
+        return total
+
+    def loop_arm(per_call: int):
+        tokens = 0
+        with torch.inference_mode():
+            for p in prompts:
+                ids = torch.tensor([p.input_ids], device=device)
+                for call in range(k // per_call):
+                    torch.manual_seed(p.id * 1000 + call)
+                    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                         num_return_sequences=per_call, **hf_kwargs)
+                    tokens += new_tokens(out, ids.shape[1])
+        sync()
+        return tokens
+
+    # Warm-up: one small call of each kind (allocator, kernels, lazy imports).
+    warm = prompts[:1]
+    generate_with_fallback(model, {warm[0].id: list(warm[0].input_ids)}, [(warm[0].id, 0)], params, stops,
+                           tok.pad_token_id, 1, vocab_limit=vocab)
+    with torch.inference_mode():
+        w = torch.tensor([warm[0].input_ids], device=device)
+        model.generate(input_ids=w, attention_mask=torch.ones_like(w), **{**hf_kwargs, "max_new_tokens": 4})
+
+    batches = plan_batches(prompts, k, args.batch_size)
+    runs = [(f"phalanx batched (batch_size {args.batch_size}, {len(batches)} batches)", lambda: phalanx_arm(batches)),
+            ("loop: model.generate, one prompt, one sequence per call", lambda: loop_arm(1))]
+    if not args.skip_k_loop and k > 1:
+        runs.append((f"loop: model.generate, one prompt, num_return_sequences={k}", lambda: loop_arm(k)))
+    # Rounds interleave the arms, so load from other processes falls on all of them alike; the median counts.
+    timings: dict[str, list] = {label: [] for label, _ in runs}
+    for round_ in range(args.repeats):
+        for label, fn in runs:
+            if args.wait_idle:
+                wait_until_idle(args.wait_idle)
+            with Timer() as t:
+                tokens = fn()
+            timings[label].append((t.wall, tokens, t.others))
+            print(f"round {round_ + 1}: {label}: {tokens} tokens in {t.wall:.2f}s")
+
+    def median(label):
+        ordered = sorted(timings[label], key=lambda x: x[0])
+        return ordered[len(ordered) // 2]
+
+    base_wall, base_tokens, _ = median(runs[1][0])
+    base_rate = base_tokens / base_wall
+    lines = []
+    for label, _ in runs:
+        wall, tokens, others = median(label)
+        rate = tokens / wall
+        spread = ", ".join(f"{w:.2f}" for w, _, _ in timings[label])
+        lines.append(f"| {label} | {len(prompts) * k} | {tokens} | {wall:.2f} ({spread}) | {rate:.1f} | "
+                     f"{rate / base_rate:.2f}x | {'n/a' if others is None else f'{others:.1f}'} |")
+    header = ["| arm | sequences | generated tokens | seconds, median (all rounds) | tokens/s | vs one-at-a-time loop "
+              "| other processes' core-s (median round) |", "|---|---|---|---|---|---|---|"]
+    print("\n".join(header + lines))
+    wall, tokens, _ = median(runs[0][0])
+    ratio = (tokens / wall) / base_rate
+    print(f"phalanx batched / one-at-a-time loop: {ratio:.2f}x tokens/s")
+
+    if args.no_results:
+        return
+    stamp = _dt.datetime.now().strftime("%Y-%m-%d %H:%M")
+    entry = [
+        f"\n### {stamp}: `generate_vs_loop.py` {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip(),
+        "",
+        f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, transformers {transformers.__version__}; "
+        f"{args.model_name} ({dtype}, {device}, {args.threads} thread(s)); {len(prompts)} prompts from {args.prompts} "
+        f"({min(lengths)}-{max(lengths)} prompt tokens) x {k} sequences, max_new_tokens {args.max_new_tokens}, "
+        f"temperature {args.temperature}, top_p {args.top_p}, top_k {args.top_k}; load average "
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end.",
+        "",
+        *header,
+        *lines,
+        "",
+        f"**phalanx batched: {ratio:.2f}x the tokens/s of the one-prompt-at-a-time `model.generate` loop.** "
+        "GPU static KV cache / `torch.compile` path: not measured (no GPU on this machine).",
+    ]
+    if args.note:
+        entry += ["", args.note]
+    with RESULTS.open("a") as f:
+        if f.tell() == 0:
+            f.write("# Benchmark results\n")
+        f.write("\n".join(entry) + "\n")
+    print(f"appended to {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""`phalanx generate`: sharded, resumable batch generation of training data on 1..N ranks.
+
+    phalanx generate --model_name M [--adapter PATH] --prompts FILE --num_sequences_per_question K \\
+        --batch_size B [--num_questions N] [--max_new_tokens --temperature --top_p --top_k --seed] \\
+        [--val_fraction F] --output data/traj_chat.jsonl [--world_size N]
+
+With --world_size N (and no torchrun around it) the command checks its input once, then starts N
+ranks through torch's elastic launcher, as `phalanx train` does. Each rank generates its batches
+(job.py), commits them to its shard (shards.py); rank 0 merges. Rerunning resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Sequence
+
+from phalanx.errors import ConfigError, PhalanxError
+
+DEFAULT_OUTPUT = "data/traj_chat.jsonl"
+
+
+def _bool(value: str) -> bool:
+    lowered = str(value).lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="phalanx generate", allow_abbrev=False,
+        description="Answer every prompt num_sequences_per_question times, sharded over ranks and resumable; "
+                    "the records are chat rows that `phalanx train --dataset_path` reads as they are.")
+
+    def add(name: str, **kwargs) -> None:
+        dashed = name.replace("_", "-")
+        parser.add_argument(f"--{name}", *([f"--{dashed}"] if dashed != name else []), dest=name, **kwargs)
+
+    add("model_name", default=None, help="Local folder, Hub id or embedded:tiny-qwen3 (default: the adapter's base "
+        "model, else embedded:tiny-qwen3).")
+    add("adapter", default=None, help="A LoRA adapter folder written by `phalanx train`, merged into the model.")
+    add("prompts", default="bundled:health-agent", help="jsonl / folder / save_to_disk / .txt of prompts "
+        "(default: the bundled health-agent chats).")
+    add("num_questions", type=int, default=None, help="Use the first N prompts (default: all).")
+    add("num_sequences_per_question", type=int, default=1, help="Sequences sampled per prompt.")
+    add("batch_size", type=int, default=16, help="Sequences per forward pass on each rank (halved on out-of-memory).")
+    add("max_new_tokens", type=int, default=256, help="Longest answer, in tokens.")
+    add("temperature", type=float, default=0.7, help="Sampling temperature; 0 is greedy.")
+    add("top_p", type=float, default=1.0, help="Nucleus sampling mass in (0, 1].")
+    add("top_k", type=int, default=0, help="Keep the k most likely tokens; 0 keeps all.")
+    add("seed", type=int, default=42, help="Seeds every (prompt, sequence) stream and the validation split.")
+    add("val_fraction", type=float, default=0.1, help="Fraction of the prompts (all their sequences) written to "
+        "the validation file; 0 writes none.")
+    add("output", default=DEFAULT_OUTPUT, help="Training records (jsonl).")
+    add("val_output", default=None, help="Validation records (default: traj_chat.jsonl -> traj_val.jsonl, "
+        "else NAME_val.jsonl).")
+    add("dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+        help="Model weights; auto is bfloat16 (or float16) on CUDA, float32 on CPU.")
+    add("world_size", type=int, default=1, help="Ranks to start on this machine (ignored under torchrun).")
+    add("master_port", type=int, default=None, help="Rendezvous port for --world_size (default: a free one).")
+    add("timeout_minutes", type=float, default=30.0, help="How long a rank waits for the others at the end.")
+    add("overwrite", type=_bool, nargs="?", const=True, default=False,
+        help="Discard earlier records of --output and start over (default: resume them).")
+    add("trust_remote_code", type=_bool, nargs="?", const=True, default=False,
+        help="Run model code shipped with the checkpoint.")
+    return parser
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    args = build_parser().parse_args(list(argv))
+    checks = [
+        (args.num_sequences_per_question >= 1, "--num_sequences_per_question must be at least 1"),
+        (args.num_questions is None or args.num_questions >= 1, "--num_questions must be at least 1 (or left out for all prompts)"),
+        (args.batch_size >= 1, "--batch_size must be at least 1"),
+        (args.max_new_tokens >= 1, "--max_new_tokens must be at least 1"),
+        (args.temperature >= 0, "--temperature must be 0 (greedy) or more"),
+        (0 < args.top_p <= 1, "--top_p must be in (0, 1]"),
+        (args.top_k >= 0, "--top_k must be 0 (off) or more"),
+        (0 <= args.val_fraction < 1, "--val_fraction must be in [0, 1)"),
+        (args.world_size >= 1, "--world_size must be at least 1"),
+        (args.timeout_minutes > 0, "--timeout_minutes must be positive"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    return args
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse_args(argv)
+    from phalanx.runtime.dist import launched_by_torchrun
+
+    if args.world_size > 1 and not launched_by_torchrun():
+        from phalanx.generate.job import plan_job
+        from phalanx.generate.shards import check_manifest
+        from phalanx.launch.local import launch_local
+        from phalanx.runtime.dist import check_world_fits
+
+        # Check what can be checked before any rank starts, so bad input is reported once; write nothing.
+        check_world_fits(args.world_size, "auto")
+        job = plan_job(args, warn=lambda message: None)
+        check_manifest(job.folder, job.output, job.settings, args.overwrite)
+        try:
+            code = launch_local(["generate", *argv], args.world_size, args.master_port)
+        except PhalanxError as exc:
+            raise PhalanxError(f"phalanx generate: {exc}") from None
+        if code:
+            print(f"phalanx generate was interrupted; committed batches are kept in {job.folder}: rerun the same "
+                  "command to resume", file=sys.stderr, flush=True)
+        return code or 0
+    return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    """One rank's part (or the whole job in one process)."""
+    from phalanx.generate.job import plan_job
+    from phalanx.runtime import dist as rt
+
+    rank_id = rt.env_rank_info()[0]
+    say = (lambda message: print(message, flush=True)) if rank_id == 0 else (lambda message: None)
+    job = plan_job(args, warn=say)  # every rank reads the prompts: the batches are computed, not sent
+    rank = rt.init_runtime("auto", args.timeout_minutes)
+    try:
+        done = _agree_on_state(job, rank, args.overwrite)
+        stats = _generate(job, rank, done, say)
+        everyone = rt.gather_objects(stats)
+        if rank.is_main:
+            _finish(job, rank.world_size, everyone, len(done), say)
+        rt.barrier()
+    finally:
+        rt.shutdown()
+    return 0
+
+
+def _agree_on_state(job, rank, overwrite: bool) -> set[tuple[int, int]]:
+    """Rank 0 checks and prepares the shard folder and finds what is done; every rank gets the answer or the error."""
+    from phalanx.generate.shards import check_manifest, prepare_folder, scan_folder
+    from phalanx.runtime.dist import broadcast_object
+
+    answer: object = None
+    if rank.is_main:
+        try:
+            action = check_manifest(job.folder, job.output, job.settings, overwrite)
+            prepare_folder(job.folder, job.settings, action)
+            expected = set(job.pairs())
+            answer = sorted(key for key in scan_folder(job.folder) if key in expected)
+        except PhalanxError as exc:
+            answer = exc
+    answer = broadcast_object(answer)
+    if isinstance(answer, PhalanxError):
+        raise answer
+    return set(map(tuple, answer))
+
+
+def _generate(job, rank, done: set, say) -> dict:
+    from phalanx.generate.engine import generate_with_fallback
+    from phalanx.generate.job import load_generation_model, make_record, plan_batches, rank_batches
+    from phalanx.generate.shards import ShardWriter, shard_path
+
+    batches = plan_batches(job.prompts, job.num_sequences, job.batch_size)
+    total = sum(len(b) for b in batches)
+    say(f"🔧 Generation: {job.model_name}{f' + adapter {job.adapter}' if job.adapter else ''} ({job.dtype}, "
+        f"{rank.device.type}); {len(job.prompts)} prompts x {job.num_sequences} sequences = {total}; "
+        f"{len(batches)} batches of up to {job.batch_size} over {rank.world_size} rank(s); sampling {job.params.as_dict()}")
+    if done:
+        say(f"♻️  Resuming: {len(done)} of {total} sequences are already committed in {job.folder}")
+    mine = rank_batches(batches, rank.rank, rank.world_size, done)
+    stats = {"rank": rank.rank, "sequences": 0, "tokens": 0, "seconds": 0.0, "batch_size": job.batch_size,
+             "shrunk": False}
+    if not mine:
+        return stats
+    model = load_generation_model(job, rank.device)
+    prompt_ids = {p.id: list(p.input_ids) for p in job.prompts}
+    by_id = {p.id: p for p in job.prompts}
+    prefix = "" if rank.is_main else f"[rank {rank.rank}] "
+
+    def shrink(old: int, new: int) -> None:
+        stats["shrunk"] = True
+        print(f"{prefix}⚠️  out of memory with {old} sequences per forward pass; retrying with {new}", flush=True)
+
+    writer = ShardWriter(shard_path(job.folder, rank.rank))
+    micro = job.batch_size
+    started = time.perf_counter()
+    try:
+        for number, (index, pairs) in enumerate(mine, start=1):
+            t0 = time.perf_counter()
+            finished, micro = generate_with_fallback(model, prompt_ids, pairs, job.params, job.stop_ids,
+                                                     job.tokenizer.pad_token_id, micro, shrink, len(job.tokenizer))
+            writer.commit(index, [make_record(job, by_id[p], s, f) for (p, s), f in zip(pairs, finished)])
+            tokens = sum(f.computed_tokens for f in finished)
+            stats["sequences"] += len(pairs)
+            stats["tokens"] += tokens
+            say(f"   batch {number}/{len(mine)} (rank 0): {len(pairs)} sequences, {tokens} new tokens, "
+                f"{tokens / max(time.perf_counter() - t0, 1e-9):.1f} tokens/s")
+    finally:
+        writer.close()
+    stats["seconds"] = time.perf_counter() - started
+    stats["batch_size"] = micro
+    return stats
+
+
+def _finish(job, world_size: int, everyone: list[dict], resumed: int, say) -> None:
+    from phalanx.generate.shards import merge, val_prompt_ids
+
+    sequences = sum(s["sequences"] for s in everyone)
+    tokens = sum(s["tokens"] for s in everyone)
+    seconds = max(s["seconds"] for s in everyone)
+    rate = f"{tokens / seconds:.1f} tokens/s" if seconds > 0 else "nothing left to generate"
+    say(f"✅ Generated {sequences} sequences ({tokens} new tokens) in {seconds:.1f}s on {world_size} rank(s): {rate}"
+        + (f"; {resumed} were already done" if resumed else ""))
+    for s in everyone:
+        if s["shrunk"]:
+            say(f"⚠️  rank {s['rank']}: out of memory; batch size reduced from {job.batch_size} to {s['batch_size']}")
+    val_ids = val_prompt_ids(len(job.prompts), job.val_fraction, job.params.seed)
+    n_train, n_val = merge(job.folder, job.pairs(), val_ids, job.output, job.val_output)
+    where = f" and {n_val} ({len(val_ids)} prompts) to {job.val_output}" if job.val_output is not None else ""
+    say(f"💾 Wrote {n_train} records to {job.output}{where}; shards kept in {job.folder}")

@@ -1,0 +1,201 @@
+"""What a generation job is, decided before any model loads: settings, prompts, the batches and who runs them.
+
+The batches are a function of the prompts, `num_sequences_per_question` and `batch_size` only:
+prompts sorted longest first (ties by id) so neighbours pad little, their (prompt, sequence)
+pairs in that order, cut every `batch_size` rows. Batch b belongs to rank b mod world_size.
+Because no batch depends on the world size, one rank and N ranks compute the very same
+batches, and the merged files are byte-identical; per-row random streams (sampling.py) make
+each sequence independent of its batch-mates as well.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from phalanx.errors import ConfigError, DataError
+from phalanx.generate.engine import Finished, stop_token_ids
+from phalanx.generate.prompts import Prompt, has_chat_template, prompts_digest, read_prompts
+from phalanx.generate.sampling import SamplingParams
+from phalanx.generate.shards import default_val_output, shard_dir
+from phalanx.models.load import load_model, load_tokenizer, resolve_model_path
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Job:
+    model_name: str
+    adapter: Optional[str]
+    dtype: str
+    prompts: list[Prompt]
+    num_sequences: int
+    batch_size: int
+    params: SamplingParams
+    stop_ids: list[int]
+    tokenizer: Any
+    output: Path
+    val_output: Optional[Path]
+    val_fraction: float
+    folder: Path
+    settings: dict  # what the records depend on; a resume must match it exactly
+
+    def pairs(self) -> list[tuple[int, int]]:
+        return [(p.id, s) for p in self.prompts for s in range(self.num_sequences)]
+
+
+def resolve_dtype(name: str) -> str:
+    if name != "auto":
+        return name
+    if torch.cuda.is_available():
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return "float32"
+
+
+def adapter_base(adapter: str) -> str:
+    """The base model an adapter folder written by `phalanx train` (or PEFT) was trained on."""
+    config = Path(adapter) / "adapter_config.json"
+    if not config.is_file():
+        raise ConfigError(f"--adapter {adapter}: no adapter_config.json there; give the output_dir (or a checkpoint "
+                          "folder) of `phalanx train`, which holds adapter_config.json + adapter_model.safetensors")
+    try:
+        base = json.loads(config.read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except ValueError as e:
+        raise ConfigError(f"{config}: not valid JSON ({e})") from None
+    if not base:
+        raise ConfigError(f"{config}: no base_model_name_or_path; pass --model_name")
+    return base
+
+
+def adapter_digest(adapter: str) -> str:
+    h = hashlib.sha256()
+    for name in ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin"):
+        path = Path(adapter) / name
+        if path.is_file():
+            h.update(name.encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def generation_stop_ids(tokenizer: Any, model_name: str) -> list[int]:
+    """Stop ids from the tokenizer and the model folder's generation_config.json (no weights needed)."""
+    from transformers import GenerationConfig
+
+    try:
+        config = GenerationConfig.from_pretrained(resolve_model_path(model_name))
+    except (OSError, ValueError):
+        config = None  # no generation_config.json: the tokenizer's EOS and end-of-turn tokens
+    return stop_token_ids(tokenizer, config)
+
+
+def check_lengths(prompts: list[Prompt], model_name: str, max_new_tokens: int) -> None:
+    from transformers import AutoConfig
+
+    try:
+        limit = getattr(AutoConfig.from_pretrained(resolve_model_path(model_name)), "max_position_embeddings", None)
+    except (OSError, ValueError):
+        return  # load_model reports an unreadable config properly
+    if not limit:
+        return
+    for p in prompts:
+        if len(p.input_ids) + max_new_tokens > limit:
+            raise DataError(
+                f"{p.where}: the prompt is {len(p.input_ids)} tokens; with --max_new_tokens {max_new_tokens} it needs "
+                f"{len(p.input_ids) + max_new_tokens} positions, more than the model's {limit} "
+                "(max_position_embeddings). Shorten the prompt or lower --max_new_tokens."
+            )
+
+
+def plan_job(args, warn: Callable[[str], None]) -> Job:
+    """Everything but the model: reads and checks the prompts (errors name the line), writes nothing."""
+    model_name = args.model_name or (adapter_base(args.adapter) if args.adapter else "embedded:tiny-qwen3")
+    if args.adapter:
+        adapter_base(args.adapter)  # the folder must be an adapter even when --model_name is given
+    tokenizer = load_tokenizer(model_name, args.trust_remote_code)
+    if not has_chat_template(tokenizer):
+        warn(f"warning: the tokenizer of {model_name} has no chat template; chat prompts are written as plain "
+             "'role: content' lines ending in 'assistant: '. The records are chat rows: to train on them, use a "
+             "tokenizer with a chat template.")
+    prompts = read_prompts(args.prompts, tokenizer, args.num_questions, warn)
+    check_lengths(prompts, model_name, args.max_new_tokens)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    stop_ids = generation_stop_ids(tokenizer, model_name)
+    dtype = resolve_dtype(args.dtype)
+    settings = {
+        "model_name": model_name,
+        "adapter": args.adapter,
+        "adapter_sha256": adapter_digest(args.adapter) if args.adapter else None,
+        "dtype": dtype,
+        "prompts_sha256": prompts_digest(prompts),
+        "num_prompts": len(prompts),
+        "num_sequences_per_question": args.num_sequences_per_question,
+        "sampling": params.as_dict(),
+        "stop_ids": stop_ids,
+    }
+    output = Path(args.output)
+    val_output = None if args.val_fraction == 0 else Path(args.val_output) if args.val_output else default_val_output(output)
+    if val_output is not None and val_output.resolve() == output.resolve():
+        raise ConfigError(f"--val_output {val_output} is the same file as --output; choose another name")
+    return Job(model_name=model_name, adapter=args.adapter, dtype=dtype, prompts=prompts,
+               num_sequences=args.num_sequences_per_question, batch_size=args.batch_size, params=params,
+               stop_ids=stop_ids, tokenizer=tokenizer, output=output, val_output=val_output,
+               val_fraction=args.val_fraction, folder=shard_dir(output), settings=settings)
+
+
+def plan_batches(prompts: list[Prompt], num_sequences: int, batch_size: int) -> list[list[tuple[int, int]]]:
+    """All (prompt id, sequence index) pairs, longest prompts first, cut into batches of batch_size."""
+    order = sorted(prompts, key=lambda p: (-len(p.input_ids), p.id))
+    pairs = [(p.id, s) for p in order for s in range(num_sequences)]
+    return [pairs[i:i + batch_size] for i in range(0, len(pairs), batch_size)]
+
+
+def rank_batches(batches: list[list[tuple[int, int]]], rank: int, world_size: int,
+                 done: set[tuple[int, int]]) -> list[tuple[int, list[tuple[int, int]]]]:
+    """This rank's (batch index, pairs still to generate); batches already complete are left out."""
+    mine = []
+    for index in range(rank, len(batches), world_size):
+        todo = [pair for pair in batches[index] if pair not in done]
+        if todo:
+            mine.append((index, todo))
+    return mine
+
+
+def load_generation_model(job: Job, device: torch.device, trust_remote_code: bool = False):
+    """The base model in the job's dtype, with the adapter merged in, in eval mode on `device`."""
+    model = load_model(job.model_name, DTYPES[job.dtype], trust_remote_code)
+    if job.adapter:
+        from peft import PeftModel
+
+        try:
+            model = PeftModel.from_pretrained(model, job.adapter).merge_and_unload()
+        except (OSError, ValueError, RuntimeError, KeyError) as e:
+            raise ConfigError(f"--adapter {job.adapter}: could not be loaded onto {job.model_name}: "
+                              f"{type(e).__name__}: {e}") from None
+    return model.to(device).eval()
+
+
+def make_record(job: Job, prompt: Prompt, sequence_index: int, finished: Finished) -> dict:
+    """A training row: the prompt's conversation plus the generated assistant turn (or the continued text)."""
+    completion = job.tokenizer.decode(finished.tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    metadata = {
+        "prompt_id": prompt.id,
+        "sequence_index": sequence_index,
+        "model": job.model_name,
+        "adapter": job.adapter,
+        "sampling": job.params.as_dict(),
+        "finish_reason": finished.finish_reason,
+        "completion_tokens": len(finished.tokens),
+    }
+    if prompt.text is not None:
+        return {"text": prompt.text + completion, "metadata": metadata}
+    record: dict = {"messages": [*prompt.messages, {"role": "assistant", "content": completion}]}
+    if prompt.tools:
+        record["tools"] = prompt.tools
+    record["metadata"] = metadata
+    return record

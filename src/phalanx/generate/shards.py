@@ -1,0 +1,236 @@
+"""The on-disk state of a generation job: per-rank shard files with commit records, a manifest, the merge.
+
+Layout, next to the output file ``data/traj_chat.jsonl``::
+
+    data/traj_chat.jsonl.shards/manifest.json   what the records were made with (rank 0 writes it first)
+    data/traj_chat.jsonl.shards/rank-0.jsonl    rank 0's records, a commit line after each batch
+    data/traj_chat.jsonl.shards/rank-1.jsonl    ...
+
+A rank appends a batch's records and its commit line ``{"commit": {"batch", "records", "sha256"}}``
+in one write and fsyncs. Readers trust a record only when a commit line with the right count and
+checksum follows it; whatever comes after the last commit (the batch a killed run was writing) is
+ignored, and cut off by the rank that next appends to that file. So a killed run loses at most
+its in-flight batch, and a rerun (with any world size) skips every committed (prompt, sequence).
+
+The merge reads all shards, keeps one record per (prompt id, sequence index), sorts them and
+writes the output and validation files atomically (temporary file, fsync, rename). The shards
+stay, so rerunning a finished command only merges again; delete the folder to reclaim space.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional
+
+from phalanx.checkpoint.commit import write_json_atomic
+from phalanx.errors import ConfigError, DataError, PhalanxError
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+
+
+def shard_dir(output: Path) -> Path:
+    return output.with_name(output.name + ".shards")
+
+
+def shard_path(folder: Path, rank: int) -> Path:
+    return folder / f"rank-{rank}.jsonl"
+
+
+def default_val_output(output: Path) -> Path:
+    """traj_chat.jsonl -> traj_val.jsonl (seed 001's names); anything else: name_val.jsonl."""
+    stem = output.stem[: -len("_chat")] if output.stem.endswith("_chat") else output.stem
+    return output.with_name(f"{stem}_val{output.suffix or '.jsonl'}")
+
+
+# ---------------------------------------------------------------------------- manifest
+
+
+def check_manifest(folder: Path, output: Path, settings: dict, overwrite: bool) -> str:
+    """What to do with earlier state: 'fresh', 'resume' or 'overwrite'. Raises ConfigError when it is not ours."""
+    manifest = folder / MANIFEST
+    if overwrite:
+        return "overwrite"
+    if manifest.is_file():
+        try:
+            before = json.loads(manifest.read_text(encoding="utf-8"))["settings"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"{manifest}: unreadable ({e}); delete {folder} or pass --overwrite true") from None
+        if before != settings:
+            changed = [f"{k}: {before.get(k)!r} before, {settings.get(k)!r} now"
+                       for k in sorted(set(before) | set(settings)) if before.get(k) != settings.get(k)]
+            raise ConfigError(
+                f"{folder} holds records generated with other settings ({'; '.join(changed)}). Rerun with the "
+                "earlier settings to resume, choose another --output, or pass --overwrite true to start over."
+            )
+        return "resume"
+    if output.exists() or (folder.exists() and any(folder.iterdir())):
+        found = output if output.exists() else folder
+        raise ConfigError(
+            f"{found} already exists and was not written by a phalanx generate run with these settings "
+            f"(no {manifest}). Choose another --output, or pass --overwrite true to replace it."
+        )
+    return "fresh"
+
+
+def prepare_folder(folder: Path, settings: dict, action: str) -> None:
+    """Rank 0, before any rank writes: clear the folder on overwrite, write the manifest on a fresh start."""
+    if action == "overwrite" and folder.exists():
+        shutil.rmtree(folder)
+    if action in ("fresh", "overwrite"):
+        folder.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(folder / MANIFEST, {"format": FORMAT, "settings": settings})
+
+
+# ---------------------------------------------------------------------------- shard files
+
+
+@dataclass(frozen=True)
+class Committed:
+    key: tuple[int, int]  # (prompt id, sequence index)
+    path: Path
+    offset: int
+    length: int
+
+
+def scan_shard(path: Path) -> tuple[list[Committed], int]:
+    """The committed records of one shard file and the byte offset where its committed part ends."""
+    data = path.read_bytes()
+    committed: list[Committed] = []
+    pending: list[tuple[int, bytes, tuple[int, int]]] = []
+    offset = end = 0
+    number = 0
+    while offset < len(data):
+        newline = data.find(b"\n", offset)
+        if newline < 0:
+            break  # a line cut short by a kill: uncommitted by definition
+        line = data[offset:newline + 1]
+        number += 1
+        try:
+            obj = json.loads(line)
+            if "commit" in obj:
+                info = obj["commit"]
+                digest = hashlib.sha256(b"".join(raw for _, raw, _ in pending)).hexdigest()
+                if info["records"] != len(pending) or info["sha256"] != digest:
+                    raise ValueError(f"commit of batch {info.get('batch')} does not match the {len(pending)} lines before it")
+                committed += [Committed(key, path, start, len(raw)) for start, raw, key in pending]
+                pending, end = [], newline + 1
+            else:
+                meta = obj["metadata"]
+                pending.append((offset, line, (int(meta["prompt_id"]), int(meta["sequence_index"]))))
+        except (ValueError, KeyError, TypeError) as e:
+            if _commit_follows(data, newline + 1):
+                raise DataError(f"{path} line {number}: corrupt shard ({e}); delete {path.parent} and "
+                                "generate again (or pass --overwrite true)") from None
+            break  # the torn end of the last batch
+        offset = newline + 1
+    return committed, end
+
+
+def _commit_follows(data: bytes, offset: int) -> bool:
+    # Record lines start with {"messages" or {"text"; only a commit line starts like this.
+    return data.find(b'\n{"commit": {"batch": ', offset - 1) >= 0
+
+
+def scan_folder(folder: Path) -> dict[tuple[int, int], Committed]:
+    """Every committed (prompt id, sequence index) across the shard files; the first copy wins."""
+    found: dict[tuple[int, int], Committed] = {}
+    if folder.is_dir():
+        for path in sorted(folder.glob("rank-*.jsonl")):
+            for record in scan_shard(path)[0]:
+                found.setdefault(record.key, record)
+    return found
+
+
+class ShardWriter:
+    """Appends committed batches to one rank's shard file; cuts off an uncommitted tail first.
+
+    The file stays locked while it is open: a rank of an earlier run that is still alive (its
+    launcher was killed, not the rank) and a rank of the rerun never write one file together.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.file = open(path, "ab")
+        try:
+            fcntl.flock(self.file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self.file.close()
+            raise PhalanxError(
+                f"{path} is being written by another process: is an earlier `phalanx generate` with this --output "
+                "still running (its ranks outlive a killed launcher)? Wait for it or stop it, then rerun."
+            ) from None
+        end = scan_shard(path)[1]
+        self.file.truncate(end)
+        self.file.seek(end)
+
+    def commit(self, batch: int, records: Iterable[dict]) -> None:
+        lines = [(json.dumps(r, ensure_ascii=False) + "\n").encode("utf-8") for r in records]
+        body = b"".join(lines)
+        mark = {"commit": {"batch": batch, "records": len(lines), "sha256": hashlib.sha256(body).hexdigest()}}
+        self.file.write(body + (json.dumps(mark) + "\n").encode("utf-8"))
+        self.file.flush()
+        os.fsync(self.file.fileno())
+
+    def close(self) -> None:
+        self.file.close()
+
+
+# ---------------------------------------------------------------------------- merge
+
+
+def val_prompt_ids(num_prompts: int, val_fraction: float, seed: int) -> set[int]:
+    """Whole prompts go to validation (all their sequences), so no question is on both sides."""
+    if val_fraction <= 0 or num_prompts < 2:
+        return set()
+    count = min(max(round(val_fraction * num_prompts), 1), num_prompts - 1)
+    return set(random.Random(seed).sample(range(num_prompts), count))
+
+
+def merge(folder: Path, expected: list[tuple[int, int]], val_ids: set[int], output: Path,
+          val_output: Optional[Path]) -> tuple[int, int]:
+    """Write the sorted records to output (and validation prompts' to val_output); returns the two counts."""
+    found = scan_folder(folder)
+    missing = [key for key in expected if key not in found]
+    if missing:
+        raise DataError(f"{folder}: {len(missing)} (prompt, sequence) pairs have no committed record "
+                        f"(first: {missing[:3]}); rerun the same command to generate them")
+    keys = sorted(expected)
+    train = [found[k] for k in keys if k[0] not in val_ids]
+    val = [found[k] for k in keys if k[0] in val_ids]
+    _write_records_atomic(output, train)
+    if val_output is not None:
+        _write_records_atomic(val_output, val)
+    return len(train), len(val)
+
+
+def _write_records_atomic(path: Path, records: list[Committed]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    handles: dict[Path, object] = {}
+    try:
+        with open(tmp, "wb") as out:
+            for r in records:
+                src = handles.get(r.path) or handles.setdefault(r.path, open(r.path, "rb"))
+                src.seek(r.offset)
+                out.write(src.read(r.length))
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    finally:
+        for f in handles.values():
+            f.close()
+        if tmp.exists():
+            tmp.unlink()
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

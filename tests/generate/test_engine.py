@@ -1,0 +1,165 @@
+"""The decoding loop and sampling: per-row streams, padding and batch-mates that change nothing, stops, OOM halving."""
+
+import pytest
+import torch
+
+from phalanx.errors import PhalanxError
+from phalanx.generate.engine import generate_rows, generate_with_fallback, stop_token_ids
+from phalanx.generate.sampling import SamplingParams, next_tokens, row_seed, row_uniforms
+from phalanx.models.load import load_model, load_tokenizer
+
+MODEL = "embedded:tiny-qwen3"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)  # a shared 2-core machine: a second thread mostly waits for a busy core
+    tokenizer = load_tokenizer(MODEL)
+    model = load_model(MODEL, torch.float32).eval()
+    yield model, tokenizer
+    torch.set_num_threads(old)
+
+
+def encode(tokenizer, question: str, system: str | None = None) -> list[int]:
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny):
+    _, tok = tiny
+    # Very different lengths, so the short ones sit behind a lot of left padding.
+    return [encode(tok, "Hi?"), encode(tok, "What is a healthy resting heart rate for an adult?" * 3, "Be brief."),
+            encode(tok, "BMI for 70 kg, 175 cm?"), encode(tok, "x" * 200)]
+
+
+def run(model, tok, prompts, pairs, params, stops=None):
+    distinct = sorted({p for p, _ in pairs})
+    at = {p: i for i, p in enumerate(distinct)}
+    return generate_rows(model, [prompts[p] for p in distinct], pairs, [at[p] for p, _ in pairs], params,
+                         stop_token_ids(tok, model.generation_config) if stops is None else stops,
+                         tok.pad_token_id, len(tok))
+
+
+def test_row_seed_is_a_pure_function_of_seed_prompt_and_sequence():
+    assert row_seed(1, 2, 3) == row_seed(1, 2, 3)
+    assert len({row_seed(s, p, q) for s in range(3) for p in range(5) for q in range(5)}) == 75
+    params = SamplingParams(max_new_tokens=5, seed=9)
+    a = row_uniforms([(0, 0), (4, 2)], params)
+    b = row_uniforms([(4, 2), (7, 7), (0, 0)], params)
+    assert torch.equal(a[0], b[2]) and torch.equal(a[1], b[0])
+
+
+def test_sampling_is_inverse_cdf_over_filtered_rows():
+    logits = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4, 1e-9, 1e-9]]))
+    params = SamplingParams(temperature=1.0)
+    u = torch.linspace(0, 0.999, 1000, dtype=torch.float64)
+    draws = next_tokens(logits.expand(1000, -1), u, params, vocab_limit=4)
+    counts = torch.bincount(draws, minlength=6).tolist()
+    assert counts[4:] == [0, 0]  # beyond the tokenizer's vocabulary: never drawn
+    assert [round(c / 1000, 1) for c in counts[:4]] == [0.1, 0.2, 0.3, 0.4]
+    top2 = next_tokens(logits.expand(1000, -1), u, SamplingParams(temperature=1.0, top_k=2))
+    assert set(top2.tolist()) == {2, 3}
+    nucleus = next_tokens(logits.expand(1000, -1), u, SamplingParams(temperature=1.0, top_p=0.65))
+    assert set(nucleus.tolist()) == {2, 3}  # 0.4 + 0.3 >= 0.65: the rest is cut
+    assert next_tokens(logits, u[:1], SamplingParams(temperature=0)).item() == 3
+    # A row's draw does not depend on the rows next to it.
+    mixed = torch.cat([logits, torch.randn(3, 6)])
+    assert next_tokens(mixed, torch.tensor([0.5, 0.1, 0.2, 0.3], dtype=torch.float64), params)[0] == \
+        next_tokens(logits, torch.tensor([0.5], dtype=torch.float64), params)[0]
+
+
+def test_batch_mates_padding_and_shared_prefill_change_nothing(tiny, prompts):
+    model, tok = tiny
+    params = SamplingParams(max_new_tokens=24, temperature=1.0, top_p=0.95, top_k=50, seed=5)
+    pairs = [(p, s) for p in range(len(prompts)) for s in range(3)]
+    together = run(model, tok, prompts, pairs, params)  # 4 prompts, left-padded, 3 rows each share a prefill
+    alone = [run(model, tok, prompts, [pair], params)[0] for pair in pairs]
+    assert [r.tokens for r in together] == [r.tokens for r in alone]
+    assert [r.finish_reason for r in together] == [r.finish_reason for r in alone]
+    # Sequences of one prompt differ (own streams); every row has tokens or stopped.
+    assert len({tuple(r.tokens) for r in together[:3]}) == 3
+    # A different seed gives different samples.
+    other = run(model, tok, prompts, pairs, SamplingParams(max_new_tokens=24, temperature=1.0, top_p=0.95, top_k=50, seed=6))
+    assert [r.tokens for r in other] != [r.tokens for r in together]
+
+
+def test_greedy_matches_hf_generate_with_left_padding(tiny, prompts):
+    model, tok = tiny
+    params = SamplingParams(max_new_tokens=12, temperature=0)
+    ours = run(model, tok, prompts, [(0, 0), (1, 0), (3, 0)], params, stops=[])
+    longest = max(len(prompts[i]) for i in (0, 1, 3))
+    ids = torch.tensor([[tok.pad_token_id] * (longest - len(prompts[i])) + prompts[i] for i in (0, 1, 3)])
+    mask = (torch.arange(longest) >= torch.tensor([longest - len(prompts[i]) for i in (0, 1, 3)])[:, None]).long()
+    ref = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=12, min_new_tokens=12,
+                         pad_token_id=tok.pad_token_id, suppress_tokens=list(range(len(tok), model.config.vocab_size)))
+    assert [r.tokens for r in ours] == ref[:, longest:].tolist()
+    assert all(r.finish_reason == "length" for r in ours)
+
+
+def test_rows_stop_at_a_stop_token_and_leave_the_batch(tiny, prompts):
+    model, tok = tiny
+    params = SamplingParams(max_new_tokens=16, temperature=0)
+    free = run(model, tok, prompts, [(0, 0), (2, 0)], params, stops=[])
+    stop = free[0].tokens[5]
+    first = free[0].tokens.index(stop)
+    stopped = run(model, tok, prompts, [(0, 0), (2, 0)], params, stops=[stop])
+    assert stopped[0].tokens == free[0].tokens[:first] and stopped[0].finish_reason == "stop"
+    assert stopped[0].computed_tokens == first + 1
+    # The other row goes on as before (until it meets the same token, if it does).
+    cut = free[1].tokens.index(stop) if stop in free[1].tokens else len(free[1].tokens)
+    assert stopped[1].tokens == free[1].tokens[:cut]
+    assert stop_token_ids(tok, model.generation_config) == [tok.convert_tokens_to_ids("<|im_end|>")]
+
+
+class OomAbove(torch.nn.Module):
+    """The tiny model, but a forward pass with more than `limit` rows raises CUDA's out-of-memory error.
+
+    No GPU exists here; torch.cuda.OutOfMemoryError is an ordinary exception class on CPU, so the
+    halving path runs exactly as it would after a real CUDA allocation failure.
+    """
+
+    def __init__(self, model, limit: int):
+        super().__init__()
+        self.inner, self.limit, self.calls = model, limit, []
+        self.config, self.generation_config = model.config, model.generation_config
+
+    def forward(self, input_ids, **kwargs):
+        self.calls.append(input_ids.shape[0])
+        if input_ids.shape[0] > self.limit:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        return self.inner(input_ids=input_ids, **kwargs)
+
+
+def test_out_of_memory_halves_the_batch_and_keeps_the_results(tiny, prompts):
+    model, tok = tiny
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=3)
+    pairs = [(p, s) for p in range(3) for s in range(3)]
+    ids = dict(enumerate(prompts))
+    stops = stop_token_ids(tok, model.generation_config)
+    reference, size = generate_with_fallback(model, ids, pairs, params, stops, tok.pad_token_id, 8, vocab_limit=len(tok))
+    assert size == 8
+    flaky = OomAbove(model, limit=2)
+    shrinks = []
+    got, size = generate_with_fallback(flaky, ids, pairs, params, stops, tok.pad_token_id, 8,
+                                       lambda old, new: shrinks.append((old, new)), vocab_limit=len(tok))
+    assert shrinks == [(8, 4), (4, 2)] and size == 2
+    assert max(flaky.calls[-3:]) <= 2
+    assert [r.tokens for r in got] == [r.tokens for r in reference]  # sampling does not care about the split
+    with pytest.raises(PhalanxError, match="out of memory generating a single sequence"):
+        generate_with_fallback(OomAbove(model, limit=0), ids, pairs, params, stops, tok.pad_token_id, 2,
+                               vocab_limit=len(tok))
+
+
+def test_other_errors_are_not_swallowed(tiny, prompts):
+    model, tok = tiny
+
+    class Broken(OomAbove):
+        def forward(self, input_ids, **kwargs):
+            raise RuntimeError("shape mismatch")
+
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        generate_with_fallback(Broken(model, 9), dict(enumerate(prompts)), [(0, 0)], SamplingParams(max_new_tokens=2),
+                               [], tok.pad_token_id, 4)

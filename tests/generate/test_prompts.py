@@ -1,0 +1,112 @@
+"""Prompt files: every training format plus plain questions; errors name the line; rendering as training renders."""
+
+import json
+
+import pytest
+from helpers import chat_row
+
+from phalanx.errors import DataError
+from phalanx.generate.prompts import plain_transcript, prompts_digest, read_prompts
+from phalanx.models.load import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("embedded:tiny-qwen3")
+
+
+def write(path, *rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_every_format_becomes_a_prompt(tmp_path, tok):
+    path = write(
+        tmp_path / "p.jsonl",
+        chat_row(3),  # a full training row: its final assistant answer is dropped, the tool result is answered
+        {"question": "Is 8 hours of sleep enough?"},
+        {"prompt": "Name a vegetable.", "system": "Answer in one word."},
+        {"instruction": "Convert to kg", "input": "150 lb", "output": "68 kg"},
+        {"conversations": [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "hi!"}], "system": "Be kind."},
+        "",
+        {"question": "last"},
+    )
+    warnings = []
+    prompts = read_prompts(str(path), tok, warn=warnings.append)
+    assert [p.id for p in prompts] == list(range(6)) and not warnings
+    assert all(p.text is None for p in prompts)
+    assert [p.where.rsplit(" ", 1)[1] for p in prompts] == ["1", "2", "3", "4", "5", "7"]  # blank line 6 skipped
+    chat = prompts[0]
+    assert [m["role"] for m in chat.messages] == ["system", "user", "assistant", "tool"]
+    assert chat.tools[0]["function"]["name"] == "get_bmi"
+    assert chat.messages[2]["tool_calls"][0]["function"]["arguments"] == {"weight_kg": 53, "height_cm": 153}
+    assert prompts[1].messages == [{"role": "user", "content": "Is 8 hours of sleep enough?"}]
+    assert prompts[2].messages[0] == {"role": "system", "content": "Answer in one word."}
+    assert prompts[3].messages == [{"role": "user", "content": "Convert to kg\n\n150 lb"}]
+    assert [m["role"] for m in prompts[4].messages] == ["system", "user"]
+    # Rendered with the template's generation prompt, tokenized as training tokenizes.
+    rendered = tok.apply_chat_template(chat.messages, tools=chat.tools, add_generation_prompt=True, tokenize=False)
+    assert rendered.endswith("</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert list(chat.input_ids) == tok(rendered, add_special_tokens=False)["input_ids"]
+
+
+def test_text_rows_are_continued_and_never_mixed_with_chat(tmp_path, tok):
+    prompts = read_prompts(str(write(tmp_path / "t.jsonl", {"text": "Once upon a time"}, {"text": "Dear diary,"})), tok)
+    assert prompts[0].messages is None and prompts[0].text == "Once upon a time"
+    assert tok.decode(prompts[0].input_ids) == "Once upon a time"
+    with pytest.raises(DataError, match=r"m.jsonl line 2: a plain-text row .*m.jsonl line 1 is a chat prompt.*not both"):
+        read_prompts(str(write(tmp_path / "m.jsonl", {"question": "q"}, {"text": "t"})), tok)
+
+
+def test_num_questions_and_txt_files(tmp_path, tok):
+    path = tmp_path / "q.txt"
+    path.write_text("first question?\n\nsecond question?\nthird\n")
+    assert [p.messages[-1]["content"] for p in read_prompts(str(path), tok, 2)] == ["first question?", "second question?"]
+    warnings = []
+    assert len(read_prompts(str(path), tok, 10, warn=warnings.append)) == 3
+    assert "--num_questions 10" in warnings[0] and "only 3 prompts" in warnings[0]
+    assert len(read_prompts("bundled:health-agent", tok, 88)) == 88  # seed 001's --num_questions 88, no file needed
+
+
+BAD = {
+    "malformed_json": (['{"question": "ok"}', '{"question": "ok"}', '{"question": '], ["p.jsonl line 3", "malformed JSON"]),
+    "unknown_shape": ([{"question": "ok"}, {"query": "what?"}], ["p.jsonl line 2", "'query'", "accepted prompt rows"]),
+    "no_user_turn": ([{"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}]}],
+                     ["p.jsonl line 1", "no user message to answer", "system, assistant"]),
+    "bad_role": ([{"question": "ok"}, {"messages": [{"role": "bot", "content": "x"}]}],
+                 ["p.jsonl line 2", "messages[0].role", "'bot'"]),
+    "empty_question": ([{"question": "  "}], ["p.jsonl line 1", "question", "non-empty"]),
+    "not_an_object": (['["a list"]'], ["p.jsonl line 1", "expected a JSON object"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_prompt_rows_name_the_line(case, tmp_path, tok):
+    rows, needles = BAD[case]
+    with pytest.raises(DataError) as info:
+        read_prompts(str(write(tmp_path / "p.jsonl", *rows)), tok)
+    for needle in needles:
+        assert needle in str(info.value), (needle, str(info.value))
+
+
+def test_empty_prompt_sets(tmp_path, tok):
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(DataError, match="no rows"):
+        read_prompts(str(tmp_path / "empty.jsonl"), tok)
+    (tmp_path / "empty.txt").write_text("   \n")
+    with pytest.raises(DataError, match="no prompts"):
+        read_prompts(str(tmp_path / "empty.txt"), tok)
+    with pytest.raises(DataError, match="no such file"):
+        read_prompts(str(tmp_path / "missing.jsonl"), tok)
+
+
+def test_plain_transcript_without_a_chat_template(tok):
+    text = plain_transcript([{"role": "system", "content": "s"}, {"role": "user", "content": "q?"}],
+                            [{"type": "function", "function": {"name": "f"}}])
+    assert text == 'tools: [{"type": "function", "function": {"name": "f"}}]\nsystem: s\nuser: q?\nassistant: '
+
+
+def test_digest_follows_content(tmp_path, tok):
+    a = read_prompts(str(write(tmp_path / "a.jsonl", {"question": "x"}, {"question": "y"})), tok)
+    b = read_prompts(str(write(tmp_path / "b.jsonl", {"question": "x"}, {"question": "z"})), tok)
+    assert prompts_digest(a) == prompts_digest(read_prompts(str(tmp_path / "a.jsonl"), tok)) != prompts_digest(b)

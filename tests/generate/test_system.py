@@ -1,0 +1,306 @@
+"""`phalanx generate` as users run it: 1 vs 2 real ranks, SIGKILL and rerun, train on the output, bad input, OOM."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ROOT, chat_row, run_phalanx
+
+from phalanx.cli import main as phalanx_main
+from phalanx.data.chat import IGNORE_INDEX, tokenize_conversation
+from phalanx.data.formats import to_conversation
+from phalanx.models.load import load_tokenizer, resolve_model_path
+
+pytestmark = pytest.mark.system
+
+PROMPTS = 10
+K = 4
+FLAGS = ["--num_sequences_per_question", str(K), "--batch_size", "6", "--max_new_tokens", "32", "--temperature", "0.9",
+         "--top_p", "0.95", "--top_k", "40", "--seed", "7", "--val_fraction", "0.2"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One CPU thread per process (the subprocesses inherit OMP_NUM_THREADS): this 2-core machine is shared,
+    and two ranks with two threads each would only fight over the cores."""
+    old_env, old_threads = os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old_threads)
+    if old_env is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = old_env
+
+
+def write_prompts(path: Path) -> Path:
+    rows = [chat_row(i) for i in range(3)]  # full tool-calling conversations: the last answer is regenerated
+    rows += [{"question": "How much water should I drink a day?" + " Please be specific." * i} for i in range(5)]
+    rows += [{"conversations": [{"from": "human", "value": "Suggest a stretch for my back."}]},
+             {"instruction": "Give one tip for better sleep."}]
+    assert len(rows) == PROMPTS
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def generate_args(prompts: Path, output: Path, *extra: str) -> list[str]:
+    return ["generate", "--prompts", str(prompts), "--output", str(output), *FLAGS, *extra]
+
+
+def run_in_process(argv: list[str], capsys) -> tuple[int, str]:
+    code = phalanx_main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("generate")
+    prompts = write_prompts(root / "prompts.jsonl")
+    one = run_phalanx(*generate_args(prompts, root / "w1" / "traj_chat.jsonl"))
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+    two = run_phalanx(*generate_args(prompts, root / "w2" / "traj_chat.jsonl", "--world_size", "2"))
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    return root, prompts, one, two
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def test_one_and_two_ranks_write_identical_files(runs):
+    root, _, one, two = runs
+    for name in ("traj_chat.jsonl", "traj_val.jsonl"):
+        assert (root / "w1" / name).read_bytes() == (root / "w2" / name).read_bytes(), name
+    assert sorted(p.name for p in (root / "w2" / "traj_chat.jsonl.shards").iterdir()) == \
+        ["manifest.json", "rank-0.jsonl", "rank-1.jsonl"]
+    assert "on 2 rank(s)" in two.stdout and "Wrote 32 records" in two.stdout and "and 8 (2 prompts)" in two.stdout
+    train, val = read_jsonl(root / "w1" / "traj_chat.jsonl"), read_jsonl(root / "w1" / "traj_val.jsonl")
+    keys = [(r["metadata"]["prompt_id"], r["metadata"]["sequence_index"]) for r in train + val]
+    assert sorted(keys) == [(p, s) for p in range(PROMPTS) for s in range(K)]  # each pair exactly once
+    assert not {k[0] for k in keys[: len(train)]} & {k[0] for k in keys[len(train):]}  # split by whole prompt
+    meta = train[0]["metadata"]
+    assert meta["model"] == "embedded:tiny-qwen3" and meta["adapter"] is None
+    assert meta["sampling"] == {"max_new_tokens": 32, "temperature": 0.9, "top_p": 0.95, "top_k": 40, "seed": 7}
+    assert {r["metadata"]["finish_reason"] for r in train + val} <= {"stop", "length"}
+    assert all(r["metadata"]["completion_tokens"] <= 32 for r in train + val)
+    # Sequences of a prompt differ from each other.
+    first = [r["messages"][-1]["content"] for r in train if r["metadata"]["prompt_id"] == 0]
+    assert len(set(first)) == K
+
+
+def test_records_train_as_they_are(runs):
+    root, _, _, _ = runs
+    tok = load_tokenizer("embedded:tiny-qwen3")
+    rows = read_jsonl(root / "w1" / "traj_chat.jsonl") + read_jsonl(root / "w1" / "traj_val.jsonl")
+    by_prompt = {r["metadata"]["prompt_id"]: r for r in rows}
+    # A chat row with tools: the prompt's turns, then the generated answer after the tool result.
+    tool_row = by_prompt[0]
+    assert [m["role"] for m in tool_row["messages"]] == ["system", "user", "assistant", "tool", "assistant"]
+    assert tool_row["tools"][0]["function"]["name"] == "get_bmi"
+    assert by_prompt[9]["messages"][0] == {"role": "user", "content": "Give one tip for better sleep."}
+    for i, row in enumerate(rows):
+        conv = to_conversation(row, f"row {i}")
+        ids = tokenize_conversation(tok, conv, f"row {i}")
+        last = len(ids["labels"]) - 1
+        while ids["labels"][last] != IGNORE_INDEX:
+            last -= 1
+        # The final assistant turn is trained on: the generated text, then the template's end of turn.
+        assert tok.decode(ids["labels"][last + 1:]) == row["messages"][-1]["content"] + "<|im_end|>\n"
+
+
+def test_finished_rerun_only_merges_again(runs, capsys):
+    root, prompts, _, _ = runs
+    before = (root / "w2" / "traj_chat.jsonl").read_bytes()
+    code, out = run_in_process(generate_args(prompts, root / "w2" / "traj_chat.jsonl"), capsys)
+    assert code == 0, out
+    assert f"Resuming: {PROMPTS * K} of {PROMPTS * K} sequences are already committed" in out
+    assert "Generated 0 sequences" in out
+    assert (root / "w2" / "traj_chat.jsonl").read_bytes() == before
+
+
+def committed_pairs(folder: Path) -> int:
+    from phalanx.generate.shards import scan_folder
+
+    return len(scan_folder(folder))
+
+
+def children(pid: int) -> list[int]:
+    """Child processes of pid (the elastic launcher starts its ranks in sessions of their own)."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def wait_gone(pids: list[int], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        while time.monotonic() < deadline:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                break  # gone
+            if state == "Z":
+                break  # exited; its files are closed
+            time.sleep(0.01)
+
+
+def test_sigkill_then_rerun_completes_without_duplicates(runs, tmp_path, capsys):
+    root, prompts, _, _ = runs
+    out = tmp_path / "k" / "traj_chat.jsonl"
+    shards = out.with_name("traj_chat.jsonl.shards")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "phalanx", *generate_args(prompts, out, "--world_size", "2")],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            if shards.is_dir() and any(b'{"commit"' in p.read_bytes() for p in shards.glob("rank-*.jsonl")):
+                break
+            time.sleep(0.01)
+        ranks = children(proc.pid)
+        assert proc.poll() is None and len(ranks) == 2, "the run ended before it could be killed"
+    finally:
+        for pid in [proc.pid, *ranks]:  # the launcher and both ranks, mid-run, as a crash would
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
+        wait_gone(ranks)  # SIGKILL is delivered at once, but a rank lets go of its files only as it exits
+    done = committed_pairs(shards)
+    assert 0 < done < PROMPTS * K and not out.exists()
+    # Rerun the same command, on one rank this time: only what was not committed is generated.
+    code, log = run_in_process(generate_args(prompts, out), capsys)
+    assert code == 0, log
+    assert f"Resuming: {done} of {PROMPTS * K} sequences" in log
+    assert f"Generated {PROMPTS * K - done} sequences" in log
+    # Same pairs, once each, and the very bytes of the uninterrupted runs.
+    for name in ("traj_chat.jsonl", "traj_val.jsonl"):
+        assert (out.parent / name).read_bytes() == (root / "w1" / name).read_bytes(), name
+
+
+def test_generate_then_train_then_generate_with_the_adapter(runs, tmp_path, capsys):
+    root, prompts, _, _ = runs
+    trained = tmp_path / "trained"
+    proc = run_phalanx("train", "--dataset_path", str(root / "w1" / "traj_chat.jsonl"),
+                       "--eval_dataset_path", str(root / "w1" / "traj_val.jsonl"), "--output_dir", str(trained),
+                       "--max_steps", "2", "--batch_size", "2", "--learning_rate", "1e-2", "--max_length", "768",
+                       "--eval_steps", "2", "--save_steps", "100", "--logging.progress_bar", "false",
+                       "--logging.tensorboard", "false")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    info = json.loads((trained / "final_training_info.json").read_text())
+    assert info["global_step"] == 2 and info["tokens_seen"] > 0
+    assert "32 train rows, 8 eval rows" in proc.stdout
+    # The adapter goes back into generation; its base model comes from adapter_config.json.
+    out = tmp_path / "adapted" / "answers.jsonl"
+    code, log = run_in_process(["generate", "--adapter", str(trained), "--prompts", str(prompts), "--num_questions", "2",
+                                "--num_sequences_per_question", "2", "--max_new_tokens", "8", "--output", str(out)], capsys)
+    assert code == 0, log
+    rows = read_jsonl(out) + read_jsonl(out.with_name("answers_val.jsonl"))
+    assert len(rows) == 4
+    assert {r["metadata"]["adapter"] for r in rows} == {str(trained)}
+    assert rows[0]["metadata"]["model"] == resolve_model_path("embedded:tiny-qwen3")
+    manifest = json.loads((out.with_name("answers.jsonl.shards") / "manifest.json").read_text())
+    assert len(manifest["settings"]["adapter_sha256"]) == 64
+
+
+def test_bad_input_is_reported_once_before_ranks_start(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"question": "fine"}) + "\n" + '{"question": "unterminated\n')
+    out = tmp_path / "out" / "traj_chat.jsonl"
+    proc = run_phalanx("generate", "--prompts", str(prompts), "--output", str(out), "--world_size", "2")
+    assert proc.returncode == 2
+    assert proc.stderr.count("error:") == 1 and f"{prompts} line 2: malformed JSON" in proc.stderr
+    assert not out.parent.exists()  # nothing written
+
+
+def test_bad_flags_and_foreign_or_changed_outputs(runs, tmp_path, capsys):
+    root, prompts, _, _ = runs
+    code, out = run_in_process(["generate", "--num_sequences_per_question", "0"], capsys)
+    assert code == 2 and "--num_sequences_per_question must be at least 1" in out
+    code, out = run_in_process(["generate", "--top_p", "0"], capsys)
+    assert code == 2 and "--top_p must be in (0, 1]" in out
+    code, out = run_in_process(["generate", "--prompts", str(prompts), "--num_questions", "0"], capsys)
+    assert code == 2 and "--num_questions must be at least 1" in out
+    # Same output, another seed: refused, naming what changed; nothing is touched.
+    before = {p.name: p.read_bytes() for p in (root / "w1").iterdir() if p.is_file()}
+    code, out = run_in_process(generate_args(prompts, root / "w1" / "traj_chat.jsonl") + ["--seed", "8"], capsys)
+    assert code == 2 and "other settings" in out and "'seed': 7" in out and "'seed': 8" in out
+    assert {p.name: p.read_bytes() for p in (root / "w1").iterdir() if p.is_file()} == before
+    # A file phalanx did not write is not replaced without --overwrite.
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text("precious\n")
+    code, out = run_in_process(["generate", "--prompts", str(prompts), "--output", str(mine)], capsys)
+    assert code == 2 and "was not written by a phalanx generate run" in out and mine.read_text() == "precious\n"
+
+
+def test_model_without_chat_template_falls_back_to_plain_prompts(tmp_path, capsys):
+    model = tmp_path / "no-template"
+    shutil.copytree(resolve_model_path("embedded:tiny-qwen3"), model)
+    (model / "chat_template.jinja").unlink()
+    prompts = tmp_path / "q.txt"
+    prompts.write_text("What is a calorie?\n")
+    out = tmp_path / "plain.jsonl"
+    code, log = run_in_process(["generate", "--model_name", str(model), "--prompts", str(prompts), "--max_new_tokens",
+                                "4", "--num_sequences_per_question", "2", "--output", str(out)], capsys)
+    assert code == 0, log
+    assert "warning: the tokenizer of" in log and "has no chat template" in log
+    rows = read_jsonl(out)
+    assert [m["role"] for m in rows[0]["messages"]] == ["user", "assistant"] and len(rows) == 2
+
+
+class OomAbove(torch.nn.Module):
+    """A forward pass with more than `limit` rows raises torch.cuda.OutOfMemoryError (there is no GPU here)."""
+
+    def __init__(self, model, limit: int):
+        super().__init__()
+        self.inner, self.limit = model, limit
+        self.config, self.generation_config = model.config, model.generation_config
+
+    def forward(self, input_ids, **kwargs):
+        if input_ids.shape[0] > self.limit:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
+        return self.inner(input_ids=input_ids, **kwargs)
+
+
+def test_out_of_memory_halves_the_batch_reports_it_and_changes_no_record(runs, tmp_path, capsys, monkeypatch):
+    import phalanx.generate.job as job
+
+    root, prompts, _, _ = runs
+    real = job.load_generation_model
+    monkeypatch.setattr(job, "load_generation_model", lambda *a, **k: OomAbove(real(*a, **k), limit=3))
+    out = tmp_path / "oom" / "traj_chat.jsonl"
+    code, log = run_in_process(generate_args(prompts, out), capsys)
+    assert code == 0, log
+    assert "out of memory with 6 sequences per forward pass; retrying with 3" in log
+    assert "rank 0: out of memory; batch size reduced from 6 to 3" in log
+    assert out.read_bytes() == (root / "w1" / "traj_chat.jsonl").read_bytes()
+
+
+def test_text_rows_are_continued_and_written_back_as_text(tmp_path, capsys):
+    prompts = tmp_path / "t.jsonl"
+    prompts.write_text(json.dumps({"text": "Dear diary,"}) + "\n" + json.dumps({"text": "Step one:"}) + "\n")
+    out = tmp_path / "text.jsonl"
+    code, log = run_in_process(["generate", "--prompts", str(prompts), "--max_new_tokens", "6", "--val_fraction", "0",
+                                "--output", str(out)], capsys)
+    assert code == 0, log
+    rows = read_jsonl(out)
+    assert rows[0]["text"].startswith("Dear diary,") and rows[1]["text"].startswith("Step one:")
+    assert all("messages" not in r for r in rows) and not (tmp_path / "text_val.jsonl").exists()
