@@ -1,0 +1,964 @@
+"""Training speed of `phalanx train` side by side with Hugging Face Trainer + PEFT, same model, data and settings.
+
+One invocation runs both, one after the other, with the same number of DDP ranks:
+
+  (a) phalanx, started the way users start it (`python -m phalanx train ... --world_size N`, torch's
+      elastic launcher), or under `torchrun` with `--phalanx-launcher torchrun`;
+  (b) `transformers.Trainer` with a PEFT LoRA adapter, under `torchrun` (Trainer reads the torchrun
+      environment; gloo on CPU, NCCL on CUDA).
+
+What is held equal: the model folder, the tokenized rows (phalanx's `prepare_data` runs once, here; the
+Trainer run reads the very same cached `datasets` folder), and the order in which each rank sees them
+(the Trainer dataset is laid out so that its sequential sampler, sharded by accelerate, hands every rank
+the micro-batches phalanx's sampler hands it), right padding to the longest row of a micro-batch, the
+sequence cap, per-rank batch, gradient accumulation, LoRA r/alpha/dropout/target modules, learning rate,
+linear schedule without warm-up, gradient clipping at 1.0, weight decay 0, the number of optimizer steps.
+Both normalise the loss by the number of target tokens of the global batch. Turned off in both: evaluation,
+checkpoints, TensorBoard, progress bars. Both log every `--log_steps` steps.
+
+What is measured, for each:
+  * steady tokens/s: input (non-pad) tokens of every rank over steps warmup+1 .. last, divided by the
+    wall time between the end of step `warmup` and the end of the last step (rank 0 clock: phalanx's
+    metrics.jsonl timestamps, a TrainerCallback's on_step_end for Trainer);
+  * whole-run wall clock (launch to exit, start-up included) and tokens/s over it;
+  * peak memory per rank: max RSS on CPU, torch.cuda.max_memory_allocated on CUDA;
+  * the loss at the first logged step (same model, same rows: the two must agree closely).
+
+`--gpu-shape qwen2.5-1.5b` builds a Qwen2-architecture model with Qwen2.5-1.5B's shape (random weights),
+runs at sequence length 2048 in bf16 on CUDA and adds MFU. `--dry-run` prints the plan (and builds the
+model on CPU in gpu-shape mode) without training.
+
+Run from the repository root:
+  .venv/bin/python benchmarks/train_vs_hf.py                # 2 CPU ranks, 30 steps, batch 2, max_length 768
+  .venv/bin/python benchmarks/train_vs_hf.py --gpu-shape qwen2.5-1.5b --dry-run
+Results are appended to benchmarks/RESULTS.md (never asserted: timings are reported, not tested).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+RESULTS = ROOT / "benchmarks" / "RESULTS.md"
+HUGE = 10**9  # "never" for eval / save intervals
+
+# Qwen2.5-1.5B's published config values (the architecture and sizes; the weights here are random).
+GPU_SHAPES = {
+    "qwen2.5-1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        max_position_embeddings=32768,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        tie_word_embeddings=True,
+    ),
+}
+
+# Dense bf16 tensor-core peak per GPU (no structured sparsity), from the vendors' data sheets.
+PEAK_BF16_TFLOPS = [
+    ("H200", 989.4),
+    ("GH200", 989.4),
+    ("H100 NVL", 835.0),
+    ("H100 PCIE", 756.0),
+    ("H100", 989.4),  # SXM
+    ("A100", 312.0),
+    ("L40S", 362.1),
+    ("A10G", 70.0),
+    ("L4", 121.0),
+]
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+@dataclass
+class Plan:
+    """Which rows every rank reads at every optimizer step, replayed from phalanx's own sampler."""
+
+    steps: list[list[list[list[int]]]]  # steps[s][rank][micro] = row indices
+    lengths: list[int]  # tokens of every row of the training set
+    targets: list[int]  # target tokens (labels != -100 at positions 1..) of every row
+    short_groups: bool  # an epoch ended inside the run with a short accumulation group
+    uneven_micro: bool  # some micro-batch holds fewer than batch_size rows
+
+    def step_tokens(self, s: int) -> int:
+        return sum(self.lengths[i] for rank in self.steps[s] for mb in rank for i in mb)
+
+    def step_targets(self, s: int) -> int:
+        return sum(self.targets[i] for rank in self.steps[s] for mb in rank for i in mb)
+
+    def step_sq_lengths(self, s: int) -> int:
+        return sum(self.lengths[i] ** 2 for rank in self.steps[s] for mb in rank for i in mb)
+
+    def global_order(self) -> list[int]:
+        """Row order for Trainer's sequential sampler: accelerate gives batch k to rank k % world_size."""
+        order = []
+        for step in self.steps:
+            for micro in range(len(step[0])):
+                for rank in step:
+                    order.extend(rank[micro])
+        return order
+
+
+def make_plan(train, world: int, batch: int, accum: int, steps: int, seed: int) -> Plan:
+    from phalanx.data.sampler import StatefulDistributedSampler
+
+    lengths = [len(x) for x in train["input_ids"]]
+    targets = [sum(1 for y in labels[1:] if y != -100) for labels in train["labels"]]
+    samplers = [StatefulDistributedSampler(len(train), r, world, seed=seed) for r in range(world)]
+    plan_steps, epoch, short, uneven = [], 0, False, False
+    while len(plan_steps) < steps:
+        per_rank = []
+        for sampler in samplers:
+            sampler.set_epoch(epoch)
+            rows = list(sampler)
+            per_rank.append([rows[i : i + batch] for i in range(0, len(rows), batch)])  # DataLoader, no drop_last
+        micro = len(per_rank[0])
+        for start in range(0, micro, accum):
+            group = [mbs[start : start + accum] for mbs in per_rank]
+            if len(group[0]) < accum:
+                short = True
+            if any(len(mb) < batch for mbs in group for mb in mbs):
+                uneven = True
+            plan_steps.append(group)
+            if len(plan_steps) == steps:
+                break
+        epoch += 1
+    return Plan(plan_steps, lengths, targets, short, uneven)
+
+
+# ----------------------------------------------------------------------------- model folders
+
+
+def build_gpu_shape_folder(shape: str, folder: Path, layers: Optional[int] = None, device: str = "cpu") -> Path:
+    """A from_pretrained folder: a Qwen2 model with `shape`'s sizes and random weights, plus phalanx's byte tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from phalanx.models.load import resolve_model_path
+
+    values = dict(GPU_SHAPES[shape])
+    if layers:
+        values["num_hidden_layers"] = layers
+    marker = folder / "phalanx-bench.json"
+    if marker.is_file() and json.loads(marker.read_text()) == values:
+        return folder
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("embedded:tiny-qwen3"))
+    config = Qwen2Config(**values, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=None, dtype="bfloat16")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "phalanx-bench.json").write_text(json.dumps(values))
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)
+    return folder
+
+
+def construct_gpu_shape_on_cpu(shape: str, layers: Optional[int]) -> tuple[int, dict]:
+    """Dry run: build the model for real on CPU (bf16) and count its parameters; nothing is written."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    values = dict(GPU_SHAPES[shape])
+    if layers:
+        values["num_hidden_layers"] = layers
+    config = Qwen2Config(**values)
+    start = time.perf_counter()
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    n = sum(p.numel() for p in model.parameters())
+    print(f"   built {type(model).__name__} on CPU in {time.perf_counter() - start:.1f}s: {n:,} parameters "
+          f"({n * 2 / 2**30:.2f} GiB in bf16)")
+    del model
+    return n, values
+
+
+def lora_flops(n_params: int, layers: int, attn_width: int, tokens: int, sq_lengths: int) -> float:
+    """LoRA training FLOPs: 4N per token (forward 2N + input-gradient backward 2N; frozen weights get no
+    weight gradient, the adapters' own FLOPs are negligible) plus attention 12*L*(heads*head_dim)*t per
+    token of a t-token sequence (forward 4*L*d*t for QK^T and AV, backward twice that; not halved for the
+    causal mask, as in the PaLM paper's accounting)."""
+    return 4.0 * n_params * tokens + 12.0 * layers * attn_width * sq_lengths
+
+
+def peak_tflops_for(name: str) -> Optional[float]:
+    upper = name.upper()
+    for key, value in PEAK_BF16_TFLOPS:
+        if key in upper:
+            return value
+    return None
+
+
+# ----------------------------------------------------------------------------- machine facts
+
+
+def sh(cmd: str) -> str:
+    try:
+        return subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=20).stdout.strip()
+    except Exception:  # noqa: BLE001 - facts for the report only
+        return ""
+
+
+def cpu_model() -> str:
+    for line in sh("lscpu").splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def load_average() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def child_env(threads: Optional[int]) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def torchrun(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
+def cpu_busy_seconds() -> Optional[float]:
+    """Core-seconds all processes have spent busy since boot (Linux /proc/stat), or None elsewhere."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:9]
+    except OSError:
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = map(int, fields)
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_seconds() -> float:
+    """CPU time of this process (the watcher thread) and of its finished children (the run)."""
+    import resource
+
+    usage = [resource.getrusage(who) for who in (resource.RUSAGE_CHILDREN, resource.RUSAGE_SELF)]
+    return sum(u.ru_utime + u.ru_stime for u in usage)
+
+
+def busy_fraction(seconds: float = 2.0) -> Optional[float]:
+    a = cpu_busy_seconds()
+    time.sleep(seconds)
+    b = cpu_busy_seconds()
+    return None if a is None else (b - a) / seconds / (os.cpu_count() or 1)
+
+
+def wait_until_idle(limit: float) -> None:
+    """Wait (up to `limit` seconds) for other processes to leave the CPUs alone: < 10% busy over 2 s."""
+    deadline = time.time() + limit
+    while time.time() < deadline:
+        busy = busy_fraction()
+        if busy is None or busy < 0.10:
+            return
+        print(f"   waiting for an idle machine ({busy:.0%} busy)", flush=True)
+    print("   the machine stayed busy; measuring anyway", flush=True)
+
+
+THREADS: dict[str, list[int]] = {}  # label -> busy threads of each rank (measured)
+
+
+SPAWNED: dict[str, float] = {}  # label -> when the first rank process was created (epoch seconds)
+CPU_SERIES: dict[str, dict[int, list]] = {}  # label -> rank -> [(time, CPU seconds of the rank so far)]
+LAST_SEEN: dict[str, float] = {}  # label -> last time a rank process was seen alive (0.5 s resolution)
+
+
+def thread_census(pid: int, stop, census: dict, label: str) -> None:
+    """Every 0.5 s, the CPU time of every thread of every rank (a descendant with LOCAL_RANK in its environment)."""
+    try:
+        import psutil
+    except ImportError:
+        return
+    try:
+        root = psutil.Process(pid)
+    except psutil.Error:
+        return
+    while not stop.is_set():
+        try:
+            kids = root.children(recursive=True)
+        except psutil.Error:
+            return
+        for kid in kids:
+            try:
+                env = kid.environ()
+                if "LOCAL_RANK" in env:
+                    SPAWNED.setdefault(label, kid.create_time())
+                    LAST_SEEN[label] = time.time()
+                    rank = int(env.get("RANK", 0))
+                    census[rank] = {t.id: t.user_time + t.system_time for t in kid.threads()}
+                    times = kid.cpu_times()
+                    CPU_SERIES.setdefault(label, {}).setdefault(rank, []).append((time.time(), times.user + times.system))
+            except psutil.Error:
+                pass
+        stop.wait(0.5)
+
+
+def cpu_between(label: str, start: float, end: float) -> Optional[float]:
+    """CPU seconds all ranks of run `label` used between two wall-clock times (linear between 0.5 s samples).
+
+    Unlike wall time, this hardly moves when other people's jobs share the cores, so it is the steadier
+    figure on a busy machine (caches and memory bandwidth are still shared)."""
+    total = 0.0
+    for series in CPU_SERIES.get(label, {}).values():
+        if len(series) < 2 or series[0][0] > start or series[-1][0] < end:
+            return None
+
+        def at(t):
+            for (t0, c0), (t1, c1) in zip(series, series[1:]):
+                if t0 <= t <= t1:
+                    return c0 + (c1 - c0) * (t - t0) / max(t1 - t0, 1e-9)
+            return series[-1][1]
+
+        total += at(end) - at(start)
+    return total if CPU_SERIES.get(label) else None
+
+
+def busy_threads(census: dict) -> list[int]:
+    """Threads per rank that did real work: at least 10% of the CPU time of that rank's busiest thread."""
+    out = []
+    for rank in sorted(census):
+        times = census[rank].values()
+        top = max(times, default=0.0)
+        out.append(sum(1 for t in times if top > 0 and t >= 0.1 * top))
+    return out
+
+
+OTHERS: dict[str, tuple[float, float]] = {}  # label -> (core-seconds other processes used during the run, run wall)
+
+
+def run_logged(cmd: list[str], env: dict, log: Path, label: str) -> tuple[float, float, float]:
+    """Run `cmd` with its output in `log`; return (wall seconds, launch time, exit time). Exit on failure with the log's tail."""
+    print(f"\n$ {shlex.join(cmd)}", flush=True)
+    import threading
+
+    busy0, ours0 = cpu_busy_seconds(), children_cpu_seconds()
+    launched = time.time()
+    start = time.perf_counter()
+    census: dict = {}
+    stop = threading.Event()
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        watcher = threading.Thread(target=thread_census, args=(proc.pid, stop, census, label), daemon=True)
+        watcher.start()
+        proc.wait()
+        stop.set()
+        watcher.join()
+    wall = time.perf_counter() - start
+    exited = time.time()
+    THREADS[label] = busy_threads(census)
+    if busy0 is not None:
+        # CPU time the machine spent busy minus what this run's processes used: other people's work.
+        OTHERS[label] = (max(0.0, (cpu_busy_seconds() - busy0) - (children_cpu_seconds() - ours0)), wall)
+    if proc.returncode != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+        sys.exit(f"{label} failed (exit {proc.returncode}); last lines of {log}:\n{tail}")
+    others = OTHERS.get(label)
+    print(f"   {label}: finished in {wall:.1f}s (log: {log}); busy threads per rank {THREADS[label]}"
+          + (f"; other processes used {others[0]:.1f} core-s ({others[0] / (wall * (os.cpu_count() or 1)):.0%} of the machine)"
+             if others else ""), flush=True)
+    return wall, launched, exited
+
+
+# ----------------------------------------------------------------------------- Trainer worker
+
+
+def hf_worker(spec_path: str) -> None:
+    """One Trainer rank (started by torchrun). Writes hf-rank{R}.json next to the spec."""
+    import resource
+
+    import datasets
+    import torch
+    import transformers
+    from peft import LoraConfig, TaskType, get_peft_model
+    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    from phalanx.data.collate import pad_batch
+
+    spec = json.loads(Path(spec_path).read_text())
+    out_dir = Path(spec_path).parent
+    rank = int(os.environ.get("RANK", 0))
+    cuda = spec["cuda"]
+    transformers.utils.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+
+    rows = datasets.load_from_disk(spec["train_dir"]).select(spec["global_order"])
+    seen: list[list[int]] = []  # row lengths of every micro-batch this rank collated, in order
+
+    def collate(examples):
+        seen.append([len(e["input_ids"]) for e in examples])
+        return pad_batch(examples, pad_token_id=spec["pad_token_id"])
+
+    # Same seed before the adapter is created as phalanx (seed_everything, then load, then LoRA).
+    transformers.set_seed(spec["seed"])
+    dtype = torch.bfloat16 if cuda else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=dtype)
+    model = get_peft_model(model, LoraConfig(
+        task_type=TaskType.CAUSAL_LM, r=spec["lora_r"], lora_alpha=spec["lora_alpha"],
+        lora_dropout=spec["lora_dropout"], target_modules=spec["target_modules"],
+    ))
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.ends: list[float] = []
+            self.begin = None
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.begin = time.time()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.ends.append(time.time())
+
+    clock = StepClock()
+    args = TrainingArguments(
+        output_dir=str(out_dir / "hf-output"),
+        per_device_train_batch_size=spec["batch_size"],
+        gradient_accumulation_steps=spec["grad_accum"],
+        learning_rate=spec["learning_rate"],
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        max_steps=spec["steps"],
+        seed=spec["seed"],
+        logging_steps=spec["log_steps"],
+        logging_first_step=True,
+        eval_strategy="no",
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        train_sampling_strategy="sequential",  # the rows are already in phalanx's per-rank order
+        dataloader_num_workers=0,
+        dataloader_pin_memory=cuda,
+        remove_unused_columns=False,
+        ddp_backend="nccl" if cuda else "gloo",
+        ddp_find_unused_parameters=False,
+        ddp_broadcast_buffers=False,
+        use_cpu=not cuda,
+        bf16=cuda,
+        **({"optim": spec["hf_optim"]} if spec.get("hf_optim") else {}),
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=collate, callbacks=[clock])
+    start = time.time()
+    result = trainer.train()
+    end = time.time()
+    trainer.save_model(str(out_dir / "hf-output"))  # phalanx writes its final adapter too
+    if cuda:
+        peak = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    record = {
+        "rank": rank,
+        "threads": torch.get_num_threads(),
+        "peak_memory_mb": peak,
+        "step_ends": clock.ends,
+        "train_begin": clock.begin,
+        "train_start": start,
+        "train_end": end,
+        "micro_lengths": seen,
+        "log_history": trainer.state.log_history,
+        "train_runtime": result.metrics.get("train_runtime"),
+        "optimizer": type(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer).__name__,
+        "optim_arg": str(args.optim),
+        "world_size": args.world_size,
+    }
+    (out_dir / f"hf-rank{rank}.json").write_text(json.dumps(record))
+
+
+# ----------------------------------------------------------------------------- phalanx under torchrun (+ profile)
+
+
+def phalanx_worker(flags: list[str], profile_dir: Optional[str]) -> None:
+    """`phalanx train FLAGS` in this torchrun rank; rank 0 runs under cProfile when asked."""
+    from phalanx.cli import main
+
+    rank = int(os.environ.get("RANK", 0))
+    if profile_dir and rank == 0:
+        import cProfile
+
+        prof = cProfile.Profile()
+        code = prof.runcall(main, ["train", *flags])
+        prof.dump_stats(str(Path(profile_dir) / "phalanx-rank0.prof"))
+    else:
+        code = main(["train", *flags])
+    sys.exit(code)
+
+
+def hf_worker_profiled(spec_path: str, profile_dir: Optional[str]) -> None:
+    rank = int(os.environ.get("RANK", 0))
+    if profile_dir and rank == 0:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.runcall(hf_worker, spec_path)
+        prof.dump_stats(str(Path(profile_dir) / "hf-rank0.prof"))
+    else:
+        hf_worker(spec_path)
+
+
+# ----------------------------------------------------------------------------- results
+
+
+def steady(step_ends: dict[int, float], plan: Plan, first: int, last: int) -> tuple[float, int, float]:
+    """(tokens/s, tokens, seconds) over steps first+1..last, timed from the end of step `first`."""
+    tokens = sum(plan.step_tokens(s - 1) for s in range(first + 1, last + 1))
+    seconds = step_ends[last] - step_ends[first]
+    return tokens / seconds, tokens, seconds
+
+
+def fmt(x, nd=1):
+    if x is None:
+        return "n/a"
+    if isinstance(x, float):
+        return f"{x:,.{nd}f}"
+    return f"{x:,}" if isinstance(x, int) else str(x)
+
+
+def table(rows: list[tuple[str, str, str, str]]) -> str:
+    head = ("", "phalanx", "HF Trainer", "phalanx/HF")
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(4)]
+    line = lambda r: "| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) + " |"  # noqa: E731
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(head), sep, *map(line, rows)])
+
+
+def ratio(a, b, nd=2):
+    return f"{a / b:.{nd}f}" if a and b else "n/a"
+
+
+# ----------------------------------------------------------------------------- orchestration
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=None, help="ranks for both runs (default 2 on CPU, the GPU count in gpu-shape mode)")
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
+    p.add_argument("--batch_size", type=int, default=None, help="per-rank micro-batch (default 2; 4 in gpu-shape mode)")
+    p.add_argument("--grad_accum", type=int, default=1, help="gradient accumulation steps (default 1)")
+    p.add_argument("--max_length", type=int, default=None, help="sequence cap in tokens (default 768; 2048 in gpu-shape mode)")
+    p.add_argument("--model", default="embedded:tiny-qwen3", help="model for both runs (phalanx model_name syntax)")
+    p.add_argument("--dataset_path", default=None, help="jsonl for both runs (default: phalanx's bundled health-agent chats)")
+    p.add_argument("--learning_rate", type=float, default=5e-5)
+    p.add_argument("--lora_r", type=int, default=16)
+    p.add_argument("--lora_alpha", type=int, default=32)
+    p.add_argument("--lora_dropout", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--log_steps", type=int, default=1, help="both log every this many steps (default 1)")
+    p.add_argument("--warmup", type=int, default=2, help="steps left out of the steady timing (default 2)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="OMP_NUM_THREADS for both runs (default: unset, i.e. each launcher's own default)")
+    p.add_argument("--phalanx-launcher", dest="phalanx_launcher", choices=["native", "torchrun"], default="native",
+                   help="native: `python -m phalanx train --world_size N` (what users run); torchrun: `torchrun -m phalanx`")
+    p.add_argument("--only", choices=["both", "phalanx", "hf"], default="both", help="run one side only (for profiling)")
+    p.add_argument("--hf-first", dest="hf_first", action="store_true",
+                   help="run Trainer first (alternate the order between repeats on a shared machine)")
+    p.add_argument("--hf-optim", dest="hf_optim", default=None,
+                   help="Trainer's optim (default: Trainer's own default; phalanx uses torch.optim.AdamW)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="cProfile rank 0 of both runs into DIR (phalanx then runs under torchrun); timings are perturbed")
+    p.add_argument("--gpu-shape", dest="gpu_shape", choices=sorted(GPU_SHAPES), default=None,
+                   help="random-weight model with this published shape, seq 2048, bf16 on CUDA, with MFU")
+    p.add_argument("--gpu-shape-layers", dest="gpu_shape_layers", type=int, default=None,
+                   help="override the layer count of --gpu-shape (smoke tests, small GPUs)")
+    p.add_argument("--peak-tflops", dest="peak_tflops", type=float, default=None,
+                   help="peak dense bf16 TFLOP/s per GPU for MFU (default: looked up from the GPU's name)")
+    p.add_argument("--dry-run", dest="dry_run", action="store_true", help="print the plan (build the gpu-shape model on CPU) and stop")
+    p.add_argument("--work_dir", default="/tmp/phalanx-bench", help="scratch folder for outputs and logs")
+    p.add_argument("--wait-idle", dest="wait_idle", type=float, default=0, metavar="SECONDS",
+                   help="before each run, wait up to SECONDS for the CPUs to be idle (other people's jobs)")
+    p.add_argument("--no-results", dest="no_results", action="store_true", help="do not append to benchmarks/RESULTS.md")
+    p.add_argument("--note", default="", help="free text added to the RESULTS.md entry")
+    p.add_argument("--_worker", choices=["hf", "phalanx"], default=None, help=argparse.SUPPRESS)
+    p.add_argument("--_spec", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--_profile", default=None, help=argparse.SUPPRESS)
+    args, rest = p.parse_known_args(argv)
+    args.rest = rest
+    return args
+
+
+def main(argv=None) -> None:
+    raw_argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(raw_argv)
+    sys.path.insert(0, str(SRC))
+    if args._worker == "hf":
+        return hf_worker_profiled(args._spec, args._profile)
+    if args._worker == "phalanx":
+        return phalanx_worker([a for a in args.rest if a != "--"], args._profile)
+
+    import torch
+
+    gpu = args.gpu_shape is not None
+    cuda = torch.cuda.is_available()
+    if gpu and not cuda and not args.dry_run:
+        sys.exit("--gpu-shape needs a CUDA device (bf16 on GPU); add --dry-run to check the plan on a machine without one.")
+    nproc = args.nproc or ((max(torch.cuda.device_count(), 1) if cuda else 1) if gpu else 2)
+    batch = args.batch_size or (4 if gpu else 2)
+    max_length = args.max_length or (2048 if gpu else 768)
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    load_before = load_average()
+    commit = sh(f"git -C {ROOT} rev-parse --short HEAD") or "unknown"
+    dirty = bool(sh(f"git -C {ROOT} status --porcelain -- src"))
+    command = "python benchmarks/train_vs_hf.py" + ("" if not raw_argv else " " + shlex.join(raw_argv))
+
+    print(f"== phalanx vs HF Trainer: {nproc} rank(s), {args.steps} steps, batch {batch}/rank, accumulation "
+          f"{args.grad_accum}, max_length {max_length}, {'CUDA bf16' if gpu else 'CPU fp32'}")
+    print(f"   machine: nproc {os.cpu_count()}, {cpu_model()}, "
+          f"{torch.cuda.get_device_name(0) if cuda else 'no GPU'}; commit {commit}{' (src/ modified)' if dirty else ''}; "
+          f"load average {load_before}")
+
+    # -- model
+    n_params, shape_values = None, None
+    if gpu:
+        if args.dry_run:
+            print(f"-- gpu-shape {args.gpu_shape}: constructing on CPU (dry run)")
+            n_params, shape_values = construct_gpu_shape_on_cpu(args.gpu_shape, args.gpu_shape_layers)
+            model_path = str(work / f"{args.gpu_shape}-random")
+        else:
+            print(f"-- gpu-shape {args.gpu_shape}: writing a random-weight model folder (once)")
+            model_path = str(build_gpu_shape_folder(args.gpu_shape, work / f"{args.gpu_shape}-random",
+                                                    args.gpu_shape_layers, device="cuda"))
+    else:
+        from phalanx.models.load import resolve_model_path
+
+        model_path = resolve_model_path(args.model)
+    model_flag = model_path if gpu else args.model
+
+    # -- phalanx flags, and the same config phalanx will build from them
+    flags = [
+        "--model_name", model_flag,
+        "--max_steps", str(args.steps),
+        "--batch_size", str(batch),
+        "--gradient_accumulation_steps", str(args.grad_accum),
+        "--max_length", str(max_length),
+        "--learning_rate", repr(args.learning_rate),
+        "--lora_r", str(args.lora_r),
+        "--lora_alpha", str(args.lora_alpha),
+        "--lora_dropout", repr(args.lora_dropout),
+        "--lora.target_modules", "all-linear",
+        "--seed", str(args.seed),
+        "--lr_scheduler", "linear",
+        "--warmup_ratio", "0",
+        "--weight_decay", "0",
+        "--max_grad_norm", "1.0",
+        "--test_size", "0",
+        "--log_steps", str(args.log_steps),
+        "--eval_steps", str(HUGE),
+        "--save_steps", str(HUGE),
+        "--checkpoint.save_best", "false",
+        "--logging.tensorboard", "false",
+        "--logging.progress_bar", "false",
+        "--mixed_precision", "bf16" if gpu else "auto",  # auto = fp32 on CPU
+        "--overwrite_output_dir", "true",
+        "--output_dir", str(work / "phalanx-output"),
+    ]
+    if args.dataset_path:
+        flags += ["--dataset_path", args.dataset_path]
+
+    import datasets
+
+    datasets.disable_progress_bars()
+    from phalanx.cli import split_flags
+    from phalanx.config.loader import load_config, overrides_from_flags
+    from phalanx.train.run import load_data
+
+    cfg = load_config(None, overrides_from_flags(split_flags(flags)[1]))
+    if args.dry_run and gpu and not Path(model_path).is_dir():
+        # The folder is written only for a real run; plan the data with the same (embedded byte-level) tokenizer.
+        cfg_data = load_config(None, overrides_from_flags(split_flags(
+            [*flags[:1], "embedded:tiny-qwen3", *flags[2:]])[1]))
+        tokenizer, data = load_data(cfg_data)
+    else:
+        tokenizer, data = load_data(cfg)  # tokenize once, into phalanx's cache; both runs read these rows
+    plan = make_plan(data.train, nproc, batch, args.grad_accum, args.steps, args.seed)
+    if plan.short_groups or plan.uneven_micro:
+        print("   WARNING: the run crosses an epoch end with a short accumulation group or a short micro-batch; "
+              "Trainer's batches then drift from phalanx's. Use fewer steps to compare identical data.")
+    total_tokens = sum(plan.step_tokens(s) for s in range(args.steps))
+    rows_used = sum(len(mb) for step in plan.steps for rank in step for mb in rank)
+    print(f"-- data: {len(data.train)} rows tokenized once ({data.report.cache_dir}); {total_tokens:,} input tokens "
+          f"({total_tokens / rows_used:.0f} per row on average) over the {args.steps} steps on all ranks, "
+          f"{sum(plan.step_targets(s) for s in range(args.steps)):,} target tokens")
+
+    env = child_env(args.threads)
+    if args.profile:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+    native = args.phalanx_launcher == "native" and not args.profile
+    if native:
+        phalanx_cmd = [sys.executable, "-m", "phalanx", "train", *flags, "--world_size", str(nproc)]
+    elif not args.profile:
+        phalanx_cmd = [*torchrun(nproc), "-m", "phalanx", "train", *flags]
+    else:
+        phalanx_cmd = [*torchrun(nproc), str(Path(__file__)), "--_worker", "phalanx", "--_profile", args.profile, "--", *flags]
+    spec_path = work / "hf-spec.json"
+    hf_cmd = [*torchrun(nproc), str(Path(__file__)), "--_worker", "hf", "--_spec", str(spec_path),
+              *(["--_profile", args.profile] if args.profile else [])]
+
+    flops_note = None
+    if gpu:
+        values = shape_values or dict(GPU_SHAPES[args.gpu_shape], **({"num_hidden_layers": args.gpu_shape_layers} if args.gpu_shape_layers else {}))
+        if n_params is None:
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            with torch.device("meta"):
+                n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path)).parameters())
+        layers = values["num_hidden_layers"]
+        attn_width = values["hidden_size"]  # heads * head_dim = 12 * 128
+        peak = args.peak_tflops or (peak_tflops_for(torch.cuda.get_device_name(0)) if cuda else None)
+        flops_note = (f"MFU = model FLOPs / (seconds x ranks x peak). LoRA FLOPs per sequence of t tokens = "
+                      f"4*N*t + 12*L*(heads*head_dim)*t^2 with N = {n_params:,} base parameters (tied embedding "
+                      f"counted once: it is the LM-head matmul), L = {layers}, heads*head_dim = {attn_width}; "
+                      f"peak assumed: {f'{peak:g} TFLOP/s dense bf16 per GPU' if peak else 'unknown (pass --peak-tflops)'}")
+        print("-- " + flops_note)
+
+    print("-- plan:")
+    omp = lambda by_torchrun: env.get("OMP_NUM_THREADS") or ("1 (torchrun's default)" if by_torchrun and nproc > 1 else "unset")  # noqa: E731
+    print(f"   phalanx ({'native launcher' if native else 'torchrun'}, OMP_NUM_THREADS {omp(not native)}): {shlex.join(phalanx_cmd)}")
+    print(f"   Trainer (torchrun, OMP_NUM_THREADS {omp(True)}): {shlex.join(hf_cmd)}")
+    if args.dry_run:
+        print("-- dry run: nothing trained.")
+        return
+
+    spec = {
+        "cuda": gpu, "model_path": model_path, "train_dir": str(Path(data.report.cache_dir) / "train"),
+        "global_order": plan.global_order(), "pad_token_id": tokenizer.pad_token_id, "seed": args.seed,
+        "batch_size": batch, "grad_accum": args.grad_accum, "learning_rate": args.learning_rate,
+        "steps": args.steps, "log_steps": args.log_steps, "lora_r": args.lora_r, "lora_alpha": args.lora_alpha,
+        "lora_dropout": args.lora_dropout, "target_modules": "all-linear", "hf_optim": args.hf_optim,
+    }
+    spec_path.write_text(json.dumps(spec))
+    for old in work.glob("hf-rank*.json"):
+        old.unlink()
+
+    def run_phalanx():
+        if args.wait_idle:
+            wait_until_idle(args.wait_idle)
+        return read_phalanx(work / "phalanx-output", plan, args, run_logged(phalanx_cmd, env, work / "phalanx.log", "phalanx"),
+                            data.report.cache_dir, work / "phalanx.log")
+
+    def run_hf():
+        if args.wait_idle:
+            wait_until_idle(args.wait_idle)
+        return read_hf(work, plan, args, run_logged(hf_cmd, env, work / "hf.log", "HF Trainer"), nproc)
+
+    sides = [s for s in (("phalanx", run_phalanx), ("hf", run_hf)) if args.only in ("both", s[0])]
+    if args.hf_first:
+        sides.reverse()
+    results, loads_between = {}, []
+    for name, fn in sides:
+        results[name] = fn()
+        loads_between.append(load_average())
+    px, hf = results.get("phalanx"), results.get("hf")
+    load_mid = loads_between[0]
+    load_after = load_average()
+
+    if px and hf:
+        report(args, px, hf, plan, nproc, batch, max_length, command, commit, dirty, torch,
+               (load_before, load_mid, load_after), flops_note, n_params, gpu, cuda)
+    for name, res in (("phalanx", px), ("HF Trainer", hf)):
+        if res:
+            print(f"{name}: steady {res['steady_tps']:,.0f} tok/s, wall {res['wall']:.1f}s, "
+                  f"peak {res['peak']} MB/rank, first loss {res['first_loss']}")
+    if args.profile:
+        summarize_profiles(Path(args.profile))
+
+
+def read_phalanx(out: Path, plan: Plan, args, run: tuple, cache_dir: str, log: Path) -> dict:
+    wall, launched, exited = run
+    info = json.loads((out / "final_training_info.json").read_text())
+    records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    ends = {r["step"]: r["time"] for r in train}
+    last = max(ends)
+    first = min(s for s in ends if s >= args.warmup) if any(s >= args.warmup for s in ends) else min(ends)
+    tps, tokens, seconds = steady(ends, plan, first, last)
+    # Check that phalanx read the rows the plan says (target tokens per step add up to tokens_seen).
+    expected_seen = sum(plan.step_targets(s) for s in range(last))
+    same_rows = info["tokens_seen"] == expected_seen and cache_dir in log.read_text()
+    return {
+        "steady_tps": tps, "steady_tokens": tokens, "steady_seconds": seconds, "steady_steps": (first + 1, last),
+        "wall": wall, "train_seconds": info["train_seconds"],
+        "peak_list": info["peak_memory_mb_per_rank"], "peak": max(info["peak_memory_mb_per_rank"]),
+        "first_loss": train[0]["loss"], "first_loss_steps": train[0]["step"], "last_loss": train[-1]["loss"],
+        "data_check": same_rows, "steps": info["global_step"],
+        "startup": ends[min(ends)] - launched, "teardown": exited - ends[last],
+        "cpu_steady": cpu_between("phalanx", ends[first], ends[last]),
+        "spawn": SPAWNED.get("phalanx", launched) - launched, "after_ranks": exited - LAST_SEEN.get("phalanx", exited),
+    }
+
+
+def read_hf(work: Path, plan: Plan, args, run: tuple, nproc: int) -> dict:
+    wall, launched, exited = run
+    ranks = [json.loads((work / f"hf-rank{r}.json").read_text()) for r in range(nproc)]
+    r0 = ranks[0]
+    ends = {i + 1: t for i, t in enumerate(r0["step_ends"])}
+    logs = [h for h in r0["log_history"] if "loss" in h]
+    logged = sorted({h["step"] for h in logs} | {max(ends)})
+    first = min((s for s in logged if s >= args.warmup), default=min(ends))
+    last = max(ends)
+    tps, tokens, seconds = steady(ends, plan, first, last)
+    # The rows Trainer actually collated, per rank, against the plan (prefetching may add extra batches at the end).
+    same = True
+    for r, rec in enumerate(ranks):
+        want = [[plan.lengths[i] for i in mb] for step in plan.steps for mb in step[r]]
+        same &= rec["micro_lengths"][: len(want)] == want
+    return {
+        "steady_tps": tps, "steady_tokens": tokens, "steady_seconds": seconds, "steady_steps": (first + 1, last),
+        "wall": wall, "train_seconds": r0["train_runtime"],
+        "peak_list": [round(r["peak_memory_mb"], 1) for r in ranks], "peak": round(max(r["peak_memory_mb"] for r in ranks), 1),
+        "first_loss": logs[0]["loss"] if logs else None, "first_loss_steps": logs[0]["step"] if logs else None,
+        "last_loss": logs[-1]["loss"] if logs else None,
+        "data_check": same, "threads": r0["threads"], "optimizer": f"{r0['optimizer']} ({r0['optim_arg']})",
+        "steps": len(r0["step_ends"]),
+        "startup": ends[min(args.log_steps, last)] - launched, "teardown": exited - ends[last],
+        "cpu_steady": cpu_between("HF Trainer", ends[first], ends[last]),
+        "spawn": SPAWNED.get("HF Trainer", launched) - launched, "after_ranks": exited - LAST_SEEN.get("HF Trainer", exited),
+    }
+
+
+def cpu_per_step(res: dict) -> Optional[float]:
+    a, b = res["steady_steps"]
+    return res["cpu_steady"] / (b - a + 1) if res.get("cpu_steady") else None
+
+
+def tokens_per_cpu(res: dict) -> Optional[float]:
+    return res["steady_tokens"] / res["cpu_steady"] if res.get("cpu_steady") else None
+
+
+def report(args, px, hf, plan, nproc, batch, max_length, command, commit, dirty, torch, loads, flops_note, n_params, gpu, cuda):
+    all_tokens = sum(plan.step_tokens(s) for s in range(args.steps))
+    mem_label = "peak CUDA memory / rank, max (MB)" if gpu else "peak RSS / rank, max (MB)"
+    s0, s1 = px["steady_steps"]
+    rows = [
+        (f"tokens/s, steady (steps {s0}-{s1})", fmt(px["steady_tps"], 0), fmt(hf["steady_tps"], 0), ratio(px["steady_tps"], hf["steady_tps"])),
+        ("  seconds / step, steady", fmt(px["steady_seconds"] / (s1 - s0 + 1), 3), fmt(hf["steady_seconds"] / (hf["steady_steps"][1] - hf["steady_steps"][0] + 1), 3),
+         ratio(px["steady_seconds"] / (s1 - s0 + 1), hf["steady_seconds"] / (hf["steady_steps"][1] - hf["steady_steps"][0] + 1))),
+        ("  CPU seconds / step, all ranks, steady", fmt(cpu_per_step(px), 3), fmt(cpu_per_step(hf), 3),
+         ratio(cpu_per_step(px), cpu_per_step(hf))),
+        ("  tokens / CPU second, steady", fmt(tokens_per_cpu(px), 0), fmt(tokens_per_cpu(hf), 0),
+         ratio(tokens_per_cpu(px), tokens_per_cpu(hf))),
+        ("tokens/s, whole run (launch to exit)", fmt(all_tokens / px["wall"], 0), fmt(all_tokens / hf["wall"], 0), ratio(hf["wall"], px["wall"])),
+        ("  wall clock, whole run (s)", fmt(px["wall"]), fmt(hf["wall"]), ratio(px["wall"], hf["wall"])),
+        ("  launch -> end of first logged step (s)", fmt(px["startup"]), fmt(hf["startup"]), ratio(px["startup"], hf["startup"])),
+        ("    of which launch -> rank processes created (s)", fmt(px["spawn"]), fmt(hf["spawn"]), ratio(px["spawn"], hf["spawn"])),
+        ("  end of last step -> exit (s)", fmt(px["teardown"]), fmt(hf["teardown"]), ratio(px["teardown"], hf["teardown"])),
+        ("    of which last sight of a rank -> exit (s, +-0.5)", fmt(px["after_ranks"]), fmt(hf["after_ranks"]), ""),
+        ("  train loop (s; phalanx train_seconds, HF train_runtime)", fmt(px["train_seconds"]), fmt(hf["train_seconds"]), ratio(px["train_seconds"], hf["train_seconds"])),
+        (mem_label, fmt(px["peak"]), fmt(hf["peak"]), ratio(px["peak"], hf["peak"])),
+        ("  per rank", " / ".join(fmt(float(x)) for x in px["peak_list"]), " / ".join(fmt(float(x)) for x in hf["peak_list"]), ""),
+        (f"loss, first log (step {px['first_loss_steps']})", f"{px['first_loss']:.5f}", f"{hf['first_loss']:.5f}" if hf["first_loss"] is not None else "n/a",
+         ratio(px["first_loss"], hf["first_loss"], 4)),
+        (f"loss, last log (step {args.steps})", f"{px['last_loss']:.5f}", f"{hf['last_loss']:.5f}" if hf["last_loss"] is not None else "n/a", ""),
+        ("busy OS threads / rank (measured)", "/".join(map(str, THREADS.get("phalanx", []))) or "n/a",
+         "/".join(map(str, THREADS.get("HF Trainer", []))) or "n/a", ""),
+        ("rows = plan (checked)", "yes" if px["data_check"] else "NO", "yes" if hf["data_check"] else "NO", ""),
+    ]
+    mfu_lines = []
+    if gpu:
+        peak_t = args.peak_tflops or (peak_tflops_for(torch.cuda.get_device_name(0)) if cuda else None)
+        values = dict(GPU_SHAPES[args.gpu_shape], **({"num_hidden_layers": args.gpu_shape_layers} if args.gpu_shape_layers else {}))
+        for name, res in (("phalanx", px), ("HF", hf)):
+            a, b = res["steady_steps"]
+            toks = sum(plan.step_tokens(s - 1) for s in range(a, b + 1))
+            sq = sum(plan.step_sq_lengths(s - 1) for s in range(a, b + 1))
+            flops = lora_flops(n_params, values["num_hidden_layers"], values["hidden_size"], toks, sq)
+            res["tflops_per_gpu"] = flops / res["steady_seconds"] / nproc / 1e12
+            res["mfu"] = res["tflops_per_gpu"] / peak_t if peak_t else None
+        rows.insert(2, ("model TFLOP/s per GPU, steady", fmt(px["tflops_per_gpu"]), fmt(hf["tflops_per_gpu"]), ratio(px["tflops_per_gpu"], hf["tflops_per_gpu"])))
+        rows.insert(3, ("MFU, steady", f"{px['mfu']:.1%}" if px["mfu"] is not None else "n/a",
+                        f"{hf['mfu']:.1%}" if hf["mfu"] is not None else "n/a", ratio(px["mfu"], hf["mfu"])))
+        mfu_lines.append(flops_note)
+    text = table(rows)
+    loss_gap = abs(px["first_loss"] - hf["first_loss"]) / max(abs(hf["first_loss"]), 1e-12) if hf["first_loss"] is not None else None
+    sanity = (f"first-step losses: phalanx {px['first_loss']:.6f}, Trainer {hf['first_loss']:.6f} "
+              f"(relative gap {loss_gap:.2e}: {'agree' if loss_gap < 1e-3 else 'DISAGREE - the runs do not train the same thing'})"
+              if loss_gap is not None else "first-step loss: Trainer logged none")
+    print("\n" + text)
+    print(f"\nratios are phalanx / HF (for whole-run tokens/s, HF wall / phalanx wall); {sanity}")
+    print(f"Trainer optimizer: {hf['optimizer']}; phalanx: torch.optim.AdamW (default, non-fused on CPU)")
+    print(f"load average (1/5/15 min): before {loads[0]}, between runs {loads[1]}, after {loads[2]}")
+    print(f"other processes' CPU use during the runs: {others_text()}")
+    for line in mfu_lines:
+        print(line)
+    if args.no_results:
+        return
+    device = torch.cuda.get_device_name(0) if cuda else "no GPU"
+    entry = [
+        f"\n### {_dt.datetime.now().strftime('%Y-%m-%d %H:%M')} - {nproc} rank(s), {'CUDA bf16' if gpu else 'CPU fp32'}, "
+        f"{args.steps} steps, batch {batch}/rank, accumulation {args.grad_accum}, max_length {max_length}\n",
+        f"- machine: nproc {os.cpu_count()}, CPU {cpu_model()}, {device}; torch {torch.__version__}, "
+        f"transformers {__import__('transformers').__version__}, peft {__import__('peft').__version__}",
+        f"- commit: {commit}{' (with uncommitted changes under src/)' if dirty else ''}",
+        f"- command: `{command}`",
+        f"- model: {args.gpu_shape + ' shape (random weights)' if gpu else args.model}; LoRA r {args.lora_r}, alpha {args.lora_alpha}, "
+        f"dropout {args.lora_dropout}, all-linear; lr {args.learning_rate}; phalanx launched "
+        f"{'natively (--world_size)' if args.phalanx_launcher == 'native' and not args.profile else 'under torchrun'}, Trainer under torchrun; "
+        f"{'Trainer' if args.hf_first else 'phalanx'} ran first",
+        f"- load average (1/5/15 min): before {loads[0]}, between runs {loads[1]}, after {loads[2]}; "
+        f"other processes' CPU use during the runs: {others_text()}",
+        f"- {sanity}",
+        *(f"- {line}" for line in mfu_lines),
+        *( [f"- note: {args.note}"] if args.note else []),
+        "",
+        text,
+        "",
+    ]
+    with RESULTS.open("a") as f:
+        if f.tell() == 0:
+            f.write("# Benchmark results\n\nEach script in `benchmarks/` appends dated entries here, newest last. "
+                    "Timings are reported, never asserted.\n")
+        f.write("\n".join(entry))
+    print(f"appended to {RESULTS}")
+
+
+def others_text() -> str:
+    if not OTHERS:
+        return "n/a"
+    cores = os.cpu_count() or 1
+    return ", ".join(f"{label} run {sec:.1f} core-s ({sec / (wall * cores):.0%} of the machine)"
+                     for label, (sec, wall) in OTHERS.items())
+
+
+def summarize_profiles(folder: Path, top: int = 25) -> None:
+    import pstats
+
+    for name in ("phalanx-rank0.prof", "hf-rank0.prof"):
+        path = folder / name
+        if path.is_file():
+            print(f"\n== {name}: top {top} by cumulative time")
+            pstats.Stats(str(path)).sort_stats("cumulative").print_stats(top)
+
+
+if __name__ == "__main__":
+    main()
