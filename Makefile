@@ -15,8 +15,9 @@ $(VENV)/.installed: pyproject.toml
 	else \
 		python3 -m venv $(VENV) && $(PIP) install -q $(TORCH_CPU); \
 	fi
-	# torch is installed first so nothing below can pull a CUDA build.
-	$(PIP) install -q -e '.[dev]'
+	# torch is installed first so nothing below can pull a CUDA build; DeepSpeed compiles against that torch.
+	DS_BUILD_OPS=0 $(PIP) install -q --no-build-isolation 'deepspeed>=0.19'
+	$(PIP) install -q -e '.[dev,deepspeed]'
 	@touch $@
 
 demo: install

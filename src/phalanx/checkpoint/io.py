@@ -59,9 +59,14 @@ def _native_rng(state: dict) -> dict:
     return out
 
 
-def save_model_files(model: nn.Module, tokenizer: Any, folder: Path) -> None:
-    """The model (or adapter) as safetensors plus the tokenizer: loadable with from_pretrained."""
-    model.save_pretrained(folder, safe_serialization=True)
+def save_model_files(model: nn.Module, tokenizer: Any, folder: Path, state_dict: Optional[dict] = None) -> None:
+    """The model (or adapter) as safetensors plus the tokenizer: loadable with from_pretrained.
+
+    `state_dict`: full weights gathered by a sharding strategy (the model's own tensors are shards then)."""
+    if state_dict is None:
+        model.save_pretrained(folder, safe_serialization=True)
+    else:
+        model.save_pretrained(folder, safe_serialization=True, state_dict=state_dict)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
 
@@ -74,14 +79,21 @@ def save_checkpoint(
     tokenizer: Any,
     stateful: dict[str, Any],
     trainer_state: dict,
+    model_state: Optional[dict] = None,
+    sharded: Optional[Any] = None,
 ) -> None:
-    """Every rank calls this. `stateful` maps names to objects with state_dict() saved by rank 0."""
+    """Every rank calls this. `stateful` maps names to objects with state_dict() saved by rank 0.
+
+    `model_state`: gathered weights for rank 0's save_pretrained; `sharded`: a strategy whose
+    save_sharded(folder) every rank calls to write its part of the training state."""
     try:
         staging = fresh_staging_dir(final) if rank.is_main else final.parent / f".{final.name}.staging"
         rt.barrier()  # staging exists before any rank writes into it
         torch.save(_portable_rng(rng_state()), staging / f"rng_state_{rank.rank}.pt")
+        if sharded is not None:
+            sharded.save_sharded(staging)
         if rank.is_main:
-            save_model_files(model, tokenizer, staging)
+            save_model_files(model, tokenizer, staging, model_state)
             for name, obj in stateful.items():
                 torch.save(obj.state_dict(), staging / f"{name}.pt")
             (staging / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2, default=str), encoding="utf-8")
@@ -94,14 +106,18 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    folder: Path, *, rank: rt.RankInfo, model: nn.Module, stateful: dict[str, Any], finetune: str
+    folder: Path, *, rank: rt.RankInfo, model: nn.Module, stateful: dict[str, Any], finetune: str,
+    sharded: Optional[Any] = None,
 ) -> dict:
     """Restore weights, stateful objects and this rank's RNG; returns trainer_state.json's content."""
     from phalanx.checkpoint.commit import is_committed
 
     if not is_committed(folder):
         raise PhalanxError(f"{folder} is not a committed phalanx checkpoint (no phalanx_checkpoint.json); it may be a save that crashed")
-    load_model_weights(model, folder, finetune)
+    if sharded is not None:
+        sharded.load_sharded(folder)  # weights and optimizer, each rank its own shards
+    else:
+        load_model_weights(model, folder, finetune)
     for name, obj in stateful.items():
         obj.load_state_dict(torch.load(folder / f"{name}.pt", map_location="cpu", weights_only=True))
     rng_file = folder / f"rng_state_{rank.rank}.pt"

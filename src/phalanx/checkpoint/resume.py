@@ -34,10 +34,13 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
 
 def config_diff(saved: dict, current: dict) -> list[str]:
     old, new = flatten(saved), flatten(current)
+    defaults = flatten(RunConfig().model_dump())
     lines = []
     for key in sorted(set(old) | set(new)):
         if key.startswith(RESUME_FREE) or key in RESUME_FREE:
             continue
+        if key not in old and new.get(key) == defaults.get(key):
+            continue  # a field added after the checkpoint was written, left at its default
         if old.get(key) != new.get(key):
             lines.append(f"{key}: {old.get(key)!r} -> {new.get(key)!r}")
     return lines

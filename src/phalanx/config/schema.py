@@ -83,6 +83,7 @@ class TrainingConfig(Section):
     mixed_precision: Literal["auto", "no", "fp16", "bf16"] = Field(
         "auto", description="'auto' is bf16 on CUDA devices that support it, else fp16 on CUDA, fp32 on CPU."
     )
+    gradient_checkpointing: Optional[bool] = Field(None, description="Seed 003's place for model.gradient_checkpointing; when set, it sets that field.")
     nan_policy: Literal["skip", "stop"] = Field(
         "skip", description="A step whose global loss is NaN or Inf is skipped and counted, or saves a checkpoint and stops the run."
     )
@@ -114,6 +115,23 @@ class DistributedConfig(Section):
     world_size: int = Field(1, gt=0, description="Processes to start on this machine (ignored under torchrun, which sets it).")
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="'auto' is NCCL on CUDA, gloo on CPU.")
     ddp_comm_hook: Literal["none", "fp16", "bf16"] = Field("none", description="Compress DDP gradients before the all-reduce.")
+    strategy: Literal["ddp", "fsdp", "deepspeed"] = Field(
+        "ddp", description="How several ranks train: 'ddp' (a full replica per rank), 'fsdp' (PyTorch FSDP2, sharded "
+        "parameters, gradients and optimizer state) or 'deepspeed' (the DeepSpeed ZeRO engine). One process trains plainly."
+    )
+    sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"] = Field(
+        "FULL_SHARD", description="FSDP: shard everything and regather per layer (FULL_SHARD), keep parameters gathered "
+        "between forward and backward (SHARD_GRAD_OP), shard within a node and replicate across nodes (HYBRID_SHARD), "
+        "or replicate only (NO_SHARD)."
+    )
+    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters.")
+    offload_optimizer: bool = Field(False, description="DeepSpeed: keep optimizer state (and the step) in CPU memory.")
+    offload_param: bool = Field(False, description="Keep sharded parameters in CPU memory (DeepSpeed ZeRO-3 parameter offload; FSDP CPU offload, which also moves gradients and the optimizer step).")
+    deepspeed_config: Optional[str] = Field(None, description="DeepSpeed: a JSON config of your own; its \"auto\" values are filled from this config, and conflicts are reported.")
+    fsdp_config: Optional[str] = Field(None, description="FSDP: a JSON config as `phalanx config fsdp` writes it; its fields override sharding_strategy and mixed precision.")
+    use_deepspeed: bool = Field(False, description="Seed 003's switch: true means strategy 'deepspeed'.")
+    use_fsdp: bool = Field(False, description="Seed 003's switch: true means strategy 'fsdp'.")
+    gradient_accumulation_steps: Optional[int] = Field(None, gt=0, description="Seed 003's place for training.gradient_accumulation_steps; when set, it sets that field.")
     max_restarts: int = Field(0, ge=0, description="Restart all ranks this many times when one fails; each restart resumes from the newest committed checkpoint.")
     master_port: Optional[int] = Field(None, gt=0, lt=65536, description="Rendezvous port for --world_size; a free one when unset.")
     init_timeout_minutes: float = Field(10, gt=0, description="How long ranks wait for each other to start (and through the first step).")
@@ -132,3 +150,38 @@ class RunConfig(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+
+    @model_validator(mode="after")
+    def _seed_003_spellings_and_impossible_combinations(self) -> "RunConfig":
+        d, t = self.distributed, self.training
+        if d.use_deepspeed and d.use_fsdp:
+            raise ValueError("distributed.use_deepspeed and distributed.use_fsdp are both true; pick one strategy")
+        for flag, name in ((d.use_deepspeed, "deepspeed"), (d.use_fsdp, "fsdp")):
+            if flag:
+                if "strategy" in d.model_fields_set and d.strategy != name:
+                    raise ValueError(f"distributed.use_{name} is true but distributed.strategy is '{d.strategy}'; keep one of them")
+                d.strategy = name
+        # A DeepSpeed or FSDP file with no strategy named means that strategy.
+        for file, name in ((d.deepspeed_config, "deepspeed"), (d.fsdp_config, "fsdp")):
+            if file and "strategy" not in d.model_fields_set and not (d.use_deepspeed or d.use_fsdp):
+                d.strategy = name
+        if d.gradient_accumulation_steps is not None:
+            if "gradient_accumulation_steps" in t.model_fields_set and t.gradient_accumulation_steps != d.gradient_accumulation_steps:
+                raise ValueError(f"distributed.gradient_accumulation_steps = {d.gradient_accumulation_steps} but "
+                                 f"training.gradient_accumulation_steps = {t.gradient_accumulation_steps}; keep one of them")
+            t.gradient_accumulation_steps = d.gradient_accumulation_steps
+        if t.gradient_checkpointing is not None:
+            self.model.gradient_checkpointing = t.gradient_checkpointing
+        if d.strategy == "ddp" and (d.offload_optimizer or d.offload_param):
+            raise ValueError("CPU offload needs a sharding strategy: DDP keeps a full replica on every device. Use "
+                             "--strategy deepspeed (--offload_optimizer / --offload_param) or --strategy fsdp --offload_param")
+        if d.strategy == "fsdp" and d.offload_optimizer:
+            raise ValueError("FSDP offloads parameters, gradients and the optimizer step together: use --offload_param "
+                             "with --strategy fsdp (or --strategy deepspeed for optimizer-only offload)")
+        if d.strategy == "deepspeed" and d.offload_param and d.zero_stage != 3 and not d.deepspeed_config:
+            raise ValueError(f"--offload_param needs --zero_stage 3 (parameters are partitioned only there); got {d.zero_stage}")
+        if d.strategy != "deepspeed" and d.deepspeed_config:
+            raise ValueError(f"distributed.deepspeed_config is set but the strategy is '{d.strategy}'; add --strategy deepspeed")
+        if d.strategy != "fsdp" and d.fsdp_config:
+            raise ValueError(f"distributed.fsdp_config is set but the strategy is '{d.strategy}'; add --strategy fsdp")
+        return self

@@ -38,6 +38,10 @@ def apply_finetuning(model: nn.Module, model_cfg: ModelConfig, lora_cfg: LoraCon
 
 
 def trainable_parameter_count(model: nn.Module) -> tuple[int, int]:
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
+    # Under ZeRO-3 a parameter is a partitioned placeholder; ds_numel is its full size.
+    def size(p) -> int:
+        return getattr(p, "ds_numel", p.numel())
+
+    trainable = sum(size(p) for p in model.parameters() if p.requires_grad)
+    total = sum(size(p) for p in model.parameters())
     return trainable, total

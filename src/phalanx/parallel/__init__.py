@@ -1,13 +1,36 @@
-"""Parallel strategies behind one interface (see base.Strategy)."""
+"""Parallel strategies behind one interface (see base.Strategy); one file per strategy."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
 
 from phalanx.parallel.base import Precision, Strategy
 from phalanx.runtime.dist import RankInfo
 
 
-def make_strategy(rank: RankInfo, precision: Precision, comm_hook: str = "none") -> Strategy:
-    """One process trains plainly; several ranks use DDP."""
-    if rank.distributed:
-        from phalanx.parallel.ddp import DDPStrategy
+def make_strategy(rank: RankInfo, precision: Precision, comm_hook: str = "none", *, cfg: Optional[Any] = None) -> Strategy:
+    """One process trains plainly; several ranks use the strategy `cfg.distributed.strategy` names (DDP by default)."""
+    if not rank.distributed:
+        return Strategy(rank, precision)
+    kind = cfg.distributed.strategy if cfg is not None else "ddp"
+    if kind == "fsdp":
+        from phalanx.parallel.fsdp import FSDPStrategy
 
-        return DDPStrategy(rank, precision, comm_hook)
-    return Strategy(rank, precision)
+        d = cfg.distributed
+        sharding, offload, param_dtype = d.sharding_strategy, d.offload_param, None
+        if d.fsdp_config:  # `phalanx config fsdp` output: its fields decide
+            from phalanx.launch.ds_fsdp_config import read_fsdp_config
+
+            import torch
+
+            file = read_fsdp_config(d.fsdp_config)
+            sharding, offload = file["sharding_strategy"], file["cpu_offload"] or offload
+            param_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[file["mixed_precision"]]
+        return FSDPStrategy(rank, precision, sharding, offload, cfg.model.finetune, param_dtype)
+    if kind == "deepspeed":
+        from phalanx.parallel.deepspeed import DeepSpeedStrategy
+
+        return DeepSpeedStrategy(rank, precision, cfg, cfg.model.finetune)
+    from phalanx.parallel.ddp import DDPStrategy
+
+    return DDPStrategy(rank, precision, comm_hook)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, ContextManager, Iterator, Optional
 
 import torch
@@ -109,6 +110,19 @@ class Strategy:
         """Drop this step's gradients without applying them (a skipped step)."""
         assert self.optimizer is not None
         self.optimizer.zero_grad(set_to_none=True)
+
+    # Saving. Strategies that shard override these; every rank calls them (they may be collective).
+    shards_state = False  # True: resume state is written per rank by save_sharded, not optimizer.pt from rank 0
+
+    def model_state_for_saving(self) -> Optional[dict]:
+        """The weights save_pretrained should write on rank 0; None = read them from the model itself."""
+        return None
+
+    def save_sharded(self, folder: Path) -> None:
+        """Weights and optimizer state for resume, written by every rank into `folder` (sharding strategies)."""
+
+    def load_sharded(self, folder: Path) -> None:
+        """Restore what save_sharded wrote (sharding strategies)."""
 
     def state_dict(self) -> dict:
         return {"scaler": self.scaler.state_dict()} if self.scaler else {}

@@ -83,14 +83,23 @@ class Run:
         set_phase(self.rank.rank, f"saving {name}")
         save_checkpoint(
             folder, rank=self.rank, model=self.strategy.unwrap(), tokenizer=self.tokenizer,
-            stateful={"optimizer": self.optimizer, "scheduler": self.scheduler, "precision": self.strategy},
+            stateful=stateful_objects(self.strategy, self.optimizer, self.scheduler),
             trainer_state={**self.state.state_dict(), "sampler": self.sampler.state_dict(), "config": self.cfg.model_dump()},
+            model_state=self.strategy.model_state_for_saving(), sharded=self.strategy if self.strategy.shards_state else None,
         )
         if self.rank.is_main:
             keep = {self.output_dir / "checkpoint-best", folder}
             apply_retention(self.output_dir, self.cfg.checkpoint.save_total_limit, keep)
             write_info(self, self.output_dir / "training_info.json")
         rt.barrier()
+
+
+def stateful_objects(strategy: Strategy, optimizer: Any, scheduler: Any) -> dict:
+    """What rank 0 saves with torch.save; a sharding strategy writes the optimizer itself, per rank."""
+    objects = {"optimizer": optimizer, "scheduler": scheduler, "precision": strategy}
+    if strategy.shards_state:
+        del objects["optimizer"]
+    return objects
 
 
 def check_output_dir(cfg: RunConfig) -> Optional[Path]:
@@ -135,7 +144,7 @@ def build_run(cfg: RunConfig) -> Run:
     # Frozen base weights may live in the compute dtype; weights that train stay fp32 (master copy).
     base_dtype = precision.dtype if (precision.dtype and cfg.model.finetune == "lora") else torch.float32
     model = apply_finetuning(load_model(cfg.model.model_name, base_dtype, cfg.model.trust_remote_code), cfg.model, cfg.lora)
-    strategy = make_strategy(rank, precision, cfg.distributed.ddp_comm_hook)
+    strategy = make_strategy(rank, precision, cfg.distributed.ddp_comm_hook, cfg=cfg)
     model, optimizer = strategy.prepare(model, partial(make_optimizer, cfg=cfg.training))
 
     collate = partial(pad_batch, pad_token_id=tokenizer.pad_token_id)
@@ -154,7 +163,8 @@ def build_run(cfg: RunConfig) -> Run:
     state = TrainerState()
     if resume_from is not None:
         saved = load_checkpoint(resume_from, rank=rank, model=strategy.unwrap(), finetune=cfg.model.finetune,
-                                stateful={"optimizer": optimizer, "scheduler": scheduler, "precision": strategy})
+                                stateful=stateful_objects(strategy, optimizer, scheduler),
+                                sharded=strategy if strategy.shards_state else None)
         state.load_state_dict(saved)
         sampler.load_state_dict(saved["sampler"])
     elif rank.is_main:
@@ -234,8 +244,9 @@ def finish_run(run: Run) -> dict:
     peaks = rt.gather_objects(peak_memory_mb(run.rank.device))
     elapsed = time.perf_counter() - run.started
     summary = {"train_seconds": round(elapsed, 2), "peak_memory_mb_per_rank": [round(p, 1) for p in peaks]}
+    model_state = run.strategy.model_state_for_saving()  # collective under sharding: every rank takes part
     if run.rank.is_main:
-        save_final_model(run)
+        save_final_model(run, model_state)
         write_info(run, run.output_dir / "training_info.json")
         write_info(run, run.output_dir / "final_training_info.json", summary)
         plot_loss_curve(run.reporter.history, run.output_dir / "loss_curve.png")
@@ -251,12 +262,12 @@ def finish_run(run: Run) -> dict:
     return {**info_payload(run), **summary}
 
 
-def save_final_model(run: Run) -> None:
+def save_final_model(run: Run, model_state: Optional[dict] = None) -> None:
     """Write the model or adapter next to a staging copy, then move files into output_dir one rename each."""
     staging = run.output_dir / ".final.staging"
     if staging.exists():
         shutil.rmtree(staging)
-    save_model_files(run.strategy.unwrap(), run.tokenizer, staging)
+    save_model_files(run.strategy.unwrap(), run.tokenizer, staging, model_state)
     fsync_tree(staging)
     for item in staging.iterdir():
         os.replace(item, run.output_dir / item.name)

@@ -1,0 +1,132 @@
+"""`phalanx config deepspeed|fsdp`: write the DeepSpeed / FSDP config files seed 003's distributed_setup.py wrote.
+
+    phalanx config deepspeed --zero_stage 2 --offload_optimizer --bf16 --output config/ds_config.json
+    phalanx config fsdp --sharding_strategy FULL_SHARD --mixed_precision BFLOAT16 --output config/fsdp_config.json
+
+The DeepSpeed file leaves the batch size "auto" (filled from the run config by `phalanx train`);
+the FSDP file carries the fields seed 003 shows, which `phalanx train --fsdp_config FILE` reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Optional, Sequence
+
+from phalanx.errors import ConfigError
+
+FSDP_MIXED_PRECISION = ("NO", "FP16", "BFLOAT16", "FP32")
+FSDP_SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
+DEFAULT_LAYER_CLASSES = ["LlamaDecoderLayer", "MistralDecoderLayer", "GemmaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"]
+
+
+def deepspeed_config(zero_stage: int = 2, offload_optimizer: bool = False, offload_param: bool = False,
+                     bf16: bool = False, fp16: bool = False, gradient_accumulation_steps: Optional[int] = None,
+                     gradient_clipping: Optional[float] = None, reduce_bucket_size: float = 5e8,
+                     allgather_bucket_size: float = 5e8) -> dict:
+    if bf16 and fp16:
+        raise ConfigError("--bf16 and --fp16 exclude each other; pick one")
+    if offload_param and zero_stage != 3:
+        raise ConfigError(f"--offload_param needs --zero_stage 3 (parameters are only partitioned there); got stage {zero_stage}")
+    zero: dict = {"stage": zero_stage, "contiguous_gradients": True, "overlap_comm": True}
+    if zero_stage in (1, 2):
+        zero.update({"reduce_scatter": True, "reduce_bucket_size": reduce_bucket_size, "allgather_bucket_size": allgather_bucket_size})
+    elif zero_stage == 3:
+        zero.update({"reduce_bucket_size": reduce_bucket_size, "stage3_gather_16bit_weights_on_model_save": True})
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if offload_param:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    config: dict = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": gradient_accumulation_steps if gradient_accumulation_steps is not None else "auto",
+        "gradient_clipping": gradient_clipping if gradient_clipping is not None else "auto",
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+    }
+    if bf16:
+        config["bf16"] = {"enabled": True}
+    if fp16:
+        config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+    config["zero_optimization"] = zero
+    return config
+
+
+def fsdp_config(sharding_strategy: str = "FULL_SHARD", mixed_precision: str = "BFLOAT16", cpu_offload: bool = False,
+                layer_classes: Optional[list[str]] = None) -> dict:
+    return {
+        "fsdp_transformer_layer_cls_to_wrap": layer_classes or DEFAULT_LAYER_CLASSES,
+        "fsdp_sharding_strategy": sharding_strategy,
+        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+        "fsdp_cuda_graphs": False,
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_sync_module_states": True,
+        "fsdp_use_orig_params": False,
+        "fsdp_backward_prefetch_policy": "BACKWARD_PRE",
+        "fsdp_forward_prefetch": False,
+        "fsdp_cpu_ram_efficient_loading": True,
+        "fsdp_offload_params": cpu_offload,
+        "fsdp_mixed_precision": mixed_precision,
+    }
+
+
+def read_fsdp_config(path: str) -> dict:
+    """The settings `phalanx train` takes from an FSDP JSON: sharding strategy, mixed precision, CPU offload."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"distributed.fsdp_config = {path!r}: cannot read it as JSON ({exc})") from None
+    sharding = data.get("fsdp_sharding_strategy", "FULL_SHARD")
+    precision = str(data.get("fsdp_mixed_precision", "NO")).upper()
+    if sharding not in FSDP_SHARDING:
+        raise ConfigError(f"{path}: fsdp_sharding_strategy = {sharding!r}; accepted: {', '.join(FSDP_SHARDING)}")
+    if precision not in FSDP_MIXED_PRECISION:
+        raise ConfigError(f"{path}: fsdp_mixed_precision = {precision!r}; accepted: {', '.join(FSDP_MIXED_PRECISION)}")
+    return {"sharding_strategy": sharding, "mixed_precision": {"NO": None, "FP32": None, "FP16": "fp16", "BFLOAT16": "bf16"}[precision],
+            "cpu_offload": bool(data.get("fsdp_offload_params", False))}
+
+
+def _write(config: dict, output: Optional[str]) -> None:
+    text = json.dumps(config, indent=2) + "\n"
+    if output is None:
+        print(text, end="")
+        return
+    path = Path(output)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    print(f"wrote {path}")
+
+
+def config_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="phalanx config", description="Write a DeepSpeed or FSDP config file (seed 003).")
+    sub = parser.add_subparsers(dest="kind", required=True)
+    ds = sub.add_parser("deepspeed", help="a DeepSpeed ZeRO config")
+    ds.add_argument("--zero_stage", type=int, choices=[0, 1, 2, 3], default=2)
+    ds.add_argument("--offload_optimizer", action="store_true", help="optimizer state and step on the CPU")
+    ds.add_argument("--offload_param", action="store_true", help="parameters on the CPU (ZeRO-3)")
+    ds.add_argument("--bf16", action="store_true")
+    ds.add_argument("--fp16", action="store_true")
+    ds.add_argument("--gradient_accumulation_steps", type=int, default=None, help="default: \"auto\" (from the run config)")
+    ds.add_argument("--gradient_clipping", type=float, default=None, help="default: \"auto\" (training.max_grad_norm)")
+    ds.add_argument("--reduce_bucket_size", type=float, default=5e8)
+    ds.add_argument("--allgather_bucket_size", type=float, default=5e8)
+    ds.add_argument("--output", default=None, help="file to write; standard output when unset")
+    fs = sub.add_parser("fsdp", help="an FSDP config")
+    fs.add_argument("--sharding_strategy", choices=FSDP_SHARDING, default="FULL_SHARD")
+    fs.add_argument("--mixed_precision", choices=FSDP_MIXED_PRECISION, default="BFLOAT16")
+    fs.add_argument("--cpu_offload", action="store_true", help="parameters, gradients and the optimizer step on the CPU")
+    fs.add_argument("--layer_cls", nargs="+", default=None, help="decoder layer classes to wrap one by one")
+    fs.add_argument("--output", default=None, help="file to write; standard output when unset")
+    try:
+        args = parser.parse_args(list(argv))
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    if args.kind == "deepspeed":
+        config = deepspeed_config(args.zero_stage, args.offload_optimizer, args.offload_param, args.bf16, args.fp16,
+                                  args.gradient_accumulation_steps, args.gradient_clipping, args.reduce_bucket_size,
+                                  args.allgather_bucket_size)
+    else:
+        config = fsdp_config(args.sharding_strategy, args.mixed_precision, args.cpu_offload, args.layer_cls)
+    _write(config, args.output)
+    return 0

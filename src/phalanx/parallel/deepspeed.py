@@ -1,0 +1,221 @@
+"""DeepSpeed ZeRO through the real engine: stages 1-3, CPU offload, bf16/fp16.
+
+The engine owns what ZeRO changes: the backward pass (partitioned gradient buckets),
+accumulation (we mark the last micro-batch as the boundary, so a short last group is right),
+gradient clipping (`gradient_clipping` in its config) and the optimizer step. The loop's
+loss is already normalised by the global batch's target tokens, so backward does not divide
+by the accumulation count again (`scale_wrt_gas=False`).
+
+Our config becomes a DeepSpeed config (see `build_ds_config`); a user's own JSON is merged
+in: its "auto" values are filled from ours, and a value that contradicts a setting given
+explicitly in our config is reported instead of one silently winning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Optional
+
+import torch
+from torch import nn
+
+from phalanx.errors import ConfigError
+from phalanx.parallel.base import Precision, Strategy
+from phalanx.runtime.dist import RankInfo
+
+DS_DIR = "deepspeed"
+DS_TAG = "state"
+# DeepSpeed would otherwise print a throughput line every 10 steps.
+QUIET = {"steps_per_print": 2**31 - 1, "wall_clock_breakdown": False}
+
+
+def build_ds_config(cfg: Any, world_size: int, precision: Precision) -> dict:
+    """The DeepSpeed config this run implies, merged with the user's deepspeed_config JSON (if any)."""
+    t, d = cfg.training, cfg.distributed
+    ours: dict = {
+        "train_micro_batch_size_per_gpu": t.batch_size,
+        "gradient_accumulation_steps": t.gradient_accumulation_steps,
+        "train_batch_size": t.batch_size * t.gradient_accumulation_steps * world_size,
+        "gradient_clipping": t.max_grad_norm,
+        "zero_allow_untested_optimizer": True,  # our AdamW (torch's), not DeepSpeed's fused one
+        "zero_force_ds_cpu_optimizer": False,
+        "bf16": {"enabled": precision.dtype == torch.bfloat16},
+        "fp16": {"enabled": precision.dtype == torch.float16},
+        "zero_optimization": {"stage": d.zero_stage},
+    }
+    zero = ours["zero_optimization"]
+    if d.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": precision.dtype is not None}
+    if d.offload_param:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": precision.dtype is not None}
+    if not d.deepspeed_config:
+        return {**ours, **QUIET}
+    path = Path(d.deepspeed_config)
+    try:
+        user = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"distributed.deepspeed_config = {str(path)!r}: cannot read it as JSON ({exc})") from None
+    explicit = explicit_fields(cfg)
+    merged, conflicts = merge(user, ours, explicit, prefix="")
+    if conflicts:
+        raise ConfigError(
+            f"{path} disagrees with the run config: " + "; ".join(conflicts)
+            + ". Make them equal, write \"auto\" in the JSON to take the run's value, or drop the setting from the run config."
+        )
+    return {**QUIET, **merged}
+
+
+# Which run-config field decides each DeepSpeed key; a key whose field was not given explicitly takes the JSON's value.
+DECIDED_BY = {
+    "train_micro_batch_size_per_gpu": "training.batch_size",
+    "gradient_accumulation_steps": "training.gradient_accumulation_steps",
+    "train_batch_size": "training.batch_size",
+    "gradient_clipping": "training.max_grad_norm",
+    "bf16.enabled": "training.mixed_precision",
+    "fp16.enabled": "training.mixed_precision",
+    "zero_optimization.stage": "distributed.zero_stage",
+    "zero_optimization.offload_optimizer": "distributed.offload_optimizer",
+    "zero_optimization.offload_param": "distributed.offload_param",
+}
+# The loop groups micro-batches itself, so these must agree with the run even when the run only has defaults.
+BINDING = {"train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"}
+
+
+def explicit_fields(cfg: Any) -> set[str]:
+    out = set()
+    for section in ("training", "distributed"):
+        out |= {f"{section}.{name}" for name in getattr(cfg, section).model_fields_set}
+    return out
+
+
+def merge(user: dict, ours: dict, explicit: set[str], prefix: str) -> tuple[dict, list[str]]:
+    merged, conflicts = dict(user), []
+    for key, value in ours.items():
+        dotted = prefix + key
+        if isinstance(value, dict) and isinstance(user.get(key), dict):
+            merged[key], sub = merge(user[key], value, explicit, dotted + ".")
+            conflicts += sub
+            continue
+        if key not in user or user[key] == "auto":
+            merged[key] = value
+            continue
+        theirs = user[key]
+        if isinstance(value, dict) or isinstance(theirs, dict):
+            same = (theirs.get("device", "none") if isinstance(theirs, dict) else theirs) == \
+                   (value.get("device", "none") if isinstance(value, dict) else value)
+        else:
+            same = theirs == value
+        if same:
+            continue
+        field = DECIDED_BY.get(dotted)
+        if dotted in BINDING or (field in explicit):
+            conflicts.append(f"{dotted} is {theirs!r} in the JSON but {value!r} from {field or 'the run config'}")
+    # Offload asked for in the run config but absent from the JSON's zero_optimization block is added above.
+    return merged, conflicts
+
+
+class DeepSpeedStrategy(Strategy):
+    name = "deepspeed"
+    shards_state = True  # DeepSpeed's own checkpoint: every rank writes its optimizer partition
+
+    def __init__(self, rank: RankInfo, precision: Precision, cfg: Any, finetune: str = "lora"):
+        super().__init__(rank, precision)
+        self.scaler = None  # fp16 loss scaling is the engine's
+        self.finetune = finetune
+        self.ds_config = build_ds_config(cfg, rank.world_size, precision)
+        self.zero_stage = int(self.ds_config.get("zero_optimization", {}).get("stage", 0))
+        self.engine: Any = None
+        self._eval_gather: Any = None
+
+    def prepare(self, model: nn.Module, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]):
+        import deepspeed
+
+        model = model.to(self.rank.device)
+        client = make_optimizer(model)
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=client, config=self.ds_config,
+                                                    dist_init_required=False)
+        self.model = self.engine
+        # The scheduler drives the learning rate of the optimizer we made; the engine's wrapper steps through it.
+        self.optimizer = client
+        return self.model, self.optimizer
+
+    def unwrap(self) -> nn.Module:
+        assert self.engine is not None, "prepare() first"
+        return self.engine.module
+
+    def micro_step(self, sync_gradients: bool) -> ContextManager:
+        self._release_after_eval()
+        self.engine.set_gradient_accumulation_boundary(sync_gradients)
+        return contextlib.nullcontext()
+
+    def autocast(self) -> ContextManager:
+        return contextlib.nullcontext()  # the engine holds the model in bf16/fp16 itself
+
+    def eval_model(self) -> nn.Module:
+        """Under ZeRO-3 a forward gathers each layer from every rank, and ranks may run different numbers of eval
+        forwards: so every weight is gathered once, here (all ranks evaluate together), and pinned as
+        persistent until the next training step, which releases it. Stages 1-2 hold whole weights."""
+        if self.zero_stage == 3 and self._eval_gather is None:
+            import deepspeed
+
+            params = list(self.engine.module.parameters())
+            self._eval_gather = deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+            self._eval_gather.__enter__()
+            for param in params:
+                param.ds_persist = True
+        return self.engine.module
+
+    def _release_after_eval(self) -> None:
+        if self._eval_gather is not None:
+            for param in self.engine.module.parameters():
+                param.ds_persist = False
+            self._eval_gather.__exit__(None, None, None)
+            self._eval_gather = None
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def step(self, max_grad_norm: float) -> float:
+        self.engine.step()  # reduces, clips to gradient_clipping, steps and zeroes
+        norm = self.engine.get_global_grad_norm()
+        return float("nan") if norm is None else float(norm)
+
+    def discard_gradients(self) -> None:
+        self.engine.optimizer.zero_grad(set_to_none=True)
+        self.engine.zero_grad()
+
+    # Saving ---------------------------------------------------------------------------------------------
+    def model_state_for_saving(self) -> Optional[dict]:
+        """Under ZeRO-3 each rank holds a slice of every weight: gather them, one parameter at a time, to rank 0.
+        For LoRA only the adapter is gathered. Stages 1-2 keep whole weights on every rank: nothing to do."""
+        self._release_after_eval()
+        if self.zero_stage < 3:
+            return None
+        import deepspeed
+
+        module, state = self.unwrap(), {}
+        for name, param in module.named_parameters():
+            if self.finetune == "lora" and not param.requires_grad:
+                continue
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                if self.rank.is_main:
+                    state[name] = param.detach().to("cpu", copy=True)
+        if self.rank.is_main and self.finetune != "lora":
+            state.update({k: v.detach().cpu() for k, v in module.named_buffers() if k in module.state_dict()})
+        return state if self.rank.is_main else {}
+
+    def save_sharded(self, folder: Path) -> None:
+        self._release_after_eval()
+        self.engine.save_checkpoint(str(folder / DS_DIR), tag=DS_TAG, save_latest=False,
+                                    exclude_frozen_parameters=self.finetune == "lora")
+
+    def load_sharded(self, folder: Path) -> None:
+        if not (folder / DS_DIR / DS_TAG).is_dir():
+            raise ConfigError(f"{folder} holds no {DS_DIR}/ checkpoint (it was saved by another strategy); resume it "
+                              "with the strategy it was trained with, or start fresh with --overwrite_output_dir")
+        path, _ = self.engine.load_checkpoint(str(folder / DS_DIR), tag=DS_TAG, load_lr_scheduler_states=False,
+                                              load_module_strict=self.finetune != "lora")
+        if path is None:
+            raise ConfigError(f"DeepSpeed could not load its checkpoint from {folder / DS_DIR}")

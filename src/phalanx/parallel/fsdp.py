@@ -1,0 +1,185 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`): parameters, gradients and optimizer state sharded over ranks.
+
+One FSDP unit per decoder layer plus the root (embeddings, final norm, head). The seed's
+sharding strategy names map onto FSDP2's two knobs, the device mesh and whether a unit
+frees its gathered parameters after forward:
+
+  FULL_SHARD     1-D mesh, reshard after forward (gather again for backward)
+  SHARD_GRAD_OP  1-D mesh, keep the gathered parameters until backward is done
+  HYBRID_SHARD   2-D mesh (nodes x ranks per node): shard inside a node, replicate across nodes
+  NO_SHARD       2-D mesh (world x 1): every rank replicates, gradients all-reduced (DDP's math)
+
+The final model or adapter is gathered to full tensors on rank 0 (every rank takes part);
+training state for resume is written sharded with torch.distributed.checkpoint, each rank
+its own part.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import ContextManager, Optional
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from phalanx.errors import ConfigError
+from phalanx.parallel.base import Precision, Strategy
+from phalanx.runtime.dist import RankInfo
+
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
+SHARDED_DIR = "sharded_state"
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks to shard one by one: the classes the model lists as unsplittable, else *DecoderLayer/*Block."""
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        layers = [m for m in model.modules() if type(m).__name__.endswith(("DecoderLayer", "Block"))]
+    return layers
+
+
+class FSDPStrategy(Strategy):
+    name = "fsdp"
+    shards_state = True  # resume state is written by every rank (torch.distributed.checkpoint), not by rank 0
+
+    def __init__(self, rank: RankInfo, precision: Precision, sharding_strategy: str = "FULL_SHARD",
+                 cpu_offload: bool = False, finetune: str = "lora", param_dtype: Optional[torch.dtype] = None):
+        super().__init__(rank, precision)
+        # Compute dtype of gathered parameters: an FSDP config file's fsdp_mixed_precision, else the run's precision.
+        self.param_dtype = param_dtype or precision.dtype
+        if sharding_strategy not in SHARDING_STRATEGIES:
+            raise ConfigError(f"distributed.sharding_strategy = {sharding_strategy!r}; accepted: {', '.join(SHARDING_STRATEGIES)}")
+        self.sharding_strategy = sharding_strategy
+        self.cpu_offload = cpu_offload
+        self.finetune = finetune
+        self.reshard_after_forward = sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
+        self.units: list[nn.Module] = []
+
+    def _mesh(self):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world, per_node = self.rank.world_size, self.rank.local_world_size
+        device_type = self.rank.device.type
+        if self.sharding_strategy == "HYBRID_SHARD":
+            if per_node >= world or world % per_node:
+                raise ConfigError(
+                    f"sharding_strategy HYBRID_SHARD needs several nodes with equal ranks each (world {world}, "
+                    f"{per_node} per node). On one node use FULL_SHARD."
+                )
+            return init_device_mesh(device_type, (world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
+        if self.sharding_strategy == "NO_SHARD":
+            return init_device_mesh(device_type, (world, 1), mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        # FSDP2 gathers each unit into one flat buffer, so a unit's parameters share one dtype. Frozen LoRA bases
+        # loaded in the compute dtype are brought back to fp32; the mixed-precision policy casts for compute.
+        if len({p.dtype for p in model.parameters()}) > 1:
+            model = model.to(torch.float32)
+        mp = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32) \
+            if self.param_dtype is not None else MixedPrecisionPolicy()
+        offload = CPUOffloadPolicy(pin_memory=self.rank.device.type == "cuda") if self.cpu_offload else OffloadPolicy()
+        kwargs = {"mesh": self._mesh(), "mp_policy": mp, "offload_policy": offload}
+        layers = decoder_layers(model)
+        for layer in layers:
+            fully_shard(layer, reshard_after_forward=self.reshard_after_forward, **kwargs)
+        # The root is used right after the last layer's backward; resharding it would only gather it again.
+        fully_shard(model, reshard_after_forward=False, **kwargs)
+        self.units = [*layers, model]
+        return model
+
+    def micro_step(self, sync_gradients: bool) -> ContextManager:
+        self._restore_after_eval()
+        # Accumulating micro-batches keep unsharded gradients and reduce-scatter only on the last one.
+        self.model.set_requires_gradient_sync(sync_gradients)
+        return contextlib.nullcontext()
+
+    def autocast(self) -> ContextManager:
+        # The mixed-precision policy casts parameters per unit; autocast on top would cast a second time.
+        return contextlib.nullcontext()
+
+    def eval_model(self) -> nn.Module:
+        """Gather every unit once and keep it gathered: ranks may run different numbers of eval forwards,
+        and a forward that needs no all-gather cannot wait on a rank that has finished."""
+        for unit in self.units:
+            unit.unshard()
+            unit.set_reshard_after_forward(False)
+        self._gathered_for_eval = True
+        return self.model
+
+    def _restore_after_eval(self) -> None:
+        if getattr(self, "_gathered_for_eval", False):
+            for unit in self.units:
+                unit.reshard()
+                unit.set_reshard_after_forward(self.reshard_after_forward if unit is not self.model else False)
+            self._gathered_for_eval = False
+
+    def step(self, max_grad_norm: float) -> float:
+        """Clip by the norm of the whole (sharded) gradient: each rank's partial sums are reduced before clipping."""
+        assert self.optimizer is not None
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        if max_grad_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, norm)
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    # Saving ---------------------------------------------------------------------------------------------
+    def model_state_for_saving(self) -> Optional[dict]:
+        """Full tensors on rank 0's CPU (an empty dict on the others); every rank must call this.
+        For LoRA only the trainable (adapter) weights are gathered."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        self._restore_after_eval()
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=self.finetune == "lora")
+        state = get_model_state_dict(self.model, options=options)
+        # A weight tied to another (the head to the embeddings) appears under both names; save_pretrained is
+        # handed the first only, as it would have written it from an unsharded model.
+        first_names = {n for n, _ in self.model.named_parameters()} | {n for n, _ in self.model.named_buffers()}
+        return {k: v for k, v in state.items() if k in first_names}
+
+    def _sharded(self) -> tuple[dict, dict]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        # The frozen base is reloaded from model_name on resume; only what trains is written.
+        options = StateDictOptions(ignore_frozen_params=self.finetune == "lora")
+        return get_state_dict(self.model, self.optimizer, options=options)
+
+    def save_sharded(self, folder: Path) -> None:
+        """Weights and optimizer state, each rank writing its own shards (torch.distributed.checkpoint)."""
+        import torch.distributed.checkpoint as dcp
+
+        self._restore_after_eval()
+        model_state, optim_state = self._sharded()
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(folder / SHARDED_DIR))
+
+    def load_sharded(self, folder: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        if not (folder / SHARDED_DIR).is_dir():
+            raise ConfigError(f"{folder} holds no {SHARDED_DIR}/ (it was saved by another strategy); resume it with "
+                              "the strategy it was trained with, or start fresh with --overwrite_output_dir")
+        model_state, optim_state = self._sharded()
+        state = {"model": model_state, "optimizer": optim_state}
+        dcp.load(state, checkpoint_id=str(folder / SHARDED_DIR))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       # For LoRA the frozen base was not saved (it comes from model_name): those keys stay as loaded.
+                       options=StateDictOptions(strict=self.finetune != "lora"))

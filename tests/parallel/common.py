@@ -1,0 +1,25 @@
+"""Helpers for the strategy tests: the shared training flags and a run that returns per-step losses."""
+
+from pathlib import Path
+
+from helpers import read_metrics, run_phalanx
+
+COMMON = ["--max_steps", "5", "--log_steps", "1", "--eval_steps", "100", "--save_steps", "100", "--test_size", "0",
+          "--lora_dropout", "0", "--learning_rate", "1e-2", "--max_length", "768", "--lora_r", "4",
+          "--logging.progress_bar", "false", "--logging.tensorboard", "false"]
+
+
+def grad_norms(out: Path) -> list[float]:
+    """Pre-clip global gradient norm per step: equal norms mean clipping saw the whole (unsharded) gradient."""
+    return [r["grad_norm"] for r in read_metrics(out)]
+
+
+def train(dataset: Path, out: Path, world: int, batch: int, finetune: str, *extra: str) -> list[float]:
+    proc = run_phalanx("train", "--dataset_path", str(dataset), "--output_dir", str(out), "--world_size", str(world),
+                       "--batch_size", str(batch), "--finetune", finetune, *COMMON, *extra)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [r["loss"] for r in read_metrics(out)]
+
+
+def weights_file(finetune: str) -> str:
+    return "adapter_model.safetensors" if finetune == "lora" else "model.safetensors"

@@ -1,0 +1,110 @@
+"""DeepSpeed ZeRO-1/2/3 through the real engine, proven equal to one process (2 gloo ranks, fp32 on CPU).
+
+Tolerance 1e-5 on each step's loss, as for DDP and FSDP: ZeRO changes only how gradient sums
+are bucketed and reduced and which rank updates which slice, so the runs differ by fp32
+rounding (measured about 1e-6). Saved weights: 1e-4 (Adam's 1/sqrt(v) amplifies rounding).
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import read_metrics, run_phalanx, write_chat_jsonl
+from safetensors.torch import load_file
+
+from parallel.common import COMMON, grad_norms, train, weights_file
+
+pytestmark = pytest.mark.distributed
+import deepspeed  # noqa: E402  (installed by the Makefile; a missing engine is a failure, not a skip)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("finetune", ["lora", "full"])
+def test_zero_matches_one_process(dataset, tmp_path, single, finetune, stage):
+    ref_dir, ref = single(finetune)
+    out = tmp_path / f"zero{stage}"
+    # Accumulation (two micro-batches per rank, the engine's boundary on the second) on one case per stage.
+    shape = ("1", "--gradient_accumulation_steps", "2") if finetune == "lora" and stage == 2 else ("2",)
+    losses = train(dataset, out, 2, int(shape[0]), finetune, *shape[1:], "--strategy", "deepspeed",
+                   "--zero_stage", str(stage))
+    assert losses == pytest.approx(ref, abs=1e-5)
+    assert ref[-1] < ref[0]
+    # Some norms exceed max_grad_norm 1.0 (LoRA step 3: about 10): the later losses matching shows clipping used the global norm.
+    assert grad_norms(out) == pytest.approx(grad_norms(ref_dir), rel=1e-4)
+    assert json.loads((out / "final_training_info.json").read_text())["strategy"] == "deepspeed"
+    # Under ZeRO-3 every rank holds a slice of each weight: the saved file must still be whole and trained.
+    a, b = load_file(ref_dir / weights_file(finetune)), load_file(out / weights_file(finetune))
+    assert a.keys() == b.keys() and len(b) > 0
+    for key in a:
+        assert a[key].shape == b[key].shape, key
+        assert (a[key] - b[key]).abs().max() < 1e-4, key
+    if finetune == "lora":
+        assert any(k.endswith("lora_B.weight") and b[k].abs().max() > 0 for k in b), "adapter left at its zero init"
+
+
+def test_user_json_auto_values_filled_and_resume_from_engine_checkpoint(tmp_path):
+    """A seed-003-shaped JSON with "auto" runs; state is DeepSpeed's own per-rank checkpoint; a kill resumes exactly."""
+    data = write_chat_jsonl(tmp_path / "train.jsonl", 30)
+    ds_json = tmp_path / "ds_config.json"
+    ds_json.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                                   "gradient_clipping": "auto", "zero_optimization": {"stage": 3}}))
+    base = ["train", "--dataset_path", str(data), "--world_size", "2", "--batch_size", "2", *COMMON,
+            "--max_steps", "6", "--save_steps", "2", "--eval_steps", "3", "--test_size", "0.2",
+            "--strategy", "deepspeed", "--deepspeed_config", str(ds_json)]
+    whole = tmp_path / "whole"
+    proc = run_phalanx(*base, "--output_dir", str(whole))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (whole / "checkpoint-4" / "deepspeed" / "state").is_dir()
+    assert not (whole / "checkpoint-4" / "optimizer.pt").exists()
+    killed = tmp_path / "killed"
+    assert run_phalanx(*base, "--output_dir", str(killed), env={"PHALANX_FAULT": "kill@step=5"}).returncode != 0
+    proc = run_phalanx(*base, "--output_dir", str(killed))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "checkpoint-4 at step 4" in proc.stdout
+    assert [r["loss"] for r in read_metrics(killed)] == pytest.approx([r["loss"] for r in read_metrics(whole)], abs=1e-6)
+
+
+def test_json_that_contradicts_the_run_is_refused(tmp_path):
+    data = write_chat_jsonl(tmp_path / "train.jsonl", 8)
+    ds_json = tmp_path / "ds_config.json"
+    ds_json.write_text(json.dumps({"gradient_accumulation_steps": 16, "zero_optimization": {"stage": 3}}))
+    proc = run_phalanx("train", "--dataset_path", str(data), "--output_dir", str(tmp_path / "out"), "--world_size", "2",
+                       "--strategy", "deepspeed", "--deepspeed_config", str(ds_json), "--zero_stage", "2", *COMMON)
+    assert proc.returncode != 0
+    assert "gradient_accumulation_steps is 16 in the JSON" in proc.stderr
+    assert "zero_optimization.stage is 3 in the JSON but 2" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def eval_data(tmp_path_factory) -> Path:
+    return write_chat_jsonl(tmp_path_factory.mktemp("evalnan") / "train.jsonl", 35)
+
+
+EVAL_NAN = ["--test_size", "0.2", "--eval.eval_batch_size", "3", "--eval_steps", "2"]
+
+
+@pytest.fixture(scope="module")
+def single_eval_nan(eval_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("single-evalnan")
+    proc = run_phalanx("train", "--dataset_path", str(eval_data), "--output_dir", str(out), "--batch_size", "4",
+                       *COMMON, *EVAL_NAN, env={"PHALANX_FAULT": "nan@step=3"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("strategy", [["--strategy", "deepspeed", "--zero_stage", "2"],
+                                      ["--strategy", "deepspeed", "--zero_stage", "3"],
+                                      ["--strategy", "fsdp"]], ids=["zero2", "zero3", "fsdp"])
+def test_skipped_nan_step_and_uneven_eval_match_one_process(eval_data, single_eval_nan, tmp_path, strategy):
+    """A NaN step on one rank is discarded on all without leaving gradients behind; 7 eval rows give the two
+    ranks different numbers of eval batches (2 and 1), which a sharded forward must not hang on."""
+    out = tmp_path / "run"
+    proc = run_phalanx("train", "--dataset_path", str(eval_data), "--output_dir", str(out), "--world_size", "2",
+                       "--batch_size", "2", *COMMON, *EVAL_NAN, *strategy, env={"PHALANX_FAULT": "nan@step=3,rank=0"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "update skipped" in proc.stdout
+    ref = [r["loss"] for r in read_metrics(single_eval_nan)]
+    assert [r["loss"] for r in read_metrics(out)] == pytest.approx(ref, abs=1e-5)
+    ref_eval = [r["loss"] for r in read_metrics(single_eval_nan, "eval")]
+    assert len(ref_eval) == 3
+    assert [r["loss"] for r in read_metrics(out, "eval")] == pytest.approx(ref_eval, abs=1e-5)

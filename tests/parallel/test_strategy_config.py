@@ -1,0 +1,67 @@
+"""Choosing a strategy from the config: seed 003's YAML spellings, and combinations refused before any process starts."""
+
+import pytest
+import yaml
+from helpers import run_phalanx
+
+from phalanx.config.loader import load_config
+from phalanx.errors import ConfigError
+from phalanx.parallel.base import Precision
+
+
+def test_seed_003_yaml_sections_are_accepted(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({
+        "distributed": {"use_deepspeed": True, "deepspeed_config": "config/ds_config.json", "gradient_accumulation_steps": 16},
+        "training": {"gradient_checkpointing": True, "mixed_precision": "bf16"},
+    }))
+    cfg = load_config(str(path))
+    assert cfg.distributed.strategy == "deepspeed"
+    assert cfg.training.gradient_accumulation_steps == 16
+    assert cfg.model.gradient_checkpointing is True
+    path.write_text(yaml.safe_dump({"distributed": {"use_fsdp": True, "fsdp_config": "config/fsdp_config.json",
+                                                    "use_deepspeed": False}}))
+    assert load_config(str(path)).distributed.strategy == "fsdp"
+    assert load_config(None, {"distributed.deepspeed_config": "ds.json"}).distributed.strategy == "deepspeed"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"distributed.offload_optimizer": True}, "CPU offload needs a sharding strategy"),
+    ({"distributed.strategy": "fsdp", "distributed.offload_optimizer": True}, "use --offload_param"),
+    ({"distributed.strategy": "deepspeed", "distributed.zero_stage": 2, "distributed.offload_param": True}, "needs --zero_stage 3"),
+    ({"distributed.use_deepspeed": True, "distributed.use_fsdp": True}, "pick one strategy"),
+    ({"distributed.strategy": "fsdp", "distributed.deepspeed_config": "ds.json"}, "add --strategy deepspeed"),
+    ({"distributed.deepspeed_config": "ds.json", "distributed.fsdp_config": "f.json"}, "add --strategy"),
+    ({"distributed.strategy": "ddp", "distributed.use_fsdp": True}, "keep one of them"),
+])
+def test_impossible_combinations_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_refused_before_any_rank_starts(tmp_path):
+    proc = run_phalanx("train", "--world_size", "2", "--offload_param", "true", "--output_dir", str(tmp_path / "o"))
+    assert proc.returncode != 0 and "CPU offload needs a sharding strategy" in proc.stderr
+    assert "[rank" not in proc.stderr and "Starting distributed training" not in proc.stdout  # no worker ran
+
+
+def test_user_deepspeed_json_autos_are_filled_and_unset_fields_taken_from_it(tmp_path):
+    from phalanx.parallel.deepspeed import build_ds_config
+
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_micro_batch_size_per_gpu": "auto", "gradient_clipping": 0.3, "bf16": {"enabled": "auto"},'
+                    ' "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}')
+    cfg = load_config(None, {"distributed.strategy": "deepspeed", "distributed.deepspeed_config": str(path),
+                             "training.batch_size": 2, "training.gradient_accumulation_steps": 4})
+    ds = build_ds_config(cfg, world_size=2, precision=Precision(None))
+    assert ds["train_micro_batch_size_per_gpu"] == 2 and ds["gradient_accumulation_steps"] == 4
+    assert ds["train_batch_size"] == 16
+    assert ds["gradient_clipping"] == 0.3  # max_grad_norm was not given: the file's value stands
+    assert ds["bf16"] == {"enabled": False}
+    assert ds["zero_optimization"]["stage"] == 3  # zero_stage was not given either
+    cfg = load_config(None, {"distributed.strategy": "deepspeed", "distributed.deepspeed_config": str(path),
+                             "training.max_grad_norm": 1.0, "distributed.zero_stage": 2})
+    with pytest.raises(ConfigError) as err:
+        build_ds_config(cfg, world_size=2, precision=Precision(None))
+    assert "gradient_clipping is 0.3 in the JSON but 1.0" in str(err.value)
+    assert "zero_optimization.stage is 3 in the JSON but 2" in str(err.value)
