@@ -23,3 +23,16 @@ def train(dataset: Path, out: Path, world: int, batch: int, finetune: str, *extr
 
 def weights_file(finetune: str) -> str:
     return "adapter_model.safetensors" if finetune == "lora" else "model.safetensors"
+
+
+def assert_saved_weights_match(ref_dir, out, finetune: str) -> None:
+    """The saved model or adapter is whole (not empty, not a shard) and equals the one-process weights."""
+    from safetensors.torch import load_file
+
+    a, b = load_file(ref_dir / weights_file(finetune)), load_file(out / weights_file(finetune))
+    assert a.keys() == b.keys() and len(b) > 0
+    for key in a:
+        assert a[key].shape == b[key].shape, key
+        assert (a[key] - b[key]).abs().max() < 1e-4, key
+    if finetune == "lora":
+        assert any(k.endswith("lora_B.weight") and b[k].abs().max() > 0 for k in b), "adapter left at its zero init"

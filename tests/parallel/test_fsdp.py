@@ -16,7 +16,7 @@ import torch
 from helpers import read_metrics, run_phalanx, write_chat_jsonl
 from safetensors.torch import load_file
 
-from parallel.common import COMMON, grad_norms, train, weights_file
+from parallel.common import COMMON, assert_saved_weights_match, grad_norms, train, weights_file
 
 pytestmark = pytest.mark.distributed
 
@@ -38,13 +38,7 @@ def test_fsdp_matches_one_process(dataset, tmp_path, single, finetune, sharding)
     info = json.loads((out / "final_training_info.json").read_text())
     assert info["strategy"] == "fsdp"
     # The saved model or adapter is complete (not an empty or sharded file) and equals the trained weights.
-    a, b = load_file(ref_dir / weights_file(finetune)), load_file(out / weights_file(finetune))
-    assert a.keys() == b.keys() and len(b) > 0
-    for key in a:
-        assert a[key].shape == b[key].shape, key
-        assert (a[key] - b[key]).abs().max() < 1e-4, key
-    if finetune == "lora":
-        assert any(k.endswith("lora_B.weight") and b[k].abs().max() > 0 for k in b), "adapter left at its zero init"
+    assert_saved_weights_match(ref_dir, out, finetune)
 
 
 def test_fsdp_adapter_loads_with_peft(single, tmp_path, dataset):

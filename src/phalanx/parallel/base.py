@@ -96,8 +96,7 @@ class Strategy:
         assert self.optimizer is not None
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        params = [p for p in self.unwrap().parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
+        norm = self.clip_gradients(max_grad_norm)
         if self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -105,6 +104,11 @@ class Strategy:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
+
+    def clip_gradients(self, max_grad_norm: float) -> torch.Tensor:
+        """Clip to max_grad_norm (0 = off) and return the pre-clip global norm; sharded strategies override it."""
+        params = [p for p in self.unwrap().parameters() if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
 
     def discard_gradients(self) -> None:
         """Drop this step's gradients without applying them (a skipped step)."""

@@ -121,25 +121,15 @@ class FSDPStrategy(Strategy):
                 unit.set_reshard_after_forward(self.reshard_after_forward if unit is not self.model else False)
             self._gathered_for_eval = False
 
-    def step(self, max_grad_norm: float) -> float:
+    def clip_gradients(self, max_grad_norm: float) -> torch.Tensor:
         """Clip by the norm of the whole (sharded) gradient: each rank's partial sums are reduced before clipping."""
-        assert self.optimizer is not None
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)
         params = [p for p in self.model.parameters() if p.grad is not None]
-        grads = [p.grad for p in params]
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         if max_grad_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, norm)
-        if self.scaler:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return norm
 
     # Saving ---------------------------------------------------------------------------------------------
     def model_state_for_saving(self) -> Optional[dict]:
