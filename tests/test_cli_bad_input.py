@@ -54,15 +54,37 @@ def run_main(argv: list[str], capsys) -> tuple[int, str]:
 
 @pytest.mark.parametrize("case", sorted(DATA_CASES))
 def test_bad_rows_are_named(case, tmp_path, earlier_run, capsys):
+    """In one process, where the checks run; with --world_size N the ranks run the same checks (test below)."""
     content, needles = DATA_CASES[case]
     data = tmp_path / "train.jsonl"
     data.write_text(content)
     before = tree_digest(earlier_run)
     code, out = run_main(["train", "--dataset_path", str(data), "--output_dir", str(earlier_run), "--overwrite_output_dir",
-                          "--world_size", "2", "--max_length", "768"], capsys)
+                          "--max_length", "768"], capsys)
     assert code == 2
     for needle in needles:
         assert needle in out, (needle, out)
+    assert tree_digest(earlier_run) == before
+
+
+@pytest.mark.distributed
+def test_bad_row_found_by_the_ranks_is_reported_once(tmp_path, earlier_run):
+    """`--world_size 2` starts the ranks at once and they read the data: the bad row is printed once, every rank
+    exits, the command exits 2 without a traceback, and the earlier run is untouched."""
+    data = tmp_path / "train.jsonl"
+    data.write_text(lines(GOOD, GOOD, BAD_ROLE))
+    before = tree_digest(earlier_run)
+    start = time.monotonic()
+    proc = run_phalanx("train", "--dataset_path", str(data), "--output_dir", str(earlier_run), "--overwrite_output_dir",
+                       "--world_size", "2", "--max_length", "768", timeout=120)
+    elapsed = time.monotonic() - start
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    message = "train.jsonl line 3: messages[1].role: unknown role 'bot'"
+    assert out.count(message) == 1 and out.count("error:") == 1, out
+    assert "Traceback" not in out and "[rank" not in out and "SIGTERM" not in out, out
+    assert "Starting distributed training" not in out, "no rank got past the data"
+    assert elapsed < 60
     assert tree_digest(earlier_run) == before
 
 
@@ -142,6 +164,8 @@ def test_every_rank_exits_under_torchrun(tmp_path, earlier_run):
     elapsed = time.monotonic() - start
     assert proc.returncode != 0
     assert "error: " in proc.stderr and "train.jsonl line 2" in proc.stderr
+    # Rank 0 prints it; rank 1 hands the same message to torchrun (its failure summary), not to the console.
+    assert "[rank 1] error" not in proc.stderr
     assert elapsed < 60
     assert tree_digest(earlier_run) == before
 
@@ -159,3 +183,15 @@ def test_master_port_already_taken(tmp_path, capsys):
         code, out = run_main(["train", "--dataset_path", str(data), "--output_dir", str(tmp_path / "o"), "--world_size", "2",
                               "--master_port", str(port), "--max_length", "768"], capsys)
     assert code == 2 and str(port) in out and time.monotonic() - start < 60
+
+
+def test_hybrid_shard_on_one_node_is_refused_before_any_rank_starts(tmp_path, capsys):
+    """HYBRID_SHARD needs several nodes; `--world_size N` is one node, so the launcher refuses it and starts nothing."""
+    out = tmp_path / "out"
+    started = time.perf_counter()
+    code, output = run_main(["train", "--strategy", "fsdp", "--sharding_strategy", "HYBRID_SHARD", "--world_size", "2",
+                             "--output_dir", str(out), "--max_steps", "1"], capsys)
+    assert code == 2 and "HYBRID_SHARD" in output and "Use FULL_SHARD" in output, output
+    assert time.perf_counter() - started < 10, "refused by the config check, not by ranks timing out"
+    assert not out.exists(), "nothing is written"
+

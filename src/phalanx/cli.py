@@ -44,23 +44,58 @@ def cmd_train(args: Sequence[str]) -> int:
     if "-h" in args or "--help" in args:
         print(train_help())
         return 0
+    import os
+
     from phalanx.config.loader import load_config, overrides_from_flags
-    from phalanx.runtime.dist import launched_by_torchrun
 
     config_path, pairs = split_flags(args)
+    # A rank of torchrun, the DeepSpeed launcher, SLURM or `--world_size N` (runtime.dist.launched_by_torchrun,
+    # tested here without importing torch, so that a bad config is reported at once).
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return train_rank(config_path, pairs)
     cfg = load_config(config_path, overrides_from_flags(pairs))
-    if cfg.distributed.world_size > 1 and not launched_by_torchrun():
-        from phalanx.launch.local import launch_local
-        from phalanx.runtime.dist import check_world_fits
-        from phalanx.train.run import check_output_dir, load_data
-
-        # Check everything that can be checked before any rank starts, so bad input is reported once.
-        check_world_fits(cfg.distributed.world_size, cfg.distributed.backend)
-        check_output_dir(cfg)
-        load_data(cfg)  # tokenizes into the shared cache; the ranks then load it
-        return launch_local(["train", *args], cfg.distributed.world_size, cfg.distributed.master_port,
-                            max_restarts=cfg.distributed.max_restarts)
+    cfg.check_nodes(1)  # one process, or `--world_size N` ranks on this machine
+    if cfg.distributed.world_size > 1:
+        return launch_train_ranks(cfg, args)
+    quiet_libraries()
     return train_worker(cfg)
+
+
+LAUNCHER_ONLY = False  # set once this process is only the launcher of local ranks; main() then exits at once
+
+
+def launch_train_ranks(cfg, args: Sequence[str]) -> int:
+    """`--world_size N`: start N local ranks at once. This process only checks what needs no model or data library
+    (the ranks tokenize, one of them at a time through the cache's lock, before they join the process group)."""
+    global LAUNCHER_ONLY
+    from phalanx.checkpoint.resume import resume_point
+    from phalanx.launch.local import launch_local
+    from phalanx.runtime.dist import check_world_fits
+
+    check_world_fits(cfg.distributed.world_size, cfg.distributed.backend)
+    resume_point(cfg)  # an output_dir that holds another run is refused here, once, before any rank starts
+    LAUNCHER_ONLY = True
+    return launch_local(["train", *args], cfg.distributed.world_size, cfg.distributed.master_port,
+                        max_restarts=cfg.distributed.max_restarts)
+
+
+def train_rank(config_path: Optional[str], pairs: list[tuple[str, str]]) -> int:
+    """One rank started by a launcher. Bad input is the same on every rank: it is reported once for the job."""
+    from phalanx.config.loader import load_config, overrides_from_flags
+    from phalanx.errors import ConfigError, DataError
+    from phalanx.runtime.dist import env_rank_info
+
+    rank, world = env_rank_info()[:2]
+    try:
+        cfg = load_config(config_path, overrides_from_flags(pairs))
+        quiet_libraries()
+        return train_worker(cfg)
+    except (ConfigError, DataError) as exc:
+        if world == 1:
+            raise
+        from phalanx.launch.local import report_bad_input
+
+        return report_bad_input(exc, rank)
 
 
 def train_worker(cfg) -> int:
@@ -119,6 +154,7 @@ COMMANDS = {
     "launcher": ("phalanx.launch.command:launcher_main", "--config C --num_gpus_per_node N  write a launch script"),
     "slurm": ("phalanx.launch.command:slurm_main", "--config C --num_nodes N  write an sbatch script"),
     "env": ("phalanx.launch.command:env_main", "versions, devices and an all-reduce check"),
+    "plan": ("phalanx.plan.command:main", "[CONFIG.yaml] [--world_size N] [--device_memory_gb X]  memory per rank for each strategy"),
     "config-docs": (cmd_config_docs, "print the config reference (Markdown)"),
 }
 
@@ -160,9 +196,23 @@ def quiet_libraries() -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("train", "generate"):
-        quiet_libraries()  # only the commands that load models; the others stay fast to start
+    global LAUNCHER_ONLY
+    code = run_command(list(sys.argv[1:] if argv is None else argv))
+    launcher_only, LAUNCHER_ONLY = LAUNCHER_ONLY, False
+    if argv is None and launcher_only:
+        # This process only started ranks, which have saved and closed everything: skip the second or so that
+        # tearing down the imported torch takes.
+        import os
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def run_command(argv: list[str]) -> int:
+    if argv and argv[0] == "generate":
+        quiet_libraries()  # only where models load (train does it in its ranks); the others stay fast to start
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print(usage(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
         return 0 if not argv or argv[0] in ("-h", "--help") else 2

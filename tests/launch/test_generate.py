@@ -73,7 +73,29 @@ def test_launcher_multi_node_and_deepspeed(in_project, capsys, tmp_path):
                      "--module phalanx train train.yaml", "export LOCAL_WORLD_SIZE=$NPROC_PER_NODE",
                      '--hostfile "$DS_HOSTFILE"', '--node_rank "$NODE_RANK"', 'slots=$NPROC_PER_NODE'):
         assert expected in text, expected
-    assert "CUDA_VISIBLE_DEVICES" not in text
+    assert "CUDA_VISIBLE_DEVICES" not in text and "DS_ACCELERATOR" not in text, "GPU nodes: DeepSpeed finds CUDA itself"
+    assert "note: the DeepSpeed launcher will start the ranks, but the config trains with strategy 'ddp'" in err
+
+
+def test_deepspeed_launcher_on_cpu_nodes(in_project, capsys, tmp_path):
+    """CPU ranks under the DeepSpeed launcher (executed in test_launcher_run.py and test_slurm.py): its CPU
+    accelerator, gloo, and no single quote in the SLURM step (it is one single-quoted string)."""
+    sh, job = tmp_path / "ds.sh", tmp_path / "ds_job.sh"
+    code, _, err = cli(capsys, "launcher", "--config", "train.yaml", "--num_gpus_per_node", "0", "--nproc_per_node", "2",
+                       "--use_deepspeed", "--output", str(sh), "--", "--strategy", "deepspeed")
+    assert code == 0, err
+    assert "note:" not in err, "the config trains with the DeepSpeed engine"
+    code, _, err = cli(capsys, "slurm", "--config", "train.yaml", "--num_gpus_per_node", "0", "--nproc_per_node", "2",
+                       "--num_nodes", "2", "--use_deepspeed", "--output", str(job))
+    assert code == 0, err
+    for script in (sh, job):
+        bash_syntax_ok(script)
+        text = script.read_text()
+        for expected in ("export DS_ACCELERATOR=cpu", 'export CUDA_VISIBLE_DEVICES=""', "-m deepspeed.launcher.runner",
+                         "--no_local_rank", "--module phalanx train", "--backend gloo"):
+            assert expected in text, (script.name, expected)
+    step = job.read_text().split("STEP='", 1)[1].split("'\n", 1)[0]
+    assert "exec \"$PYTHON\" -m deepspeed.launcher.runner" in step and "slots=2" in step
 
 
 def test_launcher_elastic_uses_c10d_with_fresh_stores(in_project, capsys, tmp_path):
@@ -90,7 +112,7 @@ def test_launcher_elastic_uses_c10d_with_fresh_stores(in_project, capsys, tmp_pa
     (["--num_gpus_per_node", "0", "--num_nodes", "2"], "needs --master_addr"),
     (["--num_gpus_per_node", "0", "--num_nodes", "2", "--master_addr", "127.0.0.1"], "loopback"),
     (["--num_gpus_per_node", "4", "--nproc_per_node", "2"], "one rank per GPU"),
-    (["--num_gpus_per_node", "0", "--use_deepspeed"], "--use_deepspeed needs GPUs"),
+    (["--num_gpus_per_node", "2", "--use_deepspeed", "--max_restarts", "1"], "the DeepSpeed launcher does not restart ranks"),
     (["--num_gpus_per_node", "-1"], "--num_gpus_per_node -1"),
     (["--num_gpus_per_node", "0", "--master_port", "70000"], "--master_port 70000"),
     (["--nproc_per_node", "2"], "--num_gpus_per_node"),
@@ -176,3 +198,18 @@ def test_restarts_that_would_start_over_are_pointed_out(in_project, capsys, tmp_
     code, _, err = cli(capsys, "launcher", "--config", "train.yaml", "--num_gpus_per_node", "0", "--output",
                        str(tmp_path / "l.sh"), "--", "--overwrite_output_dir", "true")
     assert code == 0 and "starts over" not in err, "no restarts, nothing to warn about"
+
+
+@pytest.mark.parametrize("command", ["launcher", "slurm"])
+def test_hybrid_shard_needs_several_nodes(command, in_project, capsys, tmp_path):
+    """HYBRID_SHARD shards within a node and replicates across nodes: refused for one node, written for two."""
+    hybrid = ["--", "--strategy", "fsdp", "--sharding_strategy", "HYBRID_SHARD"]
+    nodes2 = ["--num_nodes", "2"] + (["--master_addr", "10.0.0.1"] if command == "launcher" else [])
+    code, _, err = cli(capsys, command, "--config", "train.yaml", "--num_gpus_per_node", "0",
+                       "--output", str(tmp_path / "one.sh"), *hybrid)
+    assert code == 2 and "this job runs on one node. Use FULL_SHARD" in err
+    assert not (tmp_path / "one.sh").exists()
+    code, _, err = cli(capsys, command, "--config", "train.yaml", "--num_gpus_per_node", "0", *nodes2,
+                       "--output", str(tmp_path / "two.sh"), *hybrid)
+    assert code == 0, err
+    assert "HYBRID_SHARD" in (tmp_path / "two.sh").read_text()

@@ -113,3 +113,27 @@ def test_killed_rank_restarts_and_resumes_under_max_restarts(project, generate, 
     resumed = support.losses_by_step(out)
     assert sorted(resumed) == sorted(reference_run)
     assert [resumed[s] for s in sorted(resumed)] == pytest.approx([reference_run[s] for s in sorted(reference_run)], abs=1e-5)
+
+
+def test_deepspeed_launcher_script_trains_cpu_ranks_with_the_deepspeed_engine(project, generate, reference_run, support):
+    """`--use_deepspeed` on a CPU node: the script starts the real DeepSpeed launcher (its CPU accelerator over
+    gloo), which starts 2 ranks that train with strategy deepspeed, the same losses as the torchrun reference."""
+    out = generate("launcher", "--config", "train.yaml", "--num_gpus_per_node", "0", "--nproc_per_node", "2",
+                   "--use_deepspeed", "--master_port", str(support.free_port()), "--output", "scripts/deepspeed.sh",
+                   "--", "--strategy", "deepspeed")
+    assert "2 rank(s) on this machine" in out
+    assert not (project / "scripts" / "deepspeed.bat").exists()
+    proc, _ = run_script(support, project, support.local_env(), "scripts/deepspeed.sh", "--output_dir", "runs/deepspeed")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-5000:]
+    # The DeepSpeed launcher (not torchrun) started the ranks, with DeepSpeed's CPU accelerator.
+    assert "deepspeed.launcher.launch" in text and "dist_world_size=2" in text, text[-3000:]
+    assert "Setting accelerator to CPU" not in text, "DS_ACCELERATOR=cpu chose it; DeepSpeed did not have to guess"
+    assert "World Size: 2 (deepspeed, cpu" in text
+    out_dir = project / "runs" / "deepspeed"
+    info = support.read_info(out_dir)
+    assert info["world_size"] == 2 and info["strategy"] == "deepspeed" and info["global_step"] == support.MAX_STEPS
+    assert (out_dir / "adapter_model.safetensors").is_file() and (out_dir / "adapter_config.json").is_file()
+    losses = support.losses_by_step(out_dir)
+    assert sorted(losses) == sorted(reference_run)
+    assert [losses[s] for s in sorted(losses)] == pytest.approx([reference_run[s] for s in sorted(reference_run)], abs=1e-5)

@@ -72,3 +72,28 @@ def test_gpus_the_cluster_does_not_have_are_refused_at_submission(slurm_cluster,
     assert proc.returncode != 0
     assert "gres" in proc.stderr.lower() or "configuration is not available" in proc.stderr, proc.stderr
     assert time.monotonic() - start < 20
+
+
+def test_sbatch_job_with_the_deepspeed_launcher_on_cpu_ranks(slurm_cluster, project, generate, reference_run, support):
+    """`phalanx slurm --use_deepspeed` for a CPU partition: srun starts the DeepSpeed launcher on the node, which
+    starts 2 gloo ranks training with strategy deepspeed; the losses are the torchrun reference run's."""
+    generate("slurm", "--config", "train.yaml", "--num_nodes", "1", "--num_gpus_per_node", "0", "--nproc_per_node", "2",
+             "--use_deepspeed", "--time_limit", "00:15:00", "--job_name", "phalanx-ds", "--output", "scripts/slurm_ds.sh",
+             "--", "--output_dir", "runs/slurm-ds", "--strategy", "deepspeed")
+    submitted = slurm_cluster.run("sbatch", "--parsable", "scripts/slurm_ds.sh", timeout=30, cwd=project)
+    assert submitted.returncode == 0, submitted.stderr + slurm_cluster.logs()
+    job_id = submitted.stdout.strip().split(";")[0]
+    job = wait_for_state(slurm_cluster, job_id, lambda j: j.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"),
+                         180, "did not finish")
+    log = project / f"slurm-{job_id}.out"
+    text = log.read_text()
+    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", text[-5000:]
+    assert "deepspeed.launcher.launch" in text and "dist_world_size=2" in text, text[-3000:]
+    assert "World Size: 2 (deepspeed, cpu" in text and "training step ended with exit code 0" in text
+    out = project / "runs" / "slurm-ds"
+    info = support.read_info(out)
+    assert info["world_size"] == 2 and info["strategy"] == "deepspeed" and info["global_step"] == support.MAX_STEPS
+    assert (out / "adapter_model.safetensors").is_file()
+    losses = support.losses_by_step(out)
+    assert sorted(losses) == sorted(reference_run)
+    assert [losses[s] for s in sorted(losses)] == pytest.approx([reference_run[s] for s in sorted(reference_run)], abs=1e-5)

@@ -41,7 +41,8 @@ def common_flags(p: argparse.ArgumentParser) -> None:
                    help="GPUs per node, one rank each; 0 runs CPU ranks over gloo (with --nproc_per_node)")
     p.add_argument("--nproc_per_node", type=int, help="ranks per node (default: the GPU count, or 1 on CPU)")
     p.add_argument("--num_nodes", type=int, default=1)
-    p.add_argument("--use_deepspeed", action="store_true", help="start the ranks with the DeepSpeed launcher")
+    p.add_argument("--use_deepspeed", action="store_true",
+                   help="start the ranks with the DeepSpeed launcher (GPU or CPU nodes; no --max_restarts)")
     p.add_argument("--max_restarts", type=int, default=0,
                    help="restart all ranks this many times when one fails (elastic; resumes from the newest checkpoint)")
     p.add_argument("--rdzv_timeout", type=int, default=DEFAULT_RDZV_TIMEOUT,
@@ -66,8 +67,10 @@ def layout(args: argparse.Namespace) -> tuple[int, int]:
         raise ConfigError(f"--num_nodes {args.num_nodes}: at least 1")
     if args.max_restarts < 0:
         raise ConfigError(f"--max_restarts {args.max_restarts}: 0 or more")
-    if args.use_deepspeed and gpus == 0:
-        raise ConfigError("--use_deepspeed needs GPUs (--num_gpus_per_node N); CPU ranks run under torchrun")
+    if args.use_deepspeed and args.max_restarts:
+        raise ConfigError(f"--max_restarts {args.max_restarts} with --use_deepspeed: the DeepSpeed launcher does not "
+                          "restart ranks. Leave out --use_deepspeed (torchrun restarts them, and the config's "
+                          "strategy deepspeed still trains with the DeepSpeed engine), or --max_restarts.")
     return gpus, nproc
 
 
@@ -82,6 +85,14 @@ def check_training(config: Optional[str], train_args: list[str]):
     if extra_config is not None:
         raise ConfigError(f"after `--` give --flag value pairs for `phalanx train`, not a file ({extra_config}); use --config")
     return load_config(config, overrides_from_flags(pairs))
+
+
+def note_launcher_and_strategy(cfg, use_deepspeed: bool) -> None:
+    """--use_deepspeed picks the launcher; the DeepSpeed engine is the config's choice (seed 003 set both)."""
+    if use_deepspeed and cfg.distributed.strategy != "deepspeed":
+        print(f"note: the DeepSpeed launcher will start the ranks, but the config trains with strategy "
+              f"'{cfg.distributed.strategy}'. For the DeepSpeed engine set distributed.strategy: deepspeed "
+              "(or pass -- --strategy deepspeed).", file=sys.stderr)
 
 
 def warn_if_restarts_start_over(cfg, restarts: bool) -> None:
@@ -148,7 +159,9 @@ def launcher_main(argv: Sequence[str]) -> int:
             raise ConfigError(f"--master_addr {master} is a loopback address; the other nodes cannot reach it. "
                               "Give the master node's address on the network the nodes share.")
     cfg = check_training(args.config, train_args)
+    cfg.check_nodes(args.num_nodes)
     warn_if_restarts_start_over(cfg, args.max_restarts > 0)
+    note_launcher_and_strategy(cfg, args.use_deepspeed)
     out = Path(args.output)
     project = Path.cwd().resolve()
     spec = LaunchSpec(
@@ -223,10 +236,12 @@ def slurm_main(argv: Sequence[str]) -> int:
     if cpus < 1:
         raise ConfigError(f"--cpus_per_task {cpus}: at least 1")
     cfg = check_training(args.config, train_args)
+    cfg.check_nodes(args.num_nodes)
     project = Path(args.chdir or Path.cwd()).resolve()
     out = Path(args.output)
     requeue = not args.no_requeue
     warn_if_restarts_start_over(cfg, requeue or args.max_restarts > 0)
+    note_launcher_and_strategy(cfg, args.use_deepspeed)
     spec = SlurmSpec(
         config=config_for_script(args.config, project), python=args.python, project_dir=project,
         num_gpus_per_node=gpus, nproc_per_node=nproc, num_nodes=args.num_nodes,

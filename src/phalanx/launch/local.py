@@ -1,15 +1,30 @@
-"""Start N ranks on this machine through torch's own elastic launcher (what torchrun uses)."""
+"""Start N ranks on this machine through torch's own elastic launcher (what torchrun uses), and report bad input
+that the ranks find once.
+
+The parent stays light: it imports torch's launcher, never the model or data stack, so the ranks start about as
+soon as they would under torchrun. The ranks check the data themselves; a bad row or field they meet is the same
+on every rank, so each rank hands its message to the launcher (torch's per-rank error file) instead of printing
+it, and `launch_local` prints it once, whichever rank failed first and whichever the agent stopped.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
 import sys
+import tempfile
+import time
 from pathlib import Path
 import uuid
 from typing import Optional, Sequence
 
 from phalanx.errors import PhalanxError
+
+# Set for the ranks `launch_local` starts: they leave printing bad input to it.
+PARENT_REPORTS = "PHALANX_LAUNCHER_REPORTS_ERRORS"
+BAD_INPUT_EXIT_CODE = 2  # what the CLI returns for any PhalanxError
 
 
 def free_port() -> int:
@@ -24,6 +39,7 @@ def launch_local(module_args: Sequence[str], nproc: int, master_port: Optional[i
     import signal
 
     from phalanx.runtime.signals import PREEMPTED_EXIT_CODE
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -32,6 +48,9 @@ def launch_local(module_args: Sequence[str], nproc: int, master_port: Optional[i
 
         check_port_free(master_port)  # c10d would join whatever listens there as a client, and wait forever
     port = master_port or free_port()
+    # The agent keeps each rank's error file under this folder; torch's default (a new /tmp/torchelastic_*
+    # per run) is never removed.
+    logs = tempfile.mkdtemp(prefix="phalanx-launch-")
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -41,12 +60,15 @@ def launch_local(module_args: Sequence[str], nproc: int, master_port: Optional[i
         rdzv_endpoint=f"127.0.0.1:{port}",
         max_restarts=max_restarts,
         monitor_interval=0.2,  # notice a dead rank quickly and stop the others
+        logs_specs=DefaultLogsSpecs(log_dir=logs),
     )
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     # The elastic agent starts each rank in its own session, so a signal sent to this launcher's process group
     # never reaches them: pass SIGUSR1 (SLURM's usual warning) on; the ranks save a checkpoint and stop.
     signal.signal(signal.SIGUSR1, forward_to_children)
+    os.environ[PARENT_REPORTS] = "1"  # the agent copies this process's environment into each rank's
+    restore_levels = quiet_agent_logs()
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "phalanx", *module_args)
     except SignalException as exc:
@@ -60,9 +82,83 @@ def launch_local(module_args: Sequence[str], nproc: int, master_port: Optional[i
         # then stops the ranks still tearing down, which is no failure.
         if PREEMPTED_EXIT_CODE in codes:
             return PREEMPTED_EXIT_CODE
+        reported = reported_bad_input(exc.failures)
+        if reported:
+            raise PhalanxError(reported) from None
         failed = ", ".join(f"rank {rank} ({describe_exit(f.exitcode)})" for rank, f in sorted(exc.failures.items()))
         raise PhalanxError(f"failed on {failed}; the other ranks were stopped. See the rank's message above.") from None
+    finally:
+        os.environ.pop(PARENT_REPORTS, None)
+        restore_levels()
+        shutil.rmtree(logs, ignore_errors=True)
     return 0
+
+
+def quiet_agent_logs():
+    """Silence the elastic agent's own log lines ("Sending process 123 closing signal SIGTERM", "failed (exitcode:
+    2) local_rank: 0 ..."): the ranks and this launcher say what went wrong. LOGLEVEL=INFO (torch's switch) keeps
+    them. Returns the function that restores the levels."""
+    import logging
+
+    if "LOGLEVEL" in os.environ:
+        return lambda: None
+    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
+               if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher"))]
+    levels = [(log, log.level) for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.CRITICAL)
+
+    def restore() -> None:
+        for log, level in levels:
+            log.setLevel(level)
+    return restore
+
+
+def report_bad_input(exc: PhalanxError, rank: int) -> int:
+    """In a rank of a multi-rank run: say what is wrong with the input once for the whole job, return the exit code.
+
+    Bad input (a config field, a data row) is the same on every rank, so printing it on each would repeat it N
+    times. The message goes to torch's per-rank error file when a torch launcher set one (`launch_local` prints
+    it once; torchrun shows it in its failure summary). Otherwise rank 0 prints it, and the other ranks print
+    it too only where nothing would relay it (the DeepSpeed launcher): a message shown twice beats one lost.
+    """
+    message = str(exc)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    relayed = False
+    if error_file:
+        try:
+            Path(error_file).parent.mkdir(parents=True, exist_ok=True)
+            # torch's own layout (ErrorHandler.record_exception), so torchrun's summary shows the message as the
+            # rank's "traceback"; the "phalanx" key tells launch_local that the message is ours to print.
+            Path(error_file).write_text(json.dumps({
+                "message": {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}},
+                "phalanx": {"rank": rank, "kind": type(exc).__name__, "message": message},
+            }))
+            relayed = True
+        except OSError:
+            pass
+    if relayed and os.environ.get(PARENT_REPORTS) == "1":
+        pass  # launch_local prints it
+    elif rank == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    elif not relayed:
+        print(f"[rank {rank}] error: {message}", file=sys.stderr, flush=True)
+    return BAD_INPUT_EXIT_CODE
+
+
+def reported_bad_input(failures: dict) -> Optional[str]:
+    """The bad-input message(s) the failed ranks left in their error files (see report_bad_input), once each."""
+    by_message: dict[str, list[int]] = {}
+    for rank, failure in sorted(failures.items()):
+        data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
+        ours = data.get("phalanx")
+        if isinstance(ours, dict) and isinstance(ours.get("message"), str):
+            by_message.setdefault(ours["message"], []).append(rank)
+    if not by_message:
+        return None
+    if len(by_message) == 1:
+        return next(iter(by_message))
+    return "\n".join(f"rank {', '.join(map(str, ranks))}: {message}" for message, ranks in by_message.items())
 
 
 def describe_exit(code: int) -> str:

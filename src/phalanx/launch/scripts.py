@@ -82,10 +82,18 @@ def _train_words(spec: LaunchSpec) -> str:
     return " ".join(words)
 
 
-def deepspeed_lines(node_rank: str, nproc: str) -> list[str]:
+def deepspeed_lines(node_rank: str, nproc: str, cpu: bool) -> list[str]:
     """Bash that sets DS=(...), the DeepSpeed launcher's arguments for this node (no single quotes: SLURM
     embeds it in a quoted string)."""
-    return [
+    lines = []
+    if cpu:
+        lines += [
+            "# CPU ranks under the DeepSpeed launcher: the CPU accelerator of DeepSpeed (chosen here, not guessed),",
+            "# which talks over gloo unless the oneCCL bindings of Intel are installed. The launcher counts the ranks",
+            "# as GPUs (--num_gpus N) and gives them CUDA_VISIBLE_DEVICES=0..N-1; --backend gloo keeps them on the CPU.",
+            "export DS_ACCELERATOR=cpu",
+        ]
+    return lines + [
         "# The DeepSpeed launcher sets RANK, LOCAL_RANK, WORLD_SIZE; phalanx also reads LOCAL_WORLD_SIZE.",
         f"export LOCAL_WORLD_SIZE={nproc}",
         'if [ "$NUM_NODES" -gt 1 ]; then',
@@ -99,6 +107,7 @@ def deepspeed_lines(node_rank: str, nproc: str) -> list[str]:
         f"    DS=(--num_gpus {nproc})",
         "fi",
         "# --no_local_rank: phalanx reads LOCAL_RANK from the environment, not from a --local_rank argument.",
+        "# The launcher restarts nothing: a rank that fails stops the others (use torchrun for --max_restarts).",
     ]
 
 
@@ -162,8 +171,9 @@ def render_launcher_sh(spec: LaunchSpec, script: Path) -> str:
     if spec.use_deepspeed:
         train = ("--module phalanx train " + (q(spec.config) + " " if spec.config else "")
                  + " ".join(q(a) for a in spec.train_args)).rstrip()
-        lines += deepspeed_lines('"$NODE_RANK"', '$NPROC_PER_NODE') + [
-            f'exec "$PYTHON" -m deepspeed.launcher.runner "${{DS[@]}}" --master_port "$MASTER_PORT" --no_local_rank {train} "$@"',
+        lines += deepspeed_lines('"$NODE_RANK"', '$NPROC_PER_NODE', spec.cpu) + [
+            f'exec "$PYTHON" -m deepspeed.launcher.runner "${{DS[@]}}" --master_port "$MASTER_PORT" --no_local_rank {train} \\',
+            '    "${TRAIN_BACKEND[@]}" "$@"',
         ]
         return "\n".join(lines) + "\n"
     lines += [
@@ -359,7 +369,7 @@ def render_slurm(spec: SlurmSpec, script: Path) -> str:
         'IS_HOST=$([ "$SLURM_NODEID" = 0 ] && echo 1 || echo 0)',
     ]
     if spec.use_deepspeed:
-        step += deepspeed_lines('"$SLURM_NODEID"', str(ranks)) + [
+        step += deepspeed_lines('"$SLURM_NODEID"', str(ranks), spec.cpu) + [
             'exec "$PYTHON" -m deepspeed.launcher.runner "${DS[@]}" --master_port "$MASTER_PORT" --no_local_rank \\',
             '    --module phalanx train "$@"\'',
         ]
