@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	fi
 	# torch is installed first so nothing below can pull a CUDA build; DeepSpeed compiles against that torch.
 	DS_BUILD_OPS=0 $(PIP) install -q --no-build-isolation 'deepspeed>=0.19'
-	$(PIP) install -q -e '.[dev,deepspeed]'
+	$(PIP) install -q -e '.[dev,deepspeed,qlora]'
 	@touch $@
 
 demo: install

@@ -148,20 +148,39 @@ def make_plan(train, world: int, batch: int, accum: int, steps: int, seed: int) 
 # ----------------------------------------------------------------------------- model folders
 
 
-def build_gpu_shape_folder(shape: str, folder: Path, layers: Optional[int] = None, device: str = "cpu") -> Path:
-    """A from_pretrained folder: a Qwen2 model with `shape`'s sizes and random weights, plus phalanx's byte tokenizer."""
-    import torch
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+def byte_level_qwen2_tokenizer():
+    """A byte-level tokenizer of Qwen2's own class: 256 byte tokens, no merges, ChatML specials and template.
 
-    from phalanx.models.load import resolve_model_path
+    transformers 5 loads the tokenizer class registered for a config's model type when that type is
+    listed as having wrong Hub tokenizer classes (qwen2 is), whatever tokenizer_config.json says; the
+    embedded ByT5 tokenizer saved next to a Qwen2 config would come back as an empty Qwen2Tokenizer.
+    """
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import Qwen2Tokenizer
+
+    from phalanx.models.presets import CHAT_TEMPLATE
+
+    vocab = {ch: i for i, ch in enumerate(sorted(ByteLevel.alphabet(), key=ord))}
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, bos_token=None,
+                               eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_gpu_shape_folder(shape: str, folder: Path, layers: Optional[int] = None, device: str = "cpu") -> Path:
+    """A from_pretrained folder: a Qwen2 model with `shape`'s sizes and random weights, and a byte-level tokenizer."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     values = dict(GPU_SHAPES[shape])
     if layers:
         values["num_hidden_layers"] = layers
     marker = folder / "phalanx-bench.json"
-    if marker.is_file() and json.loads(marker.read_text()) == values:
+    stamp = {**values, "tokenizer": "byte-level Qwen2Tokenizer"}
+    if marker.is_file() and json.loads(marker.read_text()) == stamp:
         return folder
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("embedded:tiny-qwen3"))
+    tokenizer = byte_level_qwen2_tokenizer()
     config = Qwen2Config(**values, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                          bos_token_id=None, dtype="bfloat16")
     with torch.random.fork_rng(devices=[]):
@@ -172,7 +191,7 @@ def build_gpu_shape_folder(shape: str, folder: Path, layers: Optional[int] = Non
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    (tmp / "phalanx-bench.json").write_text(json.dumps(values))
+    (tmp / "phalanx-bench.json").write_text(json.dumps(stamp))
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)
     return folder
@@ -707,6 +726,9 @@ def main(argv=None) -> None:
               "Trainer's batches then drift from phalanx's. Use fewer steps to compare identical data.")
     total_tokens = sum(plan.step_tokens(s) for s in range(args.steps))
     rows_used = sum(len(mb) for step in plan.steps for rank in step for mb in rank)
+    if total_tokens / max(rows_used, 1) < 64:
+        sys.exit(f"the rows average {total_tokens / max(rows_used, 1):.0f} tokens: the tokenizer in {model_path} does not "
+                 "encode the chats (check which tokenizer class AutoTokenizer loads there); timings would be meaningless.")
     print(f"-- data: {len(data.train)} rows tokenized once ({data.report.cache_dir}); {total_tokens:,} input tokens "
           f"({total_tokens / rows_used:.0f} per row on average) over the {args.steps} steps on all ranks, "
           f"{sum(plan.step_targets(s) for s in range(args.steps)):,} target tokens")

@@ -1,5 +1,6 @@
 """Atomic commits and retention: only marked folders count; retention never deletes what it must keep."""
 
+import os
 from pathlib import Path
 
 from phalanx.checkpoint.commit import MARKER, apply_retention, commit, committed_step_checkpoints, fresh_staging_dir, is_committed
@@ -41,3 +42,31 @@ def test_retention_keeps_newest_and_protected(tmp_path: Path):
     removed = apply_retention(tmp_path, 2, keep={tmp_path / "checkpoint-10"})
     assert sorted(p.name for p in removed) == ["checkpoint-20"]
     assert [s for s, _ in committed_step_checkpoints(tmp_path)] == [10, 30, 40]
+
+
+def test_a_replacement_cut_short_by_a_crash_is_undone(tmp_path):
+    """commit() of an existing folder (checkpoint-last, -best) moves the old one aside first; a crash before the new
+    one is marked must leave the old one as the checkpoint, not no checkpoint at all."""
+    from phalanx.checkpoint.commit import committed_copy, recover_replaced
+
+    final = tmp_path / "checkpoint-last"
+    staging = fresh_staging_dir(final)
+    (staging / "weights").write_text("old")
+    commit(staging, final, {"global_step": 1})
+    os.replace(final, tmp_path / ".checkpoint-last.retired")  # the crash: the old one moved aside ...
+    staging = fresh_staging_dir(final)
+    (staging / "weights").write_text("new, unmarked")
+    os.replace(staging, final)  # ... and the new one renamed into place, but its marker never written
+    assert not is_committed(final)
+    assert committed_copy(final) == tmp_path / ".checkpoint-last.retired", "readers (every rank) read the old copy"
+    assert recover_replaced(final)
+    assert is_committed(final) and (final / "weights").read_text() == "old" and (final / MARKER).is_file()
+    assert not (tmp_path / ".checkpoint-last.retired").exists()
+    assert not recover_replaced(final), "a committed folder is left alone"
+
+    # The next save of the same name, after such a crash, never deletes the only committed copy first.
+    os.replace(final, tmp_path / ".checkpoint-last.retired")
+    staging = fresh_staging_dir(final)
+    (staging / "weights").write_text("newer")
+    commit(staging, final, {"global_step": 3})
+    assert is_committed(final) and (final / "weights").read_text() == "newer"

@@ -48,3 +48,33 @@ def test_uncommitted_folder_is_refused(tmp_path):
     (tmp_path / "checkpoint-3").mkdir()
     with pytest.raises(PhalanxError, match="not a committed phalanx checkpoint"):
         load_checkpoint(tmp_path / "checkpoint-3", rank=RANK, model=tiny(), stateful={}, finetune="full")
+
+
+def test_background_save_writes_the_state_of_the_moment_it_was_called(tmp_path):
+    """asynchronous=True: training may change every tensor right after the call; the checkpoint still holds the
+    state at the call (copied first), is committed only by wait(), and equals a synchronous save's files."""
+    from safetensors.torch import load_file
+
+    from phalanx.checkpoint.commit import is_committed
+
+    model = tiny()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 64, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    args = dict(rank=RANK, model=model, tokenizer=None, stateful={"optimizer": optimizer},
+                trainer_state={"global_step": 1, "config": {}})
+    save_checkpoint(tmp_path / "sync", **args)
+    pending = save_checkpoint(tmp_path / "checkpoint-1", asynchronous=True, **args)
+    with torch.no_grad():  # the next steps, before the background write is done
+        for p in model.parameters():
+            p.add_(1.0)
+        optimizer.state[next(iter(optimizer.state))]["exp_avg"].add_(1.0)
+    pending.wait()
+    assert is_committed(tmp_path / "checkpoint-1")
+    for name in ("model.safetensors",):
+        a, b = load_file(tmp_path / "sync" / name), load_file(tmp_path / "checkpoint-1" / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    a, b = (torch.load(tmp_path / f / "optimizer.pt", weights_only=True) for f in ("sync", "checkpoint-1"))
+    assert all(torch.equal(a["state"][i]["exp_avg"], b["state"][i]["exp_avg"]) for i in a["state"])
+    assert (tmp_path / "sync" / "trainer_state.json").read_text() == (tmp_path / "checkpoint-1" / "trainer_state.json").read_text()

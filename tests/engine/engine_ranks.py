@@ -126,3 +126,43 @@ def fail_on_rank_one(rank: int, world_size: int) -> None:
         raise ValueError("rank one fails on purpose")
     assert dist.get_backend() == ("nccl" if torch.cuda.is_available() else "gloo")
     dist.barrier()
+
+
+class RecordingLoss(nn.Module):
+    """Cross-entropy that appends each training step's loss to `prefix`.rank{r} (repr: the exact float)."""
+
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def forward(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = nn.functional.cross_entropy(outputs, targets)
+        if torch.is_grad_enabled():  # training, not validation
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            with open(f"{self.prefix}.rank{rank}", "a", encoding="utf-8") as f:
+                f.write(f"{loss.item()!r}\n")
+        return loss
+
+
+def dropout_mlp() -> nn.Module:
+    """Dropout makes every step depend on each rank's RNG: an exact resume must restore it."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 3))
+
+
+def resume_config(out_dir: str, losses: str, **train_kwargs) -> dict:
+    """2 ranks x batch 8 over 64 rows: 4 steps per epoch, 3 epochs; checkpoint-last every 3 steps and per epoch.
+    AdamW, a per-step schedule, EMA, dropout, and a DataLoader worker (which reads ahead of the training)."""
+    return {
+        "model_fn": dropout_mlp,
+        "train_dataset": dataset("mlp", 64, 1),
+        "val_dataset": dataset("mlp", 13, 2),
+        "batch_size": 8,
+        "num_workers": 1,
+        "optimizer_fn": functools.partial(torch.optim.AdamW, lr=1e-2),
+        "criterion_fn": functools.partial(RecordingLoss, losses),
+        "scheduler_fn": functools.partial(torch.optim.lr_scheduler.StepLR, step_size=2, gamma=0.8),
+        "engine_kwargs": {"use_ema": True, "ema_decay": 0.9, "experiment_name": "resume", "output_dir": out_dir,
+                          "progress_bar": False, "tensorboard": False},
+        "train_kwargs": {"num_epochs": 3, "save_steps": 3, "scheduler_interval": "step", **train_kwargs},
+    }

@@ -58,6 +58,7 @@ def write_json_atomic(path: Path, payload: dict) -> None:
 def commit(staging: Path, final: Path, meta: dict) -> None:
     """Move a fully written staging folder into place and mark it committed (one writer only)."""
     fsync_tree(staging)
+    recover_replaced(final)  # an earlier replacement of `final` cut short: its committed copy must not be deleted
     retired = final.parent / f".{final.name}.retired"
     if retired.exists():
         shutil.rmtree(retired)
@@ -68,6 +69,28 @@ def commit(staging: Path, final: Path, meta: dict) -> None:
     fsync_path(final.parent)
     if retired.exists():
         shutil.rmtree(retired)
+
+
+def committed_copy(final: Path) -> Path:
+    """The folder to read for `final`: itself, or, when a crash cut short its replacement (commit() of a folder that
+    already existed, e.g. checkpoint-last), the committed copy it was replacing, still waiting beside it.
+    Reading only: every rank may call it."""
+    retired = final.parent / f".{final.name}.retired"
+    return retired if not is_committed(final) and is_committed(retired) else final
+
+
+def recover_replaced(final: Path) -> bool:
+    """Put back the committed copy that a cut-short replacement of `final` left beside it (see committed_copy);
+    the replacing copy never got its marker, so it is discarded. The single writer calls this. Returns True when
+    something was put back."""
+    retired = final.parent / f".{final.name}.retired"
+    if committed_copy(final) == final:
+        return False
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(retired, final)
+    fsync_path(final.parent)
+    return True
 
 
 def is_committed(path: Path) -> bool:

@@ -1,20 +1,28 @@
 """What a training checkpoint holds and how it is written and read back.
 
 Layout of checkpoint-{step}/ (and checkpoint-best/):
-  adapter_model.safetensors + adapter_config.json   (LoRA)  or  model.safetensors + config.json (full)
+  adapter_model.safetensors + adapter_config.json   (LoRA)  or  model.safetensors + config.json (full; under FSDP2
+                                                    config.json only in checkpoint-{step}: sharded_state/ holds it)
   tokenizer files
   optimizer.pt, scheduler.pt, precision.pt          (rank 0; plain tensors, read with weights_only=True)
   rng_state_{rank}.pt                               (every rank)
   trainer_state.json                                (counters, sampler position, config)
+  sharded_state/                                    (FSDP2: every rank's shards of weights + optimizer, DCP)
   phalanx_checkpoint.json                           (commit marker, written last)
+
+A save is synchronous (committed when save_checkpoint returns) or asynchronous (state copied
+to CPU memory, written in the background, committed by rank 0 once complete: PendingCheckpoint).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
+import threading
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -59,11 +67,17 @@ def _native_rng(state: dict) -> dict:
     return out
 
 
-def save_model_files(model: nn.Module, tokenizer: Any, folder: Path, state_dict: Optional[dict] = None) -> None:
+def save_model_files(model: nn.Module, tokenizer: Any, folder: Path, state_dict: Optional[dict] = None,
+                     weights: bool = True) -> None:
     """The model (or adapter) as safetensors plus the tokenizer: loadable with from_pretrained.
 
-    `state_dict`: full weights gathered by a sharding strategy (the model's own tensors are shards then)."""
-    if state_dict is None:
+    `state_dict`: full weights gathered by a sharding strategy (the model's own tensors are shards then).
+    `weights=False`: the config and tokenizer only, for a checkpoint whose sharded state holds the weights."""
+    if not weights:
+        for part in ("config", "generation_config"):
+            if getattr(model, part, None) is not None:
+                getattr(model, part).save_pretrained(folder)
+    elif state_dict is None:
         model.save_pretrained(folder, safe_serialization=True)
     else:
         model.save_pretrained(folder, safe_serialization=True, state_dict=state_dict)
@@ -81,28 +95,132 @@ def save_checkpoint(
     trainer_state: dict,
     model_state: Optional[dict] = None,
     sharded: Optional[Any] = None,
-) -> None:
+    asynchronous: bool = False,
+    after_commit: Optional[Callable[[], Any]] = None,
+    model_files: bool = True,
+) -> Optional["PendingCheckpoint"]:
     """Every rank calls this. `stateful` maps names to objects with state_dict() saved by rank 0.
 
     `model_state`: gathered weights for rank 0's save_pretrained; `sharded`: a strategy whose
-    save_sharded(folder) every rank calls to write its part of the training state."""
+    save_sharded(folder) every rank calls to write its part of the training state; `after_commit`:
+    run by rank 0 once the checkpoint is committed (retention); `model_files=False`: no from_pretrained weights
+    (the sharded state holds them; python -m phalanx.checkpoint.export writes them from it).
+
+    `asynchronous`: copy everything to CPU memory now, write it in the background and return a
+    PendingCheckpoint; rank 0 commits it only once every rank's files are on disk. Call its wait()
+    before the next save and before the process ends. Synchronous: committed when this returns."""
     try:
         staging = fresh_staging_dir(final) if rank.is_main else final.parent / f".{final.name}.staging"
         rt.barrier()  # staging exists before any rank writes into it
         torch.save(_portable_rng(rng_state()), staging / f"rng_state_{rank.rank}.pt")
-        if sharded is not None:
-            sharded.save_sharded(staging)
+        background = sharded.save_sharded(staging, asynchronous=asynchronous) if sharded is not None else None
+        write_main = None
         if rank.is_main:
-            save_model_files(model, tokenizer, staging, model_state)
-            for name, obj in stateful.items():
-                torch.save(obj.state_dict(), staging / f"{name}.pt")
-            (staging / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2, default=str), encoding="utf-8")
+            write_main = _main_files_writer(model, tokenizer, staging, stateful, trainer_state, model_state,
+                                            snapshot=asynchronous, weights=model_files)
+            if not asynchronous:
+                write_main()
     except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as a RuntimeError
         raise CheckpointWriteError(final, exc) from exc
-    rt.barrier()  # every rank's files are written
+    rt.barrier()  # every rank's synchronous files are written (and its background writes started)
+    meta = {"global_step": trainer_state.get("global_step"), "world_size": rank.world_size}
+    if asynchronous:
+        return PendingCheckpoint(final, staging, meta, write_main, background, after_commit)
     if rank.is_main:
-        commit(staging, final, {"global_step": trainer_state.get("global_step"), "world_size": rank.world_size})
+        commit(staging, final, meta)
+        if after_commit is not None:
+            after_commit()
     rt.barrier()  # nobody reads or deletes checkpoints while the rename is in flight
+    return None
+
+
+def _main_files_writer(model: nn.Module, tokenizer: Any, staging: Path, stateful: dict[str, Any], trainer_state: dict,
+                       model_state: Optional[dict], snapshot: bool, weights: bool = True) -> Callable[[], None]:
+    """Rank 0's files as one call. `snapshot`: the states are copied now, so the call may run later, in the
+    background, while training changes the live tensors."""
+    if snapshot and weights:
+        if model_state is None and isinstance(model, nn.Module):
+            model_state = _trainable_state(model)
+        model_state = _copy(model_state)
+    states = {name: obj.state_dict() for name, obj in stateful.items()}
+    states = _copy(states) if snapshot else states
+    text = json.dumps(trainer_state, indent=2, default=str)
+
+    def write() -> None:
+        save_model_files(model, tokenizer, staging, model_state, weights=weights)
+        for name, state in states.items():
+            torch.save(state, staging / f"{name}.pt")
+        (staging / "trainer_state.json").write_text(text, encoding="utf-8")
+
+    return write
+
+
+def _trainable_state(model: nn.Module) -> dict:
+    """What save_pretrained writes: an adapter (PEFT) only needs its trainable weights, a full model everything.
+    A weight tied to another appears once, under its first name, as save_pretrained would write it."""
+    if hasattr(model, "peft_config"):
+        keep = {name for name, p in model.named_parameters() if p.requires_grad}
+    else:
+        keep = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+    return {k: v for k, v in model.state_dict().items() if k in keep}
+
+
+def _copy(tree: Any) -> Any:
+    """A deep copy with every tensor copied to CPU memory."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, dict):
+        return {k: _copy(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_copy(v) for v in tree)
+    return copy.deepcopy(tree)
+
+
+class PendingCheckpoint:
+    """A checkpoint whose files are being written in the background (checkpoint.async_save).
+
+    Each rank may have a background write (its DCP shards); rank 0 also writes its own files in a thread,
+    waits until its DCP write is done (which on rank 0 means every rank's shards and the metadata are on
+    disk and fsynced), then fsyncs the folder and commits it: rename, marker last. A crash before that leaves
+    only a staging folder, so resume goes back to the previous committed checkpoint.
+    """
+
+    def __init__(self, final: Path, staging: Path, meta: dict, write_main: Optional[Callable[[], None]],
+                 background: Optional[Future], after_commit: Optional[Callable[[], Any]]):
+        self.final = final
+        self._background = background
+        self._error: Optional[BaseException] = None
+        self._thread: Optional[threading.Thread] = None
+        if write_main is not None:  # rank 0
+            self._thread = threading.Thread(target=self._write_and_commit, name=f"phalanx-save-{final.name}",
+                                            args=(staging, meta, write_main, after_commit))
+            self._thread.start()
+
+    def _write_and_commit(self, staging: Path, meta: dict, write_main: Callable[[], None],
+                          after_commit: Optional[Callable[[], Any]]) -> None:
+        try:
+            write_main()
+            if self._background is not None:
+                self._background.result()
+            commit(staging, self.final, meta)
+            if after_commit is not None:
+                after_commit()
+        except BaseException as exc:  # reported by wait(), in the training thread
+            self._error = exc
+
+    def wait(self) -> None:
+        """Block until this rank's part is written (rank 0: and the checkpoint committed); raise what failed."""
+        try:
+            if self._background is not None:
+                self._background.result()
+        except (OSError, RuntimeError) as exc:
+            raise CheckpointWriteError(self.final, exc) from exc
+        if self._thread is not None:
+            self._thread.join()
+            if isinstance(self._error, (OSError, RuntimeError)):
+                raise CheckpointWriteError(self.final, self._error) from self._error
+            if self._error is not None:
+                raise self._error
 
 
 def load_checkpoint(
@@ -110,8 +228,9 @@ def load_checkpoint(
     sharded: Optional[Any] = None,
 ) -> dict:
     """Restore weights, stateful objects and this rank's RNG; returns trainer_state.json's content."""
-    from phalanx.checkpoint.commit import is_committed
+    from phalanx.checkpoint.commit import committed_copy, is_committed
 
+    folder = committed_copy(Path(folder))  # a replacement of `folder` that a crash cut short: the copy it replaced
     if not is_committed(folder):
         raise PhalanxError(f"{folder} is not a committed phalanx checkpoint (no phalanx_checkpoint.json); it may be a save that crashed")
     if sharded is not None:
@@ -120,10 +239,18 @@ def load_checkpoint(
         load_model_weights(model, folder, finetune)
     for name, obj in stateful.items():
         obj.load_state_dict(torch.load(folder / f"{name}.pt", map_location="cpu", weights_only=True))
-    rng_file = folder / f"rng_state_{rank.rank}.pt"
-    if rng_file.is_file():
-        load_rng_state(_native_rng(torch.load(rng_file, map_location="cpu", weights_only=True)))
+    load_rng_file(folder, rank)
     return json.loads((folder / "trainer_state.json").read_text(encoding="utf-8"))
+
+
+def load_rng_file(folder: Path, rank: rt.RankInfo) -> bool:
+    """Set this process's RNG to what rank `rank.rank` saved in `folder`; False when it saved none (another
+    number of ranks: a new rank keeps its seeded state)."""
+    rng_file = Path(folder) / f"rng_state_{rank.rank}.pt"
+    if not rng_file.is_file():
+        return False
+    load_rng_state(_native_rng(torch.load(rng_file, map_location="cpu", weights_only=True)))
+    return True
 
 
 def load_model_weights(model: nn.Module, folder: Path, finetune: str) -> None:
@@ -135,6 +262,10 @@ def load_model_weights(model: nn.Module, folder: Path, finetune: str) -> None:
         check_same_shapes(folder, state, get_peft_model_state_dict(model), allow_missing=set())
         set_peft_model_state_dict(model, state)
         return
+    if not (folder / "model.safetensors").is_file():
+        raise PhalanxError(f"{folder} holds no model.safetensors: its weights are in the sharded state of the strategy "
+                           "that saved it. Resume it with that strategy (any number of ranks), or write the weights first "
+                           f"with: python -m phalanx.checkpoint.export {folder} OUT_DIR")
     state = load_file(folder / "model.safetensors")
     own = model.state_dict()
     # save_pretrained leaves out weights tied to others (the output head tied to the embeddings).

@@ -16,7 +16,7 @@ from phalanx.config.schema import RunConfig
 from phalanx.errors import ConfigError
 
 # Fields that may change between the run that saved and the run that resumes.
-RESUME_FREE = ("output_dir", "overwrite_output_dir", "force", "checkpoint.resume_from_checkpoint", "logging.",
+RESUME_FREE = ("output_dir", "overwrite_output_dir", "force", "checkpoint.resume_from_checkpoint", "checkpoint.async_save", "logging.",
                "distributed.world_size", "distributed.master_port", "distributed.max_restarts", "distributed.backend",
                "distributed.timeout_minutes", "distributed.init_timeout_minutes")
 RUN_ARTIFACTS = ("training_info.json", "final_training_info.json", "metrics.jsonl", "checkpoint-best")

@@ -22,6 +22,10 @@ FLAT_FLAGS: dict[str, str] = {
     "trust_remote_code": "model.trust_remote_code",
     "finetune": "model.finetune",
     "gradient_checkpointing": "model.gradient_checkpointing",
+    "load_in_4bit": "model.load_in_4bit",
+    "bnb_4bit_quant_type": "model.bnb_4bit_quant_type",
+    "bnb_4bit_use_double_quant": "model.bnb_4bit_use_double_quant",
+    "bnb_4bit_compute_dtype": "model.bnb_4bit_compute_dtype",
     "lora_r": "lora.r",
     "r": "lora.r",  # seed 001's train_loop.py
     "lora_alpha": "lora.alpha",

@@ -29,6 +29,16 @@ class ModelConfig(Section):
     trust_remote_code: bool = Field(False, description="Run model code shipped with the checkpoint. Off unless you trust it.")
     finetune: Literal["lora", "full"] = Field("lora", description="Train a LoRA adapter, or every weight of the model.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward (non-reentrant) to save memory.")
+    load_in_4bit: bool = Field(
+        False, description="QLoRA: load the frozen base quantized to 4 bits with bitsandbytes (`pip install "
+        "'phalanx[qlora]'`) and train a LoRA adapter on it (finetune 'lora'); under ddp, fsdp and deepspeed alike."
+    )
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type of the base weights: NormalFloat4 (QLoRA's) or plain FP4.")
+    bnb_4bit_use_double_quant: bool = Field(True, description="Quantize the 4-bit blocks' scales too (about 0.4 bits per weight saved).")
+    bnb_4bit_compute_dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="dtype the 4-bit weights are dequantized to for each matmul; 'auto' is the run's mixed "
+        "precision dtype (bf16/fp16 on CUDA), fp32 on CPU."
+    )
 
 
 class LoraConfig(Section):
@@ -98,6 +108,12 @@ class CheckpointConfig(Section):
     save_steps: int = Field(50, gt=0, description="Save checkpoint-{step} every this many optimizer steps.")
     save_total_limit: Optional[int] = Field(None, gt=0, description="Keep at most this many checkpoint-{step} folders (checkpoint-best is kept apart).")
     save_best: bool = Field(True, description="Keep checkpoint-best with the lowest evaluation loss.")
+    async_save: bool = Field(
+        False,
+        description="Write checkpoints in the background: training waits only while the state is copied to CPU "
+        "memory (FSDP2's sharded state through torch.distributed.checkpoint.async_save, rank 0's files in a thread). "
+        "A checkpoint is committed only once complete; the next save and the end of training wait for it.",
+    )
     resume_from_checkpoint: Optional[str] = Field(
         None,
         description="'latest' or a checkpoint folder to resume from. Unset: resume from the newest committed "
@@ -117,7 +133,7 @@ class DistributedConfig(Section):
     ddp_comm_hook: Literal["none", "fp16", "bf16"] = Field("none", description="Compress DDP gradients before the all-reduce.")
     strategy: Literal["ddp", "fsdp", "deepspeed"] = Field(
         "ddp", description="How several ranks train: 'ddp' (a full replica per rank), 'fsdp' (PyTorch FSDP2, sharded "
-        "parameters, gradients and optimizer state) or 'deepspeed' (the DeepSpeed ZeRO engine). One process trains plainly."
+        "parameters, gradients and optimizer state) or 'deepspeed' (the DeepSpeed ZeRO engine). One process runs plain under 'ddp' and on a one-rank group under the others (their CPU offload works on a single device)."
     )
     sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"] = Field(
         "FULL_SHARD", description="FSDP: shard everything and regather per layer (FULL_SHARD), keep parameters gathered "
@@ -184,4 +200,31 @@ class RunConfig(Section):
             raise ValueError(f"distributed.deepspeed_config is set but the strategy is '{d.strategy}'; add --strategy deepspeed")
         if d.strategy != "fsdp" and d.fsdp_config:
             raise ValueError(f"distributed.fsdp_config is set but the strategy is '{d.strategy}'; add --strategy fsdp")
+        self._check_4bit()
         return self
+
+    def _check_4bit(self) -> None:
+        """QLoRA trains an adapter on a frozen 4-bit base; its settings mean nothing without it."""
+        m = self.model
+        if m.load_in_4bit and m.finetune == "full":
+            raise ValueError("model.load_in_4bit with model.finetune 'full': 4-bit weights cannot be trained. Use "
+                             "--finetune lora (QLoRA: a LoRA adapter on the frozen 4-bit base), or drop --load_in_4bit")
+        # A 4-bit setting with load_in_4bit left out is a forgotten switch; an explicit false turns QLoRA off.
+        given = sorted(name for name in m.model_fields_set if name.startswith("bnb_4bit_"))
+        if given and "load_in_4bit" not in m.model_fields_set:
+            raise ValueError(f"model.{given[0]} is set but model.load_in_4bit is not: the base would load unquantized "
+                             "and the setting would do nothing. Add --load_in_4bit (or model.load_in_4bit: true)")
+
+    def check_nodes(self, nodes: int) -> None:
+        """Refuse, before any process starts, a layout the job's node count cannot give (HYBRID_SHARD on one node).
+
+        Called where the node count is known: `phalanx train` (one node), `phalanx launcher` / `phalanx slurm`."""
+        from phalanx.errors import ConfigError
+
+        d = self.distributed
+        if d.strategy == "fsdp" and d.sharding_strategy == "HYBRID_SHARD" and nodes < 2:
+            raise ConfigError(
+                "distributed.sharding_strategy = 'HYBRID_SHARD' shards within a node and replicates across nodes, "
+                "but this job runs on one node. Use FULL_SHARD on one node (or SHARD_GRAD_OP for less communication), "
+                "or start several nodes (`phalanx launcher --num_nodes N` / `phalanx slurm --num_nodes N`)."
+            )

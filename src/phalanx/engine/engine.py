@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from phalanx.checkpoint.commit import committed_copy
+from phalanx.checkpoint.io import load_rng_file
 from phalanx.engine.checkpoint import load_engine_checkpoint, save_engine_checkpoint
 from phalanx.engine.ema import ModelEMA
 from phalanx.engine.metrics import MetricTotals, reduce_tensor
@@ -32,6 +34,7 @@ from phalanx.errors import ConfigError
 from phalanx.observe.metrics import Reporter
 from phalanx.parallel.base import Precision, Strategy
 from phalanx.runtime import dist as rt
+from phalanx.runtime.faults import Fault, kill_self, planned_fault
 
 # launch_distributed_training tells its ranks the backend through this variable, so a train_fn
 # that calls TrainingEngine.setup_distributed(rank, world_size) without one gets the launcher's.
@@ -104,6 +107,8 @@ class TrainingEngine:
         self.scheduler: Any = None
         self.epochs_done = 0
         self.global_step = 0
+        self.fault: Optional[Fault] = None
+        self._resume: Optional[dict] = None  # where a checkpoint saved inside an epoch left it
         self.best_metric: Optional[float] = None
         self.history: dict[str, list] = {}
 
@@ -212,30 +217,41 @@ class TrainingEngine:
     def train(self, train_loader: Iterable, val_loader: Optional[Iterable], optimizer: torch.optim.Optimizer,
               criterion: nn.Module, scheduler: Any = None, num_epochs: int = 100, save_best: bool = True,
               save_last: bool = True, *, resume_from: Union[str, Path, None] = None, monitor: str = "val_loss",
-              max_grad_norm: float = 0.0, scheduler_interval: str = "epoch") -> dict[str, list]:
+              max_grad_norm: float = 0.0, scheduler_interval: str = "epoch", save_steps: Optional[int] = None
+              ) -> dict[str, list]:
         """Train for `num_epochs` epochs (counting those a resumed checkpoint already did); returns the history.
 
         history: lists per epoch of epoch, train_loss, val_loss, lr, epoch_time, and train_acc / val_acc
         when outputs are class scores for integer labels. Every rank returns the same numbers.
         `monitor` picks checkpoint-best (one of MONITORS): lower is better for losses, higher for accuracies.
         `scheduler_interval`: 'epoch' (ReduceLROnPlateau gets the monitored value) or 'step'.
+        `save_steps`: also commit checkpoint-last every this many optimizer steps, inside epochs; a resume
+        from it continues mid-epoch (needs a sampler that records its position, see `_epoch_sampler`).
         """
         if scheduler_interval not in ("epoch", "step"):
             raise ConfigError(f"scheduler_interval = {scheduler_interval!r}; use 'epoch' or 'step'")
         if monitor not in MONITORS:
             raise ConfigError(f"monitor = {monitor!r}; choose one of {', '.join(MONITORS)}")
+        if save_steps is not None and (save_steps < 1 or _epoch_sampler(train_loader) is None):
+            raise ConfigError(f"save_steps = {save_steps!r} needs a positive step count and a train_loader whose sampler "
+                              "records its position (phalanx.data.sampler.StatefulDistributedSampler, as make_loaders "
+                              "builds); with another sampler, checkpoints can only be taken at the end of an epoch")
         self.attach(optimizer, scheduler)
         self._check_batches_agree(train_loader)
+        self.fault = planned_fault()
         if resume_from is not None:
             self.load_checkpoint(resume_from)
+            self._restore_epoch_position(train_loader)
         reporter = self._reporter(train_loader, num_epochs, resumed=resume_from is not None)
         self._announce(reporter, train_loader, num_epochs)
         for epoch in range(self.epochs_done, num_epochs):
             started = time.perf_counter()
             for loader in (train_loader, val_loader):
                 set_sampler_epoch(loader, epoch)
-            lr = optimizer.param_groups[0]["lr"]
-            train_metrics = self.train_epoch(train_loader, criterion, max_grad_norm, scheduler_interval, reporter)
+            # A mid-epoch resume reports the rate the epoch started with, as the uninterrupted run does.
+            lr = self._resume["lr"] if self._resume else optimizer.param_groups[0]["lr"]
+            train_metrics = self.train_epoch(train_loader, criterion, max_grad_norm, scheduler_interval, reporter,
+                                             save_steps=save_steps, save_last=save_last, lr=lr)
             val_metrics = self.validate(val_loader, criterion) if val_loader is not None else None
             record = self._record(epoch, train_metrics, val_metrics, lr, time.perf_counter() - started)
             if scheduler is not None and scheduler_interval == "epoch":
@@ -252,16 +268,31 @@ class TrainingEngine:
         return self.history
 
     def train_epoch(self, loader: Iterable, criterion: nn.Module, max_grad_norm: float = 0.0,
-                    scheduler_interval: str = "epoch", reporter: Optional[Reporter] = None) -> dict:
-        """One pass over `loader`; returns loss (and accuracy) averaged over every rank's samples."""
+                    scheduler_interval: str = "epoch", reporter: Optional[Reporter] = None, *,
+                    save_steps: Optional[int] = None, save_last: bool = True, lr: Optional[float] = None) -> dict:
+        """One pass over `loader` (the rest of it, after a mid-epoch resume); returns loss (and accuracy)
+        averaged over every rank's samples. `save_steps`: commit checkpoint-last every this many steps."""
         self.model.train()
         totals = MetricTotals(self.device)
+        sampler = _epoch_sampler(loader)
+        progress = {"epoch": self.epochs_done, "lr": optimizer_lr(self.optimizer) if lr is None else lr,
+                    "position": sampler.position if sampler is not None else 0, "rows": 0}
+        resume, self._resume = self._resume, None
+        if resume is not None:
+            totals.sums.copy_(torch.tensor(resume["totals"], dtype=torch.float64))
         postfix: dict = {}
-        for i, batch in enumerate(loader):
+        batches = iter(loader)
+        if resume is not None:
+            # The loader drew its workers' base seed from the global RNG when the iterator was made; the run
+            # that saved had drawn it before the step it saved after. The saved state goes back on now.
+            load_rng_file(resume["folder"], self.rank)
+        last = _length(loader)
+        for i, batch in enumerate(batches):
             inputs, targets = self._to_device(batch)
             with self.strategy.autocast():
                 outputs = self.model(inputs)
                 loss = criterion(outputs, targets)
+            self._inject_fault()
             self.strategy.backward(loss)
             self.strategy.step(max_grad_norm)
             if self.ema is not None:
@@ -270,11 +301,26 @@ class TrainingEngine:
                 self.scheduler.step()
             self.global_step += 1
             totals.add(loss.detach().float(), outputs.detach(), targets)
+            progress["rows"] += rows_of(targets)
             if reporter is not None and reporter.is_main:
                 if i % 10 == 0:  # .item() waits for the device: only rank 0 reads it, every few steps
                     postfix = {"loss": f"{loss.item():.4f}"}
                 reporter.advance(1, postfix)
+            # The end of the epoch is saved after validation (save_last); a step save there would be overwritten.
+            if save_steps and self.global_step % save_steps == 0 and not (save_last and last is not None and i == last - 1):
+                self.save_checkpoint("checkpoint-last", epoch_progress={**progress, "totals": totals.sums.tolist()},
+                                     sampler=sampler)
         return totals.reduce()
+
+    def _inject_fault(self) -> None:
+        """PHALANX_FAULT (runtime/faults.py): kill or raise in the middle of a step, after forward, as `phalanx train` does."""
+        step, fault = self.global_step + 1, getattr(self, "fault", None)
+        if fault is None:
+            return
+        if fault.due("kill", step, self.rank.rank):
+            kill_self()
+        if fault.due("raise", step, self.rank.rank):
+            raise RuntimeError(f"injected fault in forward at step {step}")
 
     @torch.no_grad()
     def validate(self, loader: Iterable, criterion: nn.Module) -> dict:
@@ -314,11 +360,21 @@ class TrainingEngine:
             state["ema"] = self.ema
         return state
 
-    def save_checkpoint(self, name: str = "checkpoint-last") -> Path:
-        """Commit output_dir/name atomically (every rank calls it; rank 0 writes). Returns the folder."""
+    def save_checkpoint(self, name: str = "checkpoint-last", *, epoch_progress: Optional[dict] = None,
+                        sampler: Any = None) -> Path:
+        """Commit output_dir/name atomically (every rank calls it; rank 0 writes). Returns the folder.
+
+        `epoch_progress` (a save inside an epoch): where the epoch stands, so a resume continues it: the
+        sampler's global position (rows of the epoch's order handed out over all ranks), the learning rate
+        the epoch started with, and every rank's running loss/accuracy sums."""
         folder = self.output_dir / name
         trainer_state = {"epochs_done": self.epochs_done, "global_step": self.global_step, "best_metric": self.best_metric,
                          "history": self.history, "world_size": self.world_size, "experiment_name": self.experiment_name}
+        if epoch_progress is not None:
+            totals = rt.gather_objects(epoch_progress["totals"])  # every rank's sums; rank 0 writes them
+            position = epoch_progress["position"] + epoch_progress["rows"] * sampler.world_size
+            trainer_state["epoch_progress"] = {"epoch": epoch_progress["epoch"], "lr": epoch_progress["lr"],
+                                               "totals": totals, "sampler": {**sampler.state_dict(), "position": position}}
         save_engine_checkpoint(folder, rank=self.rank, model=self.unwrapped_model, stateful=self._stateful(),
                                trainer_state=trainer_state)
         return folder
@@ -334,7 +390,26 @@ class TrainingEngine:
         state = load_engine_checkpoint(Path(folder), rank=self.rank, model=self.unwrapped_model, stateful=self._stateful())
         self.epochs_done, self.global_step = int(state["epochs_done"]), int(state["global_step"])
         self.best_metric, self.history = state.get("best_metric"), state.get("history", {})
+        progress = state.get("epoch_progress")
+        self._resume = None
+        if progress is not None:  # saved inside an epoch: train() continues that epoch where it stopped
+            totals = progress["totals"]
+            # Loss sums are per rank; on another number of ranks only their sum matters, so rank 0 carries it.
+            mine = totals[self.rank.rank] if len(totals) == self.world_size else \
+                ([sum(col) for col in zip(*totals)] if self.rank.is_main else [0.0] * len(totals[0]))
+            self._resume = {"folder": committed_copy(Path(folder)), "lr": progress["lr"], "totals": mine,
+                            "sampler": progress["sampler"]}
         return state
+
+    def _restore_epoch_position(self, loader: Iterable) -> None:
+        """After a mid-epoch checkpoint: put the train sampler where the saving run's ranks together had got to."""
+        if self._resume is None:
+            return
+        sampler = _epoch_sampler(loader)
+        if sampler is None:
+            raise ConfigError("the checkpoint was saved inside an epoch (save_steps); resuming it needs the same kind of "
+                              "train_loader sampler (phalanx.data.sampler.StatefulDistributedSampler)")
+        sampler.load_state_dict(self._resume["sampler"])
 
     # ---- helpers ----------------------------------------------------------------------------------
 
@@ -420,6 +495,30 @@ class TrainingEngine:
             self.best_metric = value
             return True
         return False
+
+
+def _epoch_sampler(loader: Any) -> Any:
+    """The loader's sampler when it can say where it is in its epoch (phalanx's StatefulDistributedSampler), else None."""
+    for sampler in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        if all(hasattr(sampler, a) for a in ("state_dict", "load_state_dict", "position", "world_size")):
+            return sampler
+    return None
+
+
+def _length(loader: Any) -> Optional[int]:
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+def rows_of(targets: Any) -> int:
+    """Rows in a batch, counted from its targets (a tensor's first dimension)."""
+    return int(targets.shape[0]) if isinstance(targets, torch.Tensor) and targets.dim() > 0 else len(targets)
+
+
+def optimizer_lr(optimizer: Optional[torch.optim.Optimizer]) -> Optional[float]:
+    return optimizer.param_groups[0]["lr"] if optimizer is not None else None
 
 
 def move_to(obj: Any, device: torch.device) -> Any:

@@ -1,4 +1,4 @@
-"""Find and load a causal LM and its tokenizer: a local folder, a Hub id, or an embedded preset.
+"""Find and load a causal LM and its tokenizer: a local folder, a Hub id, or an embedded preset; 4-bit for QLoRA.
 
 Every model, the embedded default included, goes through `from_pretrained`, so what the
 tests exercise is the path users' own models take.
@@ -9,10 +9,12 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Optional
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from phalanx.config.schema import ModelConfig
 from phalanx.errors import ConfigError
 
 EMBEDDED_PREFIX = "embedded:"
@@ -59,9 +61,61 @@ def load_tokenizer(model_name: str, trust_remote_code: bool = False) -> PreTrain
     return tokenizer
 
 
-def load_model(model_name: str, dtype: torch.dtype, trust_remote_code: bool = False) -> PreTrainedModel:
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def quantization_config(model_cfg: ModelConfig, run_dtype: Optional[torch.dtype]) -> Optional[BitsAndBytesConfig]:
+    """The bitsandbytes 4-bit settings `model_cfg` asks for (None: load unquantized).
+
+    `run_dtype` is the run's mixed precision dtype (None = fp32); the 'auto' compute dtype follows it."""
+    if not model_cfg.load_in_4bit:
+        return None
+    require_4bit_packages()
+    compute = COMPUTE_DTYPES.get(model_cfg.bnb_4bit_compute_dtype) or run_dtype or torch.float32
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=model_cfg.bnb_4bit_quant_type,
+        bnb_4bit_use_double_quant=model_cfg.bnb_4bit_use_double_quant,
+        bnb_4bit_compute_dtype=compute,
+    )
+
+
+def require_4bit_packages() -> None:
+    """transformers quantizes with bitsandbytes and loads quantized models through accelerate."""
+    import importlib.util
+
+    missing = [name for name in ("bitsandbytes", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ConfigError(f"model.load_in_4bit needs {' and '.join(missing)}, not installed here: "
+                          f"pip install 'phalanx[qlora]' (or pip install {' '.join(missing)})")
+
+
+def load_model(
+    model_name: str, dtype: torch.dtype, trust_remote_code: bool = False, *,
+    quantization: Optional[BitsAndBytesConfig] = None, device: Optional[torch.device] = None,
+) -> PreTrainedModel:
+    """Load the causal LM in `dtype`. With `quantization`, its linear layers are quantized while loading, onto
+    `device`: a quantized model is placed once, where it will run, and never moved afterwards."""
     path = resolve_model_path(model_name)
+    kwargs: dict = {}
+    if quantization is not None:
+        kwargs = {"quantization_config": quantization, "device_map": {"": device or torch.device("cpu")}}
     try:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"model.model_name = {model_name!r}: could not load the model: {exc}") from None
+    if quantization is not None:
+        keep_4bit_layout_trainable(model)
+    return model
+
+
+def keep_4bit_layout_trainable(model: torch.nn.Module) -> None:
+    """Stop bitsandbytes repacking CPU 4-bit weights for inference the first time a layer runs in eval mode.
+
+    On CPUs with AVX512-BF16, bitsandbytes (0.50 at least) rewrites a Linear4bit's weight in place into a bf16
+    inference layout on its first eval-mode forward. Training forwards after that run through a kernel with no
+    autograd support: no gradient flows through the base layers to the adapters below them, silently, and the
+    matmuls drop to bf16. Training evaluates between steps, so the layout must stay the trainable one."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False

@@ -9,10 +9,14 @@ from phalanx.runtime.dist import RankInfo
 
 
 def make_strategy(rank: RankInfo, precision: Precision, comm_hook: str = "none", *, cfg: Optional[Any] = None) -> Strategy:
-    """One process trains plainly; several ranks use the strategy `cfg.distributed.strategy` names (DDP by default)."""
-    if not rank.distributed:
-        return Strategy(rank, precision)
+    """The strategy `cfg.distributed.strategy` names (DDP by default); one process under DDP trains plainly.
+
+    FSDP2 and DeepSpeed run on one process too (on a one-rank group): on a single GPU their CPU offload is
+    what lets a model that does not fit train at all.
+    """
     kind = cfg.distributed.strategy if cfg is not None else "ddp"
+    if not rank.distributed and kind == "ddp":
+        return Strategy(rank, precision)
     if kind == "fsdp":
         from phalanx.parallel.fsdp import FSDPStrategy
 
@@ -34,3 +38,4 @@ def make_strategy(rank: RankInfo, precision: Precision, comm_hook: str = "none",
     from phalanx.parallel.ddp import DDPStrategy
 
     return DDPStrategy(rank, precision, comm_hook)
+

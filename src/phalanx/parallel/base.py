@@ -8,6 +8,7 @@ loss scaling is part of how a backward pass and an optimizer step are carried ou
 from __future__ import annotations
 
 import contextlib
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, ContextManager, Iterator, Optional
@@ -64,7 +65,7 @@ class Strategy:
 
     def setup_model(self, model: nn.Module) -> nn.Module:
         """Move and wrap the model only: for callers that bring their own optimizer later (set `optimizer`)."""
-        self.model = self.wrap(model.to(self.rank.device))
+        self.model = self.wrap(place_on_device(model, self.rank.device))
         return self.model
 
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -117,13 +118,16 @@ class Strategy:
 
     # Saving. Strategies that shard override these; every rank calls them (they may be collective).
     shards_state = False  # True: resume state is written per rank by save_sharded, not optimizer.pt from rank 0
+    sharded_state_holds_model = False  # True: save_sharded writes every weight (intermediate checkpoints skip the gather)
 
     def model_state_for_saving(self) -> Optional[dict]:
         """The weights save_pretrained should write on rank 0; None = read them from the model itself."""
         return None
 
-    def save_sharded(self, folder: Path) -> None:
-        """Weights and optimizer state for resume, written by every rank into `folder` (sharding strategies)."""
+    def save_sharded(self, folder: Path, asynchronous: bool = False) -> Optional[Future]:
+        """Weights and optimizer state for resume, written by every rank into `folder` (sharding strategies).
+
+        `asynchronous`: a strategy that can write in the background returns the write's Future (else None)."""
 
     def load_sharded(self, folder: Path) -> None:
         """Restore what save_sharded wrote (sharding strategies)."""
@@ -134,6 +138,29 @@ class Strategy:
     def load_state_dict(self, state: dict) -> None:
         if self.scaler and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
+
+
+def place_on_device(model: nn.Module, device: torch.device) -> nn.Module:
+    """Move `model` to `device`. A bitsandbytes-quantized model was placed when it was loaded (load_model's
+    device) and is left there: moving quantized weights again is not supported by every bitsandbytes version."""
+    if not is_quantized_model(model):
+        return model.to(device)
+    elsewhere = {str(p.device) for p in model.parameters() if p.device != device}
+    if elsewhere:
+        raise ConfigError(f"the 4-bit model was loaded on {sorted(elsewhere)} but this rank runs on {device}; "
+                          "load it with load_model(..., device=rank.device)")
+    return model
+
+
+def is_quantized_model(model: nn.Module) -> bool:
+    """True for a model (or PEFT wrapper of one) whose weights bitsandbytes quantized while loading."""
+    return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))
+
+
+def quantized_parameter_names(model: nn.Module) -> list[str]:
+    """Names of bitsandbytes' packed weights (Params4bit / Int8Params): frozen, and their scales live beside the
+    tensor (quant_state), so a collective that copies only the tensor would pair one rank's bytes with another's scales."""
+    return [name for name, p in model.named_parameters() if type(p).__name__ in ("Params4bit", "Int8Params")]
 
 
 def trainable_parameters(model: nn.Module) -> Iterator[nn.Parameter]:

@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from phalanx.parallel.base import Precision, Strategy
+from phalanx.parallel.base import Precision, Strategy, quantized_parameter_names
 from phalanx.runtime.dist import RankInfo
 
 COMM_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
@@ -29,6 +29,11 @@ class DDPStrategy(Strategy):
         # Causal LMs hold no running statistics; skipping the per-forward buffer broadcast saves a collective.
         # Broadcasting is DDP's default, so it is asked for by saying nothing (torch >= 2.13 deprecates the flag).
         buffers = {} if self.broadcast_buffers else {"broadcast_buffers": False}
+        quantized = quantized_parameter_names(model)
+        if quantized:
+            # DDP broadcasts rank 0's parameters at start; every rank quantized the same base file identically, and
+            # a broadcast would copy the packed 4-bit bytes without their scales (QLoRA's base stays out of DDP).
+            DDP._set_params_and_buffers_to_ignore_for_model(model, quantized)
         # Adapter first, DDP second: only the trainable (LoRA) weights get gradient buckets, so no unused-parameter search.
         ddp = DDP(
             model,

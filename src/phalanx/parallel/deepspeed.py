@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from phalanx.errors import ConfigError
-from phalanx.parallel.base import Precision, Strategy
+from phalanx.parallel.base import Precision, Strategy, place_on_device
 from phalanx.runtime.dist import RankInfo
 
 DS_DIR = "deepspeed"
@@ -132,7 +132,7 @@ class DeepSpeedStrategy(Strategy):
     def prepare(self, model: nn.Module, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]):
         import deepspeed
 
-        model = model.to(self.rank.device)
+        model = place_on_device(model, self.rank.device)
         client = make_optimizer(model)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=client, config=self.ds_config,
                                                     dist_init_required=False)
@@ -206,7 +206,9 @@ class DeepSpeedStrategy(Strategy):
             state.update({k: v.detach().cpu() for k, v in module.named_buffers() if k in module.state_dict()})
         return state if self.rank.is_main else {}
 
-    def save_sharded(self, folder: Path) -> None:
+    def save_sharded(self, folder: Path, asynchronous: bool = False) -> None:
+        """DeepSpeed's own checkpoint, every rank its partition; written before this returns (DeepSpeed's
+        engine offers no background write through this call, so `asynchronous` changes nothing here)."""
         self._release_after_eval()
         self.engine.save_checkpoint(str(folder / DS_DIR), tag=DS_TAG, save_latest=False,
                                     exclude_frozen_parameters=self.finetune == "lora")

@@ -11,12 +11,14 @@ frees its gathered parameters after forward:
 
 The final model or adapter is gathered to full tensors on rank 0 (every rank takes part);
 training state for resume is written sharded with torch.distributed.checkpoint, each rank
-its own part.
+its own part (optionally in the background), and loads on any number of ranks. Under full
+fine-tuning that sharded state holds every weight, so checkpoint-{step} gathers nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
+from concurrent.futures import Future
 from pathlib import Path
 from typing import ContextManager, Optional
 
@@ -24,6 +26,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from phalanx.checkpoint.dcp import load_state, save_state
 from phalanx.errors import ConfigError
 from phalanx.parallel.base import Precision, Strategy
 from phalanx.runtime.dist import RankInfo
@@ -132,6 +135,12 @@ class FSDPStrategy(Strategy):
         return norm
 
     # Saving ---------------------------------------------------------------------------------------------
+    @property
+    def sharded_state_holds_model(self) -> bool:
+        """Full fine-tuning: the sharded resume state holds every weight, so an intermediate checkpoint needs no
+        gathered copy (export one with `python -m phalanx.checkpoint.export`). LoRA's adapter is small: always gathered."""
+        return self.finetune == "full"
+
     def model_state_for_saving(self) -> Optional[dict]:
         """Full tensors on rank 0's CPU (an empty dict on the others); every rank must call this.
         For LoRA only the trainable (adapter) weights are gathered."""
@@ -152,16 +161,16 @@ class FSDPStrategy(Strategy):
         options = StateDictOptions(ignore_frozen_params=self.finetune == "lora")
         return get_state_dict(self.model, self.optimizer, options=options)
 
-    def save_sharded(self, folder: Path) -> None:
-        """Weights and optimizer state, each rank writing its own shards (torch.distributed.checkpoint)."""
-        import torch.distributed.checkpoint as dcp
+    def save_sharded(self, folder: Path, asynchronous: bool = False) -> Optional[Future]:
+        """Weights and optimizer state, each rank writing its own shards (torch.distributed.checkpoint).
 
+        `asynchronous`: the shards are copied to CPU memory now and written in the background (the Future)."""
         self._restore_after_eval()
         model_state, optim_state = self._sharded()
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(folder / SHARDED_DIR))
+        return save_state({"model": model_state, "optimizer": optim_state}, folder / SHARDED_DIR, asynchronous)
 
     def load_sharded(self, folder: Path) -> None:
-        import torch.distributed.checkpoint as dcp
+        """Restore what save_sharded wrote, on any number of ranks: DCP reads the pieces each rank now holds."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         if not (folder / SHARDED_DIR).is_dir():
@@ -169,7 +178,7 @@ class FSDPStrategy(Strategy):
                               "the strategy it was trained with, or start fresh with --overwrite_output_dir")
         model_state, optim_state = self._sharded()
         state = {"model": model_state, "optimizer": optim_state}
-        dcp.load(state, checkpoint_id=str(folder / SHARDED_DIR))
+        load_state(state, folder / SHARDED_DIR)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                        # For LoRA the frozen base was not saved (it comes from model_name): those keys stay as loaded.
                        options=StateDictOptions(strict=self.finetune != "lora"))

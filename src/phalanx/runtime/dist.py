@@ -71,8 +71,12 @@ def check_world_fits(local_world_size: int, backend: str) -> None:
             )
 
 
-def init_runtime(backend: str = "auto", timeout_minutes: float = 10.0) -> RankInfo:
-    """Join the process group the environment describes (if any) and pick this rank's device."""
+def init_runtime(backend: str = "auto", timeout_minutes: float = 10.0, group_of_one: bool = False) -> RankInfo:
+    """Join the process group the environment describes (if any) and pick this rank's device.
+
+    `group_of_one`: a single process still gets a (one-rank) process group, for strategies built on
+    collectives (FSDP2, DeepSpeed) that users run on one device for their offload and memory savings.
+    """
     rank, world, local_rank, local_world = env_rank_info()
     backend = resolve_backend(backend)
     if backend == "nccl":
@@ -93,6 +97,12 @@ def init_runtime(backend: str = "auto", timeout_minutes: float = 10.0) -> RankIn
             device_id=device if backend == "nccl" else None,
             **attempt_store(rank, world, timeout_minutes),
         )
+    elif world == 1 and group_of_one and not dist.is_initialized():
+        # What a launcher would have set: libraries such as DeepSpeed read the rank from the environment.
+        for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1")):
+            os.environ.setdefault(name, value)
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
+                                device_id=device if backend == "nccl" else None)
     return RankInfo(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world, device=device)
 
 

@@ -89,7 +89,7 @@ def handle_non_finite(run: Run, metrics: dict) -> None:
     """NaN/Inf global loss: the same decision on every rank, because the loss was reduced first."""
     step = run.state.global_step + 1
     if run.cfg.training.nan_policy == "stop":
-        run.save(f"checkpoint-{run.state.global_step}")
+        run.save(f"checkpoint-{run.state.global_step}", wait=True)
         raise PhalanxError(f"non-finite loss ({metrics['loss']}) at step {step}; checkpoint-{run.state.global_step} "
                            "saved. Lower the learning rate or check the data, then resume; or use --nan_policy skip.")
     run.state.skipped_steps += 1
@@ -102,6 +102,9 @@ def handle_non_finite(run: Run, metrics: dict) -> None:
 
 def train(run: Run) -> None:
     cfg, state, reporter = run.cfg, run.state, run.reporter
+    # from_pretrained hands back a model in eval mode: without this, dropout and activation checkpointing
+    # (which transformers applies only in training mode) would silently be off for the whole run.
+    run.model.train()
     window = {"loss": 0.0, "steps": 0, "tokens": 0, "start": time.perf_counter()}
     started = False
     while state.global_step < run.total_steps:
@@ -133,7 +136,7 @@ def train(run: Run) -> None:
             if step % cfg.eval.eval_steps == 0 or last:
                 run_eval(run)
             if step % cfg.checkpoint.save_steps == 0 or metrics["preempt"]:
-                run.save(f"checkpoint-{step}")
+                run.save(f"checkpoint-{step}", wait=metrics["preempt"])  # preempted: committed before exiting
             if metrics["preempt"]:
                 raise Preempted(f"preempted ({run.preemption.signal_name or 'signal on another rank'}) at step {step}; "
                                 f"checkpoint-{step} saved")

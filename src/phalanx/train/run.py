@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 from phalanx.checkpoint.commit import apply_retention, fsync_tree
-from phalanx.checkpoint.io import load_checkpoint, save_checkpoint, save_model_files
+from phalanx.checkpoint.io import PendingCheckpoint, load_checkpoint, save_checkpoint, save_model_files
 from phalanx.checkpoint.resume import existing_run_artifacts, resume_point
 from phalanx.config.schema import RunConfig
 from phalanx.data.collate import pad_batch
@@ -29,7 +29,7 @@ from phalanx.data.prepare import PreparedData, prepare_data
 from phalanx.data.sampler import StatefulDistributedSampler, eval_shard
 from phalanx.errors import ConfigError
 from phalanx.models.adapters import apply_finetuning, trainable_parameter_count
-from phalanx.models.load import cache_root, load_model, load_tokenizer
+from phalanx.models.load import cache_root, load_model, load_tokenizer, quantization_config
 from phalanx.observe.memory import peak_memory_mb
 from phalanx.observe.metrics import Reporter
 from phalanx.observe.plot import plot_loss_curve
@@ -65,6 +65,7 @@ class Run:
     fault: Optional[Fault] = None
     resumed_from: Optional[Path] = None
     consecutive_skips: int = 0
+    pending_checkpoint: Optional[PendingCheckpoint] = None  # written in the background (checkpoint.async_save)
 
     def steps_of_epoch(self) -> Iterator[list[dict]]:
         """This epoch's remaining micro-batches, grouped per optimizer step (the last group may be short)."""
@@ -77,21 +78,41 @@ class Run:
         if group:
             yield group
 
-    def save(self, name: str) -> None:
-        """Commit a checkpoint folder atomically; keep retention and the info file up to date."""
+    def save(self, name: str, wait: bool = False) -> None:
+        """Commit a checkpoint folder atomically; keep retention and the info file up to date.
+
+        With checkpoint.async_save the files are written in the background and committed once complete
+        (unless `wait`: the run is about to stop). How long training was held up is logged as kind 'save'."""
         folder = self.output_dir / name
         set_phase(self.rank.rank, f"saving {name}")
-        save_checkpoint(
+        started = time.perf_counter()
+        self.wait_for_checkpoint()  # one save in flight at a time; its commit comes first
+        waited = time.perf_counter() - started
+        background = self.cfg.checkpoint.async_save and not wait
+        keep = {self.output_dir / "checkpoint-best", folder}
+        # A full fine-tune's sharded state holds every weight: checkpoint-{step} skips gathering them to rank 0
+        # (checkpoint-best and the final model are complete from_pretrained folders).
+        weights = name == "checkpoint-best" or not self.strategy.sharded_state_holds_model
+        self.pending_checkpoint = save_checkpoint(
             folder, rank=self.rank, model=self.strategy.unwrap(), tokenizer=self.tokenizer,
             stateful=stateful_objects(self.strategy, self.optimizer, self.scheduler),
             trainer_state={**self.state.state_dict(), "sampler": self.sampler.state_dict(), "config": self.cfg.model_dump()},
-            model_state=self.strategy.model_state_for_saving(), sharded=self.strategy if self.strategy.shards_state else None,
+            model_state=self.strategy.model_state_for_saving() if weights else None, model_files=weights,
+            sharded=self.strategy if self.strategy.shards_state else None, asynchronous=background,
+            after_commit=partial(apply_retention, self.output_dir, self.cfg.checkpoint.save_total_limit, keep),
         )
         if self.rank.is_main:
-            keep = {self.output_dir / "checkpoint-best", folder}
-            apply_retention(self.output_dir, self.cfg.checkpoint.save_total_limit, keep)
             write_info(self, self.output_dir / "training_info.json")
         rt.barrier()
+        self.reporter.log(self.state.global_step, {"name": name, "async": background, "blocked_s": time.perf_counter() - started,
+                                                   "waited_for_previous_s": waited}, kind="save")
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait until a checkpoint still being written in the background is complete and committed."""
+        if self.pending_checkpoint is not None:
+            pending, self.pending_checkpoint = self.pending_checkpoint, None
+            set_phase(self.rank.rank, f"finishing the background write of {pending.final.name}")
+            pending.wait()
 
 
 def stateful_objects(strategy: Strategy, optimizer: Any, scheduler: Any) -> dict:
@@ -137,15 +158,20 @@ def build_run(cfg: RunConfig) -> Run:
     resume_from = check_output_dir(cfg)
     # Tokenize before joining the process group: a long tokenization can never trip a collective timeout.
     tokenizer, data = load_data(cfg)
-    rank = rt.init_runtime(cfg.distributed.backend, cfg.distributed.init_timeout_minutes)
+    rank = rt.init_runtime(cfg.distributed.backend, cfg.distributed.init_timeout_minutes,
+                           group_of_one=cfg.distributed.strategy != "ddp")
     set_phase(rank.rank, "starting")
     seed_everything(cfg.training.seed)
     precision = Precision.choose(cfg.training.mixed_precision, rank.device)
     # Frozen base weights may live in the compute dtype; weights that train stay fp32 (master copy).
     base_dtype = precision.dtype if (precision.dtype and cfg.model.finetune == "lora") else torch.float32
-    model = apply_finetuning(load_model(cfg.model.model_name, base_dtype, cfg.model.trust_remote_code), cfg.model, cfg.lora)
+    # QLoRA's base is quantized while loading, on this rank's device, where it stays.
+    quantization = quantization_config(cfg.model, precision.dtype)
+    model = load_model(cfg.model.model_name, base_dtype, cfg.model.trust_remote_code, quantization=quantization, device=rank.device)
+    model = apply_finetuning(model, cfg.model, cfg.lora)
     strategy = make_strategy(rank, precision, cfg.distributed.ddp_comm_hook, cfg=cfg)
-    model, optimizer = strategy.prepare(model, partial(make_optimizer, cfg=cfg.training))
+    make = partial(make_optimizer, cfg=cfg.training, fused_on_cuda=cfg.distributed.strategy != "deepspeed")
+    model, optimizer = strategy.prepare(model, make)
 
     collate = partial(pad_batch, pad_token_id=tokenizer.pad_token_id)
     sampler = StatefulDistributedSampler(len(data.train), rank.rank, rank.world_size, seed=cfg.training.seed)
@@ -188,7 +214,10 @@ def announce(run: Run) -> None:
     trainable, total = trainable_parameter_count(run.strategy.unwrap())
     effective = cfg.training.batch_size * run.rank.world_size * cfg.training.gradient_accumulation_steps
     say("🔧 Distributed Training Configuration:")
-    say(f"   - Model: {cfg.model.model_name} ({cfg.model.finetune}; {trainable:,} of {total:,} parameters train)")
+    m = cfg.model
+    base = (f" on a 4-bit {m.bnb_4bit_quant_type}{' double-quantized' if m.bnb_4bit_use_double_quant else ''} base"
+            if m.load_in_4bit else "")
+    say(f"   - Model: {m.model_name} ({m.finetune}{base}; {trainable:,} of {total:,} parameters train)")
     say(f"   - Dataset: {cfg.data.dataset_name or cfg.data.dataset_path or 'bundled health-agent chats'}")
     say(f"   - World Size: {run.rank.world_size} ({run.strategy.name}, {run.rank.device.type}, "
         f"{run.strategy.precision.dtype or 'fp32'})")
@@ -240,6 +269,7 @@ def write_info(run: Run, path: Path, extra: Optional[dict] = None) -> None:
 
 def finish_run(run: Run) -> dict:
     """Final model at output_dir, info files, loss plot and summary. Returns the summary on every rank."""
+    run.wait_for_checkpoint()  # the last checkpoint is committed before the run counts as finished
     set_phase(run.rank.rank, "finishing: gathering memory peaks")
     peaks = rt.gather_objects(peak_memory_mb(run.rank.device))
     elapsed = time.perf_counter() - run.started

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Every GPU figure the issues ask for, in one call on a CUDA machine (run from the repository root).
+#   benchmarks/gpu_suite.sh smoke|speed|strategies|memory ...   (default: all parts, in that order)
+# Wheels the GPU image lacks travel in .whl/ (see benchmarks/RESULTS.md); OUT (optional) collects the logs.
+set -u
+OUT=${OUT:-/tmp/phalanx-gpu}
+mkdir -p "$OUT"
+if [ -d .whl ] && ! python3 -c "import pydantic, datasets" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export PHALANX_CACHE=${PHALANX_CACHE:-/tmp/phalanx-cache}
+parts=${*:-smoke speed speed-hf-first strategies strategies-full qlora}
+step() {  # step NAME SECONDS CMD...: one part, time-boxed so a hang cannot take the whole call
+  local name=$1 limit=$2; shift 2
+  echo "=== $name ($(date +%T)): $*"
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v -E "^\s*$|Warning|warn\(" | tail -n 40
+  echo "=== $name exit ${PIPESTATUS[0]}"
+}
+for part in $parts; do
+  case $part in
+    smoke)
+      nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+      python3 -c "import torch, transformers, peft; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'peft', peft.__version__)"
+      step env 60 python3 -m phalanx env
+      for mp in bf16 fp16; do
+        step "train-$mp" 120 python3 -m phalanx train configs/demo.yaml --world_size 1 --max_steps 12 --eval_steps 6 \
+          --save_steps 6 --mixed_precision $mp --output_dir /tmp/smoke-$mp --overwrite_output_dir --logging.progress_bar false
+      done
+      step resume-bf16 120 python3 -m phalanx train configs/demo.yaml --world_size 1 --max_steps 16 --eval_steps 6 \
+          --save_steps 6 --mixed_precision bf16 --output_dir /tmp/smoke-bf16 --force --logging.progress_bar false ;;
+    speed)
+      step train_vs_hf 420 python3 benchmarks/train_vs_hf.py --gpu-shape qwen2.5-1.5b --steps 30 --no-results ;;
+    speed-hf-first)  # the same comparison in the other order: the first run on a fresh machine pays its warm-up
+      step train_vs_hf_hf_first 420 python3 benchmarks/train_vs_hf.py --gpu-shape qwen2.5-1.5b --steps 30 --no-results --hf-first ;;
+    profile)  # cProfile of rank 0 on both sides (timings perturbed); .prof files under $OUT/prof
+      step profile 300 python3 benchmarks/train_vs_hf.py --gpu-shape qwen2.5-1.5b --steps 15 --no-results --profile "$OUT/prof" ;;
+    qlora)  # 4-bit NF4 base vs plain LoRA on the 1.5B shape: peak memory and time (model folder from the speed part)
+      for q in true false; do
+        step "qlora-$q" 180 python3 -m phalanx train --model_name /tmp/phalanx-bench/qwen2.5-1.5b-random --max_steps 12 \
+          --batch_size 4 --max_length 2048 --test_size 0 --eval_steps 100 --save_steps 100 --mixed_precision bf16 \
+          --output_dir /tmp/qlora-$q --overwrite_output_dir --logging.progress_bar false --load_in_4bit $q
+      done ;;
+    strategies)
+      step strategies-lora 480 python3 benchmarks/strategies.py --gpu-shape qwen2.5-1.5b --world_size 1 --batch_size 4 \
+        --steps 12 --warmup 3 --offload --only ddp "fsdp FULL_SHARD" "ZeRO-2" "ZeRO-3" "fsdp FULL_SHARD + offload" \
+        "ZeRO-3 + param/optimizer offload" ;;
+    strategies-full)
+      step strategies-full 480 python3 benchmarks/strategies.py --gpu-shape qwen2.5-1.5b --world_size 1 --batch_size 4 \
+        --steps 8 --warmup 3 --finetune full --gradient_checkpointing --offload --only ddp "fsdp FULL_SHARD" \
+        "fsdp FULL_SHARD + offload" "ZeRO-3" ;;
+    *) echo "unknown part $part"; exit 2 ;;
+  esac
+done

@@ -1,0 +1,82 @@
+"""Write a from_pretrained folder from a checkpoint whose weights live only in its sharded state.
+
+    python -m phalanx.checkpoint.export OUTPUT_DIR/checkpoint-400 EXPORTED_DIR
+
+Under FSDP2, full fine-tuning keeps checkpoint-{step} lean: every rank writes its shards of the
+weights and optimizer state (sharded_state/, DCP) and nothing is gathered to rank 0 (the final
+model and checkpoint-best are complete from_pretrained folders). This reads the weights of such
+a checkpoint in one process, whatever number of ranks saved it, builds the model from its
+config.json, and writes model.safetensors, the config and the tokenizer files.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from phalanx.checkpoint.commit import fsync_tree, is_committed
+from phalanx.errors import PhalanxError
+
+SHARDED_DIR = "sharded_state"  # as parallel/fsdp.py writes it
+
+
+def export_checkpoint(folder: Path, out: Path) -> Path:
+    """Write `out` (a new folder) from the committed checkpoint `folder`; returns `out`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder, out = Path(folder), Path(out)
+    if not is_committed(folder):
+        raise PhalanxError(f"{folder} is not a committed phalanx checkpoint (no phalanx_checkpoint.json)")
+    if (folder / "model.safetensors").is_file() or (folder / "adapter_model.safetensors").is_file():
+        raise PhalanxError(f"{folder} already holds from_pretrained weights; load it directly")
+    if not (folder / SHARDED_DIR).is_dir():
+        raise PhalanxError(f"{folder} holds neither model weights nor {SHARDED_DIR}/ (FSDP2's sharded state); "
+                           "nothing to export")
+    if out.exists():
+        raise PhalanxError(f"{out} exists; choose a new folder to export into")
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    names = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}  # tied weights once
+    state = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in model.state_dict().items() if k in names}
+    # One process reads every rank's pieces; the optimizer's entries are not requested.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load({"model": state}, checkpoint_id=str(folder / SHARDED_DIR), no_dist=True,
+                 planner=DefaultLoadPlanner(allow_partial_load=True))
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    still_meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if still_meta or unexpected:
+        raise PhalanxError(f"{folder}/{SHARDED_DIR} does not fit its config.json: {len(still_meta)} weight(s) missing "
+                           f"{still_meta[:3]}, {len(unexpected)} unknown {unexpected[:3]}")
+    staging = out.with_name(f".{out.name}.staging")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging, safe_serialization=True)
+    AutoTokenizer.from_pretrained(folder).save_pretrained(staging)
+    fsync_tree(staging)
+    staging.rename(out)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2 or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    try:
+        out = export_checkpoint(Path(argv[0]), Path(argv[1]))
+    except PhalanxError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"exported {argv[0]} -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

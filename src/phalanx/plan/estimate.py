@@ -1,0 +1,331 @@
+"""Bytes per rank for each strategy: parameters, gradients, optimizer state, activations, and the peak.
+
+Every number here is derived in docs/plan.md and checked against real training steps in
+tests/plan/test_plan.py. All sizes are bytes; `c` is the compute dtype's size (2 under bf16/fp16
+mixed precision, 4 in fp32), trainable weights and optimizer state are always fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from phalanx.config.schema import RunConfig
+from phalanx.errors import ConfigError
+from phalanx.plan.model import ModelFacts
+
+GiB = 2**30
+FP32 = 4
+# Memory a rank uses outside its tensors. CUDA: context, cuBLAS workspace and NCCL buffers, typically 0.5-1 GiB
+# (an allowance, not measured by this project yet: benchmarks/plan_accuracy.py prints it on a GPU). CPU: the
+# interpreter with torch and transformers loaded, peak RSS minus peak tensor bytes (measured, docs/plan.md).
+OVERHEAD_BYTES = {"cuda": int(1.0 * GiB), "cpu": int(0.6 * GiB)}
+# The CUDA caching allocator reserves more than the tensors it hands out (block rounding, fragmentation).
+ALLOCATOR_SLACK = {"cuda": 0.10, "cpu": 0.0}
+# DeepSpeed's defaults (deepspeed.runtime.zero.config) for the knobs phalanx leaves unset.
+DS_DEFAULTS = {"reduce_bucket_size": 500_000_000, "stage3_prefetch_bucket_size": 50_000_000,
+               "stage3_param_persistence_threshold": 100_000}
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A row of the plan: how to ask for it, and what it costs in communication."""
+
+    label: str
+    flags: str
+    comm: str
+
+
+# Least communication first: one all-reduce's worth of traffic per step; then parameters gathered twice per step
+# (1.5x); then host offload (PCIe copies and an optimizer step on the CPU, by far the slowest).
+STRATEGIES = [
+    Strategy("ddp", "--strategy ddp", "one all-reduce of gradients per step"),
+    Strategy("fsdp NO_SHARD", "--strategy fsdp --sharding_strategy NO_SHARD", "one all-reduce of gradients per step"),
+    Strategy("ZeRO-1", "--strategy deepspeed --zero_stage 1", "all-reduce of gradients, all-gather of updated parameters"),
+    Strategy("fsdp SHARD_GRAD_OP", "--strategy fsdp --sharding_strategy SHARD_GRAD_OP",
+             "reduce-scatter of gradients, one all-gather of parameters per step"),
+    Strategy("ZeRO-2", "--strategy deepspeed --zero_stage 2", "reduce-scatter of gradients, all-gather of updated parameters"),
+    Strategy("fsdp FULL_SHARD", "--strategy fsdp --sharding_strategy FULL_SHARD",
+             "reduce-scatter of gradients, two all-gathers of parameters per step"),
+    Strategy("ZeRO-3", "--strategy deepspeed --zero_stage 3", "reduce-scatter of gradients, two all-gathers of parameters per step"),
+    Strategy("ZeRO-2 +offload opt", "--strategy deepspeed --zero_stage 2 --offload_optimizer",
+             "ZeRO-2's, plus the optimizer step on the host"),
+    Strategy("ZeRO-3 +offload opt", "--strategy deepspeed --zero_stage 3 --offload_optimizer",
+             "ZeRO-3's, plus the optimizer step on the host"),
+    Strategy("fsdp FULL_SHARD +offload", "--strategy fsdp --sharding_strategy FULL_SHARD --offload_param",
+             "FULL_SHARD's, plus host copies of every shard and the optimizer step on the host"),
+    Strategy("ZeRO-3 +offload opt+param", "--strategy deepspeed --zero_stage 3 --offload_optimizer --offload_param",
+             "ZeRO-3's, plus parameters fetched from the host and the optimizer step on the host"),
+]
+BY_LABEL = {s.label: s for s in STRATEGIES}
+SINGLE = Strategy("single process", "", "none")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The run facts that decide bytes."""
+
+    device: str  # "cuda" or "cpu"
+    compute_bytes: int  # 2 under bf16/fp16 mixed precision, 4 in fp32
+    batch: int  # sequences per micro-batch per rank
+    seq: int  # data.max_length: the longest a padded micro-batch can be
+    accumulation: int
+    world: int
+    finetune: str
+    lora_dropout: float
+    base_4bit_bytes: float = 0.0  # bytes per weight of a 4-bit base (QLoRA), 0 when the base is not quantized
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+
+def setup_from_config(cfg: RunConfig, device: str) -> Setup:
+    mp = cfg.training.mixed_precision
+    if device == "cpu" and mp in ("fp16", "bf16"):
+        raise ConfigError(f"training.mixed_precision = '{mp}' needs a CUDA device; plan with --device cuda, or use "
+                          "'auto' / 'no' for a CPU run")
+    compute = FP32 if device == "cpu" or mp == "no" else 2  # 'auto' on CUDA is bf16 (fp16 on old GPUs): 2 bytes
+    four_bit = 0.0
+    if getattr(cfg.model, "load_in_4bit", False):
+        # 4 bits per weight and an fp32 scale per block of 64; double quantization stores the scales in 8 bits
+        # with an fp32 scale per 256 of them.
+        four_bit = 0.5 + (1 / 64 + 4 / (64 * 256) if cfg.model.bnb_4bit_use_double_quant else 4 / 64)
+    return Setup(device=device, compute_bytes=compute, batch=cfg.training.batch_size, seq=cfg.data.max_length,
+                 accumulation=cfg.training.gradient_accumulation_steps, world=cfg.distributed.world_size,
+                 finetune=cfg.model.finetune, lora_dropout=cfg.lora.dropout, base_4bit_bytes=four_bit)
+
+
+# ------------------------------------------------------------------------------------------------ activations
+@dataclass(frozen=True)
+class Activations:
+    saved: int  # what autograd keeps for backward, one micro-batch, whole model
+    checkpointed: int  # the same with every decoder layer checkpointed (its input kept, one layer recomputed)
+    logits: int  # logits, the loss's fp32 copy and its log-softmax, alive together around the loss
+
+    @property
+    def peak(self) -> int:
+        return self.saved + self.logits
+
+    @property
+    def peak_checkpointed(self) -> int:
+        return self.checkpointed + self.logits
+
+
+def activation_bytes(m: ModelFacts, s: Setup, stream: int, compute: int) -> Activations:
+    """Tensors a Llama-family decoder keeps for backward (docs/plan.md, "Activations").
+
+    `stream`: bytes per element of the residual stream (the embedding output's dtype); `compute`: of
+    linear outputs (the autocast dtype, else the weights'). RMSNorm computes in fp32; attention is
+    flash/efficient SDPA, which keeps q, k, v, its output and a log-sum-exp, never seq x seq scores.
+    """
+    t, b, seq = s.tokens, s.batch, s.seq
+    h, i = m.hidden, m.intermediate
+    nq, nkv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    logits = _logits_bytes(m, s, compute)
+    if not m.known_layout:  # 18 hidden-sized and 4 intermediate-sized tensors per token and layer
+        layer = (18 * h + 4 * i) * compute * t
+        return Activations(saved=layer * m.num_layers, checkpointed=m.num_layers * h * stream * t + layer, logits=logits)
+
+    # Several rows per micro-batch may be padded: transformers then passes a mask, and SDPA converts it to an
+    # additive mask in the query dtype per layer (kept for backward) and k/v heads are repeated to full size.
+    padded = b > 1
+    dropout = s.lora_dropout > 0
+    mask_bytes = 1 if s.device == "cuda" else stream  # fused CUDA dropout keeps a bool mask, CPU a scaled noise tensor
+    trains, lora = m.trainable_linears, m.lora_ranks
+
+    def rms_norm(dim: int, rows: int = 1) -> int:
+        # x in fp32 (kept by pow), rsqrt per row, and x * rsqrt when the norm's weight trains.
+        return FP32 * dim + FP32 * rows + (FP32 * dim if m.trainable_norms else 0)
+
+    def linear_inputs(dim: int, roles: Sequence[str], kept_anyway: bool = False) -> int:
+        """The input shared by `roles`: kept if a weight trains or a LoRA A reads it; autocast casts it per linear."""
+        out = 0
+        readers = [r for r in roles if r in trains or (r in lora and not dropout)]
+        if readers and not kept_anyway:
+            out += dim * compute * (len(readers) if stream != compute else 1)
+        for r in roles:
+            if r in lora:
+                out += lora[r] * compute  # lora_A's output, kept by lora_B
+                if dropout:
+                    out += dim * stream + dim * mask_bytes  # each adapter's dropout output and mask
+        return out
+
+    kv = nq if padded else nkv
+    attention = rms_norm(h) + linear_inputs(h, ("q", "k", "v"))
+    if m.qk_norm:
+        attention += rms_norm(nq, m.heads) + rms_norm(nkv, m.kv_heads)
+    attention += (nq + 2 * kv) * compute  # rotated q, k and v as SDPA keeps them
+    attention += nq * compute + FP32 * m.heads  # SDPA's output (o_proj's input too) and log-sum-exp
+    attention += seq * compute if padded else 0  # the additive mask
+    attention += linear_inputs(nq, ("o",), kept_anyway=True)
+    mlp = rms_norm(h) + linear_inputs(h, ("gate", "up")) + 3 * i * compute  # gate, up, act(gate)
+    if "down" in trains or "down" in lora:
+        mlp += linear_inputs(i, ("down",))  # act(gate) * up
+    per_layer = attention + mlp
+    # Under LoRA the first layer's input comes from a frozen embedding: its norms keep no fp32 copy of it.
+    first_layer = per_layer - (2 * FP32 * h if s.finetune == "lora" else 0)
+    final_norm = rms_norm(h) + (h * compute if m.head_trainable else 0)
+    shared = 3 * 8 + (seq if padded else 0)  # input ids, mask, labels (int64) and the boolean mask, per token
+    rope = 2 * seq * m.head_dim * compute
+    saved = (first_layer + per_layer * (m.num_layers - 1) + final_norm + shared) * t + rope
+    checkpointed = (m.num_layers * h * stream + per_layer + final_norm + shared) * t + rope
+    return Activations(saved=saved, checkpointed=checkpointed, logits=logits)
+
+
+def _logits_bytes(m: ModelFacts, s: Setup, logits_dtype: int) -> int:
+    """Logits, their fp32 copy for the loss (none when already fp32 and contiguous, one row per batch), log-softmax."""
+    copy = FP32 if (logits_dtype != FP32 or s.batch > 1) else 0
+    return s.tokens * m.vocab * (logits_dtype + copy + FP32)
+
+
+# ------------------------------------------------------------------------------------------------ strategies
+@dataclass
+class Row:
+    """One strategy's bytes per rank. `params` includes parameters gathered or cast for compute."""
+
+    strategy: str
+    flags: str
+    comm: str
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    activations_ckpt: int
+    peak: int
+    peak_ckpt: int
+    host: int = 0  # bytes per rank offloaded to host memory
+    total: int = 0  # peak with allocator slack and fixed overhead: what must fit in device memory
+    total_ckpt: int = 0
+    fits: bool = False
+    fits_ckpt: bool = False
+    detail: dict = field(default_factory=dict)
+
+
+def _shard(n: int, world: int) -> int:
+    return math.ceil(n / world)
+
+
+def strategy_rows(m: ModelFacts, s: Setup, *, device_memory: int, ds_config: Optional[dict] = None) -> list[Row]:
+    """Every strategy phalanx offers, least communication first (on one rank only offloading saves anything, but
+    every row is listed: a config may ask for any of them)."""
+    n, c = s.world, s.compute_bytes
+    T, P = m.trainable_params, m.total_params
+    lora, mixed = s.finetune == "lora", c != FP32
+    rows: list[Row] = []
+
+    def scratch(trainable: int, largest: int) -> int:
+        # AdamW's temporaries at step(): phalanx uses the fused kernel on CUDA (none); torch's for-loop version on
+        # CPU holds two of one tensor at a time.
+        return 2 * largest * FP32 if s.device == "cpu" else 0
+
+    # DDP: a full replica. LoRA's frozen base is loaded in the compute dtype; what trains is fp32, and under autocast
+    # its bf16 copies are cached for the forward and kept for backward. DDP's buckets hold a second copy of the grads.
+    act = activation_bytes(m, s, stream=c if (lora and mixed) else FP32, compute=c)
+    buckets = T * FP32 if n > 1 else 0
+    frozen = m.frozen_params * (c if lora else FP32)
+    if s.base_4bit_bytes:  # QLoRA: the decoder layers' linear weights in 4 bits, the rest of the base as loaded
+        frozen = int(m.quantizable_params * s.base_4bit_bytes) + (m.frozen_params - m.quantizable_params) * c
+    rows.append(_row(BY_LABEL["ddp"] if n > 1 else SINGLE, s, act, params=frozen + T * FP32, optimizer=2 * T * FP32,
+                     grads=T * FP32 + buckets, grads_kept=buckets, working=(0 if lora else T * c) if mixed else 0,
+                     scratch=scratch(T, m.largest_trainable)))
+
+    # FSDP2: fp32 shards (a LoRA base is brought back to fp32); the mixed-precision policy gathers units in the compute
+    # dtype. One unit per decoder layer plus the root (embeddings, norm, head), which stays gathered through backward.
+    fsdp_act = activation_bytes(m, s, stream=c, compute=c)
+    unit, root = m.layer_params, m.root_params
+    unit_grads = m.layer_trainable * (c + FP32)  # a unit's unsharded gradients and the fp32 reduce-scatter input
+    for label, div, gathered in (
+        ("fsdp NO_SHARD", 1, P * c),  # a gathered copy of everything, kept from forward to the end of backward
+        ("fsdp SHARD_GRAD_OP", n, (root + m.num_layers * unit) * c),  # every layer stays gathered until backward
+        ("fsdp FULL_SHARD", n, (root + 2 * unit) * c),  # the running layer and the prefetched one
+    ):
+        rows.append(_row(BY_LABEL[label], s, fsdp_act, params=_shard(P, div) * FP32, working=gathered + unit_grads,
+                         grads=_shard(T, div) * FP32, grads_kept=0, optimizer=2 * _shard(T, div) * FP32,
+                         scratch=scratch(_shard(T, div), _shard(m.largest_trainable, div))))
+    # CPU offload: shards, gradients and the optimizer step live on the host; the device holds what is gathered.
+    rows.append(_row(BY_LABEL["fsdp FULL_SHARD +offload"], s, fsdp_act, params=0, working=(root + 2 * unit) * c + unit_grads,
+                     grads=0, grads_kept=0, optimizer=0, scratch=0,
+                     host=_shard(P, n) * FP32 + 3 * _shard(T, n) * FP32))
+
+    knobs = _ds_knobs(ds_config)
+    ds_act = activation_bytes(m, s, stream=c, compute=c)
+    for stage, off_opt, off_param in ((1, False, False), (2, False, False), (3, False, False), (2, True, False),
+                                      (3, True, False), (3, True, True)):
+        rows.append(_zero_row(stage, off_opt, off_param, m, s, ds_act, knobs))
+
+    for row in rows:
+        slack, overhead = ALLOCATOR_SLACK[s.device], OVERHEAD_BYTES[s.device]
+        row.total = int(row.peak * (1 + slack)) + overhead
+        row.total_ckpt = int(row.peak_ckpt * (1 + slack)) + overhead
+        row.fits, row.fits_ckpt = row.total <= device_memory, row.total_ckpt <= device_memory
+    return rows
+
+
+def _ds_knobs(ds_config: Optional[dict]) -> dict[str, int]:
+    """DeepSpeed's bucket sizes in elements: the user's JSON where it gives numbers ("auto" means the default)."""
+    zero = (ds_config or {}).get("zero_optimization") or {}
+    out = {}
+    for key, default in DS_DEFAULTS.items():
+        value = zero.get(key, default)
+        out[key] = int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+    return out
+
+
+def _zero_row(stage: int, off_opt: bool, off_param: bool, m: ModelFacts, s: Setup, act: Activations,
+              knobs: dict[str, int]) -> Row:
+    """DeepSpeed ZeRO: the model in the compute dtype, an fp32 master copy of the rank's partition of what trains,
+    AdamW on that copy, and a reduce bucket of reduce_bucket_size elements allocated whole, whatever the model."""
+    n, c, T, P = s.world, s.compute_bytes, m.trainable_params, m.total_params
+    label = f"ZeRO-{stage}" + (" +offload opt" if off_opt else "") + ("+param" if off_param else "")
+    part = _shard(T, n)
+    master, moments = part * FP32, 2 * part * FP32
+    bucket = knobs["reduce_bucket_size"] * (FP32 if stage == 1 else c)  # ZeRO-1 accumulates in fp32
+    fp32_grads = part * FP32 if c != FP32 else 0  # the partition's gradient cast for the fp32 step
+    small, working = 0, 0
+    if stage == 3:
+        # Parameters up to the persistence threshold stay whole on every rank; the rest are partitioned and gathered
+        # ahead of use up to the prefetch bucket (so a small model is gathered whole), plus the all-gather's buffer.
+        small = sum(k for k in m.param_sizes if k <= knobs["stage3_param_persistence_threshold"])
+        params = (small + _shard(P - small, n)) * c
+        biggest_unit = max(m.layer_params, m.root_params)  # the embedding is gathered too, whole
+        working = 2 * min(P - small, knobs["stage3_prefetch_bucket_size"] + biggest_unit) * c
+    else:
+        params = P * c
+    grads_kept = bucket + (part * c if stage == 3 else 0)  # ZeRO-3 keeps the partition's gradients in a flat buffer
+    grads = bucket + part * c + fp32_grads
+    # DeepSpeed gets the unfused AdamW (foreach on CUDA), over one flat fp32 partition.
+    scratch = 2 * part * FP32 if s.device == "cpu" else part * FP32
+    host = 0
+    if off_opt:
+        host += master + moments + part * FP32
+        master = moments = scratch = 0
+        grads -= fp32_grads
+    if off_param:
+        host += params - small * c
+        params = small * c
+    return _row(BY_LABEL[label], s, act, params=params + master, working=working, grads=grads, grads_kept=grads_kept,
+                optimizer=moments, scratch=scratch, host=host, detail={"fp32_master": master, "reduce_bucket": bucket})
+
+
+def _row(strategy: Strategy, s: Setup, act: Activations, *, params: int, working: int, grads: int, grads_kept: int,
+         optimizer: int, scratch: int, host: int = 0, detail: Optional[dict] = None) -> Row:
+    """The peak of a training step (docs/plan.md, "Peak"). Activations are largest when backward starts, gradients
+    when it ends, so the peak is the larger of the two moments, not their sum:
+
+        forward/backward = params + working + optimizer + grads kept between steps (all grads when accumulating)
+                           + activations
+        optimizer step   = params + optimizer + grads + optimizer scratch
+    """
+    kept = grads if s.accumulation > 1 else grads_kept
+
+    def peak(activations: int) -> int:
+        return max(params + working + optimizer + kept + activations, params + optimizer + grads + scratch)
+
+    return Row(strategy=strategy.label, flags=strategy.flags, comm=strategy.comm, params=params + working, grads=grads,
+               optimizer=optimizer, activations=act.peak, activations_ckpt=act.peak_checkpointed,
+               peak=peak(act.peak), peak_ckpt=peak(act.peak_checkpointed), host=host,
+               detail={"resident_params": params, "working_params": working, "grads_kept": grads_kept,
+                       "optimizer_scratch": scratch, "activations_saved": act.saved, "activations_checkpointed":
+                       act.checkpointed, "logits": act.logits, **(detail or {})})

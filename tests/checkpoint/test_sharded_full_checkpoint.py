@@ -1,0 +1,53 @@
+"""FSDP2 full fine-tuning: checkpoint-{step} holds the weights only in its sharded state (nothing is gathered to
+rank 0), resumes exactly from it, and `python -m phalanx.checkpoint.export` turns it into a from_pretrained folder."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import read_metrics, run_phalanx
+from safetensors.torch import load_file
+
+from checkpoint.resume_ranks import FLAGS, shape
+from phalanx.checkpoint.io import load_model_weights
+from phalanx.errors import PhalanxError
+
+pytestmark = pytest.mark.distributed
+
+
+def test_full_finetune_checkpoints_are_sharded_only_and_export(resume_data, tmp_path):
+    base = ["train", "--dataset_path", str(resume_data), "--strategy", "fsdp", "--finetune", "full", *shape(2), *FLAGS,
+            "--max_steps", "4", "--learning_rate", "1e-3", "--checkpoint.save_best", "true", "--eval_steps", "2"]
+    whole = tmp_path / "whole"
+    proc = run_phalanx(*base, "--output_dir", str(whole))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for step in (2, 4):
+        checkpoint = whole / f"checkpoint-{step}"
+        assert not (checkpoint / "model.safetensors").exists(), "no gathered copy in an intermediate checkpoint"
+        assert (checkpoint / "config.json").is_file() and (checkpoint / "tokenizer_config.json").is_file()
+        assert len(list((checkpoint / "sharded_state").glob("*.distcp"))) == 2
+    assert (whole / "checkpoint-best" / "model.safetensors").is_file() and (whole / "model.safetensors").is_file()
+
+    # Export: the same bytes of weights as the final model the run wrote (checkpoint-4 is the last step).
+    exported = tmp_path / "exported"
+    proc = subprocess.run([sys.executable, "-m", "phalanx.checkpoint.export", str(whole / "checkpoint-4"), str(exported)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    final, export = load_file(whole / "model.safetensors"), load_file(exported / "model.safetensors")
+    assert final.keys() == export.keys() and all(torch.equal(final[k], export[k]) for k in final)
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(exported).lm_head.weight.shape[0] > 0
+
+    # A strategy that would read model.safetensors is told where the weights are.
+    with pytest.raises(PhalanxError, match="phalanx.checkpoint.export"):
+        load_model_weights(AutoModelForCausalLM.from_pretrained(exported), whole / "checkpoint-2", "full")
+
+    # Resume from the sharded-only checkpoint-2: steps 3-4 and the final weights as the uninterrupted run's.
+    resumed = tmp_path / "resumed"
+    proc = run_phalanx(*base, "--output_dir", str(resumed), "--resume_from_checkpoint", str(whole / "checkpoint-2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["loss"] for r in read_metrics(resumed)] == [r["loss"] for r in read_metrics(whole)][2:]
+    again = load_file(resumed / "model.safetensors")
+    assert all(torch.equal(final[k], again[k]) for k in final)

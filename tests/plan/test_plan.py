@@ -1,0 +1,191 @@
+"""`phalanx plan`: exact parameter counts from config.json alone, estimates within 25% of measured peaks, the CLI.
+
+The accuracy tests train the real thing (build_run and the loop, 2 optimizer steps: the second runs with AdamW's
+state) in fresh processes and compare the plan's peak with the measured one: the largest sum of live tensor bytes
+in a rank (see plan/workers.py), the CPU counterpart of torch.cuda.max_memory_allocated.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import run_phalanx
+
+from phalanx.cli import main as phalanx_main
+from phalanx.config.loader import load_config
+from phalanx.plan import model_facts, setup_from_config, strategy_rows
+from phalanx.plan.command import make_plan
+from plan.workers import SMALL, measure, write_model, write_rows
+
+TOLERANCE = 0.25
+LLAMA_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
+            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000,
+            "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory) -> str:
+    return str(write_model(tmp_path_factory.mktemp("plan-model") / "small", **SMALL))
+
+
+@pytest.fixture(scope="module")
+def llama_7b(tmp_path_factory) -> str:
+    """A folder with a Llama-2-7B config.json and no weights: all the plan reads."""
+    folder = tmp_path_factory.mktemp("plan-llama") / "llama-7b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA_7B))
+    return str(folder)
+
+
+def run_config(tmp_path: Path, name: str, **overrides) -> dict:
+    """Dotted overrides for a short run: 16 rows just under max_length, no evaluation, no saving."""
+    max_length = overrides.get("data.max_length", 512)
+    data = write_rows(tmp_path / f"{name}.jsonl", 16, max_length)
+    return {"data.dataset_path": str(data), "output_dir": str(tmp_path / name), "data.test_size": 0.0,
+            "training.max_steps": 2, "checkpoint.save_steps": 1000, "eval.eval_steps": 1000, "lora.dropout": 0.0,
+            "logging.tensorboard": False, "logging.progress_bar": False, "data.max_length": max_length, **overrides}
+
+
+def estimated_peak(overrides: dict, strategy: str) -> int:
+    cfg = load_config(None, overrides)
+    rows = strategy_rows(model_facts(cfg), setup_from_config(cfg, "cpu"), device_memory=2**40)
+    row = next(r for r in rows if r.strategy == strategy)
+    return row.peak_ckpt if cfg.model.gradient_checkpointing else row.peak
+
+
+def check(cases: dict[str, tuple[dict, str]], measured: list[list[dict]]) -> None:
+    """Every case within TOLERANCE of the largest rank's measured peak; the table is printed either way."""
+    lines, bad = [], []
+    for (name, (overrides, strategy)), ranks in zip(cases.items(), measured):
+        est, peak = estimated_peak(overrides, strategy), max(r["peak"] for r in ranks)
+        ratio = est / peak
+        lines.append(f"{name:<34} {strategy:<16} estimate {est:>12,} B  measured {peak:>12,} B  ratio {ratio:.3f}")
+        if abs(ratio - 1) > TOLERANCE:
+            bad.append(name)
+    print("\n" + "\n".join(lines))
+    assert not bad, f"estimates off by more than {TOLERANCE:.0%}: {bad}\n" + "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------- counting
+def test_parameter_counts_are_exact_without_weights(llama_7b):
+    """Llama-2-7B's published counts, from config.json alone: 6,738,415,616 parameters; LoRA r=16 on every linear
+    layer trains 39,976,960 of them."""
+    full = model_facts(load_config(None, {"model.model_name": llama_7b, "model.finetune": "full"}))
+    assert (full.total_params, full.trainable_params) == (6_738_415_616, 6_738_415_616)
+    lora = model_facts(load_config(None, {"model.model_name": llama_7b, "lora.r": 16}))
+    assert lora.trainable_params == 39_976_960
+    assert lora.total_params == 6_738_415_616 + 39_976_960
+    assert lora.num_layers == 32 and lora.known_layout and not lora.qk_norm
+    assert lora.layer_params * 32 + lora.root_params == lora.total_params
+
+
+def test_sharding_and_checkpointing_move_bytes_the_right_way(llama_7b):
+    cfg = load_config(None, {"model.model_name": llama_7b, "model.finetune": "full", "distributed.world_size": 8,
+                             "training.batch_size": 1, "data.max_length": 4096})
+    m, s = model_facts(cfg), setup_from_config(cfg, "cuda")
+    rows = {r.strategy: r for r in strategy_rows(m, s, device_memory=80 * 2**30)}
+    ddp, full, grad_op = rows["ddp"], rows["fsdp FULL_SHARD"], rows["fsdp SHARD_GRAD_OP"]
+    # Full fine-tuning in bf16 with fp32 master weights: 16 bytes per parameter before sharding (weights, grads, AdamW).
+    assert ddp.optimizer == 8 * m.total_params
+    assert full.optimizer == pytest.approx(ddp.optimizer / 8, rel=1e-6)
+    assert full.peak < grad_op.peak < rows["fsdp NO_SHARD"].peak
+    assert rows["ZeRO-3"].peak < rows["ZeRO-2"].peak < rows["ZeRO-1"].peak
+    for row in rows.values():
+        assert row.activations_ckpt < row.activations / 4
+        assert row.peak_ckpt <= row.peak  # equal where the optimizer step, not backward, sets the peak (DDP here)
+    assert full.peak_ckpt < full.peak / 2
+    offloaded = rows["ZeRO-3 +offload opt+param"]
+    assert offloaded.host > 0 and offloaded.peak < rows["ZeRO-3"].peak
+    assert not ddp.fits and full.fits  # 7B full fine-tuning: 108 GB per rank under DDP, a fraction of it sharded
+
+
+# ---------------------------------------------------------------------------------------------------- accuracy
+@pytest.mark.distributed
+def test_single_process_estimates_within_25_percent(tmp_path, small_model):
+    """One process: full fine-tuning (weights, gradients and AdamW dominate), LoRA (activations and logits
+    dominate), LoRA with dropout and activation checkpointing, full fine-tuning with gradient accumulation."""
+    cases = {
+        "full, 12.7M params, 2x128": (run_config(tmp_path, "full", **{"model.model_name": small_model,
+                                                                       "model.finetune": "full",
+                                                                       "training.batch_size": 2,
+                                                                       "data.max_length": 128}), "single process"),
+        "lora r16, tiny, 4x512": (run_config(tmp_path, "lora", **{"lora.r": 16, "training.batch_size": 4}),
+                                  "single process"),
+        "lora r8 dropout, ckpt, 2x512": (run_config(tmp_path, "lora-ckpt", **{"lora.r": 8, "lora.dropout": 0.05,
+                                                                                "training.batch_size": 2,
+                                                                                "model.gradient_checkpointing": True}),
+                                         "single process"),
+        "full, tiny, 2x256, accumulation 2": (run_config(tmp_path, "accum", **{"model.finetune": "full",
+                                                                                "training.batch_size": 2,
+                                                                                "data.max_length": 256,
+                                                                                "training.gradient_accumulation_steps": 2}),
+                                              "single process"),
+    }
+    check(cases, measure([overrides for overrides, _ in cases.values()], world=1))
+
+
+@pytest.mark.distributed
+def test_ddp_estimate_within_25_percent_on_two_ranks(tmp_path, small_model):
+    """Two gloo ranks under DDP, full fine-tuning: a replica each, plus DDP's gradient buckets."""
+    cases = {"ddp full, 12.7M params, 2x128": (run_config(tmp_path, "ddp", **{
+        "model.model_name": small_model, "model.finetune": "full", "training.batch_size": 2, "data.max_length": 128,
+        "distributed.world_size": 2}), "ddp")}
+    check(cases, measure([overrides for overrides, _ in cases.values()], world=2))
+
+
+@pytest.mark.distributed
+def test_fsdp_full_shard_estimate_within_25_percent_on_two_ranks(tmp_path, small_model):
+    """Two gloo ranks under FSDP2 FULL_SHARD, full fine-tuning: half the weights, gradients and AdamW state per
+    rank, plus the gathered layers and root."""
+    cases = {"fsdp full, 12.7M params, 2x128": (run_config(tmp_path, "fsdp", **{
+        "model.model_name": small_model, "model.finetune": "full", "training.batch_size": 2, "data.max_length": 128,
+        "distributed.world_size": 2, "distributed.strategy": "fsdp"}), "fsdp FULL_SHARD")}
+    check(cases, measure([overrides for overrides, _ in cases.values()], world=2))
+
+
+# ---------------------------------------------------------------------------------------------------- the command
+def test_plan_demo_config_prints_table_and_recommendation():
+    proc = run_phalanx("plan", "configs/demo.yaml", "--world_size", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    for word in ("params", "grads", "optimizer", "activ.", "activ.ckpt", "peak", "ddp *", "fsdp FULL_SHARD", "ZeRO-3"):
+        assert word in out
+    assert "Recommended: ddp on 2 rank(s) (--strategy ddp)" in out
+
+
+def test_plan_json_recommendation_and_what_to_change(llama_7b, capsys):
+    base = ["plan", "--model_name", llama_7b, "--world_size", "1", "--device", "cuda"]
+    # Full fine-tuning of 7B on one 24 GB GPU: only offloading fits, and more ranks would avoid it.
+    assert phalanx_main([*base, "--finetune", "full", "--device_memory_gb", "24", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["model"]["total_params"] == 6_738_415_616
+    assert "offload" in plan["recommended"] and "--offload" in plan["recommended_flags"]
+    assert any(a.startswith("more ranks") for a in plan["advice"])
+    # Nothing fits 4 GB with 8 x 4096-token micro-batches (the logits alone are 10 GB): shorter ones are suggested.
+    assert phalanx_main([*base, "--finetune", "full", "--device_memory_gb", "4", "--batch_size", "8",
+                         "--max_length", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "Recommended: none: no strategy fits" in out and "shorter micro-batches" in out
+    # LoRA on the same model fits one 80 GB GPU as it is.
+    assert phalanx_main([*base, "--device_memory_gb", "80", "--max_length", "2048"]) == 0
+    assert "Recommended: single process on 1 rank(s)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["plan", "no/such/config.yaml"], "config file no/such/config.yaml does not exist"),
+    (["plan", "configs/demo.yaml", "--world_size", "0"], "distributed.world_size"),
+    (["plan", "configs/demo.yaml", "--device_memory_gb", "-3"], "--device_memory_gb '-3'"),
+    (["plan", "configs/demo.yaml", "--device", "tpu"], "accepted values are cuda and cpu"),
+    (["plan", "configs/demo.yaml", "--wrold_size", "2"], "Did you mean"),
+    (["plan", "--json", "configs/demo.yaml"], "--json takes no value"),
+])
+def test_bad_input_gets_a_clear_error(args, expected, capsys):
+    assert phalanx_main(args) == 2
+    err = capsys.readouterr().err
+    assert expected in err, err
+
+
+def test_plan_for_the_configured_strategy_is_marked(tmp_path):
+    cfg = load_config("configs/demo.yaml", {"distributed.strategy": "deepspeed", "distributed.zero_stage": 3})
+    plan = make_plan(cfg, "cpu", 64 * 2**30)
+    assert plan.configured == "ZeRO-3" and any(r.strategy == "ZeRO-3" for r in plan.rows)
