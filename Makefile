@@ -20,8 +20,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q -e '.[dev,deepspeed,qlora]'
 	@touch $@
 
+# DEMO_FLAGS: extra `phalanx train` flags (the test suite shortens the demo with them).
 demo: install
-	$(PY) -m phalanx train configs/demo.yaml
+	$(PY) -m phalanx train configs/demo.yaml $(DEMO_FLAGS)
 
 test: install
 	$(PY) -m pytest -q

@@ -55,6 +55,10 @@ def cmd_train(args: Sequence[str]) -> int:
         return train_rank(config_path, pairs)
     cfg = load_config(config_path, overrides_from_flags(pairs))
     cfg.check_nodes(1)  # one process, or `--world_size N` ranks on this machine
+    if cfg.model.load_in_4bit:
+        from phalanx.models.packages import require_4bit_packages
+
+        require_4bit_packages()  # once here, not once per rank
     if cfg.distributed.world_size > 1:
         return launch_train_ranks(cfg, args)
     quiet_libraries()
@@ -155,6 +159,7 @@ COMMANDS = {
     "slurm": ("phalanx.launch.command:slurm_main", "--config C --num_nodes N  write an sbatch script"),
     "env": ("phalanx.launch.command:env_main", "versions, devices and an all-reduce check"),
     "plan": ("phalanx.plan.command:main", "[CONFIG.yaml] [--world_size N] [--device_memory_gb X]  memory per rank for each strategy"),
+    "export": ("phalanx.checkpoint.export:main", "CHECKPOINT OUT  a from_pretrained folder from a sharded-only checkpoint"),
     "config-docs": (cmd_config_docs, "print the config reference (Markdown)"),
 }
 

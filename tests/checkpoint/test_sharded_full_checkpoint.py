@@ -1,8 +1,6 @@
 """FSDP2 full fine-tuning: checkpoint-{step} holds the weights only in its sharded state (nothing is gathered to
-rank 0), resumes exactly from it, and `python -m phalanx.checkpoint.export` turns it into a from_pretrained folder."""
+rank 0), resumes exactly from it, and `phalanx export` turns it into a from_pretrained folder."""
 
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -31,8 +29,7 @@ def test_full_finetune_checkpoints_are_sharded_only_and_export(resume_data, tmp_
 
     # Export: the same bytes of weights as the final model the run wrote (checkpoint-4 is the last step).
     exported = tmp_path / "exported"
-    proc = subprocess.run([sys.executable, "-m", "phalanx.checkpoint.export", str(whole / "checkpoint-4"), str(exported)],
-                          capture_output=True, text=True)
+    proc = run_phalanx("export", str(whole / "checkpoint-4"), str(exported))
     assert proc.returncode == 0, proc.stderr[-2000:]
     final, export = load_file(whole / "model.safetensors"), load_file(exported / "model.safetensors")
     assert final.keys() == export.keys() and all(torch.equal(final[k], export[k]) for k in final)
@@ -41,7 +38,7 @@ def test_full_finetune_checkpoints_are_sharded_only_and_export(resume_data, tmp_
     assert AutoModelForCausalLM.from_pretrained(exported).lm_head.weight.shape[0] > 0
 
     # A strategy that would read model.safetensors is told where the weights are.
-    with pytest.raises(PhalanxError, match="phalanx.checkpoint.export"):
+    with pytest.raises(PhalanxError, match="phalanx export"):
         load_model_weights(AutoModelForCausalLM.from_pretrained(exported), whole / "checkpoint-2", "full")
 
     # Resume from the sharded-only checkpoint-2: steps 3-4 and the final weights as the uninterrupted run's.

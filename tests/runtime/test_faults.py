@@ -74,7 +74,9 @@ def test_nan_loss_with_stop_policy_saves_and_exits(dataset, tmp_path):
     assert [s for s, _ in committed_step_checkpoints(out)] == [2]
 
 
-def test_sigusr1_saves_a_checkpoint_and_exits_for_requeue(dataset, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=["SIGUSR1", "SIGTERM"])
+def test_preemption_signal_saves_a_checkpoint_and_exits_for_requeue(sig, dataset, tmp_path):
+    """SLURM sends USR1 ahead of the time limit (--signal) and TERM on preemption or scancel: both save and exit 75."""
     out = tmp_path / "o"
     cmd = [sys.executable, "-m", "phalanx", "train", "--dataset_path", str(dataset), "--output_dir", str(out),
            *COMMON, "--max_steps", "200", "--save_steps", "1000"]
@@ -84,10 +86,10 @@ def test_sigusr1_saves_a_checkpoint_and_exits_for_requeue(dataset, tmp_path):
         if (out / "metrics.jsonl").is_file() and len(read_metrics(out)) >= 2:
             break
         time.sleep(0.2)
-    os.kill(proc.pid, signal.SIGUSR1)  # SLURM's --signal=B:USR1 warns the launcher; it passes the signal to the ranks
+    os.kill(proc.pid, sig)  # SLURM signals the launcher (--signal=B:USR1, or TERM); it passes the signal to the ranks
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 75, stderr[-3000:]
-    assert "preempted (SIGUSR1)" in stderr
+    assert f"preempted ({sig.name})" in stderr
     steps = [s for s, _ in committed_step_checkpoints(out)]
     assert len(steps) == 1 and steps[0] >= 2
     resumed = run_phalanx("train", "--dataset_path", str(dataset), "--output_dir", str(out), *COMMON,

@@ -1,6 +1,6 @@
 """Write a from_pretrained folder from a checkpoint whose weights live only in its sharded state.
 
-    python -m phalanx.checkpoint.export OUTPUT_DIR/checkpoint-400 EXPORTED_DIR
+    phalanx export OUTPUT_DIR/checkpoint-400 EXPORTED_DIR
 
 Under FSDP2, full fine-tuning keeps checkpoint-{step} lean: every rank writes its shards of the
 weights and optimizer state (sharded_state/, DCP) and nothing is gathered to rank 0 (the final

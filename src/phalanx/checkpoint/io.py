@@ -104,7 +104,7 @@ def save_checkpoint(
     `model_state`: gathered weights for rank 0's save_pretrained; `sharded`: a strategy whose
     save_sharded(folder) every rank calls to write its part of the training state; `after_commit`:
     run by rank 0 once the checkpoint is committed (retention); `model_files=False`: no from_pretrained weights
-    (the sharded state holds them; python -m phalanx.checkpoint.export writes them from it).
+    (the sharded state holds them; `phalanx export` writes them from it).
 
     `asynchronous`: copy everything to CPU memory now, write it in the background and return a
     PendingCheckpoint; rank 0 commits it only once every rank's files are on disk. Call its wait()
@@ -265,7 +265,7 @@ def load_model_weights(model: nn.Module, folder: Path, finetune: str) -> None:
     if not (folder / "model.safetensors").is_file():
         raise PhalanxError(f"{folder} holds no model.safetensors: its weights are in the sharded state of the strategy "
                            "that saved it. Resume it with that strategy (any number of ranks), or write the weights first "
-                           f"with: python -m phalanx.checkpoint.export {folder} OUT_DIR")
+                           f"with: phalanx export {folder} OUT_DIR")
     state = load_file(folder / "model.safetensors")
     own = model.state_dict()
     # save_pretrained leaves out weights tied to others (the output head tied to the embeddings).

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from phalanx.config.schema import ModelConfig
 from phalanx.errors import ConfigError
+from phalanx.models.packages import require_4bit_packages
 
 EMBEDDED_PREFIX = "embedded:"
 # What the Hub accepts as a repository id: "name" or "org/name", nothing path-like.
@@ -78,16 +79,6 @@ def quantization_config(model_cfg: ModelConfig, run_dtype: Optional[torch.dtype]
         bnb_4bit_use_double_quant=model_cfg.bnb_4bit_use_double_quant,
         bnb_4bit_compute_dtype=compute,
     )
-
-
-def require_4bit_packages() -> None:
-    """transformers quantizes with bitsandbytes and loads quantized models through accelerate."""
-    import importlib.util
-
-    missing = [name for name in ("bitsandbytes", "accelerate") if importlib.util.find_spec(name) is None]
-    if missing:
-        raise ConfigError(f"model.load_in_4bit needs {' and '.join(missing)}, not installed here: "
-                          f"pip install 'phalanx[qlora]' (or pip install {' '.join(missing)})")
 
 
 def load_model(

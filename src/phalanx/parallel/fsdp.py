@@ -138,7 +138,7 @@ class FSDPStrategy(Strategy):
     @property
     def sharded_state_holds_model(self) -> bool:
         """Full fine-tuning: the sharded resume state holds every weight, so an intermediate checkpoint needs no
-        gathered copy (export one with `python -m phalanx.checkpoint.export`). LoRA's adapter is small: always gathered."""
+        gathered copy (export one with `phalanx export`). LoRA's adapter is small: always gathered."""
         return self.finetune == "full"
 
     def model_state_for_saving(self) -> Optional[dict]:
