@@ -24,6 +24,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from plan.workers import write_rows  # noqa: E402  (the accuracy tests' padded rows)
 
 CASES = {
     "lora": {"model.finetune": "lora", "training.batch_size": 4, "data.max_length": 1024},
@@ -34,15 +37,6 @@ CASES = {
     "full-ckpt": {"model.finetune": "full", "training.batch_size": 2, "data.max_length": 1024,
                   "model.gradient_checkpointing": True},
 }
-
-
-def write_rows(path: Path, rows: int, max_length: int) -> Path:
-    """Rows one to three tokens short of max_length (a byte-level tokenizer): padded micro-batches of full length."""
-    text = "lorem ipsum dolor sit amet " * (max_length // 20 + 1)
-    with open(path, "w", encoding="utf-8") as f:
-        for i in range(rows):
-            f.write(json.dumps({"text": f"row {i} {text}"[: max_length - 8 - i % 3]}) + "\n")
-    return path
 
 
 def measure_one(overrides: dict) -> dict:
@@ -114,7 +108,8 @@ def main() -> None:
     print(f"{'case':<14} {'estimate':>16} {'measured':>16} {'ratio':>6} {'outside torch':>14} {'reserved/alloc':>14}")
     for name in args.cases.split(","):
         case = dict(CASES[name])
-        data = write_rows(work / f"{name}.jsonl", 16, case["data.max_length"])
+        # 8 tokens of margin (room for the tokenizer's special tokens around a text row).
+        data = write_rows(work / f"{name}.jsonl", 16, case["data.max_length"], margin=8)
         overrides = {"model.model_name": str(model), "data.dataset_path": str(data), "output_dir": str(work / name),
                      "overwrite_output_dir": True, "data.test_size": 0.0, "training.max_steps": args.steps,
                      "checkpoint.save_steps": 10**9, "eval.eval_steps": 10**9, "logging.tensorboard": False,

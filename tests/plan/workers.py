@@ -36,13 +36,13 @@ def write_model(folder: Path, **shape) -> Path:
     return folder
 
 
-def write_rows(path: Path, rows: int, max_length: int) -> Path:
-    """Plain-text rows one to three tokens short of max_length: every micro-batch is padded (a mask is built)
-    and as long as the plan assumes, give or take two tokens."""
+def write_rows(path: Path, rows: int, max_length: int, margin: int = 1) -> Path:
+    """Plain-text rows `margin` to `margin`+2 tokens short of max_length (byte-level tokenizers): every micro-batch
+    is padded (a mask is built) and as long as the plan assumes, give or take two tokens."""
     text = "lorem ipsum dolor sit amet " * (max_length // 20 + 1)
     with open(path, "w", encoding="utf-8") as f:
         for i in range(rows):
-            f.write(json.dumps({"text": f"row {i} {text}"[: max_length - 1 - i % 3]}) + "\n")
+            f.write(json.dumps({"text": f"row {i} {text}"[: max_length - margin - i % 3]}) + "\n")
     return path
 
 
