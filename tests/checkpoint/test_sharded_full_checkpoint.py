@@ -1,5 +1,5 @@
-"""FSDP2 full fine-tuning: checkpoint-{step} holds the weights only in its sharded state (nothing is gathered to
-rank 0), resumes exactly from it, and `phalanx export` turns it into a from_pretrained folder."""
+"""FSDP2 and ZeRO-3 full fine-tuning: checkpoint-{step} holds the weights only in its sharded state (nothing is
+gathered to rank 0), resumes exactly from it, and `phalanx export` turns it into a from_pretrained folder."""
 
 
 import pytest
@@ -14,8 +14,15 @@ from phalanx.errors import PhalanxError
 pytestmark = pytest.mark.distributed
 
 
-def test_full_finetune_checkpoints_are_sharded_only_and_export(resume_data, tmp_path):
-    base = ["train", "--dataset_path", str(resume_data), "--strategy", "fsdp", "--finetune", "full", *shape(2), *FLAGS,
+# Where each strategy's shards land, and how many files its two ranks write there.
+SHARDS = {"fsdp": (["--strategy", "fsdp"], "sharded_state", "*.distcp"),
+          "zero3": (["--strategy", "deepspeed", "--zero_stage", "3"], "deepspeed/state", "*optim_states.pt")}
+
+
+@pytest.mark.parametrize("name", list(SHARDS))
+def test_full_finetune_checkpoints_are_sharded_only_and_export(name, resume_data, tmp_path):
+    strategy, shard_dir, shard_glob = SHARDS[name]
+    base = ["train", "--dataset_path", str(resume_data), *strategy, "--finetune", "full", *shape(2), *FLAGS,
             "--max_steps", "4", "--learning_rate", "1e-3", "--checkpoint.save_best", "true", "--eval_steps", "2"]
     whole = tmp_path / "whole"
     proc = run_phalanx(*base, "--output_dir", str(whole))
@@ -24,7 +31,7 @@ def test_full_finetune_checkpoints_are_sharded_only_and_export(resume_data, tmp_
         checkpoint = whole / f"checkpoint-{step}"
         assert not (checkpoint / "model.safetensors").exists(), "no gathered copy in an intermediate checkpoint"
         assert (checkpoint / "config.json").is_file() and (checkpoint / "tokenizer_config.json").is_file()
-        assert len(list((checkpoint / "sharded_state").glob("*.distcp"))) == 2
+        assert len(list((checkpoint / shard_dir).glob(shard_glob))) == 2
     assert (whole / "checkpoint-best" / "model.safetensors").is_file() and (whole / "model.safetensors").is_file()
 
     # Export: the same bytes of weights as the final model the run wrote (checkpoint-4 is the last step).

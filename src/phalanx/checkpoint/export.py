@@ -2,11 +2,12 @@
 
     phalanx export OUTPUT_DIR/checkpoint-400 EXPORTED_DIR
 
-Under FSDP2, full fine-tuning keeps checkpoint-{step} lean: every rank writes its shards of the
-weights and optimizer state (sharded_state/, DCP) and nothing is gathered to rank 0 (the final
-model and checkpoint-best are complete from_pretrained folders). This reads the weights of such
-a checkpoint in one process, whatever number of ranks saved it, builds the model from its
-config.json, and writes model.safetensors, the config and the tokenizer files.
+Under FSDP2 and DeepSpeed ZeRO-3, full fine-tuning keeps checkpoint-{step} lean: every rank writes
+its shards of the weights and optimizer state (sharded_state/ through DCP, or deepspeed/ through
+DeepSpeed's own checkpoint) and nothing is gathered to rank 0 (the final model and checkpoint-best
+are complete from_pretrained folders). This reads the weights of such a checkpoint in one process,
+whatever number of ranks saved it, builds the model from its config.json, and writes
+model.safetensors, the config and the tokenizer files.
 """
 
 from __future__ import annotations
@@ -22,12 +23,11 @@ from phalanx.checkpoint.commit import fsync_tree, is_committed
 from phalanx.errors import PhalanxError
 
 SHARDED_DIR = "sharded_state"  # as parallel/fsdp.py writes it
+DEEPSPEED_DIR, DEEPSPEED_TAG = "deepspeed", "state"  # as parallel/deepspeed.py writes it
 
 
 def export_checkpoint(folder: Path, out: Path) -> Path:
     """Write `out` (a new folder) from the committed checkpoint `folder`; returns `out`."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import DefaultLoadPlanner
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     folder, out = Path(folder), Path(out)
@@ -35,26 +35,22 @@ def export_checkpoint(folder: Path, out: Path) -> Path:
         raise PhalanxError(f"{folder} is not a committed phalanx checkpoint (no phalanx_checkpoint.json)")
     if (folder / "model.safetensors").is_file() or (folder / "adapter_model.safetensors").is_file():
         raise PhalanxError(f"{folder} already holds from_pretrained weights; load it directly")
-    if not (folder / SHARDED_DIR).is_dir():
-        raise PhalanxError(f"{folder} holds neither model weights nor {SHARDED_DIR}/ (FSDP2's sharded state); "
-                           "nothing to export")
+    deepspeed = (folder / DEEPSPEED_DIR / DEEPSPEED_TAG).is_dir()
+    if not (folder / SHARDED_DIR).is_dir() and not deepspeed:
+        raise PhalanxError(f"{folder} holds neither model weights nor {SHARDED_DIR}/ (FSDP2's sharded state) nor "
+                           f"{DEEPSPEED_DIR}/ (DeepSpeed's); nothing to export")
     if out.exists():
         raise PhalanxError(f"{out} exists; choose a new folder to export into")
     config = AutoConfig.from_pretrained(folder)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    names = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}  # tied weights once
-    state = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in model.state_dict().items() if k in names}
-    # One process reads every rank's pieces; the optimizer's entries are not requested.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load({"model": state}, checkpoint_id=str(folder / SHARDED_DIR), no_dist=True,
-                 planner=DefaultLoadPlanner(allow_partial_load=True))
+    state = read_deepspeed_weights(folder) if deepspeed else read_dcp_weights(folder, model)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     still_meta = [n for n, p in model.named_parameters() if p.is_meta]
     if still_meta or unexpected:
-        raise PhalanxError(f"{folder}/{SHARDED_DIR} does not fit its config.json: {len(still_meta)} weight(s) missing "
+        source = folder / (DEEPSPEED_DIR if deepspeed else SHARDED_DIR)
+        raise PhalanxError(f"{source} does not fit its config.json: {len(still_meta)} weight(s) missing "
                            f"{still_meta[:3]}, {len(unexpected)} unknown {unexpected[:3]}")
     staging = out.with_name(f".{out.name}.staging")
     shutil.rmtree(staging, ignore_errors=True)
@@ -63,6 +59,28 @@ def export_checkpoint(folder: Path, out: Path) -> Path:
     fsync_tree(staging)
     staging.rename(out)
     return out
+
+
+def read_dcp_weights(folder: Path, model: torch.nn.Module) -> dict:
+    """The model's entries of FSDP2's sharded state, read by one process from every rank's pieces."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    names = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}  # tied weights once
+    state = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in model.state_dict().items() if k in names}
+    # The optimizer's entries are not requested.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load({"model": state}, checkpoint_id=str(folder / SHARDED_DIR), no_dist=True,
+                 planner=DefaultLoadPlanner(allow_partial_load=True))
+    return state
+
+
+def read_deepspeed_weights(folder: Path) -> dict:
+    """The fp32 weights of a ZeRO-3 checkpoint, merged from every rank's partition by DeepSpeed's own converter."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(folder / DEEPSPEED_DIR), tag=DEEPSPEED_TAG)
 
 
 def main(argv: list[str]) -> int:

@@ -187,6 +187,13 @@ class DeepSpeedStrategy(Strategy):
         self.engine.zero_grad()
 
     # Saving ---------------------------------------------------------------------------------------------
+    @property
+    def sharded_state_holds_model(self) -> bool:
+        """ZeRO-3 full fine-tuning: DeepSpeed's checkpoint holds every weight (fp32, partitioned), so intermediate
+        checkpoints skip the gather to rank 0 (`phalanx export` consolidates one). Stages 1-2 hold whole weights
+        on every rank and LoRA's adapter is small: those are written as from_pretrained files as before."""
+        return self.zero_stage == 3 and self.finetune == "full"
+
     def model_state_for_saving(self) -> Optional[dict]:
         """Under ZeRO-3 each rank holds a slice of every weight: gather them, one parameter at a time, to rank 0.
         For LoRA only the adapter is gathered. Stages 1-2 keep whole weights on every rank: nothing to do."""
