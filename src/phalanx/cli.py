@@ -5,9 +5,12 @@ from __future__ import annotations
 import errno
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from phalanx.errors import PhalanxError
+
+if TYPE_CHECKING:
+    from phalanx.runtime.signals import PreemptionFlag
 
 
 
@@ -47,12 +50,14 @@ def cmd_train(args: Sequence[str]) -> int:
     import os
 
     from phalanx.config.loader import load_config, overrides_from_flags
+    # Only `signal`: installed before the model stack is imported (seconds), so no preemption signal is lost.
+    from phalanx.runtime.signals import PreemptionFlag
 
     config_path, pairs = split_flags(args)
     # A rank of torchrun, the DeepSpeed launcher, SLURM or `--world_size N` (runtime.dist.launched_by_torchrun,
     # tested here without importing torch, so that a bad config is reported at once).
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return train_rank(config_path, pairs)
+        return train_rank(config_path, pairs, PreemptionFlag().install())
     cfg = load_config(config_path, overrides_from_flags(pairs))
     cfg.check_nodes(1)  # one process, or `--world_size N` ranks on this machine
     if cfg.model.load_in_4bit:
@@ -61,29 +66,25 @@ def cmd_train(args: Sequence[str]) -> int:
         require_4bit_packages()  # once here, not once per rank
     if cfg.distributed.world_size > 1:
         return launch_train_ranks(cfg, args)
+    preemption = PreemptionFlag().install()
     quiet_libraries()
-    return train_worker(cfg)
-
-
-LAUNCHER_ONLY = False  # set once this process is only the launcher of local ranks; main() then exits at once
+    return train_worker(cfg, preemption)
 
 
 def launch_train_ranks(cfg, args: Sequence[str]) -> int:
     """`--world_size N`: start N local ranks at once. This process only checks what needs no model or data library
     (the ranks tokenize, one of them at a time through the cache's lock, before they join the process group)."""
-    global LAUNCHER_ONLY
     from phalanx.checkpoint.resume import resume_point
     from phalanx.launch.local import launch_local
     from phalanx.runtime.dist import check_world_fits
 
     check_world_fits(cfg.distributed.world_size, cfg.distributed.backend)
     resume_point(cfg)  # an output_dir that holds another run is refused here, once, before any rank starts
-    LAUNCHER_ONLY = True
     return launch_local(["train", *args], cfg.distributed.world_size, cfg.distributed.master_port,
                         max_restarts=cfg.distributed.max_restarts)
 
 
-def train_rank(config_path: Optional[str], pairs: list[tuple[str, str]]) -> int:
+def train_rank(config_path: Optional[str], pairs: list[tuple[str, str]], preemption: PreemptionFlag) -> int:
     """One rank started by a launcher. Bad input is the same on every rank: it is reported once for the job."""
     from phalanx.config.loader import load_config, overrides_from_flags
     from phalanx.errors import ConfigError, DataError
@@ -93,7 +94,7 @@ def train_rank(config_path: Optional[str], pairs: list[tuple[str, str]]) -> int:
     try:
         cfg = load_config(config_path, overrides_from_flags(pairs))
         quiet_libraries()
-        return train_worker(cfg)
+        return train_worker(cfg, preemption)
     except (ConfigError, DataError) as exc:
         if world == 1:
             raise
@@ -102,7 +103,7 @@ def train_rank(config_path: Optional[str], pairs: list[tuple[str, str]]) -> int:
         return report_bad_input(exc, rank)
 
 
-def train_worker(cfg) -> int:
+def train_worker(cfg, preemption: PreemptionFlag) -> int:
     """One rank's whole run. A failure is reported with what every rank was doing, so the stuck one is named."""
     from phalanx.runtime.dist import env_rank_info, shutdown
     from phalanx.runtime.signals import PREEMPTED_EXIT_CODE, Preempted
@@ -113,7 +114,7 @@ def train_worker(cfg) -> int:
     rank, world = env_rank_info()[:2]
     run = None
     try:
-        run = build_run(cfg)
+        run = build_run(cfg, preemption)
         train(run)
         finish_run(run)
     except Preempted as exc:
@@ -136,6 +137,8 @@ def train_worker(cfg) -> int:
                                f"{describe_ranks(world)}") from exc
         raise
     finally:
+        if run is not None:
+            run.reporter.close()  # a failed run keeps the metrics and TensorBoard events it logged
         # Free DDP (its reducer holds the process group) before destroying the group: the other order can
         # tear gloo down inside a Python destructor, where its threads wait for the GIL we hold: a hang at exit.
         del run
@@ -201,18 +204,29 @@ def quiet_libraries() -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    global LAUNCHER_ONLY
     code = run_command(list(sys.argv[1:] if argv is None else argv))
-    launcher_only, LAUNCHER_ONLY = LAUNCHER_ONLY, False
-    if argv is None and launcher_only:
-        # This process only started ranks, which have saved and closed everything: skip the second or so that
-        # tearing down the imported torch takes.
-        import os
-
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    if argv is None:
+        exit_without_teardown(code)
     return code
+
+
+def exit_without_teardown(code: int) -> None:
+    """End the `phalanx` program once its command has returned, skipping the interpreter's teardown.
+
+    Finalizing the modules torch, transformers and peft import takes 1.5-2 s per process (every rank, every run).
+    Everything the command wrote is closed by now; what teardown would still do that matters is done here: wait
+    for non-daemon threads (a checkpoint being written in the background), run the atexit handlers, flush."""
+    import atexit
+    import os
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run_command(argv: list[str]) -> int:

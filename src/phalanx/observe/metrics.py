@@ -66,12 +66,15 @@ class Reporter:
             self._bar.set_postfix(postfix, refresh=False)
 
     def close(self) -> None:
+        """Flush and close the outputs; safe to call again (the CLI also closes a run that failed)."""
         if self._bar is not None:
             self._bar.close()
         if self._tb is not None:
             self._tb.close()
         if self._jsonl is not None:
             self._jsonl.close()
+        self._bar = self._tb = self._jsonl = None
+        self._bar_args = None
 
 
 def keep_until(path: Path, step: int) -> list[dict]:
