@@ -47,3 +47,20 @@ def write_chat_jsonl(path: Path, rows: int, start: int = 0) -> Path:
         for i in range(start, start + rows):
             f.write(json.dumps(chat_row(i)) + "\n")
     return path
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (torch starts its ranks in sessions of their own, so killpg misses them)."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        parents.setdefault(ppid, []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out

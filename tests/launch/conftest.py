@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-from helpers import write_chat_jsonl
+from helpers import descendants, write_chat_jsonl
 
 # One config for every run of the tier, so each can be compared with the same uninterrupted run.
 # Checkpoints every 3 steps give the elastic and preemption tests something to resume from.
@@ -117,23 +117,6 @@ def read_info(output_dir: Path) -> dict:
     import json
 
     return json.loads((output_dir / "final_training_info.json").read_text())
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (torch starts its ranks in sessions of their own, so killpg misses them)."""
-    parents: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        parents.setdefault(ppid, []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
 
 
 def kill_tree(proc: subprocess.Popen) -> None:

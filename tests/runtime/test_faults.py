@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, read_metrics, run_phalanx, write_chat_jsonl
+from helpers import ROOT, descendants, read_metrics, run_phalanx, write_chat_jsonl
 
 from phalanx.checkpoint.commit import committed_step_checkpoints
 
@@ -74,24 +74,44 @@ def test_nan_loss_with_stop_policy_saves_and_exits(dataset, tmp_path):
     assert [s for s, _ in committed_step_checkpoints(out)] == [2]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=["SIGUSR1", "SIGTERM"])
-def test_preemption_signal_saves_a_checkpoint_and_exits_for_requeue(sig, dataset, tmp_path):
-    """SLURM sends USR1 ahead of the time limit (--signal) and TERM on preemption or scancel: both save and exit 75."""
+def rank_pids(launcher: subprocess.Popen) -> list[int]:
+    """The ranks below a `--world_size` launcher (processes whose environment holds RANK)."""
+    pids = []
+    for pid in descendants(launcher.pid):
+        try:
+            if any(item.startswith(b"RANK=") for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")):
+                pids.append(pid)
+        except OSError:
+            pass
+    return pids
+
+
+@pytest.mark.parametrize("sig, moment", [(signal.SIGUSR1, "training"), (signal.SIGTERM, "start-up")],
+                         ids=["SIGUSR1-while-training", "SIGTERM-while-starting"])
+def test_preemption_signal_saves_a_checkpoint_and_exits_for_requeue(sig, moment, dataset, tmp_path):
+    """SLURM sends USR1 ahead of the time limit (--signal) and TERM on preemption or scancel: both save and exit 75.
+
+    A signal that arrives while the ranks still import, tokenize and load (seconds on a real model) is kept, not
+    fatal: the ranks finish starting, train the first step, commit checkpoint-1 and exit 75."""
     out = tmp_path / "o"
     cmd = [sys.executable, "-m", "phalanx", "train", "--dataset_path", str(dataset), "--output_dir", str(out),
            *COMMON, "--max_steps", "200", "--save_steps", "1000"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if (out / "metrics.jsonl").is_file() and len(read_metrics(out)) >= 2:
-            break
-        time.sleep(0.2)
+    if moment == "training":
+        while time.monotonic() < deadline and not ((out / "metrics.jsonl").is_file() and len(read_metrics(out)) >= 2):
+            time.sleep(0.2)
+    else:
+        while time.monotonic() < deadline and len(rank_pids(proc)) < 2:
+            time.sleep(0.05)
+        time.sleep(1.0)  # the ranks are importing the model stack now
+        assert not out.exists(), "the signal must reach the ranks before training starts"
     os.kill(proc.pid, sig)  # SLURM signals the launcher (--signal=B:USR1, or TERM); it passes the signal to the ranks
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 75, stderr[-3000:]
     assert f"preempted ({sig.name})" in stderr
     steps = [s for s, _ in committed_step_checkpoints(out)]
-    assert len(steps) == 1 and steps[0] >= 2
+    assert len(steps) == 1 and (steps[0] >= 2 if moment == "training" else steps[0] == 1), steps
     resumed = run_phalanx("train", "--dataset_path", str(dataset), "--output_dir", str(out), *COMMON,
                           "--max_steps", "200", "--save_steps", "1000", "--max_steps", str(steps[0] + 2), "--force")
     assert resumed.returncode == 0 and f"checkpoint-{steps[0]} at step {steps[0]}" in resumed.stdout

@@ -152,8 +152,12 @@ def count_total_steps(cfg: RunConfig, train_rows: int, world_size: int) -> int:
     return max(1, math.ceil(cfg.training.num_epochs * steps_per_epoch))
 
 
-def build_run(cfg: RunConfig) -> Run:
+def build_run(cfg: RunConfig, preemption: Optional[PreemptionFlag] = None) -> Run:
+    """`preemption`: the flag the caller installed when the process started (the CLI does, before its imports), so
+    that a SIGTERM/SIGUSR1 while the ranks import, tokenize or load is kept and honoured at the first step (save,
+    exit 75) instead of killing the rank."""
     rank_id, world, _, local_world = rt.env_rank_info()
+    preemption = preemption or PreemptionFlag().install()
     rt.check_world_fits(local_world, cfg.distributed.backend)
     resume_from = check_output_dir(cfg)
     # Tokenize before joining the process group: a long tokenization can never trip a collective timeout.
@@ -203,8 +207,7 @@ def build_run(cfg: RunConfig) -> Run:
     run = Run(cfg=cfg, rank=rank, tokenizer=tokenizer, model=model, strategy=strategy, optimizer=optimizer,
               scheduler=scheduler, sampler=sampler, train_loader=train_loader, eval_batches=eval_batches,
               reporter=reporter, data=data, total_steps=total_steps, output_dir=output_dir, state=state,
-              fault=planned_fault(), resumed_from=resume_from)
-    run.preemption.install()
+              fault=planned_fault(), resumed_from=resume_from, preemption=preemption)
     announce(run)
     return run
 
