@@ -64,6 +64,17 @@ def test_batch_size_zero_is_refused_from_the_command_line():
     assert "command line" in str(err.value) and "training.batch_size" in str(err.value) and "greater than 0" in str(err.value)
 
 
+def test_retention_below_two_checkpoints_is_refused_with_the_reason(tmp_path: Path):
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text("checkpoint:\n  save_steps: 10\n  save_total_limit: 1\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(cfg_file))
+    msg = str(err.value)
+    assert f"{cfg_file} line 3" in msg and "checkpoint.save_total_limit" in msg
+    assert "at least 2 (got 1)" in msg and "Value error" not in msg
+    assert load_config(None, overrides_from_flags([("save_total_limit", "2")])).checkpoint.save_total_limit == 2
+
+
 def test_unknown_flag_suggests_nearest():
     with pytest.raises(ConfigError) as err:
         overrides_from_flags([("learning_rat", "1")])

@@ -188,7 +188,9 @@ def _explain(exc: ValidationError, source: str, lines: dict[tuple, int], from_cl
             problems.append(f"{where}: unknown key '{dotted}'.{hint} Keys accepted here: {accepted}")
         else:
             value = err.get("input")
-            problems.append(f"{where}: field '{dotted}' = {value!r}: {err['msg']}")
+            # A validator's own message needs no "Value error, " in front (pydantic's wording for ValueError).
+            message = err["msg"].removeprefix("Value error, ")
+            problems.append(f"{where}: field '{dotted}' = {value!r}: {message}")
     return "invalid configuration:\n  " + "\n  ".join(problems)
 
 

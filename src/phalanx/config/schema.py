@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 EMBEDDED_MODEL = "embedded:tiny-qwen3"
 BUNDLED_DATASET = "bundled:health-agent"
@@ -106,8 +106,21 @@ class EvalConfig(Section):
 
 class CheckpointConfig(Section):
     save_steps: int = Field(50, gt=0, description="Save checkpoint-{step} every this many optimizer steps.")
-    save_total_limit: Optional[int] = Field(None, gt=0, description="Keep at most this many checkpoint-{step} folders (checkpoint-best is kept apart).")
+    save_total_limit: Optional[int] = Field(
+        None, description="Keep at most this many checkpoint-{step} folders, at least 2 (checkpoint-best is kept apart; "
+        "the folder being written is never deleted).",
+    )
     save_best: bool = Field(True, description="Keep checkpoint-best with the lowest evaluation loss.")
+
+    @field_validator("save_total_limit")
+    @classmethod
+    def keep_a_fallback(cls, limit: Optional[int]) -> Optional[int]:
+        # One kept checkpoint leaves nothing to go back to when the newest turns out unusable (a disk error after
+        # its commit, a bad step saved just before a crash): retention always keeps the one before it too.
+        if limit is not None and limit < 2:
+            raise ValueError(f"save_total_limit must be at least 2 (got {limit}): the newest checkpoint and the one "
+                             "before it are always kept. Leave it unset to keep every checkpoint.")
+        return limit
     async_save: bool = Field(
         False,
         description="Write checkpoints in the background: training waits only while the state is copied to CPU "
