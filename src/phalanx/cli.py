@@ -210,6 +210,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return code
 
 
+# A launcher (torchrun, `--world_size`) polls its ranks about once a second and reports the first one that exited
+# as the cause. A rank that failed has often failed because a peer died first (killed, out of memory): it leaves
+# this much later, so that the launcher names the peer, not the ranks that lost it.
+FAILED_RANK_EXIT_DELAY_S = 2.0
+
+
 def exit_without_teardown(code: int) -> None:
     """End the `phalanx` program once its command has returned, skipping the interpreter's teardown.
 
@@ -219,6 +225,12 @@ def exit_without_teardown(code: int) -> None:
     import atexit
     import os
     import threading
+    import time
+
+    from phalanx.runtime.signals import PREEMPTED_EXIT_CODE
+
+    if code not in (0, PREEMPTED_EXIT_CODE) and "RANK" in os.environ:
+        time.sleep(FAILED_RANK_EXIT_DELAY_S)
 
     for thread in threading.enumerate():
         if thread is not threading.main_thread() and not thread.daemon:
