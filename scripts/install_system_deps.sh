@@ -2,6 +2,7 @@
 # Installs what the system tests of the launch tier need on a fresh Debian/Ubuntu machine, as root:
 #   slurm-wlm + munge  tests/launch/test_slurm.py starts its own slurmctld, slurmd and munged
 #   iproute2           tests/launch/test_multinode.py joins two network namespaces with a veth pair
+#   util-linux         nsenter/unshare: each SLURM test node gets its own network, host name and hosts file
 # Idempotent: installs only what is missing, and configures nothing system-wide. The tests write
 # their own slurm.conf, munge key and sockets in a temporary folder and use free ports, so they
 # neither need nor disturb a SLURM or MUNGE service this machine may already run.
@@ -17,7 +18,7 @@ if ! command -v apt-get >/dev/null; then
 fi
 
 missing=()
-for pair in slurmctld:slurm-wlm slurmd:slurm-wlm sbatch:slurm-wlm munged:munge ip:iproute2; do
+for pair in slurmctld:slurm-wlm slurmd:slurm-wlm sbatch:slurm-wlm munged:munge ip:iproute2 nsenter:util-linux unshare:util-linux; do
     tool=${pair%%:*} package=${pair##*:}
     if ! command -v "$tool" >/dev/null && [[ ! " ${missing[*]-} " =~ " $package " ]]; then
         missing+=("$package")

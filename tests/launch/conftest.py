@@ -1,6 +1,6 @@
-"""Fixtures of the launch tier: a training config, a one-machine SLURM cluster, two network-namespace nodes.
+"""Fixtures of the launch tier: a training config, a two-node SLURM cluster and two plain nodes, as network namespaces.
 
-The system tests need root, slurm-wlm, munge and iproute2 (scripts/install_system_deps.sh
+The system tests need root, slurm-wlm, munge, iproute2 and util-linux (scripts/install_system_deps.sh
 installs them). When something is missing they fail and say what, rather than pass;
 PHALANX_SKIP_SYSTEM_TESTS=1 turns that into a visible skip on machines that cannot have them.
 """
@@ -166,15 +166,87 @@ def support():
                            kill_tree=kill_tree, system_requirement=system_requirement)
 
 
+# --- machines as network namespaces ----------------------------------------------------------------
+
+
+@dataclass
+class NodePair:
+    """Two 'machines' on this one: network namespaces joined by a veth pair, each end named `ifname`."""
+
+    namespaces: list[str]
+    addresses: list[str]
+    ifname: str
+
+    def popen(self, node: int, cmd: list[str], **kwargs) -> subprocess.Popen:
+        return subprocess.Popen(["ip", "netns", "exec", self.namespaces[node], *cmd], **kwargs)
+
+    def enter(self, node: int) -> list[str]:
+        """Command prefix that runs in this node's network, nothing else changed (`ip netns exec` also remounts
+        /sys, which hides the cgroup tree slurmd needs)."""
+        return ["nsenter", f"--net=/var/run/netns/{self.namespaces[node]}"]
+
+    def remove(self) -> None:
+        for ns in self.namespaces:
+            # Anything still running inside was started by the test; the namespace cannot go while it runs.
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def sh(*cmd: str) -> None:
+    subprocess.run(list(cmd), check=True, capture_output=True, text=True, timeout=20)
+
+
+def linked_namespaces(tag: str, subnet: str) -> NodePair:
+    """Create two namespaces `{tag}n0`/`{tag}n1` with addresses {subnet}.1 and {subnet}.2 on interface phx0."""
+    need_root_and("ip", "nsenter", "unshare")
+    names = [f"{tag}n0", f"{tag}n1"]
+    pair = NodePair(names, [f"{subnet}.1", f"{subnet}.2"], "phx0")
+    try:
+        for ns in names:
+            sh("ip", "netns", "add", ns)
+        a, b = f"{tag}a", f"{tag}b"
+        sh("ip", "link", "add", a, "type", "veth", "peer", "name", b)
+        for ns, end, addr in zip(names, (a, b), pair.addresses):
+            sh("ip", "link", "set", end, "netns", ns)
+            sh("ip", "-n", ns, "link", "set", end, "name", pair.ifname)
+            sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", pair.ifname)
+            sh("ip", "-n", ns, "link", "set", pair.ifname, "up")
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+    except subprocess.CalledProcessError as exc:
+        pair.remove()
+        system_requirement(f"cannot create network namespaces: {' '.join(exc.cmd)}: {exc.stderr.strip()}")
+    return pair
+
+
+@pytest.fixture
+def node_pair():
+    """Two 'machines': 10.77.0.1 and 10.77.0.2 on interface phx0."""
+    pair = linked_namespaces(f"phx{os.getpid() % 100000}", "10.77.0")
+    yield pair
+    pair.remove()
+
+
 # --- SLURM ---------------------------------------------------------------------------------------
 
 
 @dataclass
 class SlurmCluster:
-    """slurmctld + slurmd + munged on this machine, private to one test session (own ports, socket, configs)."""
+    """A two-node SLURM cluster on this machine, private to one test session (own ports, socket, configs).
+
+    Each node is a network namespace with its own address and host name (its own UTS and mount namespaces, with
+    a hosts file naming both nodes): slurmctld and slurmd run on node 0, a second slurmd on node 1. munged is
+    shared through its socket file. Jobs see two machines: srun places one task on each, and ranks on different
+    nodes talk over the veth pair as they would over a network.
+    """
 
     root: Path
-    node: str = "phx-node"
+    nodes: NodePair
+    names: list[str]
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     @property
@@ -183,20 +255,19 @@ class SlurmCluster:
 
     @property
     def env(self) -> dict[str, str]:
-        return local_env(SLURM_CONF=str(self.conf))
+        # No GLOO_SOCKET_IFNAME=lo: ranks on two nodes must use the node's interface (the script picks it).
+        return {**{k: v for k, v in local_env().items() if k != "GLOO_SOCKET_IFNAME"}, "SLURM_CONF": str(self.conf)}
 
     def logs(self) -> str:
         parts = []
-        for name in ("slurmctld.log", "slurmd.log", "munged.log"):
-            path = self.root / "log" / name
-            if path.exists():
-                parts.append(f"--- {name} (last lines)\n" + "\n".join(path.read_text(errors="replace").splitlines()[-15:]))
+        for path in sorted((self.root / "log").glob("*")):
+            parts.append(f"--- {path.name} (last lines)\n" + "\n".join(path.read_text(errors="replace").splitlines()[-15:]))
         return "\n".join(parts)
 
     def start(self) -> None:
         if (os.cpu_count() or 1) < 2:
-            system_requirement("the SLURM test runs 2 CPU ranks and this machine has 1 core")
-        for d in ("munge", "state", "spool", "log"):
+            system_requirement("the SLURM tests run 2 CPU ranks and this machine has 1 core")
+        for d in ("munge", "state", "log", *(f"spool/{name}" for name in self.names)):
             (self.root / d).mkdir(parents=True, exist_ok=True)
         (self.root / "munge").chmod(0o700)
         key = self.root / "munge" / "munge.key"
@@ -207,11 +278,14 @@ class SlurmCluster:
                               f"--log-file={self.root / 'log' / 'munged.log'}", f"--pid-file={self.root / 'munge' / 'pid'}",
                               f"--seed-file={self.root / 'munge' / 'seed'}"])
         self.wait_for(lambda: socket_path.exists(), 15, "munged did not create its socket")
-        host = socket.gethostname().split(".")[0]
+        hosts = self.root / "hosts"
+        hosts.write_text("127.0.0.1 localhost\n" + "".join(f"{a} {n}\n" for a, n in zip(self.nodes.addresses, self.names)))
+        # Each namespace has its own ports: both nodes use the same ones.
         ctld_port, d_port = free_port(), free_port()
+        cpus = os.cpu_count()
         self.conf.write_text("\n".join([
             "ClusterName=phalanxtest",
-            f"SlurmctldHost={host}(127.0.0.1)",
+            f"SlurmctldHost={self.names[0]}({self.nodes.addresses[0]})",
             f"SlurmctldPort={ctld_port}",
             f"SlurmdPort={d_port}",
             "SlurmUser=root",
@@ -221,11 +295,11 @@ class SlurmCluster:
             # cred_expire also sets how long a requeued job waits before it may start again (default 120 s).
             f"AuthInfo=socket={socket_path},cred_expire=5",
             f"StateSaveLocation={self.root / 'state'}",
-            f"SlurmdSpoolDir={self.root / 'spool'}",
+            f"SlurmdSpoolDir={self.root / 'spool' / '%n'}",
             f"SlurmctldPidFile={self.root / 'slurmctld.pid'}",
-            f"SlurmdPidFile={self.root / 'slurmd.pid'}",
+            f"SlurmdPidFile={self.root / 'slurmd-%n.pid'}",
             f"SlurmctldLogFile={self.root / 'log' / 'slurmctld.log'}",
-            f"SlurmdLogFile={self.root / 'log' / 'slurmd.log'}",
+            f"SlurmdLogFile={self.root / 'log' / 'slurmd-%n.log'}",
             "ProctrackType=proctrack/linuxproc",
             "TaskPlugin=task/none",
             "JobAcctGatherType=jobacct_gather/none",
@@ -240,12 +314,21 @@ class SlurmCluster:
             "ReturnToService=2",
             "KillWait=10",
             "SlurmdParameters=config_overrides",
-            f"NodeName={self.node} NodeAddr=127.0.0.1 NodeHostname={host} CPUs={os.cpu_count()} RealMemory=2000 State=UNKNOWN",
-            f"PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP",
+            # The nodes share this machine's cores: each offers all of them, as a real node would offer its own.
+            *(f"NodeName={n} NodeAddr={a} NodeHostname={n} CPUs={cpus} RealMemory=2000 State=UNKNOWN"
+              for n, a in zip(self.names, self.nodes.addresses)),
+            f"PartitionName=test Nodes={','.join(self.names)} Default=YES MaxTime=INFINITE State=UP",
         ]) + "\n")
-        self.spawn("slurmctld", ["slurmctld", "-D", "-f", str(self.conf)])
-        self.spawn("slurmd", ["slurmd", "-D", "-f", str(self.conf), "-N", self.node])
-        self.wait_for(lambda: self.sinfo_state() == "idle", 40, "the node did not become idle")
+        self.spawn("slurmctld", self.on_node(0, "slurmctld", "-D", "-f", str(self.conf)))
+        for i, name in enumerate(self.names):
+            self.spawn(f"slurmd-{name}", self.on_node(i, "slurmd", "-D", "-f", str(self.conf)))
+        self.wait_for(lambda: self.sinfo_states() == ["idle"] * len(self.names), 40, "the nodes did not become idle")
+
+    def on_node(self, node: int, *cmd: str) -> list[str]:
+        """`cmd` as a process of node `node`: its network, its host name, its hosts file."""
+        setup = 'hostname "$0" && mount --bind "$1" /etc/hosts && shift && exec "$@"'
+        return [*self.nodes.enter(node), "unshare", "--uts", "--mount", "sh", "-c", setup,
+                self.names[node], str(self.root / "hosts"), *cmd]
 
     def spawn(self, name: str, cmd: list[str]) -> None:
         log = open(self.root / "log" / f"{name}.stdout", "w")
@@ -263,12 +346,14 @@ class SlurmCluster:
             time.sleep(0.5)
         raise RuntimeError(f"{what} within {timeout:.0f} s")
 
-    def sinfo_state(self) -> str:
-        proc = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], env=self.env, capture_output=True, text=True, timeout=10)
-        return proc.stdout.strip()
+    def sinfo_states(self) -> list[str]:
+        proc = self.run("sinfo", "-h", "-N", "-o", "%T", timeout=10)
+        return proc.stdout.split()
 
     def run(self, *cmd: str, timeout: float = 30, cwd: Path | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run(list(cmd), env=self.env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+        """A SLURM client command (sbatch, scontrol ...) on node 0, where it reaches slurmctld."""
+        return subprocess.run([*self.nodes.enter(0), *cmd], env=self.env, capture_output=True, text=True,
+                              timeout=timeout, cwd=cwd)
 
     def job(self, job_id: str) -> dict[str, str]:
         """`scontrol show job` as a dict (JobState, Restarts, ExitCode ...); {} once SLURM forgot the job."""
@@ -288,7 +373,7 @@ class SlurmCluster:
                 time.sleep(0.5)
         except (subprocess.SubprocessError, OSError):
             pass
-        for name in ("slurmd", "slurmctld", "munged"):
+        for name in [*(n for n in self.procs if n.startswith("slurmd")), "slurmctld", "munged"]:
             proc = self.procs.get(name)
             if proc is None or proc.poll() is not None:
                 continue
@@ -303,63 +388,16 @@ class SlurmCluster:
 @pytest.fixture(scope="module")
 def slurm_cluster(tmp_path_factory):
     need_root_and("munged", "slurmctld", "slurmd", "sbatch", "scontrol")
-    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    tag = f"phs{os.getpid() % 100000}"
+    nodes = linked_namespaces(tag, "10.79.0")
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"), nodes, [f"{tag}-a", f"{tag}-b"])
     try:
         cluster.start()
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         logs = cluster.logs()
         cluster.stop()
+        nodes.remove()
         pytest.fail(f"the SLURM test cluster did not start: {exc}\n{logs}", pytrace=False)
     yield cluster
     cluster.stop()
-
-
-# --- two nodes as network namespaces ---------------------------------------------------------------
-
-
-@dataclass
-class NodePair:
-    namespaces: list[str]
-    addresses: list[str]
-    ifname: str
-
-    def popen(self, node: int, cmd: list[str], **kwargs) -> subprocess.Popen:
-        return subprocess.Popen(["ip", "netns", "exec", self.namespaces[node], *cmd], **kwargs)
-
-
-def sh(*cmd: str) -> None:
-    subprocess.run(list(cmd), check=True, capture_output=True, text=True, timeout=20)
-
-
-@pytest.fixture
-def node_pair():
-    """Two 'machines': network namespaces joined by a veth pair, 10.77.0.1 and 10.77.0.2 on interface phx0."""
-    need_root_and("ip")
-    tag = os.getpid() % 100000
-    names = [f"phx{tag}n0", f"phx{tag}n1"]
-    pair = NodePair(names, ["10.77.0.1", "10.77.0.2"], "phx0")
-    try:
-        for ns in names:
-            sh("ip", "netns", "add", ns)
-        a, b = f"phx{tag}a", f"phx{tag}b"
-        sh("ip", "link", "add", a, "type", "veth", "peer", "name", b)
-        for ns, end, addr in zip(names, (a, b), pair.addresses):
-            sh("ip", "link", "set", end, "netns", ns)
-            sh("ip", "-n", ns, "link", "set", end, "name", pair.ifname)
-            sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", pair.ifname)
-            sh("ip", "-n", ns, "link", "set", pair.ifname, "up")
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
-    except subprocess.CalledProcessError as exc:
-        for ns in names:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        system_requirement(f"cannot create network namespaces: {' '.join(exc.cmd)}: {exc.stderr.strip()}")
-    yield pair
-    for ns in names:
-        # Anything still running inside was started by this test; the namespace cannot go while it runs.
-        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
-        for pid in pids:
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    nodes.remove()

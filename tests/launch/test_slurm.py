@@ -1,10 +1,11 @@
-"""SLURM for real: the sbatch script `phalanx slurm` writes, submitted to a one-machine cluster.
+"""SLURM for real: the sbatch scripts `phalanx slurm` writes, submitted to a two-node cluster on this machine.
 
-The `slurm_cluster` fixture (conftest.py) starts munged, slurmctld and slurmd on this host
-with private configs, ports and socket, and stops them afterwards. The job runs one node with
-2 CPU ranks; mid-run it gets the time-limit warning SLURM sends `--signal_time` seconds early
-(here by hand, with `scancel --signal=USR1 --batch`), so the ranks save a checkpoint, the job
-requeues itself, starts again and resumes: the losses must equal the uninterrupted run's.
+The `slurm_cluster` fixture (conftest.py) starts munged, slurmctld and two slurmd, each node in a network
+namespace of its own, with private configs, ports and socket, and stops them afterwards. The main job runs on
+both nodes, one CPU rank each: srun starts one torchrun per node, they meet at the first node's address, and
+mid-run the job gets the time-limit warning SLURM sends `--signal_time` seconds early (here by hand, with
+`scancel --signal=USR1 --batch`), so the ranks save a checkpoint, the job requeues itself, starts again on both
+nodes and resumes: the losses must equal the uninterrupted single-node run's (same global batch).
 """
 
 import time
@@ -27,7 +28,7 @@ def wait_for_state(cluster, job_id: str, done, timeout: float, what: str) -> dic
 
 
 def test_sbatch_job_trains_is_preempted_requeues_and_resumes(slurm_cluster, project, generate, reference_run, support):
-    generate("slurm", "--config", "train.yaml", "--num_nodes", "1", "--num_gpus_per_node", "0", "--nproc_per_node", "2",
+    generate("slurm", "--config", "train.yaml", "--num_nodes", "2", "--num_gpus_per_node", "0", "--nproc_per_node", "1",
              "--time_limit", "00:15:00", "--job_name", "phalanx-test", "--output", "scripts/slurm_job.sh",
              "--", "--output_dir", "runs/slurm")
     submitted = slurm_cluster.run("sbatch", "--parsable", "scripts/slurm_job.sh", timeout=30, cwd=project)
@@ -52,11 +53,15 @@ def test_sbatch_job_trains_is_preempted_requeues_and_resumes(slurm_cluster, proj
     text = log.read_text()
     assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", text[-5000:]
     assert job["Restarts"] == "1"
-    for expected in (f"phalanx: job {job_id} (restart 0)", "time limit near: asking the ranks to save",
+    a, b = slurm_cluster.names
+    master = slurm_cluster.nodes.addresses[0]
+    for expected in (f"phalanx: job {job_id} (restart 0) on {a},{b}", "time limit near: asking the ranks to save",
                      "requeueing job", f"phalanx: job {job_id} (restart 1)", "Resuming from",
-                     "training step ended with exit code 0", "master 127.0.0.1:", "phalanx: node 0 of 1"):
+                     "training step ended with exit code 0", f"master {master}:",
+                     f"phalanx: node 0 of 2 ({a}), master {master}:", f"phalanx: node 1 of 2 ({b}), master {master}:",
+                     f"reached from {slurm_cluster.nodes.addresses[1]} (phx0)"):
         assert expected in text, expected
-    assert text.count("World Size: 2") == 2, "both runs of the job had 2 ranks"
+    assert text.count("World Size: 2") == 2, "both runs of the job had 2 ranks, one per node"
     info = support.read_info(out)
     assert info["world_size"] == 2 and info["global_step"] == support.MAX_STEPS
     resumed = support.losses_by_step(out)
