@@ -22,15 +22,6 @@ from phalanx.errors import ConfigError, PhalanxError
 QUIET = {"progress_bar": False, "tensorboard": False}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread is fastest, and much faster when other jobs share the cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_seed_004_names_are_exported():
     assert phalanx.TrainingEngine is TrainingEngine
     assert phalanx.launch_distributed_training is launch_distributed_training

@@ -22,15 +22,6 @@ pytestmark = pytest.mark.distributed
 LOSS_TOL, WEIGHT_TOL = 1e-6, 1e-5
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread is fastest, and much faster when other jobs share the cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def assert_histories_match(single: dict, ddp: dict) -> None:
     assert single.keys() == ddp.keys()
     for key in single:

@@ -114,7 +114,7 @@ def test_launcher_elastic_uses_c10d_with_fresh_stores(in_project, capsys, tmp_pa
     (["--num_gpus_per_node", "4", "--nproc_per_node", "2"], "one rank per GPU"),
     (["--num_gpus_per_node", "2", "--use_deepspeed", "--max_restarts", "1"], "the DeepSpeed launcher does not restart ranks"),
     (["--num_gpus_per_node", "-1"], "--num_gpus_per_node -1"),
-    (["--num_gpus_per_node", "0", "--master_port", "70000"], "--master_port 70000"),
+    (["--num_gpus_per_node", "0", "--master_port", "70000"], "argument --master_port: 70000 is not a TCP port; give 1..65535"),
     (["--nproc_per_node", "2"], "--num_gpus_per_node"),
     (["--num_gpus_per_node", "0", "--config", "missing.yaml"], "missing.yaml: no such file"),
     (["--num_gpus_per_node", "0", "--", "--max_stepz", "3"], "unknown flag --max_stepz. Did you mean 'max_steps'?"),
@@ -175,6 +175,7 @@ def test_slurm_cpu_nodes_request_no_gpus(in_project, capsys, tmp_path):
     (["--num_gpus_per_node", "8", "--time_limit", "48h"], "--time_limit '48h' is not a SLURM time"),
     (["--num_gpus_per_node", "8", "--signal_time", "0"], "--signal_time 0"),
     (["--num_gpus_per_node", "0", "--cpus_per_task", "0"], "--cpus_per_task 0"),
+    (["--num_gpus_per_node", "0", "--master_port", "0"], "argument --master_port: 0 is not a TCP port; give 1..65535"),
     (["--num_nodes", "2"], "--num_gpus_per_node"),
 ])
 def test_slurm_refuses_bad_input(in_project, capsys, tmp_path, args, message):

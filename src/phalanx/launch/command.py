@@ -35,6 +35,14 @@ def split_train_args(args: Sequence[str]) -> tuple[list[str], list[str]]:
     return args, []
 
 
+def tcp_port(value: str) -> int:
+    """argparse type of --master_port: a TCP port number."""
+    port = int(value) if value.isdigit() else 0
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port; give 1..65535")
+    return port
+
+
 def common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="the training YAML (e.g. configs/demo.yaml); checked now")
     p.add_argument("--num_gpus_per_node", type=int, required=True,
@@ -136,7 +144,7 @@ def launcher_parser() -> argparse.ArgumentParser:
     common_flags(p)
     p.add_argument("--node_rank", type=int, default=0, help="this node's rank, 0 on the master node")
     p.add_argument("--master_addr", help="the master node's address (required with --num_nodes > 1)")
-    p.add_argument("--master_port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--master_port", type=tcp_port, default=DEFAULT_PORT)
     p.add_argument("--output", default="scripts/run_training.sh", help="where to write the script")
     return p
 
@@ -147,8 +155,6 @@ def launcher_main(argv: Sequence[str]) -> int:
     gpus, nproc = layout(args)
     if not 0 <= args.node_rank < args.num_nodes:
         raise ConfigError(f"--node_rank {args.node_rank} is outside 0..{args.num_nodes - 1} for --num_nodes {args.num_nodes}")
-    if not 0 < args.master_port < 65536:
-        raise ConfigError(f"--master_port {args.master_port}: give a TCP port, 1..65535")
     master = args.master_addr or "127.0.0.1"
     if args.num_nodes > 1:
         from phalanx.launch.preflight import is_loopback
@@ -213,7 +219,7 @@ def slurm_parser() -> argparse.ArgumentParser:
     p.add_argument("--mem", help="memory per node, e.g. 64G (instead of --mem_per_gpu; CPU nodes)")
     p.add_argument("--job_name", default="llm_finetune")
     p.add_argument("--log", default="slurm-%j.out", help="the job's log file (SLURM's --output)")
-    p.add_argument("--master_port", type=int, help="rendezvous port (default: derived from the job id)")
+    p.add_argument("--master_port", type=tcp_port, help="rendezvous port (default: derived from the job id)")
     p.add_argument("--signal_time", type=int, default=300,
                    help="seconds before the time limit at which the job saves a checkpoint and requeues itself")
     p.add_argument("--no_requeue", action="store_true", help="let the job end at its time limit instead")
@@ -228,8 +234,6 @@ def slurm_main(argv: Sequence[str]) -> int:
     own, train_args = split_train_args(argv)
     args = slurm_parser().parse_args(own)
     gpus, nproc = layout(args)
-    if args.master_port is not None and not 0 < args.master_port < 65536:
-        raise ConfigError(f"--master_port {args.master_port}: give a TCP port, 1..65535")
     if args.signal_time < 1:
         raise ConfigError(f"--signal_time {args.signal_time}: seconds before the time limit, at least 1")
     cpus = args.cpus_per_task if args.cpus_per_task is not None else (8 if gpus else 1)
