@@ -1,8 +1,12 @@
-"""Shared test set-up: a per-session phalanx cache so tests never touch ~/.cache."""
+"""Shared test set-up: a per-session phalanx cache so tests never touch ~/.cache, and the one-process
+references of the equivalence tier (tests/train, tests/parallel), trained once per session."""
 
 import os
+from pathlib import Path
 
 import pytest
+from equivalence import train
+from helpers import write_chat_jsonl
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -17,3 +21,23 @@ def phalanx_cache(tmp_path_factory):
         os.environ["PHALANX_CACHE"] = old
 
 
+
+
+@pytest.fixture(scope="session")
+def equivalence_data(tmp_path_factory) -> Path:
+    """48 tool-call chats: 5 steps of a global batch of 4 with rows to spare."""
+    return write_chat_jsonl(tmp_path_factory.mktemp("equivalence") / "train.jsonl", 48)
+
+
+@pytest.fixture(scope="session")
+def single(equivalence_data, tmp_path_factory):
+    """get(finetune) -> (output folder, per-step losses) of one process with batch 4, trained once per session."""
+    cache = {}
+
+    def get(finetune: str) -> tuple[Path, list[float]]:
+        if finetune not in cache:
+            out = tmp_path_factory.mktemp(f"single-{finetune}")
+            cache[finetune] = out, train(equivalence_data, out, 1, 4, finetune)
+        return cache[finetune]
+
+    return get

@@ -1,23 +1,13 @@
-"""Activation checkpointing (non-reentrant) under every strategy: recomputing activations changes no loss."""
+"""Activation checkpointing and dropout are live while training.
+
+That recomputing activations changes no loss is proven under each strategy by the equivalence tests, where one
+LoRA case per strategy trains with --gradient_checkpointing (DDP with accumulation, FSDP2 FULL_SHARD, ZeRO-3).
+"""
 
 import pytest
-
-from parallel.common import train
+from equivalence import train
 
 pytestmark = pytest.mark.distributed
-
-STRATEGIES = {"ddp": ["--strategy", "ddp"], "fsdp": ["--strategy", "fsdp"],
-              "zero3": ["--strategy", "deepspeed", "--zero_stage", "3"]}
-
-
-@pytest.mark.parametrize("name", list(STRATEGIES))
-def test_checkpointed_lora_matches_one_process(dataset, single, tmp_path, name):
-    _, ref = single("lora")
-    # Two micro-batches per rank under DDP: a LoRA weight's gradient hook fires once per backward, recompute or not.
-    shape = ["--batch_size", "1", "--gradient_accumulation_steps", "2"] if name == "ddp" else ["--batch_size", "2"]
-    losses = train(dataset, tmp_path / name, 2, int(shape[1]), "lora", *shape[2:], "--gradient_checkpointing", "true",
-                   *STRATEGIES[name])
-    assert losses == pytest.approx(ref, abs=1e-5)
 
 
 def test_checkpointing_is_on_during_training(tmp_path):
@@ -34,10 +24,10 @@ def test_checkpointing_is_on_during_training(tmp_path):
     assert checkpointed < 0.7 * plain, (checkpointed, plain)
 
 
-def test_lora_dropout_is_applied_during_training(dataset, single, tmp_path):
+def test_lora_dropout_is_applied_during_training(equivalence_data, single, tmp_path):
     """Step 1 is the same with or without dropout (LoRA B starts at zero); later steps differ only if dropout is live."""
     _, ref = single("lora")  # dropout 0
-    losses = train(dataset, tmp_path, 1, 4, "lora", "--lora_dropout", "0.3")
+    losses = train(equivalence_data, tmp_path, 1, 4, "lora", "--lora_dropout", "0.3")
     assert losses[0] == pytest.approx(ref[0], abs=1e-6)
     assert all(abs(a - b) > 1e-6 for a, b in zip(losses[1:], ref[1:])), (losses, ref)
 

@@ -8,7 +8,7 @@ from helpers import read_metrics, run_phalanx
 from phalanx.config.schema import RunConfig
 from phalanx.launch.ds_fsdp_config import config_main, read_fsdp_config
 from phalanx.parallel.base import Precision
-from parallel.common import COMMON
+from equivalence import COMMON
 
 
 def test_deepspeed_file_has_seed_003_shape(tmp_path):
@@ -64,14 +64,14 @@ def test_fsdp_file_has_seed_003_fields(tmp_path):
 
 
 @pytest.mark.distributed
-def test_train_runs_with_generated_files(dataset, tmp_path):
+def test_train_runs_with_generated_files(equivalence_data, tmp_path):
     ds, fsdp = tmp_path / "ds.json", tmp_path / "fsdp.json"
     assert config_main(["deepspeed", "--zero_stage", "2", "--offload_optimizer", "--output", str(ds)]) == 0
     assert config_main(["fsdp", "--sharding_strategy", "SHARD_GRAD_OP", "--mixed_precision", "BFLOAT16", "--output", str(fsdp)]) == 0
     for name, flags in (("ds", ["--strategy", "deepspeed", "--deepspeed_config", str(ds)]),
                         ("fsdp", ["--strategy", "fsdp", "--fsdp_config", str(fsdp)])):
         out = tmp_path / name
-        proc = run_phalanx("train", "--dataset_path", str(dataset), "--output_dir", str(out), "--world_size", "2",
+        proc = run_phalanx("train", "--dataset_path", str(equivalence_data), "--output_dir", str(out), "--world_size", "2",
                            "--batch_size", "2", *COMMON, "--max_steps", "2", *flags)
         assert proc.returncode == 0, name + proc.stderr[-3000:]
         assert len(read_metrics(out)) == 2

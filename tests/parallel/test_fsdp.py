@@ -8,27 +8,25 @@ sqrt(v), which amplifies those rounding differences in the weights themselves).
 """
 
 import json
-import shutil
-from pathlib import Path
 
 import pytest
-import torch
+from equivalence import COMMON, assert_adapter_loads_with_peft, assert_saved_weights_match, grad_norms, train
 from helpers import read_metrics, run_phalanx, write_chat_jsonl
 from safetensors.torch import load_file
-
-from parallel.common import COMMON, assert_saved_weights_match, grad_norms, train, weights_file
 
 pytestmark = pytest.mark.distributed
 
 
 @pytest.mark.parametrize("sharding", ["FULL_SHARD", "SHARD_GRAD_OP"])
 @pytest.mark.parametrize("finetune", ["lora", "full"])
-def test_fsdp_matches_one_process(dataset, tmp_path, single, finetune, sharding):
+def test_fsdp_matches_one_process(equivalence_data, tmp_path, single, finetune, sharding):
     ref_dir, ref = single(finetune)
     out = tmp_path / "fsdp"
-    # Accumulation over two micro-batches per rank on one of the cases: no gradient sync on the first.
-    shape = ("1", "--gradient_accumulation_steps", "2") if (finetune, sharding) == ("lora", "SHARD_GRAD_OP") else ("2",)
-    losses = train(dataset, out, 2, int(shape[0]), finetune, *shape[1:], "--strategy", "fsdp",
+    # One LoRA case accumulates over two micro-batches per rank (no gradient sync on the first); the other
+    # recomputes activations in backward (non-reentrant checkpointing inside each sharded layer).
+    extra = {("lora", "SHARD_GRAD_OP"): ("1", "--gradient_accumulation_steps", "2"),
+             ("lora", "FULL_SHARD"): ("2", "--gradient_checkpointing", "true")}.get((finetune, sharding), ("2",))
+    losses = train(equivalence_data, out, 2, int(extra[0]), finetune, *extra[1:], "--strategy", "fsdp",
                    "--sharding_strategy", sharding)
     assert len(losses) == len(ref) == 5
     assert losses == pytest.approx(ref, abs=1e-5)
@@ -39,23 +37,8 @@ def test_fsdp_matches_one_process(dataset, tmp_path, single, finetune, sharding)
     assert info["strategy"] == "fsdp"
     # The saved model or adapter is complete (not an empty or sharded file) and equals the trained weights.
     assert_saved_weights_match(ref_dir, out, finetune)
-
-
-def test_fsdp_adapter_loads_with_peft(single, tmp_path, dataset):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    out = tmp_path / "fsdp"
-    train(dataset, out, 2, 2, "lora", "--strategy", "fsdp", "--max_steps", "2")
-    config = json.loads((out / "adapter_config.json").read_text())
-    base = AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"])
-    model = PeftModel.from_pretrained(base, out)
-    saved = load_file(out / "adapter_model.safetensors")
-    loaded = {k: v for k, v in model.state_dict().items() if "lora_" in k}
-    assert len(loaded) == len(saved)
-    for key, value in saved.items():
-        match = [v for k, v in loaded.items() if k.replace(".default", "") == key]
-        assert match and torch.equal(match[0], value), key
+    if finetune == "lora":
+        assert_adapter_loads_with_peft(out)
 
 
 RESUME = ["--max_steps", "6", "--save_steps", "2", "--eval_steps", "3", "--test_size", "0.2", "--eval.eval_batch_size", "3",

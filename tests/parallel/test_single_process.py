@@ -6,7 +6,7 @@ must not change the arithmetic, so losses agree to fp32 summation-order noise an
 
 import pytest
 
-from parallel.common import assert_saved_weights_match, train
+from equivalence import assert_saved_weights_match, train
 
 
 @pytest.mark.distributed
@@ -14,9 +14,9 @@ from parallel.common import assert_saved_weights_match, train
     ("--strategy", "fsdp", "--offload_param", "true"),
     ("--strategy", "deepspeed", "--zero_stage", "3", "--offload_param", "true", "--offload_optimizer", "true"),
 ], ids=["fsdp-offload", "zero3-offload"])
-def test_one_process_sharded_strategy_matches_plain_training(flags, dataset, single, tmp_path):
+def test_one_process_sharded_strategy_matches_plain_training(flags, equivalence_data, single, tmp_path):
     ref_dir, ref_losses = single("lora")
-    losses = train(dataset, tmp_path, 1, 4, "lora", *flags)
+    losses = train(equivalence_data, tmp_path, 1, 4, "lora", *flags)
     info = (tmp_path / "final_training_info.json").read_text()
     assert f'"{flags[1]}"' in info, "the run must report the strategy it used"
     assert len(losses) == len(ref_losses) == 5

@@ -1,5 +1,11 @@
-"""Helpers for the strategy tests: the shared training flags and a run that returns per-step losses."""
+"""The equivalence tier's shared parts: N ranks with batch b must train like one process with batch N*b.
 
+The flags every equivalence run uses, a run that returns its per-step losses, and the checks on saved weights.
+The dataset and the one-process references are session fixtures in tests/conftest.py (trained once, shared by
+tests/train and tests/parallel).
+"""
+
+import json
 from pathlib import Path
 
 from helpers import read_metrics, run_phalanx
@@ -23,6 +29,21 @@ def train(dataset: Path, out: Path, world: int, batch: int, finetune: str, *extr
 
 def weights_file(finetune: str) -> str:
     return "adapter_model.safetensors" if finetune == "lora" else "model.safetensors"
+
+
+def assert_adapter_loads_with_peft(out: Path) -> None:
+    """The saved adapter loads with PeftModel.from_pretrained onto its base and holds exactly the saved tensors."""
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads((out / "adapter_config.json").read_text())
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"]), out)
+    saved = load_file(out / "adapter_model.safetensors")
+    loaded = {k.replace(".default", ""): v for k, v in model.state_dict().items() if "lora_" in k}
+    assert loaded.keys() == saved.keys()
+    assert all(torch.equal(loaded[k], saved[k]) for k in saved)
 
 
 def assert_saved_weights_match(ref_dir, out, finetune: str) -> None:
