@@ -2,13 +2,17 @@
 gathered to rank 0), resumes exactly from it, and `phalanx export` turns it into a from_pretrained folder."""
 
 
+import shutil
+
 import pytest
 import torch
-from helpers import read_metrics, run_phalanx
+from helpers import read_metrics, run_phalanx, write_payload
 from safetensors.torch import load_file
 
 from checkpoint.resume_ranks import FLAGS, shape
+from phalanx.checkpoint.export import export_checkpoint
 from phalanx.checkpoint.io import load_model_weights
+from phalanx.checkpoint.safe_load import UnsafeCheckpointError
 from phalanx.errors import PhalanxError
 
 pytestmark = pytest.mark.distributed
@@ -43,6 +47,16 @@ def test_full_finetune_checkpoints_are_sharded_only_and_export(name, resume_data
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(exported).lm_head.weight.shape[0] > 0
+
+    # A shard file replaced by a pickle that runs code is refused before anything unpickles it for real.
+    tampered = tmp_path / "tampered"
+    shutil.copytree(whole / "checkpoint-4", tampered)
+    victim = (tampered / shard_dir / ".metadata") if name == "fsdp" else sorted((tampered / shard_dir).glob(shard_glob))[0]
+    marker = tmp_path / "payload-ran"
+    write_payload(victim, marker)
+    with pytest.raises(UnsafeCheckpointError, match=victim.name):
+        export_checkpoint(tampered, tmp_path / "exported-tampered")
+    assert not marker.exists() and not (tmp_path / "exported-tampered").exists()
 
     # A strategy that would read model.safetensors is told where the weights are.
     with pytest.raises(PhalanxError, match="phalanx export"):

@@ -83,4 +83,6 @@ def load_state(state: dict, folder: Path) -> None:
     """Fill `state` in place from `folder`, each rank reading the pieces of the tensors it now holds."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(state, checkpoint_id=str(folder))
+    from phalanx.checkpoint.safe_load import dcp_reader
+
+    dcp.load(state, storage_reader=dcp_reader(folder))

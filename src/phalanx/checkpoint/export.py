@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from phalanx.checkpoint.commit import fsync_tree, is_committed
+from phalanx.checkpoint.safe_load import check_deepspeed_checkpoint, dcp_reader
 from phalanx.errors import PhalanxError
 
 SHARDED_DIR = "sharded_state"  # as parallel/fsdp.py writes it
@@ -71,7 +72,7 @@ def read_dcp_weights(folder: Path, model: torch.nn.Module) -> dict:
     # The optimizer's entries are not requested.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load({"model": state}, checkpoint_id=str(folder / SHARDED_DIR), no_dist=True,
+        dcp.load({"model": state}, storage_reader=dcp_reader(folder / SHARDED_DIR), no_dist=True,
                  planner=DefaultLoadPlanner(allow_partial_load=True))
     return state
 
@@ -80,6 +81,7 @@ def read_deepspeed_weights(folder: Path) -> dict:
     """The fp32 weights of a ZeRO-3 checkpoint, merged from every rank's partition by DeepSpeed's own converter."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+    check_deepspeed_checkpoint(folder / DEEPSPEED_DIR)  # the converter itself unpickles with weights_only=False
     return get_fp32_state_dict_from_zero_checkpoint(str(folder / DEEPSPEED_DIR), tag=DEEPSPEED_TAG)
 
 

@@ -4,7 +4,7 @@ Layout of checkpoint-{step}/ (and checkpoint-best/):
   adapter_model.safetensors + adapter_config.json   (LoRA)  or  model.safetensors + config.json (full; under FSDP2
                                                     config.json only in checkpoint-{step}: sharded_state/ holds it)
   tokenizer files
-  optimizer.pt, scheduler.pt, precision.pt          (rank 0; plain tensors, read with weights_only=True)
+  optimizer.pt, scheduler.pt, precision.pt          (rank 0; plain tensors, read with weights_only=True: safe_load)
   rng_state_{rank}.pt                               (every rank)
   trainer_state.json                                (counters, sampler position, config)
   sharded_state/                                    (FSDP2: every rank's shards of weights + optimizer, DCP)
@@ -30,6 +30,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from phalanx.checkpoint.commit import commit, fresh_staging_dir
+from phalanx.checkpoint.safe_load import load_state_file
 from phalanx.errors import PhalanxError
 from phalanx.runtime import dist as rt
 from phalanx.runtime.seed import load_rng_state, rng_state
@@ -238,7 +239,7 @@ def load_checkpoint(
     else:
         load_model_weights(model, folder, finetune)
     for name, obj in stateful.items():
-        obj.load_state_dict(torch.load(folder / f"{name}.pt", map_location="cpu", weights_only=True))
+        obj.load_state_dict(load_state_file(folder / f"{name}.pt"))
     load_rng_file(folder, rank)
     return json.loads((folder / "trainer_state.json").read_text(encoding="utf-8"))
 
@@ -249,7 +250,7 @@ def load_rng_file(folder: Path, rank: rt.RankInfo) -> bool:
     rng_file = Path(folder) / f"rng_state_{rank.rank}.pt"
     if not rng_file.is_file():
         return False
-    load_rng_state(_native_rng(torch.load(rng_file, map_location="cpu", weights_only=True)))
+    load_rng_state(_native_rng(load_state_file(rng_file)))
     return True
 
 

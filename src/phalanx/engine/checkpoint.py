@@ -6,7 +6,7 @@ renamed and marked committed by rank 0, exactly like `phalanx train`'s:
   model.safetensors        the unwrapped model's state_dict (no DDP "module." prefix; SyncBatchNorm
                            and BatchNorm share key names, so it loads into the plain model)
   ema.pt                   EMA weights and update count, when EMA is on ({"module": state_dict, ...})
-  optimizer.pt, scheduler.pt, precision.pt (GradScaler)      plain tensors: torch.load(weights_only=True)
+  optimizer.pt, scheduler.pt, precision.pt (GradScaler)      plain tensors: checkpoint.io.load_state_file
   rng_state_{rank}.pt      every rank's RNG
   trainer_state.json       epochs done, best metric, history
   phalanx_checkpoint.json  commit marker, written last
@@ -25,6 +25,7 @@ from torch import nn
 
 from phalanx.checkpoint.commit import is_committed
 from phalanx.checkpoint.io import load_checkpoint, save_checkpoint
+from phalanx.checkpoint.safe_load import load_state_file
 from phalanx.errors import PhalanxError
 from phalanx.runtime.dist import RankInfo
 
@@ -71,5 +72,5 @@ def load_weights(folder: Union[str, Path], map_location: Union[str, torch.device
     if ema:
         if not (folder / EMA).is_file():
             raise PhalanxError(f"{folder} holds no EMA weights ({EMA}); it was saved with use_ema=False")
-        return torch.load(folder / EMA, map_location=map_location, weights_only=True)["module"]
+        return load_state_file(folder / EMA, map_location)["module"]
     return load_file(str(folder / WEIGHTS), device=str(torch.device(map_location)))

@@ -21,6 +21,7 @@ from typing import Any, Callable, ContextManager, Optional
 import torch
 from torch import nn
 
+from phalanx.checkpoint.safe_load import use_safe_loading
 from phalanx.errors import ConfigError
 from phalanx.parallel.base import Precision, Strategy, place_on_device
 from phalanx.runtime.dist import RankInfo
@@ -136,6 +137,7 @@ class DeepSpeedStrategy(Strategy):
         client = make_optimizer(model)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=client, config=self.ds_config,
                                                     dist_init_required=False)
+        use_safe_loading(self.engine)  # resume never unpickles code (DeepSpeed's own loader would)
         self.model = self.engine
         # The scheduler drives the learning rate of the optimizer we made; the engine's wrapper steps through it.
         self.optimizer = client
