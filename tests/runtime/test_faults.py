@@ -128,7 +128,10 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-def test_full_disk_at_save_time_keeps_the_previous_checkpoint(dataset, small_disk):
+@pytest.mark.parametrize("how", ["full", "read-only"])
+def test_full_or_read_only_disk_keeps_the_previous_checkpoint(how, dataset, small_disk):
+    """After checkpoint-2 is committed, the disk fills up (every byte taken) or output_dir turns read-only: the run
+    stops with what went wrong and the checkpoints that are still good, and those load."""
     out = small_disk / "run"
     cmd = [sys.executable, "-m", "phalanx", "train", "--dataset_path", str(dataset), "--output_dir", str(out),
            *COMMON, "--max_steps", "200", "--logging.tensorboard", "false"]
@@ -137,19 +140,33 @@ def test_full_disk_at_save_time_keeps_the_previous_checkpoint(dataset, small_dis
     while time.monotonic() < deadline and not committed_step_checkpoints(out):
         time.sleep(0.1)
     filler = small_disk / "filler"
-    with open(filler, "wb") as f:  # take every remaining byte
-        try:
-            while True:
-                f.write(b"\0" * 65536)
-        except OSError:
-            pass
-    stdout, stderr = proc.communicate(timeout=120)
+    if how == "full":
+        with open(filler, "wb") as f:  # take every remaining byte
+            try:
+                while True:
+                    f.write(b"\0" * 65536)
+            except OSError:
+                pass
+    else:
+        # output_dir turns read-only from here on (root ignores permissions; a read-only bind mount stops it too):
+        # files the run holds open stay writable, as after a permission change; the next checkpoint cannot be made.
+        subprocess.run(["mount", "--bind", str(out), str(out)], check=True, capture_output=True)
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(out)], check=True, capture_output=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if how == "read-only":
+            subprocess.run(["umount", str(out)], check=False, capture_output=True)
     assert proc.returncode != 0
-    assert "cannot write checkpoint checkpoint-" in stderr and "Free space there: 0.0 MB" in stderr, stderr[-3000:]
-    assert "Committed checkpoints are intact: ['checkpoint-2'" in stderr
+    if how == "full":
+        assert "cannot write checkpoint checkpoint-" in stderr and "Free space there: 0.0 MB" in stderr, stderr[-3000:]
+    else:
+        assert "Read-only file system" in stderr and "fix permissions" in stderr, stderr[-3000:]
+    assert "Committed checkpoints are intact: ['checkpoint-2'" in stderr, stderr[-3000:]
     kept = committed_step_checkpoints(out)
     assert kept and kept[0][0] == 2
-    filler.unlink()
+    if how == "full":
+        filler.unlink()
     from safetensors.torch import load_file
 
     assert load_file(kept[-1][1] / "adapter_model.safetensors"), "the committed checkpoint still loads"
