@@ -76,9 +76,11 @@ def launch_train_ranks(cfg, args: Sequence[str]) -> int:
     (the ranks tokenize, one of them at a time through the cache's lock, before they join the process group)."""
     from phalanx.checkpoint.resume import resume_point
     from phalanx.launch.local import launch_local
-    from phalanx.runtime.dist import check_world_fits
+    from phalanx.parallel import check_before_launch
+    from phalanx.runtime.dist import check_world_fits, resolve_backend
 
     check_world_fits(cfg.distributed.world_size, cfg.distributed.backend)
+    check_before_launch(cfg, cfg.distributed.world_size, on_gpu=resolve_backend(cfg.distributed.backend) == "nccl")
     resume_point(cfg)  # an output_dir that holds another run is refused here, once, before any rank starts
     return launch_local(["train", *args], cfg.distributed.world_size, cfg.distributed.master_port,
                         max_restarts=cfg.distributed.max_restarts)

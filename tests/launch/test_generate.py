@@ -120,9 +120,18 @@ def test_launcher_elastic_uses_c10d_with_fresh_stores(in_project, capsys, tmp_pa
     (["--num_gpus_per_node", "0", "--", "--max_stepz", "3"], "unknown flag --max_stepz. Did you mean 'max_steps'?"),
     (["--num_gpus_per_node", "0", "--", "--learning_rate", "-1"], "learning_rate"),
     (["--num_gpus_per_node", "0", "--bogus", "1"], "unrecognized arguments: --bogus"),
+    # What the ranks would refuse, found while writing the script: precision CPU ranks cannot run, a DeepSpeed
+    # JSON that contradicts the run (its "auto" values are filled; explicit ones must agree).
+    (["--num_gpus_per_node", "0", "--", "--mixed_precision", "bf16"], "'bf16' needs a CUDA device"),
+    (["--num_gpus_per_node", "0", "--use_deepspeed", "--", "--strategy", "deepspeed", "--zero_stage", "2",
+      "--deepspeed_config", "{stage3_json}"], "zero_optimization.stage is 3 in the JSON but 2"),
 ])
 def test_launcher_refuses_bad_input_with_a_clear_message(in_project, capsys, tmp_path, args, message):
-    code, _, err = cli(capsys, "launcher", *args, "--output", str(tmp_path / "x.sh"))
+    stage3 = tmp_path / "ds_stage3.json"
+    stage3.write_text('{"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto"}')
+    args = [a.replace("{stage3_json}", str(stage3)) for a in args]
+    split = args.index("--") if "--" in args else len(args)  # flags after `--` go to `phalanx train`
+    code, _, err = cli(capsys, "launcher", *args[:split], "--output", str(tmp_path / "x.sh"), *args[split:])
     assert code == 2
     assert message in err
     assert not (tmp_path / "x.sh").exists(), "nothing is written for bad input"

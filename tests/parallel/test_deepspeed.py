@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from helpers import read_metrics, run_phalanx, write_chat_jsonl
 
-from equivalence import COMMON, assert_saved_weights_match, grad_norms, train
+from equivalence import COMMON, assert_adapter_loads_with_peft, assert_saved_weights_match, grad_norms, train
 
 pytestmark = pytest.mark.distributed
 import deepspeed  # noqa: E402  (installed by the Makefile; a missing engine is a failure, not a skip)
@@ -35,6 +35,8 @@ def test_zero_matches_one_process(equivalence_data, tmp_path, single, finetune, 
     assert json.loads((out / "final_training_info.json").read_text())["strategy"] == "deepspeed"
     # Under ZeRO-3 every rank holds a slice of each weight: the saved file must still be whole and trained.
     assert_saved_weights_match(ref_dir, out, finetune)
+    if finetune == "lora" and stage == 3:
+        assert_adapter_loads_with_peft(out)
 
 
 def test_user_json_auto_values_filled_and_resume_from_engine_checkpoint(tmp_path):
@@ -65,9 +67,10 @@ def test_json_that_contradicts_the_run_is_refused(tmp_path):
     ds_json.write_text(json.dumps({"gradient_accumulation_steps": 16, "zero_optimization": {"stage": 3}}))
     proc = run_phalanx("train", "--dataset_path", str(data), "--output_dir", str(tmp_path / "out"), "--world_size", "2",
                        "--strategy", "deepspeed", "--deepspeed_config", str(ds_json), "--zero_stage", "2", *COMMON)
-    assert proc.returncode != 0
+    assert proc.returncode == 2
     assert "gradient_accumulation_steps is 16 in the JSON" in proc.stderr
     assert "zero_optimization.stage is 3 in the JSON but 2" in proc.stderr
+    assert "World Size" not in proc.stdout and not (tmp_path / "out").exists(), "refused before any rank started"
 
 
 @pytest.fixture(scope="module")

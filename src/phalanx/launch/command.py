@@ -82,17 +82,22 @@ def layout(args: argparse.Namespace) -> tuple[int, int]:
     return gpus, nproc
 
 
-def check_training(config: Optional[str], train_args: list[str]):
-    """Load the config with the extra flags exactly as `phalanx train` will; returns the RunConfig."""
+def check_training(config: Optional[str], train_args: list[str], num_nodes: int, nproc_per_node: int, gpus: int):
+    """Load the config with the extra flags exactly as `phalanx train` will, and check it against the job's layout
+    (nodes, ranks, GPUs) as the ranks would; returns the RunConfig."""
     from phalanx.cli import split_flags
     from phalanx.config.loader import load_config, overrides_from_flags
+    from phalanx.parallel import check_before_launch
 
     if config is not None and not Path(config).is_file():
         raise ConfigError(f"--config {config}: no such file (expected a training YAML such as configs/demo.yaml)")
     extra_config, pairs = split_flags(train_args)
     if extra_config is not None:
         raise ConfigError(f"after `--` give --flag value pairs for `phalanx train`, not a file ({extra_config}); use --config")
-    return load_config(config, overrides_from_flags(pairs))
+    cfg = load_config(config, overrides_from_flags(pairs))
+    cfg.check_nodes(num_nodes)
+    check_before_launch(cfg, num_nodes * nproc_per_node, on_gpu=gpus > 0)
+    return cfg
 
 
 def note_launcher_and_strategy(cfg, use_deepspeed: bool) -> None:
@@ -164,8 +169,7 @@ def launcher_main(argv: Sequence[str]) -> int:
         if is_loopback(master):
             raise ConfigError(f"--master_addr {master} is a loopback address; the other nodes cannot reach it. "
                               "Give the master node's address on the network the nodes share.")
-    cfg = check_training(args.config, train_args)
-    cfg.check_nodes(args.num_nodes)
+    cfg = check_training(args.config, train_args, args.num_nodes, nproc, gpus)
     warn_if_restarts_start_over(cfg, args.max_restarts > 0)
     note_launcher_and_strategy(cfg, args.use_deepspeed)
     out = Path(args.output)
@@ -239,8 +243,7 @@ def slurm_main(argv: Sequence[str]) -> int:
     cpus = args.cpus_per_task if args.cpus_per_task is not None else (8 if gpus else 1)
     if cpus < 1:
         raise ConfigError(f"--cpus_per_task {cpus}: at least 1")
-    cfg = check_training(args.config, train_args)
-    cfg.check_nodes(args.num_nodes)
+    cfg = check_training(args.config, train_args, args.num_nodes, nproc, gpus)
     project = Path(args.chdir or Path.cwd()).resolve()
     out = Path(args.output)
     requeue = not args.no_requeue

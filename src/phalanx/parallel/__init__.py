@@ -39,3 +39,21 @@ def make_strategy(rank: RankInfo, precision: Precision, comm_hook: str = "none",
 
     return DDPStrategy(rank, precision, comm_hook)
 
+
+
+def check_before_launch(cfg: Any, world_size: int, on_gpu: bool) -> None:
+    """Refuse, before any rank starts, what every rank would refuse about its strategy: a mixed precision the device
+    cannot run, and a DeepSpeed JSON that contradicts the run. Launchers call it; it makes no CUDA call (a context
+    in the launcher would hold memory on the first GPU for the whole run)."""
+    import torch
+
+    mixed = cfg.training.mixed_precision
+    if on_gpu:
+        # 'auto' picks bf16 or fp16 on the device itself; it is never set explicitly, so it never conflicts below.
+        precision = Precision({"no": None, "fp16": torch.float16}.get(mixed, torch.bfloat16))
+    else:
+        precision = Precision.choose(mixed, torch.device("cpu"))
+    if cfg.distributed.strategy == "deepspeed" and cfg.distributed.deepspeed_config:
+        from phalanx.parallel.deepspeed import build_ds_config
+
+        build_ds_config(cfg, world_size, precision)
