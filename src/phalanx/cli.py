@@ -13,7 +13,6 @@ if TYPE_CHECKING:
     from phalanx.runtime.signals import PreemptionFlag
 
 
-
 def split_flags(args: Sequence[str]) -> tuple[Optional[str], list[tuple[str, str]]]:
     """'[CONFIG] --a 1 --b=2 --switch' -> ('CONFIG', [('a','1'), ('b','2'), ('switch','true')])."""
     config: Optional[str] = None

@@ -40,7 +40,6 @@ def make_strategy(rank: RankInfo, precision: Precision, comm_hook: str = "none",
     return DDPStrategy(rank, precision, comm_hook)
 
 
-
 def check_before_launch(cfg: Any, world_size: int, on_gpu: bool) -> None:
     """Refuse, before any rank starts, what every rank would refuse about its strategy: a mixed precision the device
     cannot run, and a DeepSpeed JSON that contradicts the run. Launchers call it; it makes no CUDA call (a context
