@@ -38,6 +38,8 @@ FLAT_FLAGS: dict[str, str] = {
     "max_length": "data.max_length",
     "truncation": "data.truncation",
     "on_bad_row": "data.on_bad_row",
+    "chat_template": "data.chat_template",
+    "multi_turn": "data.multi_turn",
     "num_epochs": "training.num_epochs",
     "max_steps": "training.max_steps",
     "batch_size": "training.batch_size",

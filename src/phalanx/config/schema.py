@@ -71,6 +71,18 @@ class DataConfig(Section):
     on_bad_row: Literal["error", "skip"] = Field(
         "error", description="A malformed row stops the run with its location, or is skipped and counted."
     )
+    chat_template: Optional[str] = Field(
+        None,
+        description="Replace the tokenizer's chat template: a jinja file, or the name of a template phalanx ships "
+        "(`phalanx data templates` lists them). The template used is saved with the tokenizer in every checkpoint.",
+    )
+    multi_turn: Literal["auto", "full", "per_turn"] = Field(
+        "auto",
+        description="How conversations with several assistant turns train: 'full' = one row, every assistant turn "
+        "masked in the whole rendering; 'per_turn' = one row per assistant turn, rendered as the model sees that "
+        "context at inference (for templates that rewrite earlier turns, e.g. drop past reasoning); 'auto' = full "
+        "where every turn renders the same whatever follows it, else per_turn.",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> "DataConfig":
