@@ -91,3 +91,21 @@ def test_both_dataset_sources_refused():
     with pytest.raises(ConfigError) as err:
         load_config(None, {"data.dataset_path": "a.jsonl", "data.dataset_name": "org/ds"})
     assert "dataset_path or dataset_name" in str(err.value)
+
+
+def test_text_fields_get_the_text_typed_and_bool_fields_keep_yes_no(tmp_path: Path):
+    """YAML 1.1 reads no/off/yes/on as booleans: a string or choice field gets the characters, from flags and files."""
+    flags = overrides_from_flags([("mixed_precision", "no"), ("output_dir", "on"), ("logging.tensorboard", "off"),
+                                  ("overwrite_output_dir", "yes"), ("target_modules", "[q_proj, no]"),
+                                  ("model_name", "1.10"), ("resume_from_checkpoint", "null")])
+    cfg = load_config(None, flags)
+    assert (cfg.training.mixed_precision, cfg.output_dir, cfg.model.model_name) == ("no", "on", "1.10")
+    assert cfg.logging.tensorboard is False and cfg.overwrite_output_dir is True
+    assert cfg.lora.target_modules == ["q_proj", "no"] and cfg.checkpoint.resume_from_checkpoint is None
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text("output_dir: off\ntraining:\n  mixed_precision: no\nlogging:\n  progress_bar: on\n")
+    cfg = load_config(str(cfg_file))
+    assert (cfg.output_dir, cfg.training.mixed_precision, cfg.logging.progress_bar) == ("off", "no", True)
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides_from_flags([("mixed_precision", "No")]))
+    assert "'No'" in str(err.value) and "'auto', 'no', 'fp16' or 'bf16'" in str(err.value)

@@ -7,8 +7,10 @@ the file and line (for YAML) or the flag, the field, the value found and what is
 from __future__ import annotations
 
 import difflib
+import types
+import typing
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -140,6 +142,99 @@ def parse_value(text: str) -> Any:
     return value
 
 
+def _union_args(annotation: Any) -> tuple:
+    """Optional[X] / X | Y -> their members; any other annotation -> itself alone."""
+    if typing.get_origin(annotation) in (Union, types.UnionType):
+        return typing.get_args(annotation)
+    return (annotation,)
+
+
+def _takes_as_is(annotation: Any, value: Any) -> bool:
+    """Whether a field of type `annotation` accepts the bool or number YAML made, without turning it into text."""
+    for member in _union_args(annotation):
+        if typing.get_origin(member) is Literal:
+            if any(type(choice) is type(value) and choice == value for choice in typing.get_args(member)):
+                return True
+        elif member is bool:
+            if isinstance(value, bool):
+                return True
+        elif member in (int, float):
+            if not isinstance(value, bool):
+                return True
+        elif member in (str, Path) or member is type(None):
+            continue
+        else:
+            return True  # a type this check does not know (a list, a section): pydantic judges the value
+    return False
+
+
+def _takes_text(annotation: Any) -> bool:
+    for member in _union_args(annotation):
+        if member in (str, Path):
+            return True
+        if typing.get_origin(member) is Literal and any(isinstance(c, str) for c in typing.get_args(member)):
+            return True
+    return False
+
+
+def _list_item(annotation: Any) -> Any:
+    for member in _union_args(annotation):
+        if typing.get_origin(member) is list and typing.get_args(member):
+            return typing.get_args(member)[0]
+    return None
+
+
+def _section(annotation: Any) -> Optional[type[BaseModel]]:
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def keep_typed_text(value: Any, node: Optional[yaml.Node], annotation: Any) -> Any:
+    """`value` as YAML read it from `node`, with each unquoted scalar that a text field receives put back as typed.
+
+    YAML 1.1 reads no/off/yes/on as booleans and 1.10 as the number 1.1, so `mixed_precision: no` (or the flag
+    `--mixed_precision no`) would reach the schema as False. A field whose type takes text but not the bool or
+    number gets the characters the user wrote; bool fields keep their yes/no/true/false; null stays null. Driven
+    by the schema's annotations, so every string and choice field is covered, today's and tomorrow's."""
+    if isinstance(node, yaml.ScalarNode):
+        if (isinstance(value, (bool, int, float)) and node.style is None
+                and not _takes_as_is(annotation, value) and _takes_text(annotation)):
+            return node.value
+        return value
+    if isinstance(node, yaml.SequenceNode) and isinstance(value, list) and len(node.value) == len(value):
+        item = _list_item(annotation)
+        if item is not None:
+            return [keep_typed_text(v, n, item) for v, n in zip(value, node.value)]
+        return value
+    section = _section(annotation)
+    if isinstance(node, yaml.MappingNode) and isinstance(value, dict) and section is not None:
+        for key_node, value_node in node.value:
+            key = key_node.value
+            if key in value and key in section.model_fields:
+                value[key] = keep_typed_text(value[key], value_node, section.model_fields[key].annotation)
+    return value
+
+
+def field_annotation(dotted: str) -> Any:
+    """The type annotation of a dotted field such as 'training.mixed_precision' (None when there is no such field)."""
+    annotation: Any = RunConfig
+    for part in dotted.split("."):
+        section = _section(annotation)
+        if section is None or part not in section.model_fields:
+            return None
+        annotation = section.model_fields[part].annotation
+    return annotation
+
+
+def parse_flag_value(dotted: str, text: str) -> Any:
+    """A flag's value as YAML reads it (parse_value), except that a text or choice field gets the text as typed."""
+    value = parse_value(text)
+    try:
+        node = yaml.compose(text)
+    except yaml.YAMLError:
+        return value
+    return keep_typed_text(value, node, field_annotation(dotted))
+
+
 def load_config(path: Optional[str] = None, overrides: Optional[dict[str, Any]] = None) -> RunConfig:
     """Read the YAML at `path` (optional), apply dotted `overrides`, validate, and return a RunConfig."""
     tree: dict = {}
@@ -158,7 +253,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[dict[str, Any]] 
             loaded = {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, data:, training: ...), found {type(loaded).__name__}")
-        tree = loaded
+        tree = keep_typed_text(loaded, yaml.compose(text), RunConfig)
         lines = _yaml_lines(text)
         source = path
     from_cli: set[tuple] = set()
@@ -212,9 +307,9 @@ def overrides_from_flags(pairs: list[tuple[str, str]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for flag, raw in pairs:
         if flag in FLAT_FLAGS:
-            out[FLAT_FLAGS[flag]] = parse_value(raw)
+            out[FLAT_FLAGS[flag]] = parse_flag_value(FLAT_FLAGS[flag], raw)
         elif flag in dotted_fields:
-            out[flag] = parse_value(raw)
+            out[flag] = parse_flag_value(flag, raw)
         else:
             hint = _nearest(flag, list(FLAT_FLAGS) + dotted_fields)
             raise ConfigError(
