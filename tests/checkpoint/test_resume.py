@@ -54,6 +54,10 @@ def test_resume_after_sigkill_is_bit_identical(dataset, uninterrupted, killed, t
     resumed = [r["loss"] for r in read_metrics(out)]
     assert resumed == reference  # bit-identical: exact float equality, steps 1-4 from before, 5-8 after the kill
     assert [r["loss"] for r in read_metrics(out, "eval")] == [r["loss"] for r in read_metrics(uninterrupted, "eval")]
+    # 24 train rows / 2 ranks / batch 2 = 6 steps per epoch: the epoch mean at step 6 covers steps 1-6, not 5-6.
+    epochs = read_metrics(out, "epoch")
+    assert [(r["step"], r["loss"]) for r in epochs] == [(r["step"], r["loss"]) for r in read_metrics(uninterrupted, "epoch")]
+    assert [r["step"] for r in epochs] == [6]
     final = json.loads((out / "final_training_info.json").read_text())
     ref = json.loads((uninterrupted / "final_training_info.json").read_text())
     for key in ("global_step", "tokens_seen", "best_eval_loss", "best_step", "epoch"):

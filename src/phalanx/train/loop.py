@@ -109,7 +109,6 @@ def train(run: Run) -> None:
     started = False
     while state.global_step < run.total_steps:
         run.sampler.set_epoch(state.epoch)
-        epoch_losses = []
         for micro_batches in run.steps_of_epoch():
             if run.fault is not None and run.fault.due("hang", state.global_step + 1, run.rank.rank):
                 return  # this rank stops taking part, as a rank with fewer batches would
@@ -124,7 +123,7 @@ def train(run: Run) -> None:
                 started = True
             state.global_step += 1
             state.tokens_seen += metrics["target_tokens"]
-            epoch_losses.append(metrics["loss"])
+            state.add_epoch_loss(metrics["loss"])
             window["loss"] += metrics["loss"]; window["steps"] += 1; window["tokens"] += metrics["input_tokens"]
             tokens_per_s = window["tokens"] / max(time.perf_counter() - window["start"], 1e-9)
             reporter.advance(1, {"loss": f"{metrics['loss']:.4f}", "lr": f"{metrics['lr']:.2e}", "tok/s": f"{tokens_per_s:.0f}"})
@@ -143,7 +142,6 @@ def train(run: Run) -> None:
             if last:
                 break
         if run.sampler.exhausted:
-            mean = sum(epoch_losses) / max(len(epoch_losses), 1)
+            epoch, mean = state.epoch, state.end_epoch()
             reporter.log(state.global_step, {"loss": mean}, kind="epoch")
-            reporter.say(f"📊 Epoch {state.epoch + 1} average loss: {mean:.4f}")
-            state.epoch += 1
+            reporter.say(f"📊 Epoch {epoch + 1} average loss: {mean:.4f}")

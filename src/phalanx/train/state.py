@@ -15,6 +15,21 @@ class TrainerState:
     best_step: Optional[int] = None
     last_eval_loss: Optional[float] = None
     skipped_steps: int = 0  # steps whose global loss was NaN/Inf and whose update was dropped
+    # The running sum behind the epoch's mean loss: checkpointed, so a run resumed mid-epoch reports the mean over
+    # the whole epoch (the same float, summed in the same order), not over the steps since the resume.
+    epoch_loss_sum: float = 0.0
+    epoch_loss_steps: int = 0
+
+    def add_epoch_loss(self, loss: float) -> None:
+        self.epoch_loss_sum += loss
+        self.epoch_loss_steps += 1
+
+    def end_epoch(self) -> float:
+        """The epoch's mean step loss; the sums start over and the epoch counter advances."""
+        mean = self.epoch_loss_sum / max(self.epoch_loss_steps, 1)
+        self.epoch_loss_sum, self.epoch_loss_steps = 0.0, 0
+        self.epoch += 1
+        return mean
 
     def state_dict(self) -> dict:
         return asdict(self)
