@@ -36,6 +36,12 @@ INST = (
 )
 
 
+def one(tokenized):
+    """The single row a conversation became under multi_turn 'full' (or a text row)."""
+    assert tokenized.policy in ("full", "text") and len(tokenized.examples) == 1, tokenized
+    return tokenized.examples[0]
+
+
 def target_runs(tok, result) -> list[str]:
     """Decode each contiguous run of labelled tokens."""
     runs, current = [], []
@@ -65,7 +71,7 @@ def _assert_only_assistant(text: str):
 
 def test_chatml_multi_turn_tool_calls_mask_exactly_the_assistant_turns(tokenizer, tool_row):
     conv = to_conversation(tool_row, WHERE)
-    result = tokenize_conversation(tokenizer, conv, WHERE)
+    result = one(tokenize_conversation(tokenizer, conv, WHERE))
     assert target_runs(tokenizer, result) == CHATML_TARGETS
     _assert_only_assistant("".join(target_runs(tokenizer, result)))
     # The input is exactly the template's text: tools rendered, no special token added (no BOS/EOS twice).
@@ -77,7 +83,7 @@ def test_chatml_multi_turn_tool_calls_mask_exactly_the_assistant_turns(tokenizer
 
 def test_a_different_template_masks_correctly_too(make_tokenizer, tool_row):
     tok = make_tokenizer(LLAMA3)
-    result = tokenize_conversation(tok, to_conversation(tool_row, WHERE), WHERE)
+    result = one(tokenize_conversation(tok, to_conversation(tool_row, WHERE), WHERE))
     assert target_runs(tok, result) == [
         '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>',
         "ASSISTANT-ONE It is 18C.<|eot_id|>",
@@ -93,14 +99,14 @@ def test_inst_template_without_generation_prompt_trains_on_answer_and_eos(make_t
         {"from": "human", "value": "USER-ONE"}, {"from": "gpt", "value": "ASSISTANT-ONE"},
         {"from": "human", "value": "USER-TWO"}, {"from": "gpt", "value": "ASSISTANT-TWO"},
     ]}
-    result = tokenize_conversation(tok, to_conversation(row, WHERE), WHERE)
+    result = one(tokenize_conversation(tok, to_conversation(row, WHERE), WHERE))
     assert target_runs(tok, result) == [" ASSISTANT-ONE</s>", " ASSISTANT-TWO</s>"]
     assert result["labels"][-1] == tok.eos_token_id  # EOS is a real special token here, and a target
 
 
 def test_alpaca_row_through_chatml(tokenizer):
     conv = to_conversation({"instruction": "Add", "input": "1 and 2", "output": "3", "system": "math"}, WHERE)
-    result = tokenize_conversation(tokenizer, conv, WHERE)
+    result = one(tokenize_conversation(tokenizer, conv, WHERE))
     assert target_runs(tokenizer, result) == ["3<|im_end|>\n"]
 
 
@@ -130,7 +136,7 @@ def fast_tokenizer(chatml, tool_row):
 def test_fast_tokenizer_uses_offsets_and_masks_the_same_text(fast_tokenizer, tool_row):
     assert fast_tokenizer.is_fast
     conv = to_conversation(tool_row, WHERE)
-    result = tokenize_conversation(fast_tokenizer, conv, WHERE)
+    result = one(tokenize_conversation(fast_tokenizer, conv, WHERE))
     assert target_runs(fast_tokenizer, result) == CHATML_TARGETS
     # One pass over the whole text: the ids are what inference would see.
     rendered = fast_tokenizer.apply_chat_template(conv["messages"], tools=conv["tools"], tokenize=False)
@@ -140,19 +146,22 @@ def test_fast_tokenizer_uses_offsets_and_masks_the_same_text(fast_tokenizer, too
 NUMBERED = "<conversation of {{ messages | length }} messages>\n"  # rewrites the start whenever a turn is added
 
 
-def test_template_that_is_not_prefix_stable_is_refused(make_tokenizer, chatml, tool_row):
+def test_template_that_rewrites_other_text_trains_on_the_whole_rendering(make_tokenizer, chatml, tool_row):
+    """Each turn's view differs from the whole rendering at its first line; the outputs are found all the same."""
     tok = make_tokenizer(NUMBERED + chatml)
-    with pytest.raises(DataError) as info:
-        tokenize_conversation(tok, to_conversation(tool_row, WHERE), WHERE)
-    msg = str(info.value)
-    assert msg.startswith(WHERE + ": ") and "not prefix-stable: the rendering of messages[:2] changes" in msg
-    assert "'<conversation of 2" in msg and "'<conversation of 3" in msg  # shows where the renderings part
+    result = tokenize_conversation(tok, to_conversation(tool_row, WHERE), WHERE)
+    assert result.policy == "full"
+    assert target_runs(tok, result.examples[0]) == CHATML_TARGETS
+    assert tok.decode(result.examples[0]["input_ids"]).startswith("<conversation of 7 messages>")
 
 
 def test_generation_prompt_that_does_not_match_assistant_turns_is_refused(make_tokenizer, chatml, tool_row):
     tok = make_tokenizer(chatml.replace("{% if add_generation_prompt %}<|im_start|>assistant", "{% if add_generation_prompt %}<|im_start|>model"))
-    with pytest.raises(DataError, match=r"not prefix-stable at messages\[2\] \(assistant\): its generation prompt \(add_generation_prompt=True\)"):
+    with pytest.raises(DataError) as info:
         tokenize_conversation(tok, to_conversation(tool_row, WHERE), WHERE)
+    msg = str(info.value)
+    assert msg.startswith(f"{WHERE}: messages[2] (assistant): the chat template's generation prompt (add_generation_prompt=True)")
+    assert "<|im_start|>model" in msg and "<|im_start|>assistant" in msg  # where the renderings part
 
 
 def test_tokenizer_without_chat_template(make_tokenizer, tool_row):
@@ -167,7 +176,7 @@ def test_template_errors_become_data_errors(make_tokenizer, tool_row):
 
 def test_plain_text_trains_on_every_token_and_ends_with_eos(make_tokenizer):
     tok = make_tokenizer(None)  # text rows need no chat template
-    result = tokenize_conversation(tok, to_conversation({"text": "héllo world"}, WHERE), WHERE)
+    result = one(tokenize_conversation(tok, to_conversation({"text": "héllo world"}, WHERE), WHERE))
     assert result["labels"] == result["input_ids"]
     assert result["input_ids"][-1] == tok.eos_token_id and result["input_ids"].count(tok.eos_token_id) == 1
     assert tok.decode(result["input_ids"]) == "héllo world</s>"
@@ -181,3 +190,137 @@ def test_pad_batch_right_pads_to_the_longest():
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert batch["labels"].tolist() == [[-100, 6, 7], [8, -100, -100]]
     assert {t.dtype for t in batch.values()} == {__import__("torch").long}
+
+
+# ---------------------------------------------------------------------------- templates that are not prefix-stable
+
+# Qwen3's habit: the think block is rendered only for assistant turns after the last user message.
+REWRITES_PAST_TURNS = (
+    "{% set ns = namespace(last_user=-1) %}"
+    "{% for m in messages %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}{% if m.role == 'assistant' %}<|im_start|>assistant\n"
+    "{% if loop.index0 > ns.last_user %}<think>\n{{ m.reasoning_content or '' }}\n</think>\n\n{% endif %}"
+    "{{ m.content }}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+REASONING_ROW = {"messages": [
+    {"role": "user", "content": "USER-ONE"}, {"role": "assistant", "content": "ANSWER-ONE", "reasoning_content": "WHY-ONE"},
+    {"role": "user", "content": "USER-TWO"}, {"role": "assistant", "content": "ANSWER-TWO", "reasoning_content": "WHY-TWO"},
+]}
+
+
+def test_template_that_rewrites_past_turns_trains_one_row_per_turn(make_tokenizer):
+    tok = make_tokenizer(REWRITES_PAST_TURNS)
+    conv = to_conversation(REASONING_ROW, WHERE)
+    result = tokenize_conversation(tok, conv, WHERE)  # auto
+    assert result.policy == "per_turn" and result.reasoning_dropped == 0
+    assert "messages[1] (assistant): it renders differently once later messages follow it" in result.notes[0]
+    first, second = result.examples
+    assert target_runs(tok, first) == ["<think>\nWHY-ONE\n</think>\n\nANSWER-ONE<|im_end|>\n"]
+    assert target_runs(tok, second) == ["<think>\nWHY-TWO\n</think>\n\nANSWER-TWO<|im_end|>\n"]
+    # The second row's context is the first turn as the template renders it later: reasoning gone, not trained.
+    assert tok.decode(second["input_ids"]).startswith(
+        "<|im_start|>user\nUSER-ONE<|im_end|>\n<|im_start|>assistant\nANSWER-ONE<|im_end|>\n<|im_start|>user\nUSER-TWO")
+    assert tokenize_conversation(tok, conv, WHERE, "per_turn").examples == result.examples
+    with pytest.raises(DataError) as info:
+        tokenize_conversation(tok, conv, WHERE, "full")
+    msg = str(info.value)
+    assert msg.startswith(f"{WHERE}: multi_turn 'full': messages[1] (assistant): it renders differently")
+    assert "WHY-ONE" in msg and "multi_turn 'per_turn'" in msg
+
+
+def test_reasoning_the_template_does_not_render_is_counted(tokenizer):
+    result = tokenize_conversation(tokenizer, to_conversation(REASONING_ROW, WHERE), WHERE)
+    assert result.policy == "full" and result.reasoning_dropped == 2
+    assert target_runs(tokenizer, result.examples[0]) == ["ANSWER-ONE<|im_end|>\n", "ANSWER-TWO<|im_end|>\n"]
+
+
+# DeepSeek-R1-Distill's habit: the generation prompt pre-fills "<think>\n", the finished turn has no think block,
+# and reasoning before </think> is cut from the content.
+PREFILLS_THINK = (
+    "{% for m in messages %}{% if m.role == 'user' %}<U>{{ m.content }}"
+    "{% elif m.role == 'assistant' %}<A>{{ m.content.split('</think>')[-1] }}</s>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<A><think>\n{% endif %}"
+)
+
+
+def test_generation_prompt_that_prefills_the_answer_trains_from_the_header(make_tokenizer):
+    tok = make_tokenizer(PREFILLS_THINK)
+    row = {"messages": [
+        {"role": "user", "content": "Q1"}, {"role": "assistant", "content": "<think>\nhmm</think>A1"},
+        {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "<think>\nunclosed"},
+    ]}
+    result = tokenize_conversation(tok, to_conversation(row, WHERE), WHERE)
+    assert result.policy == "full" and result.reasoning_dropped == 1
+    # "<think>\n" at the start of the second answer is the answer's own text, though the prompt pre-fills the same.
+    assert target_runs(tok, result.examples[0]) == ["A1</s>", "<think>\nunclosed</s>"]
+
+
+# Phi-3.5's habit: an end-of-text token after the last turn, only without a generation prompt; it shares "<"
+# with the next header, so the part position falls inside it and snaps back to its start.
+TRAILER = (
+    "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% else %}{{ eos_token }}{% endif %}"
+)
+
+
+def test_conversation_trailer_is_not_trained(make_tokenizer, chat_row):
+    tok = make_tokenizer(TRAILER)
+    row = {"messages": chat_row(1)["messages"] + [{"role": "user", "content": "again"}, {"role": "assistant", "content": "B"}]}
+    result = tokenize_conversation(tok, to_conversation(row, WHERE), WHERE)
+    example = result.examples[0]
+    assert target_runs(tok, example) == ["fine 1<|end|>\n", "B<|end|>\n"]
+    assert example["input_ids"][-1] == tok.eos_token_id and example["labels"][-1] == IGNORE_INDEX
+
+
+# Mistral's habit: no assistant header, the system prompt written only into a last user message (so never in a
+# conversation that ends with an answer).
+SYSTEM_IN_LAST_USER = (
+    "{% for m in messages %}{% if m.role == 'user' %}[INST]"
+    "{% if loop.last and messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}{{ m.content }}[/INST]"
+    "{% elif m.role == 'assistant' %}{{ m.content }}</s>{% endif %}{% endfor %}"
+)
+
+
+def test_system_prompt_moved_or_dropped_by_the_template(make_tokenizer):
+    tok = make_tokenizer(SYSTEM_IN_LAST_USER)
+    row = {"messages": [
+        {"role": "system", "content": "SYSTEM-TEXT"}, {"role": "user", "content": "U1"}, {"role": "assistant", "content": "OK"},
+        {"role": "user", "content": "U2"}, {"role": "assistant", "content": "OK"},
+    ]}
+    result = tokenize_conversation(tok, to_conversation(row, WHERE), WHERE)
+    assert result.policy == "full" and result.system_dropped
+    assert tok.decode(result.examples[0]["input_ids"]) == "[INST]U1[/INST]OK</s>[INST]U2[/INST]OK</s>"
+    assert target_runs(tok, result.examples[0]) == ["OK</s>", "OK</s>"]
+
+
+def test_identical_answers_are_located_at_their_own_turns(make_tokenizer, chatml):
+    """The views differ from the whole rendering, and the same output occurs twice: each turn gets its own."""
+    tok = make_tokenizer(NUMBERED + chatml)
+    row = {"messages": [{"role": "user", "content": "U1"}, {"role": "assistant", "content": "OK"},
+                        {"role": "user", "content": "OK"}, {"role": "assistant", "content": "OK"}]}
+    example = one(tokenize_conversation(tok, to_conversation(row, WHERE), WHERE))
+    text = tok.decode(example["input_ids"])
+    trained = "".join("^" if label != IGNORE_INDEX else "." for label in example["labels"])
+    assert text == ("<conversation of 4 messages>\n<|im_start|>user\nU1<|im_end|>\n<|im_start|>assistant\nOK<|im_end|>\n"
+                    "<|im_start|>user\nOK<|im_end|>\n<|im_start|>assistant\nOK<|im_end|>\n")
+    first = text.index("assistant\nOK") + len("assistant\n")
+    second = text.rindex("assistant\nOK") + len("assistant\n")
+    expected = ["."] * len(text)
+    for start in (first, second):
+        expected[start : start + len("OK<|im_end|>\n")] = "^" * len("OK<|im_end|>\n")
+    assert trained == "".join(expected)  # ByT5: one token per character here
+
+
+def test_template_that_drops_tool_calls_or_arguments_is_refused(make_tokenizer, chatml, tool_row):
+    no_calls = chatml.replace("{% for tc in m.tool_calls or [] %}", "{% for tc in [] %}")
+    with pytest.raises(DataError, match=r"^train.jsonl line 3: messages\[2\]\.tool_calls\[0\]: the chat template dropped "
+                                        r"the tool call's name 'get_weather'"):
+        tokenize_conversation(make_tokenizer(no_calls), to_conversation(tool_row, WHERE), WHERE)
+    no_arguments = chatml.replace("{{ tc.function.arguments | tojson }}", "{}")
+    with pytest.raises(DataError, match=r"dropped the tool call's argument 'city'"):
+        tokenize_conversation(make_tokenizer(no_arguments), to_conversation(tool_row, WHERE), WHERE)
+    no_content = chatml.replace("<|im_start|>assistant\n{{ m.content }}", "<|im_start|>assistant\n")
+    with pytest.raises(DataError, match=r"messages\[4\] \(assistant\): the chat template dropped its content \('ASSISTANT-ONE"):
+        tokenize_conversation(make_tokenizer(no_content), to_conversation(tool_row, WHERE), WHERE)

@@ -1,12 +1,39 @@
-"""Render a conversation with the tokenizer's own chat template and mark the tokens the loss trains on.
+"""Render a conversation with its chat template and mark the tokens the loss trains on.
 
-Template-agnostic by construction: no list of known templates. For every assistant turn i the
-template renders ``messages[:i]`` with the generation prompt (what the model sees before it
-answers) and ``messages[:i+1]`` without it; the characters in between are exactly what the
-model must produce for that turn: its content, its rendered tool calls and the end-of-turn
-marker. Both renderings must be prefixes of the whole conversation's rendering; a template
-that rewrites earlier turns once later ones exist is refused, because the spans would not line
-up with the text the model trains on.
+Template-agnostic: there is no list of known templates. Every position comes from rendering the
+conversation (and a few variations of it) with the template itself, and every position is
+checked; a row whose trained text cannot be located with certainty is refused with the reason.
+
+For assistant message i, the *turn view* is ``render(messages[:i+1])``, the conversation as it
+stands once that message is written. In it the turn's output (what the model must produce:
+rendered reasoning, content, tool calls, end-of-turn marker) is located as:
+
+- start: the end of the generation prompt ``render(messages[:i], add_generation_prompt=True)``
+  when the view starts with it. A generation prompt that also pre-fills the start of an answer
+  the finished turn does not render (DeepSeek-R1-Distill's ``<｜Assistant｜><think>\\n``) is
+  accepted when it covers everything before the first character the message itself decides
+  (found by rendering a sentinel message in its place); the output then starts there.
+- end: the end of the view, less a trailer that the template writes only when no generation
+  prompt is asked for (Phi-3.5's final ``<|endoftext|>``): the view and the same messages
+  rendered with the generation prompt part there. A part inside a special token snaps to its start.
+
+How a conversation with several assistant turns becomes rows (``data.multi_turn``):
+
+- ``full``: one row, the whole conversation rendered once. Each turn's output must be found in
+  it: at the same place when the view is a prefix of the whole rendering, else at the single
+  occurrence that covers the characters the message decides (the part of the rendering that
+  changes when its text is replaced by a sentinel). Templates that move other text (Mistral puts
+  the system prompt and tools next to the last user message) pass this way.
+- ``per_turn``: one row per assistant message, its turn view, trained on its output only: each
+  row is the context the model saw when it wrote that turn. This is what templates that rewrite
+  earlier turns need (Qwen3 drops past reasoning and the empty think block once a later user
+  query exists, so the whole rendering does not hold what the model wrote).
+- ``auto``: full when every turn is found in the whole rendering, else per_turn.
+
+The text the template renders is checked too: an assistant message whose content, tool call name
+or argument does not appear in its located output was dropped by the template (DeepSeek-R1-Distill's
+own template renders tool calls only when content is None) and is refused, never trained as an
+empty turn.
 
 Labels are the input ids on target tokens and -100 elsewhere; the shift by one happens in the
 loss, not here.
@@ -14,74 +41,288 @@ loss, not here.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import copy
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
 
 from phalanx.data.formats import Conversation
 from phalanx.errors import DataError
 
 IGNORE_INDEX = -100
+MULTI_TURN_POLICIES = ("auto", "full", "per_turn")
+# Private-use characters: no template writes them and no content starts with them, so the first
+# character where a rendering with the sentinel differs is exactly where the message's own text starts.
+SENTINEL = "\ue000phalanx-sentinel\ue001"
 
 
-def tokenize_conversation(tokenizer: Any, conv: Conversation, where: str) -> dict[str, list[int]]:
-    """``{"input_ids", "labels"}`` for one normalised conversation (or plain text row)."""
+@dataclass
+class Tokenized:
+    """The rows one conversation becomes, and how."""
+
+    examples: list[dict[str, list[int]]]  # each {"input_ids", "labels"}
+    policy: str  # "full", "per_turn" or "text"
+    reasoning_dropped: int = 0  # assistant messages with reasoning the template does not render
+    system_dropped: bool = False  # a system prompt the template does not render (Mistral's, unless a user turn is last)
+    notes: list[str] = field(default_factory=list)  # why auto chose per_turn
+
+
+@dataclass
+class _Turn:
+    index: int  # position of the assistant message in the conversation
+    view: str  # render(messages[:index + 1])
+    start: int  # the output is view[start:end]
+    end: int
+
+    @property
+    def output(self) -> str:
+        return self.view[self.start : self.end]
+
+
+def tokenize_conversation(tokenizer: Any, conv: Conversation, where: str, multi_turn: str = "auto") -> Tokenized:
+    """The rows (``{"input_ids", "labels"}``) of one normalised conversation or plain text row."""
     if conv.get("text") is not None:
-        return _tokenize_text(tokenizer, conv["text"])
+        return Tokenized([_tokenize_text(tokenizer, conv["text"])], "text")
+    if multi_turn not in MULTI_TURN_POLICIES:
+        raise ValueError(f"multi_turn must be one of {MULTI_TURN_POLICIES}, not {multi_turn!r}")
     if not getattr(tokenizer, "chat_template", None):
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
         raise DataError(
             f"{where}: the tokenizer ({name}) has no chat template, so chat rows cannot be rendered; "
-            "use a model whose tokenizer ships one (an instruct/chat model), set tokenizer.chat_template, "
+            "use a model whose tokenizer ships one (an instruct/chat model), pass --chat_template FILE|NAME, "
             "or give plain {\"text\": ...} rows"
         )
-    text, spans = render_with_spans(tokenizer, conv["messages"], conv.get("tools"), where)
-    return _tokenize_spans(tokenizer, text, spans)
-
-
-def render_with_spans(
-    tokenizer: Any, messages: list[dict], tools: Optional[list[dict]], where: str
-) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character spans ``[start, end)`` of its assistant turns."""
-    full = _render(tokenizer, messages, tools, False, where)
-    spans = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        prompt = _render(tokenizer, messages[:i], tools, True, where)
-        turn = _render(tokenizer, messages[: i + 1], tools, False, where)
-        if not turn.startswith(prompt):
-            before = _render(tokenizer, messages[:i], tools, False, where)
-            if not turn.startswith(before):
-                raise _unstable(where, i, before, turn)
+    renderer = _Renderer(tokenizer, conv["messages"], conv.get("tools"), where)
+    turns = [_locate_turn(renderer, i) for i, m in enumerate(conv["messages"]) if m["role"] == "assistant"]
+    dropped = sum(_check_rendered(renderer, turn, where) for turn in turns)
+    notes: list[str] = []
+    if multi_turn in ("auto", "full"):
+        full = renderer.prefix(len(conv["messages"]), False)
+        spans, problem = _locate_in_full(renderer, full, turns)
+        if spans is not None:
+            system_dropped = _system_dropped(conv["messages"], [full])
+            return Tokenized([_tokenize_spans(tokenizer, full, spans)], "full", dropped, system_dropped)
+        if multi_turn == "full":
             raise DataError(
-                f"{where}: the chat template is not prefix-stable at messages[{i}] (assistant): its generation "
-                f"prompt (add_generation_prompt=True) is not how it starts the assistant turn it then renders "
-                f"({_divergence(prompt, turn)}), so the assistant tokens cannot be located. "
-                "Use a template whose generation prompt matches how it renders assistant turns."
+                f"{where}: multi_turn 'full': {problem}. The template rewrites earlier turns once later ones "
+                "exist, so the whole conversation's rendering does not hold what the model wrote then. Use "
+                "multi_turn 'per_turn' (one row per assistant turn, each rendered as the model saw it) or 'auto'."
             )
-        if not full.startswith(turn):
-            raise _unstable(where, i + 1, turn, full)
-        if len(turn) > len(prompt):
-            spans.append((len(prompt), len(turn)))
-    return full, _merge(spans)
+        notes.append(problem)
+    examples = [_tokenize_spans(tokenizer, turn.view, [(turn.start, turn.end)]) for turn in turns]
+    system_dropped = _system_dropped(conv["messages"], [turn.view for turn in turns])
+    return Tokenized(examples, "per_turn", dropped, system_dropped, notes)
 
 
-def _render(tokenizer: Any, messages: list[dict], tools: Optional[list[dict]], generation_prompt: bool, where: str) -> str:
-    try:
-        out = tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False
+# ---------------------------------------------------------------------------- rendering
+
+
+class _Renderer:
+    """Renders variations of one conversation with the tokenizer's template; prefixes are cached."""
+
+    def __init__(self, tokenizer: Any, messages: list[dict], tools: Optional[list[dict]], where: str) -> None:
+        self.tokenizer, self.messages, self.tools, self.where = tokenizer, messages, tools, where
+        self._prefixes: dict[tuple[int, bool], str] = {}
+        self._specials: Optional[list[str]] = None
+
+    def prefix(self, n: int, generation_prompt: bool) -> str:
+        key = (n, generation_prompt)
+        if key not in self._prefixes:
+            self._prefixes[key] = self.render(self.messages[:n], generation_prompt)
+        return self._prefixes[key]
+
+    def render(self, messages: list[dict], generation_prompt: bool) -> str:
+        try:
+            return self._apply(messages, generation_prompt)
+        except Exception as e:  # noqa: BLE001 - template errors (raise_exception, jinja) are the row's problem
+            raise DataError(
+                f"{self.where}: the tokenizer's chat template failed on messages[:{len(messages)}] "
+                f"(roles: {', '.join(m['role'] for m in messages) or 'none'}): {type(e).__name__}: {e}"
+            ) from None
+
+    def try_render(self, messages: list[dict], generation_prompt: bool) -> Optional[str]:
+        """A probe rendering; None when the template refuses it (the caller then cannot be certain)."""
+        try:
+            return self._apply(messages, generation_prompt)
+        except Exception:  # noqa: BLE001
+            return None
+
+    def _apply(self, messages: list[dict], generation_prompt: bool) -> str:
+        out = self.tokenizer.apply_chat_template(
+            messages, tools=self.tools, add_generation_prompt=generation_prompt, tokenize=False
         )
-    except Exception as e:  # noqa: BLE001 - template errors (raise_exception, jinja) are the row's problem
+        return out if isinstance(out, str) else out[0]  # some versions hand back a list for batched input
+
+    def specials(self) -> list[str]:
+        """The tokenizer's special and added tokens longer than one character (a position inside one snaps)."""
+        if self._specials is None:
+            added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
+            names = {str(t) for t in getattr(self.tokenizer, "all_special_tokens", [])}
+            names |= {getattr(t, "content", str(t)) for t in added.values()}
+            self._specials = sorted((s for s in names if len(s) > 1), key=len, reverse=True)
+        return self._specials
+
+
+def _locate_turn(r: _Renderer, i: int) -> _Turn:
+    """Where assistant message i's output lies in its turn view (see the module docstring)."""
+    prompt = r.prefix(i, True)
+    view = r.prefix(i + 1, False)
+    probe = r.try_render(r.messages[:i] + [{"role": "assistant", "content": SENTINEL}], False)
+    own = _common_prefix(view, probe) if probe is not None else len(view) + 1  # first character the message decides
+    if view.startswith(prompt):
+        # An answer may itself begin like the end of a pre-filling prompt ("<think>\n..."): it starts at its own text.
+        start = min(len(prompt), own)
+    else:
+        shared = _common_prefix(prompt, view)
+        # Two shapes are certain. The prompt covers the view up to the message's own text and pre-fills more
+        # (DeepSeek-R1-Distill's "<think>\n"); or the context before the turn is rendered differently (Mistral
+        # writes the system prompt only into a last user message) and the prompt ends with everything the view
+        # writes between the previous message's text and this message's own text: the header.
+        prefill = shared >= own
+        rewritten_context = shared < own <= len(view) and prompt.endswith(view[_header_from(r, i, view, shared, own):own])
+        if not (prefill or rewritten_context):
+            raise DataError(
+                f"{r.where}: messages[{i}] (assistant): the chat template's generation prompt "
+                f"(add_generation_prompt=True) is not how it starts the assistant turn it then renders "
+                f"({_divergence(prompt, view)}), so the start of the assistant's output cannot be located. "
+                "Use a template whose generation prompt matches how it renders assistant turns (--chat_template)."
+            )
+        start = own  # the prompt pre-fills text the finished turn does not render: the output starts at its own text
+    closed = r.prefix(i + 1, True)
+    end = _common_prefix(view, closed)
+    if end < len(view):
+        end = _snap_back(view, end, r.specials())
+    if end < start:
         raise DataError(
-            f"{where}: the tokenizer's chat template failed on messages[:{len(messages)}] "
-            f"(roles: {', '.join(m['role'] for m in messages) or 'none'}): {type(e).__name__}: {e}"
-        ) from None
-    if not isinstance(out, str):  # some versions hand back a list for batched input
-        out = out[0]
-    return out
+            f"{r.where}: messages[{i}] (assistant): the rendering with a generation prompt parts from the one "
+            f"without it inside the assistant's turn ({_divergence(view, closed)}), so where the turn ends "
+            "cannot be located."
+        )
+    return _Turn(i, view, start, end)
+
+
+def _header_from(r: _Renderer, i: int, view: str, shared: int, own: int) -> int:
+    """Where the text leading into message i starts in its view: after the previous message's own text when that
+    text is found between the first difference and the output, else at the first difference (the strictest)."""
+    previous = (r.messages[i - 1].get("content") or "").strip() if i > 0 else ""
+    at = view.rfind(previous, shared, own) if previous else -1
+    return at + len(previous) if at >= 0 else shared
+
+
+def _locate_in_full(r: _Renderer, full: str, turns: list[_Turn]) -> tuple[Optional[list[tuple[int, int]]], str]:
+    """Each turn's output span in the whole rendering, or None and why one cannot be found with certainty."""
+    spans: list[tuple[int, int]] = []
+    floor = 0  # spans are in order and do not overlap
+    for turn in turns:
+        if full.startswith(turn.view[: turn.end]):  # the same text up to the turn's end: the same place
+            spans.append((turn.start, turn.end))
+            floor = turn.end
+            continue
+        out, i = turn.output, turn.index
+        probe_messages = list(r.messages)
+        probe_messages[i] = _sentinel_like(r.messages[i])
+        probe = r.try_render(probe_messages, False)
+        if probe is None:
+            return None, f"messages[{i}] (assistant) cannot be located: the template fails once its text is replaced"
+        lo = _common_prefix(full, probe)
+        hi = len(full) - _common_suffix(full, probe, min(len(full), len(probe)) - lo)
+        found = [x for x in _occurrences(full, out, floor) if x <= lo and x + len(out) >= hi]
+        if len(found) != 1:
+            view = turn.view[: turn.end]
+            how = (
+                f"its output is found {len(found)} times where the message is" if found
+                else "it renders differently once later messages follow it"
+            )
+            return None, f"messages[{i}] (assistant): {how} ({_divergence(view, full)})"
+        spans.append((found[0], found[0] + len(out)))
+        floor = found[0] + len(out)
+    return spans, ""
+
+
+def _sentinel_like(message: dict) -> dict:
+    """The message with its own text replaced by the sentinel, keeping its shape (content or tool calls)."""
+    probe = copy.deepcopy(message)
+    probe.pop("reasoning_content", None)
+    if (message.get("content") or "").strip():
+        probe["content"] = SENTINEL
+    elif message.get("tool_calls"):
+        probe["tool_calls"][0]["function"]["name"] = SENTINEL
+    else:
+        probe["content"] = SENTINEL
+    return probe
+
+
+# ---------------------------------------------------------------------------- checks
+
+
+def _check_rendered(r: _Renderer, turn: _Turn, where: str) -> bool:
+    """Refuse an assistant message whose text the template dropped; True if only its reasoning was dropped."""
+    message, out, i = r.messages[turn.index], turn.output, turn.index
+    content = message.get("content") or ""
+    answer = content.split("</think>")[-1].strip()
+    if answer and answer not in out:
+        raise DataError(
+            f"{where}: messages[{i}] (assistant): the chat template dropped its content ({_short(answer)}): "
+            f"the rendered turn reads {_short(out)}. Use a template that renders it (--chat_template FILE|NAME)."
+        )
+    for j, call in enumerate(message.get("tool_calls") or []):
+        fn = call["function"]
+        missing = None if fn["name"] in out else f"name {fn['name']!r}"
+        if missing is None:
+            missing = next((f"argument {text!r}" for text in _argument_texts(fn.get("arguments"))
+                            if not any(form in out for form in _json_forms(text))), None)
+        if missing is not None:
+            hint = (" DeepSeek-R1-Distill's own template renders tool calls only when content is None (phalanx "
+                    "passes \"\"); its corrected copy ships as --chat_template deepseek-r1-distill."
+                    if "<｜tool▁calls▁begin｜>" in (r.tokenizer.chat_template or "") else "")
+            raise DataError(
+                f"{where}: messages[{i}].tool_calls[{j}]: the chat template dropped the tool call's {missing}: "
+                f"the rendered turn reads {_short(out)}. Use a template that renders tool calls "
+                f"(--chat_template FILE|NAME).{hint}"
+            )
+    reasoning = message.get("reasoning_content")
+    if reasoning is None and "</think>" in content:
+        reasoning = content.split("</think>")[0].split("<think>")[-1]
+    return bool(reasoning and reasoning.strip() and reasoning.strip() not in out)
+
+
+def _system_dropped(messages: list[dict], texts: list[str]) -> bool:
+    """True when a system prompt appears in none of the rows: the model would train without it."""
+    for message in messages:
+        prompt = (message.get("content") or "").strip() if message["role"] == "system" else ""
+        if prompt and not any(prompt in text for text in texts):
+            return True
+    return False
+
+
+def _argument_texts(arguments: Any) -> Iterator[str]:
+    """Keys and scalar values of a tool call's arguments, as text."""
+    if isinstance(arguments, dict):
+        for key, value in arguments.items():
+            yield str(key)
+            yield from _argument_texts(value)
+    elif isinstance(arguments, list):
+        for value in arguments:
+            yield from _argument_texts(value)
+    elif isinstance(arguments, str):
+        yield arguments
+    elif arguments is not None:
+        yield json.dumps(arguments)
+
+
+def _json_forms(text: str) -> tuple[str, ...]:
+    """How a template may write a string: as it is, JSON-escaped, or JSON-escaped the HTML-safe way (jinja tojson)."""
+    escaped = json.dumps(text)[1:-1]
+    safe = escaped.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026").replace("'", "\\u0027")
+    return text, escaped, safe, json.dumps(text, ensure_ascii=False)[1:-1]
+
+
+# ---------------------------------------------------------------------------- tokens
 
 
 def _tokenize_spans(tokenizer: Any, text: str, spans: list[tuple[int, int]]) -> dict[str, list[int]]:
     # add_special_tokens=False everywhere: templates write their own BOS; adding one would double it.
+    spans = [s for s in spans if s[1] > s[0]]
     if getattr(tokenizer, "is_fast", False):
         # Tokenize the whole text as inference will, and keep each token that overlaps a span.
         enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -118,29 +359,56 @@ def _tokenize_text(tokenizer: Any, text: str) -> dict[str, list[int]]:
     return {"input_ids": ids, "labels": labels}
 
 
-def _unstable(where: str, n: int, prefix: str, longer: str) -> DataError:
-    return DataError(
-        f"{where}: the chat template is not prefix-stable: the rendering of messages[:{n}] changes once later "
-        f"messages are added ({_divergence(prefix, longer)}); templates that rewrite earlier turns (e.g. drop the "
-        "reasoning of past assistant turns, move the tools next to the last user message, or count the turns) "
-        "cannot be masked turn by turn. Use a prefix-stable template, or split the conversation into one row "
-        "per assistant turn."
-    )
+# ---------------------------------------------------------------------------- strings
 
 
-def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for s, e in sorted(spans):
-        if out and s <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], e))
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
         else:
-            out.append((s, e))
-    return out
+            hi = mid
+    return lo
 
 
-def _divergence(prefix: str, text: str) -> str:
+def _common_suffix(a: str, b: str, limit: int) -> int:
     n = 0
-    while n < len(prefix) and n < len(text) and prefix[n] == text[n]:
+    limit = min(limit, len(a), len(b))
+    while n < limit and a[len(a) - 1 - n] == b[len(b) - 1 - n]:
         n += 1
+    return n
+
+
+def _snap_back(text: str, pos: int, specials: list[str]) -> int:
+    """``pos``, or the start of a special token that ``pos`` falls inside."""
+    best = pos
+    for token in specials:
+        for start in range(max(0, pos - len(token) + 1), pos):
+            if text.startswith(token, start):
+                best = min(best, start)
+                break
+    return best
+
+
+def _occurrences(text: str, part: str, start: int) -> Iterator[int]:
+    if not part:
+        return
+    x = text.find(part, start)
+    while x != -1:
+        yield x
+        x = text.find(part, x + 1)
+
+
+def _divergence(a: str, b: str) -> str:
+    n = _common_prefix(a, b)
     start = max(0, n - 20)
-    return f"they part at character {n}: {prefix[start:n + 40]!r} vs {text[start:n + 40]!r}"
+    return f"they part at character {n}: {a[start:n + 40]!r} vs {b[start:n + 40]!r}"
+
+
+def _short(text: str, limit: int = 80) -> str:
+    return repr(text if len(text) <= limit else text[: limit - 3] + "...")

@@ -35,7 +35,7 @@ import datasets
 from filelock import FileLock
 
 from phalanx.config.schema import BUNDLED_DATASET, DataConfig
-from phalanx.data.chat import IGNORE_INDEX, tokenize_conversation
+from phalanx.data.chat import IGNORE_INDEX, Tokenized, tokenize_conversation
 from phalanx.data.formats import detect_format, to_conversation
 from phalanx.data.sources import (
     ACCEPTED_PATHS,
@@ -50,7 +50,7 @@ from phalanx.errors import DataError
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 1  # bump when tokenization or the cache layout changes meaning
+CACHE_VERSION = 2  # bump when tokenization or the cache layout changes meaning
 MAX_SKIP_REASONS = 10
 _HASH_CONTENT_UP_TO = 64 * 2**20
 _FEATURES = datasets.Features(
@@ -67,6 +67,13 @@ class DataReport:
     skip_reasons: list[str]  # the first few skip messages
     rows_truncated: int  # cut to max_length
     rows_dropped: int  # longer than max_length under truncation="drop", or no target token left
+    drop_reasons: dict[str, int]  # why rows were dropped, with counts
+    length_tokens: dict[str, int]  # tokenized row lengths before max_length: min, median, p90, max
+    conversations_full: int  # chat rows trained as one row (multi_turn full)
+    conversations_per_turn: int  # chat rows split into one row per assistant turn (multi_turn per_turn)
+    per_turn_reason: Optional[str]  # why auto chose per_turn, for the first such row
+    reasoning_dropped: int  # assistant messages whose reasoning the chat template does not render
+    system_dropped: int  # conversations whose system prompt the chat template does not render
     train_rows: int
     eval_rows: int
     train_target_tokens: int
@@ -183,6 +190,7 @@ def _cache_key(cfg: DataConfig, tokenizer: Any, seed: int, train: _Source, eval_
             "max_length": cfg.max_length,
             "truncation": cfg.truncation,
             "on_bad_row": cfg.on_bad_row,
+            "multi_turn": cfg.multi_turn,
             "test_size": None if eval_ else cfg.test_size,
         },
         "seed": seed,
@@ -213,6 +221,22 @@ class _Counts:
     def __init__(self) -> None:
         self.read = self.skipped = self.truncated = self.dropped = 0
         self.reasons: list[str] = []
+        self.drop_reasons: dict[str, int] = {}
+        self.lengths: list[int] = []
+        self.policies = {"full": 0, "per_turn": 0, "text": 0}
+        self.per_turn_reason: Optional[str] = None
+        self.reasoning_dropped = self.system_dropped = 0
+
+    def tokenized(self, result: Tokenized, where: str) -> None:
+        self.policies[result.policy] += 1
+        if result.notes and self.per_turn_reason is None:
+            self.per_turn_reason = f"{where}: {result.notes[0]}"
+        self.reasoning_dropped += result.reasoning_dropped
+        self.system_dropped += int(result.system_dropped)
+
+    def drop(self, reason: str) -> None:
+        self.dropped += 1
+        self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + 1
 
     def skip(self, error: DataError) -> None:
         self.read += 1  # unreadable lines count as read
@@ -233,6 +257,8 @@ def _build(cfg: DataConfig, tokenizer: Any, seed: int, train_source: _Source, ev
         raise DataError(
             f"{train_source.target}: no usable training rows ({counts.read} read, {counts.skipped} skipped, "
             f"{counts.dropped} dropped, {len(eval_ or [])} held out for evaluation)"
+            + (f"; dropped: {describe_drops(counts.drop_reasons, cfg)}" if counts.dropped else "")
+            + (f"; row lengths {describe_lengths(_length_stats(counts.lengths))}" if counts.lengths else "")
             + (f"; first problem: {counts.reasons[0]}" if counts.reasons else "")
         )
     report = {
@@ -241,6 +267,13 @@ def _build(cfg: DataConfig, tokenizer: Any, seed: int, train_source: _Source, ev
         "skip_reasons": counts.reasons,
         "rows_truncated": counts.truncated,
         "rows_dropped": counts.dropped,
+        "drop_reasons": counts.drop_reasons,
+        "length_tokens": _length_stats(counts.lengths),
+        "conversations_full": counts.policies["full"],
+        "conversations_per_turn": counts.policies["per_turn"],
+        "per_turn_reason": counts.per_turn_reason,
+        "reasoning_dropped": counts.reasoning_dropped,
+        "system_dropped": counts.system_dropped,
         "train_rows": len(train),
         "eval_rows": len(eval_) if eval_ else 0,
         "train_target_tokens": sum(sum(1 for t in ex["labels"] if t != IGNORE_INDEX) for ex in train),
@@ -252,28 +285,47 @@ def _build(cfg: DataConfig, tokenizer: Any, seed: int, train_source: _Source, ev
 
 def _tokenize_source(source: _Source, cfg: DataConfig, tokenizer: Any, counts: _Counts):
     """``(index, example)`` for every usable row, and the number of readable rows the index counts."""
-    skip = cfg.on_bad_row == "skip"
+    out, n_rows = [], 0
+    for outcome in iter_outcomes(source, cfg, tokenizer, counts):
+        n_rows = outcome.index + 1
+        if outcome.error is not None and cfg.on_bad_row != "skip":
+            raise outcome.error
+        out += [(outcome.index, example) for example in outcome.examples]  # per_turn rows share their source index
+    return out, n_rows
+
+
+@dataclass
+class RowOutcome:
+    """What one readable source row became."""
+
+    index: int  # among the readable rows of the source
+    where: str  # e.g. "train.jsonl line 7"
+    tokenized: Optional[Tokenized]  # None when the row was refused
+    examples: list[dict]  # the rows that train, after max_length (fewer than tokenized has when some were dropped)
+    error: Optional[DataError] = None  # why the row was refused
+
+
+def iter_outcomes(source: _Source, cfg: DataConfig, tokenizer: Any, counts: _Counts):
+    """Every readable row of ``source``, converted, rendered, masked and fitted to max_length; refusals are
+    yielded (and counted as skipped) rather than raised, so the caller decides between stopping and skipping."""
     fmt, detected_at = cfg.format, None
-    out = []
     index = -1
-    for where, row in source.rows(counts.skip if skip else None):
+    for where, row in source.rows(counts.skip if cfg.on_bad_row == "skip" else None):
         counts.read += 1
         index += 1
         try:
             if fmt == "auto":  # the first readable row decides for the whole source
                 fmt, detected_at = detect_format(row, where), where
-            example = tokenize_conversation(tokenizer, _convert(row, where, fmt, detected_at), where)
+            result = tokenize_conversation(tokenizer, _convert(row, where, fmt, detected_at), where, cfg.multi_turn)
         except DataError as e:
-            if not skip:
-                raise
             counts.skipped += 1
             if len(counts.reasons) < MAX_SKIP_REASONS:
                 counts.reasons.append(str(e))
+            yield RowOutcome(index, where, None, [], e)
             continue
-        example = _fit(example, cfg, where, counts)
-        if example is not None:
-            out.append((index, example))
-    return out, index + 1
+        counts.tokenized(result, where)
+        fitted = (_fit(example, cfg, where, counts) for example in result.examples)
+        yield RowOutcome(index, where, result, [ex for ex in fitted if ex is not None])
 
 
 def _convert(row: dict, where: str, fmt: str, detected_at: Optional[str]):
@@ -296,6 +348,7 @@ def _convert(row: dict, where: str, fmt: str, detected_at: Optional[str]):
 def _fit(example: dict, cfg: DataConfig, where: str, counts: _Counts) -> Optional[dict]:
     """Apply max_length / truncation; drop a row with no target token left."""
     n = len(example["input_ids"])
+    counts.lengths.append(n)
     if n > cfg.max_length:
         if cfg.truncation == "error":
             raise DataError(
@@ -303,14 +356,45 @@ def _fit(example: dict, cfg: DataConfig, where: str, counts: _Counts) -> Optiona
                 "or set truncation to 'truncate' or 'drop'"
             )
         if cfg.truncation == "drop":
-            counts.dropped += 1
+            counts.drop(DROP_TOO_LONG)
             return None
         counts.truncated += 1
         example = {k: v[: cfg.max_length] for k, v in example.items()}
+        if all(t == IGNORE_INDEX for t in example["labels"]):
+            counts.drop(DROP_TRUNCATED_AWAY)
+            return None
     if all(t == IGNORE_INDEX for t in example["labels"]):
-        counts.dropped += 1
+        counts.drop(DROP_NO_TARGET)
         return None
     return example
+
+
+DROP_TOO_LONG = "longer than max_length"
+DROP_TRUNCATED_AWAY = "no assistant token left within max_length"
+DROP_NO_TARGET = "no assistant token to train on"
+
+
+def describe_drops(reasons: dict[str, int], cfg: DataConfig) -> str:
+    """Each drop reason with its count and what to change."""
+    remedies = {
+        DROP_TOO_LONG: f"truncation 'drop' with max_length {cfg.max_length}: raise max_length, or set truncation 'truncate'",
+        DROP_TRUNCATED_AWAY: f"the assistant turns start after token {cfg.max_length}: raise max_length, or use "
+        "multi_turn 'per_turn' so each turn is its own, shorter row",
+        DROP_NO_TARGET: "every assistant turn renders to nothing the loss can train on",
+    }
+    return "; ".join(f"{n} {reason} ({remedies.get(reason, '')})" for reason, n in reasons.items())
+
+
+def _length_stats(lengths: list[int]) -> dict[str, int]:
+    if not lengths:
+        return {}
+    ordered = sorted(lengths)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return {"min": ordered[0], "median": pick(0.5), "p90": pick(0.9), "max": ordered[-1]}
+
+
+def describe_lengths(stats: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in stats.items()) + " tokens" if stats else "unknown"
 
 
 def _split(rows: list[tuple[int, dict]], test_size: float, seed: int, n_read: int):
