@@ -84,6 +84,19 @@ class DataConfig(Section):
         "where every turn renders the same whatever follows it, else per_turn.",
     )
 
+    @field_validator("chat_template")
+    @classmethod
+    def _template_exists(cls, value: Optional[str]) -> Optional[str]:
+        # Checked when the config is read, so a typo stops train/launcher/slurm before any rank starts.
+        if value is not None:
+            from phalanx.data.chat_templates import ChatTemplateError, resolve_chat_template
+
+            try:
+                resolve_chat_template(value)
+            except ChatTemplateError as exc:
+                raise ValueError(exc.reason) from None
+        return value
+
     @model_validator(mode="after")
     def _one_source(self) -> "DataConfig":
         if self.dataset_path and self.dataset_name:

@@ -1,6 +1,7 @@
 """`phalanx generate`: sharded, resumable batch generation of training data on 1..N ranks.
 
-    phalanx generate --model_name M [--adapter PATH] --prompts FILE --num_sequences_per_question K \\
+    phalanx generate --model_name M [--adapter PATH] [--chat_template FILE|NAME] --prompts FILE \\
+        --num_sequences_per_question K \\
         --batch_size B [--num_questions N] [--max_new_tokens --temperature --top_p --top_k --seed] \\
         [--val_fraction F] --output data/traj_chat.jsonl [--world_size N]
 
@@ -43,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("model_name", default=None, help="Local folder, Hub id or embedded:tiny-qwen3 (default: the adapter's base "
         "model, else embedded:tiny-qwen3).")
     add("adapter", default=None, help="A LoRA adapter folder written by `phalanx train`, merged into the model.")
+    add("chat_template", default=None, help="Render chat prompts with this template: a jinja file or a name phalanx "
+        "ships (default: the template saved with --adapter, else the model's own).")
     add("prompts", default="bundled:health-agent", help="jsonl / folder / save_to_disk / .txt of prompts "
         "(default: the bundled health-agent chats).")
     add("num_questions", type=int, default=None, help="Use the first N prompts (default: all).")
@@ -87,6 +90,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    if args.chat_template is not None:
+        from phalanx.data.chat_templates import ChatTemplateError, resolve_chat_template
+
+        try:
+            resolve_chat_template(args.chat_template)
+        except ChatTemplateError as exc:
+            raise ConfigError(f"--chat_template {args.chat_template}: {exc.reason}") from None
     return args
 
 

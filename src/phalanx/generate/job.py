@@ -72,6 +72,14 @@ def adapter_base(adapter: str) -> str:
     return base
 
 
+def adapter_chat_template(adapter: Optional[str]) -> Optional[str]:
+    """The template `phalanx train` saved with the adapter (what it trained on), when there is one."""
+    if not adapter:
+        return None
+    saved = Path(adapter) / "chat_template.jinja"
+    return str(saved) if saved.is_file() else None
+
+
 def adapter_digest(adapter: str) -> str:
     h = hashlib.sha256()
     for name in ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin"):
@@ -116,7 +124,7 @@ def plan_job(args, warn: Callable[[str], None]) -> Job:
     model_name = args.model_name or (adapter_base(args.adapter) if args.adapter else "embedded:tiny-qwen3")
     if args.adapter:
         adapter_base(args.adapter)  # the folder must be an adapter even when --model_name is given
-    tokenizer = load_tokenizer(model_name, args.trust_remote_code)
+    tokenizer = load_tokenizer(model_name, args.trust_remote_code, args.chat_template or adapter_chat_template(args.adapter))
     if not has_chat_template(tokenizer):
         warn(f"warning: the tokenizer of {model_name} has no chat template; chat prompts are written as plain "
              "'role: content' lines ending in 'assistant: '. The records are chat rows: to train on them, use a "

@@ -50,7 +50,10 @@ def resolve_model_path(model_name: str) -> str:
     return model_name
 
 
-def load_tokenizer(model_name: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+def load_tokenizer(model_name: str, trust_remote_code: bool = False,
+                   chat_template: Optional[str] = None) -> PreTrainedTokenizerBase:
+    """The model's tokenizer; `chat_template` (a jinja file or a shipped name, see data.chat_templates) replaces
+    its chat template, and save_pretrained then writes that one (chat_template.jinja) with the tokenizer."""
     path = resolve_model_path(model_name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -59,6 +62,10 @@ def load_tokenizer(model_name: str, trust_remote_code: bool = False) -> PreTrain
     if tokenizer.pad_token_id is None:
         # Padding positions never reach the loss (labels -100, attention mask 0), so eos is a safe pad.
         tokenizer.pad_token = tokenizer.eos_token
+    if chat_template is not None:
+        from phalanx.data.chat_templates import resolve_chat_template
+
+        tokenizer.chat_template = resolve_chat_template(chat_template)
     return tokenizer
 
 

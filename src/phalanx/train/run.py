@@ -139,7 +139,7 @@ def clear_previous_run(output_dir: Path) -> None:
 
 def load_data(cfg: RunConfig) -> tuple[Any, PreparedData]:
     """Tokenizer and tokenized data; cached on disk and safe to call from several processes at once."""
-    tokenizer = load_tokenizer(cfg.model.model_name, cfg.model.trust_remote_code)
+    tokenizer = load_tokenizer(cfg.model.model_name, cfg.model.trust_remote_code, cfg.data.chat_template)
     data = prepare_data(cfg.data, tokenizer, seed=cfg.training.seed, cache_root=cache_root() / "data")
     return tokenizer, data
 

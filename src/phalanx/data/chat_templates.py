@@ -1,0 +1,108 @@
+"""The chat template a run uses instead of the tokenizer's own: `data.chat_template`, a jinja file or a shipped name.
+
+phalanx ships corrected templates for models whose own template loses part of the training data
+(`templates/*.jinja` next to this module; each file's first comment line describes it). The value
+is checked when the config is read, so a typo stops `phalanx train`, `launcher` and `slurm` before
+any rank starts; the tokenizer loader then puts the text on the tokenizer, and save_pretrained
+writes it into every checkpoint and the final output.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from phalanx.errors import ConfigError
+
+FIELD = "data.chat_template"
+SUFFIX = ".jinja"
+
+
+class ChatTemplateError(ConfigError):
+    """`data.chat_template` names no readable, valid template; `reason` is the message without the field."""
+
+    def __init__(self, value: str, reason: str):
+        super().__init__(f"{FIELD} = {value!r}: {reason}")
+        self.reason = reason
+
+
+def _shipped_dir() -> Any:
+    return resources.files("phalanx.data").joinpath("templates")
+
+
+def shipped_templates() -> dict[str, str]:
+    """Name -> one-line description of every template phalanx ships, sorted by name."""
+    out = {}
+    for entry in sorted(_shipped_dir().iterdir(), key=lambda e: e.name):
+        if entry.name.endswith(SUFFIX):
+            out[entry.name[: -len(SUFFIX)]] = _description(entry.read_text(encoding="utf-8"))
+    return out
+
+
+def _description(text: str) -> str:
+    """The first line of the template's opening comment."""
+    for line in text.removeprefix("{#-").removeprefix("{#").splitlines():
+        if line.strip():
+            return line.strip().rstrip("-#}").strip()
+    return ""
+
+
+def resolve_chat_template(value: str) -> str:
+    """The template text `value` names: a readable file, else a shipped template's name. ChatTemplateError (a
+    ConfigError naming the field, the value, and what is accepted) when neither, or when it is not valid jinja."""
+    if not value.strip():
+        raise ChatTemplateError(value, f"empty; give the path of a jinja file, or {_accepted()}")
+    path = Path(value).expanduser()
+    shipped = _shipped_dir() / f"{value}{SUFFIX}"
+    if path.is_file():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ChatTemplateError(value, f"cannot read the file: {exc}") from None
+        where = str(path)
+    elif path.is_dir():
+        raise ChatTemplateError(value, f"is a folder; give a jinja file or {_accepted()}")
+    elif "/" not in value and shipped.is_file():
+        text = shipped.read_text(encoding="utf-8")
+        where = f"phalanx's {value}{SUFFIX}"
+    else:
+        raise ChatTemplateError(value, f"no such file, and no template phalanx ships has that name. Give the path "
+                                       f"of a jinja file, or {_accepted()}")
+    if not text.strip():
+        raise ChatTemplateError(value, f"{where} is empty")
+    _check_syntax(value, text, where)
+    return text
+
+
+def _accepted() -> str:
+    names = shipped_templates()
+    listed = "; ".join(f"{name} ({about})" for name, about in names.items())
+    return f"one of the names phalanx ships: {listed}" if names else "(phalanx ships no templates)"
+
+
+def _check_syntax(value: str, text: str, where: str) -> None:
+    """Compile `text` in an environment like the one transformers renders chat templates in (trim_blocks,
+    lstrip_blocks, loop controls, {% generation %}, tojson), so a broken file is reported with its line now."""
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):  # transformers' {% generation %} ... {% endgeneration %} marks assistant text
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    env.filters["tojson"] = json.dumps
+    try:
+        env.from_string(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ChatTemplateError(value, f"{where} line {exc.lineno} is not valid jinja: {exc.message}") from None

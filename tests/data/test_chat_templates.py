@@ -1,0 +1,203 @@
+"""data.chat_template: phalanx's DeepSeek-R1-Distill template against the models' own, resolving the value, and a
+real run that saves the template it trained with."""
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import ROOT, run_phalanx, write_chat_jsonl
+from transformers.utils.chat_template_utils import render_jinja_template
+
+from phalanx.config.loader import load_config
+from phalanx.data.chat_templates import resolve_chat_template, shipped_templates
+from phalanx.data.formats import to_conversation
+from phalanx.errors import ConfigError
+
+ORIGINAL = (ROOT.parent / "shared" / "templates" / "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja").read_text()
+OURS = resolve_chat_template("deepseek-r1-distill")
+BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+CALL_BMI = "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_bmi\n```json\n{\"weight_kg\": 70}\n```<｜tool▁call▁end｜>"
+CALL_TIME = "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{\"tz\": \"UTC\"}\n```<｜tool▁call▁end｜>"
+
+
+def render(template: str, messages: list[dict], generation_prompt: bool = False) -> str:
+    return render_jinja_template([messages], chat_template=template, add_generation_prompt=generation_prompt,
+                                 bos_token=BOS, eos_token=EOS)[0][0]
+
+
+def call(name: str, arguments) -> dict:
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+BMI, TIME = call("get_bmi", '{"weight_kg": 70}'), call("get_time", '{"tz": "UTC"}')
+PLAIN = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "<think>greet back</think>\n\nhello"},
+    {"role": "user", "content": "and now?"},
+    {"role": "assistant", "content": "still here"},
+]
+TWO_CALLS = [  # what the original handles: content None, arguments as a string, two calls, then the results
+    {"role": "system", "content": "You may call tools."},
+    {"role": "user", "content": "BMI and time?"},
+    {"role": "assistant", "content": None, "tool_calls": [BMI, TIME]},
+    {"role": "tool", "content": '{"bmi": 22.9}'},
+    {"role": "tool", "content": '{"time": "12:00"}'},
+    {"role": "assistant", "content": "22.9, at noon."},
+    {"role": "user", "content": "thanks"},
+    {"role": "assistant", "content": "<think>polite</think>you're welcome"},
+]
+
+
+@pytest.mark.parametrize("messages", [PLAIN, TWO_CALLS], ids=["plain-multi-turn", "two-calls"])
+def test_same_text_as_the_original_where_the_original_is_right(messages):
+    for n in range(len(messages) + 1):
+        for generation_prompt in (False, True):
+            assert render(OURS, messages[:n], generation_prompt) == render(ORIGINAL, messages[:n], generation_prompt)
+    # phalanx normalises the row (content "" and arguments as a mapping): the text stays the original's
+    normalised = to_conversation({"messages": TWO_CALLS}, "row 1")["messages"]
+    assert normalised[2]["content"] == "" and isinstance(normalised[2]["tool_calls"][0]["function"]["arguments"], dict)
+    assert render(OURS, normalised) == render(ORIGINAL, TWO_CALLS)
+
+
+def test_one_call_is_closed():
+    messages = [{"role": "user", "content": "BMI?"}, {"role": "assistant", "content": None, "tool_calls": [BMI]}]
+    expected = f"{BOS}<｜User｜>BMI?<｜Assistant｜><｜tool▁calls▁begin｜>{CALL_BMI}<｜tool▁calls▁end｜>{EOS}"
+    assert render(OURS, messages) == expected
+    assert render(ORIGINAL, messages) == expected.removesuffix(f"<｜tool▁calls▁end｜>{EOS}")  # never closed
+
+
+@pytest.mark.parametrize("content", ["", "missing", "Let me check."])
+def test_calls_render_whatever_the_content(content):
+    turn = {"role": "assistant", "tool_calls": [BMI, TIME]}
+    if content != "missing":
+        turn["content"] = content
+    text = "Let me check." if content == "Let me check." else ""
+    expected = (f"{BOS}<｜User｜>q<｜Assistant｜>{text}<｜tool▁calls▁begin｜>{CALL_BMI}\n{CALL_TIME}"
+                f"<｜tool▁calls▁end｜>{EOS}")
+    assert render(OURS, [{"role": "user", "content": "q"}, turn]) == expected
+    if content != "missing":  # the original writes the text (or nothing) and drops the calls
+        assert render(ORIGINAL, [{"role": "user", "content": "q"}, turn]) == f"{BOS}<｜User｜>q<｜Assistant｜>{text}{EOS}"
+
+
+def test_arguments_as_a_mapping_are_written_as_json():
+    messages = [{"role": "user", "content": "q"},
+                {"role": "assistant", "content": None, "tool_calls": [call("get_bmi", {"weight_kg": 70})]}]
+    assert CALL_BMI in render(OURS, messages)
+    with pytest.raises(TypeError):  # the original concatenates: str + dict
+        render(ORIGINAL, messages)
+
+
+def test_later_tool_rounds_keep_their_markers():
+    messages = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": None, "tool_calls": [BMI]},
+        {"role": "tool", "content": "A"},
+        {"role": "assistant", "content": "thinking aloud", "tool_calls": [TIME]},  # calls right after tool results
+        {"role": "tool", "content": "B"},
+        {"role": "assistant", "content": "done"},
+        {"role": "user", "content": "again"},
+        {"role": "assistant", "content": None, "tool_calls": [BMI, TIME, BMI]},
+        {"role": "tool", "content": "C"},
+        {"role": "user", "content": "never mind"},
+    ]
+    ours = render(OURS, messages)
+    calls = f"<｜tool▁calls▁begin｜>{CALL_BMI}\n{CALL_TIME}\n{CALL_BMI}<｜tool▁calls▁end｜>{EOS}"
+    assert ours == (
+        f"{BOS}<｜User｜>q<｜Assistant｜><｜tool▁calls▁begin｜>{CALL_BMI}<｜tool▁calls▁end｜>{EOS}"
+        "<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>A<｜tool▁output▁end｜><｜tool▁outputs▁end｜>"
+        f"thinking aloud<｜tool▁calls▁begin｜>{CALL_TIME}<｜tool▁calls▁end｜>{EOS}"
+        f"<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>B<｜tool▁output▁end｜><｜tool▁outputs▁end｜>done{EOS}"
+        f"<｜User｜>again<｜Assistant｜>{calls}"
+        "<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>C<｜tool▁output▁end｜><｜tool▁outputs▁end｜><｜User｜>never mind"
+    )
+    original = render(ORIGINAL, [m if "tool_calls" not in m else {**m, "content": None} for m in messages])
+    assert original.count("<｜Assistant｜><｜tool▁calls▁begin｜>") == 1  # later tool-calling turns lose the opener
+    assert original.count("<｜tool▁outputs▁begin｜>") == 1  # later rounds of results lose theirs
+    # one list never closed, the next closed after each of its calls: 4 closings for 3 lists
+    assert original.count("<｜tool▁calls▁end｜>") == 4 and ours.count("<｜tool▁calls▁end｜>") == 3
+
+
+@pytest.mark.parametrize("messages", [PLAIN, TWO_CALLS], ids=["plain-multi-turn", "two-calls"])
+def test_prefix_stable_and_no_generation_prompt_after_tool_results(messages):
+    for n in range(len(messages)):
+        if messages[n]["role"] != "tool":  # (a result after a result reopens the closed round, as in the original)
+            assert render(OURS, messages[: n + 1]).startswith(render(OURS, messages[:n]))
+    after_results = render(OURS, TWO_CALLS[:5], generation_prompt=True)
+    assert after_results.endswith("<｜tool▁outputs▁end｜>") and after_results == render(OURS, TWO_CALLS[:5])
+    assert render(OURS, PLAIN[:4], generation_prompt=True).endswith("<｜User｜>and now?<｜Assistant｜><think>\n")
+
+
+# --- resolving data.chat_template ---------------------------------------------------------------
+
+
+def test_shipped_templates_are_listed_described_and_packaged():
+    names = shipped_templates()
+    folder = ROOT / "src" / "phalanx" / "data" / "templates"
+    assert set(names) == {p.stem for p in folder.glob("*.jinja")} and "deepseek-r1-distill" in names
+    assert all(about and "\n" not in about for about in names.values())
+    assert '"data/templates/*.jinja"' in (ROOT / "pyproject.toml").read_text()
+
+
+def test_a_file_path_wins_and_bad_values_name_the_field(tmp_path):
+    own = tmp_path / "own.jinja"
+    own.write_text("{{ messages[0].content }}")
+    assert resolve_chat_template(str(own)) == "{{ messages[0].content }}"
+    with pytest.raises(ConfigError) as e:
+        resolve_chat_template("nosuch")
+    assert str(e.value).startswith("data.chat_template = 'nosuch': no such file")
+    assert "path of a jinja file" in str(e.value) and "deepseek-r1-distill (" in str(e.value)
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}\n{{ m.content }\n{% endfor %}")
+    with pytest.raises(ConfigError, match=r"broken.jinja line 2 is not valid jinja: unexpected '}'"):
+        resolve_chat_template(str(broken))
+    with pytest.raises(ConfigError, match="is a folder"):
+        resolve_chat_template(str(tmp_path))
+
+
+def test_checked_when_the_config_is_read_and_before_launch():
+    assert load_config(None, {"data.chat_template": "deepseek-r1-distill"}).data.chat_template == "deepseek-r1-distill"
+    with pytest.raises(ConfigError, match=r"field 'data.chat_template' = 'nosuch': no such file"):
+        load_config(None, {"data.chat_template": "nosuch"})
+    from phalanx.generate.command import parse_args
+    from phalanx.launch.command import check_training
+
+    with pytest.raises(ConfigError, match="data.chat_template"):  # phalanx launcher / slurm
+        check_training(None, ["--chat_template", "nosuch"], num_nodes=1, nproc_per_node=2, gpus=0)
+    with pytest.raises(ConfigError, match="--chat_template nosuch: no such file"):
+        parse_args(["--chat_template", "nosuch"])
+
+
+# --- a real run -----------------------------------------------------------------------------------
+
+
+@pytest.mark.system
+def test_the_template_is_saved_in_checkpoints_and_output_and_used_by_generate(tmp_path):
+    from transformers import AutoTokenizer
+
+    from phalanx.generate.command import parse_args
+    from phalanx.generate.job import plan_job
+    from phalanx.models.presets import CHAT_TEMPLATE
+
+    data = write_chat_jsonl(tmp_path / "data" / "train.jsonl", 6)
+    template = tmp_path / "mine.jinja"
+    template.write_text("{#- the tiny model's template under another name -#}\n" + CHAT_TEMPLATE)
+    out = tmp_path / "out"
+    proc = run_phalanx("train", "--dataset_path", str(data.parent), "--output_dir", str(out), "--max_steps", "1",
+                       "--save_steps", "1", "--test_size", "0", "--max_length", "512",
+                       "--chat_template", str(template))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for folder in (out, out / "checkpoint-1"):
+        assert (folder / "chat_template.jinja").read_text() == template.read_text()
+        assert AutoTokenizer.from_pretrained(folder).chat_template == template.read_text()
+    job = plan_job(parse_args(["--adapter", str(out), "--num_questions", "1"]), warn=print)
+    assert job.tokenizer.chat_template == template.read_text()
+
+
+@pytest.mark.system
+def test_an_unknown_template_stops_train_before_it_starts(tmp_path):
+    out = tmp_path / "out"
+    proc = run_phalanx("train", "--output_dir", str(out), "--max_steps", "1", "--chat_template", "nosuch")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "field 'data.chat_template' = 'nosuch': no such file" in proc.stderr
+    assert "deepseek-r1-distill" in proc.stderr and "Traceback" not in proc.stderr and not out.exists()
