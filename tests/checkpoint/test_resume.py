@@ -112,3 +112,39 @@ def test_checkpoint_of_another_adapter_shape_is_refused_with_names(dataset, kill
     proc = train(dataset, out, "--lora_r", "8", "--force")
     assert proc.returncode != 0
     assert "lora_A" in proc.stderr and "shape" in proc.stderr and "[4," in proc.stderr and "[8," in proc.stderr, proc.stderr[-2000:]
+
+
+def test_kill_before_the_first_checkpoint_starts_over_and_keeps_the_crashed_logs(dataset, tmp_path, capsys):
+    """Killed in step 3 with no checkpoint yet: the same command again (a SLURM requeue) starts over from step 0 and
+    moves the crashed run's logs aside; another config, or the finished run, is still refused."""
+    from phalanx.checkpoint.resume import resume_point
+    from phalanx.cli import main
+    from phalanx.config.loader import load_config
+
+    out = tmp_path / "run"
+    no_saves = ("--save_steps", "100", "--max_steps", "4")
+    proc = train(dataset, out, *no_saves, fault="kill@step=3")
+    assert proc.returncode != 0 and "killed by SIGKILL" in proc.stderr, proc.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2] and not list(out.glob("checkpoint-*"))
+    flags = ["train", "--dataset_path", str(dataset), "--output_dir", str(out), "--world_size", "2", *COMMON, *no_saves]
+    before = sorted(p.name for p in out.iterdir())
+    assert main([*flags, "--learning_rate", "3e-2"]) == 2  # refused before any rank starts
+    err = capsys.readouterr().err
+    assert "stopped before its first checkpoint" in err and "training.learning_rate: 0.01 -> 0.03" in err, err
+    assert sorted(p.name for p in out.iterdir()) == before, "a refused start touches nothing"
+    assert resume_point(load_config(None, {"output_dir": str(tmp_path / "empty"),
+                                           "checkpoint.resume_from_checkpoint": "latest"})) is None
+
+    proc = train(dataset, out, *no_saves)  # the same command again
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    restarts = [line for line in proc.stdout.splitlines() if "starting over from step 0" in line]
+    assert len(restarts) == 1 and "last logged step 2" in restarts[0], proc.stdout[-3000:]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
+    (aside,) = out.glob("crashed-*")
+    assert str(aside) in restarts[0]
+    assert [r["step"] for r in read_metrics(aside)] == [1, 2] and list((aside / "tensorboard").glob("events.out.tfevents.*"))
+    assert json.loads((aside / "training_info.json").read_text())["config"]["checkpoint"]["save_steps"] == 100
+
+    for extra in ([], ["--resume_from_checkpoint", "latest"]):  # a finished run without checkpoint-N
+        assert main([*flags, *extra]) == 2
+        assert "holds a finished run" in capsys.readouterr().err

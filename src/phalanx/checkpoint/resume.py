@@ -2,12 +2,15 @@
 
 A run in output_dir is resumed by default when its config matches; a changed config is
 shown as a diff and refused unless --force. Only committed checkpoints are considered.
+A run of the same config that stopped before its first checkpoint starts over from step 0,
+its logs moved aside (set_aside_crashed_run), never deleted.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -20,6 +23,11 @@ RESUME_FREE = ("output_dir", "overwrite_output_dir", "force", "checkpoint.resume
                "distributed.world_size", "distributed.master_port", "distributed.max_restarts", "distributed.backend",
                "distributed.timeout_minutes", "distributed.init_timeout_minutes")
 RUN_ARTIFACTS = ("training_info.json", "final_training_info.json", "metrics.jsonl", "checkpoint-best")
+# What a run that stopped before its first checkpoint leaves besides RUN_ARTIFACTS; moved aside with them.
+CRASH_LEFTOVERS = ("tensorboard", "loss_curve.png")
+# The final model written into output_dir itself: a run that wrote it has finished (or was finishing).
+FINAL_OUTPUTS = ("final_training_info.json", "adapter_model.safetensors", "model.safetensors", "model.safetensors.index.json")
+RUN_RECORD = "training_info.json"  # written when a run starts, with its config, and at every save
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
@@ -60,6 +68,70 @@ def saved_config(folder: Path) -> dict:
                           "with --resume_from_checkpoint PATH, or --overwrite_output_dir") from None
 
 
+def recorded_config(output_dir: Path) -> Optional[dict]:
+    """The config the run in output_dir started with (training_info.json), None when there is no readable record."""
+    try:
+        config = json.loads((output_dir / RUN_RECORD).read_text(encoding="utf-8")).get("config")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def last_logged_step(output_dir: Path) -> int:
+    try:
+        lines = (output_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+        return max((int(json.loads(line)["step"]) for line in lines if line.strip()), default=0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
+def check_start_over(out: Path, cfg: RunConfig, requested: Optional[str]) -> None:
+    """output_dir holds no committed checkpoint-N: a fresh start is right when it holds nothing, or a crashed run of
+    this config (its logs are set aside at start). A finished run, or one of another config, is refused."""
+    found = existing_run_artifacts(out)
+    if not found:
+        return  # nothing to resume, nothing to lose ('latest' included: there is no checkpoint yet)
+    flag = "--resume_from_checkpoint latest: " if requested == "latest" else ""
+    finished = [name for name in FINAL_OUTPUTS if (out / name).exists()]
+    if finished:
+        raise ConfigError(f"{flag}output_dir {out} holds a finished run ({', '.join(finished)}) and no committed "
+                          "checkpoint-N to continue from. Choose another --output_dir, or pass --overwrite_output_dir "
+                          "to train it again.")
+    if restarted():
+        return  # a restart (elastic or SLURM requeue) runs the same command: the crashed run is this job's own
+    saved = recorded_config(out)
+    if saved is None:
+        raise ConfigError(f"{flag}output_dir {out} already holds a run ({', '.join(found[:4])}) with no committed "
+                          f"checkpoint to resume from and no record of its config ({out / RUN_RECORD}). Choose another "
+                          "--output_dir, or pass --overwrite_output_dir to replace it.")
+    diff = config_diff(saved, cfg.model_dump())
+    if diff and not cfg.force:
+        raise ConfigError(f"{flag}output_dir {out} holds a run that stopped before its first checkpoint, with a different "
+                          "config:\n    " + "\n    ".join(diff) + "\nPass --overwrite_output_dir to replace it, --force to "
+                          "start over beside its logs (they are moved to a crashed-<time> folder), or another --output_dir.")
+
+
+def set_aside_crashed_run(output_dir: Path) -> Optional[Path]:
+    """Move what a run that stopped before its first checkpoint left in output_dir into output_dir/crashed-<time>/
+    (kept for a look, out of the new run's way); returns that folder, None when there was nothing to move.
+
+    Rank 0 only. The record (training_info.json) moves last: a rank still deciding where to start (resume_point) sees
+    either the crashed run with its record, or an empty folder: a fresh start either way."""
+    names = existing_run_artifacts(output_dir) + [name for name in CRASH_LEFTOVERS if (output_dir / name).exists()]
+    if not names:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside = output_dir / f"crashed-{stamp}"
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = output_dir / f"crashed-{stamp}-{n}"
+    aside.mkdir()
+    for name in sorted(names, key=lambda name: name == RUN_RECORD):
+        os.replace(output_dir / name, aside / name)
+    return aside
+
+
 def restarted() -> bool:
     """This process is a restart of the same job: torch's elastic agent or a SLURM requeue started it again."""
     return any(int(os.environ.get(var, "0") or 0) > 0 for var in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
@@ -80,16 +152,8 @@ def resume_point(cfg: RunConfig) -> Optional[Path]:
                               "(a checkpoint-N folder holding phalanx_checkpoint.json); use 'latest' or such a folder")
     else:
         checkpoints = committed_step_checkpoints(out)
-        found = existing_run_artifacts(out)
         if not checkpoints:
-            if restarted():
-                return None  # a restart (elastic or SLURM requeue) before the first save starts the run over
-            if requested == "latest":
-                raise ConfigError(f"--resume_from_checkpoint latest: {out} holds no committed checkpoint-N folder")
-            if found:
-                raise ConfigError(f"output_dir {out} already holds a run ({', '.join(found[:4])}) with no committed "
-                                  "checkpoint to resume from. Choose another --output_dir, or pass --overwrite_output_dir "
-                                  "to replace it.")
+            check_start_over(out, cfg, requested)
             return None
         folder = checkpoints[-1][1]
     diff = config_diff(saved_config(folder), cfg.model_dump())

@@ -22,7 +22,9 @@ from torch.utils.data import DataLoader, Subset
 
 from phalanx.checkpoint.commit import apply_retention, fsync_tree
 from phalanx.checkpoint.io import PendingCheckpoint, load_checkpoint, save_checkpoint, save_model_files
-from phalanx.checkpoint.resume import existing_run_artifacts, resume_point
+from phalanx.checkpoint.commit import write_json_atomic
+from phalanx.checkpoint.resume import (CRASH_LEFTOVERS, RUN_RECORD, existing_run_artifacts, last_logged_step, resume_point,
+                                       set_aside_crashed_run)
 from phalanx.config.schema import RunConfig
 from phalanx.data.collate import pad_batch
 from phalanx.data.prepare import PreparedData, prepare_data
@@ -129,12 +131,25 @@ def check_output_dir(cfg: RunConfig) -> Optional[Path]:
 
 
 def clear_previous_run(output_dir: Path) -> None:
-    for name in existing_run_artifacts(output_dir) + ["tensorboard", "loss_curve.png"]:
+    for name in existing_run_artifacts(output_dir) + list(CRASH_LEFTOVERS):
         path = output_dir / name
         if path.is_dir():
             shutil.rmtree(path)
         elif path.exists():
             path.unlink()
+
+
+def start_over(cfg: RunConfig, output_dir: Path) -> None:
+    """Rank 0, on a fresh start: --overwrite_output_dir deletes the earlier run; otherwise what is there is a run of
+    this config that stopped before its first checkpoint (resume_point refused anything else), moved aside."""
+    if cfg.overwrite_output_dir:
+        clear_previous_run(output_dir)
+        return
+    step = last_logged_step(output_dir)
+    aside = set_aside_crashed_run(output_dir)
+    if aside is not None:
+        print(f"↩️  {output_dir} held a run of this config that stopped before its first checkpoint (last logged step "
+              f"{step}): starting over from step 0; its logs are kept in {aside}", flush=True)
 
 
 def load_data(cfg: RunConfig) -> tuple[Any, PreparedData]:
@@ -198,9 +213,13 @@ def build_run(cfg: RunConfig, preemption: Optional[PreemptionFlag] = None) -> Ru
         state.load_state_dict(saved)
         sampler.load_state_dict(saved["sampler"])
     elif rank.is_main:
-        clear_previous_run(output_dir)  # only reached on a fresh start: overwriting was allowed or nothing was there
+        start_over(cfg, output_dir)  # a fresh start: overwriting was allowed, nothing was there, or a crashed run
     if rank.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
+        # The record of this run's config, before any log exists: a rerun after a crash before the first
+        # checkpoint can then tell its own crashed run (start over) from another run (refuse).
+        write_json_atomic(output_dir / RUN_RECORD, {**run_info(cfg, state, total_steps, rank.world_size, strategy.name),
+                                                   "config": cfg.model_dump()})
     rt.barrier()
     reporter = Reporter(output_dir, is_main=rank.is_main, total_steps=total_steps, resume_step=state.global_step,
                         tensorboard=cfg.logging.tensorboard, progress_bar=cfg.logging.progress_bar)
@@ -242,32 +261,34 @@ def announce(run: Run) -> None:
 
 
 def info_payload(run: Run) -> dict:
-    cfg, state = run.cfg, run.state
+    return run_info(run.cfg, run.state, run.total_steps, run.rank.world_size, run.strategy.name)
+
+
+def run_info(cfg: RunConfig, state: TrainerState, total_steps: int, world_size: int, strategy: str) -> dict:
     return {
         "model_name": cfg.model.model_name,
         "dataset_name": cfg.data.dataset_name or cfg.data.dataset_path or "bundled:health-agent",
         "finetune": cfg.model.finetune,
         "global_step": state.global_step,
-        "total_steps": run.total_steps,
+        "total_steps": total_steps,
         "epoch": state.epoch,
         "best_eval_loss": state.best_eval_loss,
         "best_step": state.best_step,
         "last_eval_loss": state.last_eval_loss,
-        "world_size": run.rank.world_size,
+        "world_size": world_size,
         "batch_size": cfg.training.batch_size,
         "gradient_accumulation_steps": cfg.training.gradient_accumulation_steps,
-        "effective_batch_size": cfg.training.batch_size * run.rank.world_size * cfg.training.gradient_accumulation_steps,
+        "effective_batch_size": cfg.training.batch_size * world_size * cfg.training.gradient_accumulation_steps,
         "learning_rate": cfg.training.learning_rate,
         "tokens_seen": state.tokens_seen,
         "skipped_steps": state.skipped_steps,
-        "strategy": run.strategy.name,
+        "strategy": strategy,
     }
 
 
 def write_info(run: Run, path: Path, extra: Optional[dict] = None) -> None:
-    from phalanx.checkpoint.commit import write_json_atomic
-
-    write_json_atomic(path, {**info_payload(run), **(extra or {})})
+    # The config rides along: what the outputs were trained with, and how a rerun recognises its own run.
+    write_json_atomic(path, {**info_payload(run), **(extra or {}), "config": run.cfg.model_dump()})
 
 
 def finish_run(run: Run) -> dict:
