@@ -7,33 +7,11 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
+from phalanx.config.flags import split_flags  # noqa: F401 - the flag syntax every subcommand shares
 from phalanx.errors import PhalanxError
 
 if TYPE_CHECKING:
     from phalanx.runtime.signals import PreemptionFlag
-
-
-def split_flags(args: Sequence[str]) -> tuple[Optional[str], list[tuple[str, str]]]:
-    """'[CONFIG] --a 1 --b=2 --switch' -> ('CONFIG', [('a','1'), ('b','2'), ('switch','true')])."""
-    config: Optional[str] = None
-    pairs: list[tuple[str, str]] = []
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if arg.startswith("--"):
-            name, eq, value = arg[2:].partition("=")
-            if not eq:
-                if i + 1 < len(args) and not args[i + 1].startswith("--"):
-                    value, i = args[i + 1], i + 1
-                else:
-                    value = "true"  # a bare switch such as --overwrite_output_dir
-            pairs.append((name.replace("-", "_") if "." not in name else name, value))
-        elif config is None:
-            config = arg
-        else:
-            raise PhalanxError(f"unexpected argument {arg!r}: give at most one CONFIG.yaml, then --flag value pairs")
-        i += 1
-    return config, pairs
 
 
 def train_help() -> str:
@@ -164,6 +142,7 @@ COMMANDS = {
     "env": ("phalanx.launch.command:env_main", "versions, devices and an all-reduce check"),
     "plan": ("phalanx.plan.command:main", "[CONFIG.yaml] [--world_size N] [--device_memory_gb X]  memory per rank for each strategy"),
     "export": ("phalanx.checkpoint.export:main", "CHECKPOINT OUT  a from_pretrained folder from a sharded-only checkpoint"),
+    "data": ("phalanx.data.command:main", "preview|templates ...  the rows as the loss sees them; the chat templates phalanx ships"),
     "config-docs": (cmd_config_docs, "print the config reference (Markdown)"),
 }
 
@@ -205,10 +184,17 @@ def quiet_libraries() -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    code = run_command(list(sys.argv[1:] if argv is None else argv))
     if argv is None:
+        from phalanx.launch.local import record_exit, start_rank_process
+
+        start_rank_process()  # a rank of `--world_size N`: stop if the launcher dies
+        try:
+            code = run_command(sys.argv[1:])
+        except BaseException:
+            record_exit(1)  # what the interpreter exits with on an uncaught exception
+            raise
         exit_without_teardown(code)
-    return code
+    return run_command(list(argv))
 
 
 # A launcher (torchrun, `--world_size`) polls its ranks about once a second and reports the first one that exited
@@ -239,6 +225,9 @@ def exit_without_teardown(code: int) -> None:
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
+    from phalanx.launch.local import record_exit
+
+    record_exit(code)  # last: a rank's record says it is done (a preempted rank's checkpoint is committed)
     os._exit(code)
 
 

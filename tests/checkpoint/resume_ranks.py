@@ -20,7 +20,7 @@ def resumed_state(rank: int, world: int, flags: list[str]) -> dict:
     counters, and the rows this rank's sampler hands out for the rest of the epoch."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    from phalanx.cli import split_flags
+    from phalanx.config.flags import split_flags
     from phalanx.config.loader import load_config, overrides_from_flags
     from phalanx.train.run import build_run
 

@@ -85,7 +85,7 @@ def layout(args: argparse.Namespace) -> tuple[int, int]:
 def check_training(config: Optional[str], train_args: list[str], num_nodes: int, nproc_per_node: int, gpus: int):
     """Load the config with the extra flags exactly as `phalanx train` will, and check it against the job's layout
     (nodes, ranks, GPUs) as the ranks would; returns the RunConfig."""
-    from phalanx.cli import split_flags
+    from phalanx.config.flags import split_flags
     from phalanx.config.loader import load_config, overrides_from_flags
     from phalanx.parallel import check_before_launch
 

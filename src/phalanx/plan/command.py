@@ -229,7 +229,8 @@ def main(args: Sequence[str]) -> int:
     if "-h" in args or "--help" in args:
         print(USAGE)
         return 0
-    from phalanx.cli import quiet_libraries, split_flags
+    from phalanx.cli import quiet_libraries
+    from phalanx.config.flags import split_flags
     from phalanx.config.loader import load_config, overrides_from_flags
 
     config_path, pairs = split_flags(args)
