@@ -103,7 +103,7 @@ def test_bad_rows_can_be_skipped_and_counted(tmp_path, capsys):
     code, out = run_main(["train", "--dataset_path", str(data), "--output_dir", str(tmp_path / "o"), "--on_bad_row", "skip",
                           "--max_steps", "1", "--max_length", "768", "--test_size", "0", "--logging.progress_bar", "false"], capsys)
     assert code == 0, out
-    assert "2 skipped" in out and "line 7" in out and "line 8" in out
+    assert "2 refused" in out and "line 7" in out and "line 8" in out
 
 
 @pytest.mark.parametrize("make_path,needle", [

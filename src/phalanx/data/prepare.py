@@ -29,7 +29,7 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import datasets
 from filelock import FileLock
@@ -226,6 +226,7 @@ class _Counts:
         self.policies = {"full": 0, "per_turn": 0, "text": 0}
         self.per_turn_reason: Optional[str] = None
         self.reasoning_dropped = self.system_dropped = 0
+        self.on_refusal: Optional[Callable[[DataError], None]] = None  # `phalanx data preview` prints each one
 
     def tokenized(self, result: Tokenized, where: str) -> None:
         self.policies[result.policy] += 1
@@ -240,9 +241,34 @@ class _Counts:
 
     def skip(self, error: DataError) -> None:
         self.read += 1  # unreadable lines count as read
+        self.refuse(error)
+
+    def refuse(self, error: DataError) -> None:
         self.skipped += 1
         if len(self.reasons) < MAX_SKIP_REASONS:
             self.reasons.append(str(error))
+        if self.on_refusal is not None:
+            self.on_refusal(error)
+
+    def report(self, train: list[dict], eval_: Optional[list[dict]]) -> dict:
+        """The DataReport fields (less the cache's) for these counts and the rows that train."""
+        return {
+            "rows_read": self.read,
+            "rows_skipped": self.skipped,
+            "skip_reasons": self.reasons,
+            "rows_truncated": self.truncated,
+            "rows_dropped": self.dropped,
+            "drop_reasons": self.drop_reasons,
+            "length_tokens": _length_stats(self.lengths),
+            "conversations_full": self.policies["full"],
+            "conversations_per_turn": self.policies["per_turn"],
+            "per_turn_reason": self.per_turn_reason,
+            "reasoning_dropped": self.reasoning_dropped,
+            "system_dropped": self.system_dropped,
+            "train_rows": len(train),
+            "eval_rows": len(eval_) if eval_ else 0,
+            "train_target_tokens": sum(sum(1 for t in ex["labels"] if t != IGNORE_INDEX) for ex in train),
+        }
 
 
 def _build(cfg: DataConfig, tokenizer: Any, seed: int, train_source: _Source, eval_source: Optional[_Source]):
@@ -261,23 +287,7 @@ def _build(cfg: DataConfig, tokenizer: Any, seed: int, train_source: _Source, ev
             + (f"; row lengths {describe_lengths(_length_stats(counts.lengths))}" if counts.lengths else "")
             + (f"; first problem: {counts.reasons[0]}" if counts.reasons else "")
         )
-    report = {
-        "rows_read": counts.read,
-        "rows_skipped": counts.skipped,
-        "skip_reasons": counts.reasons,
-        "rows_truncated": counts.truncated,
-        "rows_dropped": counts.dropped,
-        "drop_reasons": counts.drop_reasons,
-        "length_tokens": _length_stats(counts.lengths),
-        "conversations_full": counts.policies["full"],
-        "conversations_per_turn": counts.policies["per_turn"],
-        "per_turn_reason": counts.per_turn_reason,
-        "reasoning_dropped": counts.reasoning_dropped,
-        "system_dropped": counts.system_dropped,
-        "train_rows": len(train),
-        "eval_rows": len(eval_) if eval_ else 0,
-        "train_target_tokens": sum(sum(1 for t in ex["labels"] if t != IGNORE_INDEX) for ex in train),
-    }
+    report = counts.report(train, eval_)
     if counts.skipped:
         log.warning("skipped %d bad rows; first: %s", counts.skipped, counts.reasons[0])
     return train, eval_, report
@@ -318,9 +328,7 @@ def iter_outcomes(source: _Source, cfg: DataConfig, tokenizer: Any, counts: _Cou
                 fmt, detected_at = detect_format(row, where), where
             result = tokenize_conversation(tokenizer, _convert(row, where, fmt, detected_at), where, cfg.multi_turn)
         except DataError as e:
-            counts.skipped += 1
-            if len(counts.reasons) < MAX_SKIP_REASONS:
-                counts.reasons.append(str(e))
+            counts.refuse(e)
             yield RowOutcome(index, where, None, [], e)
             continue
         counts.tokenized(result, where)
@@ -378,11 +386,36 @@ def describe_drops(reasons: dict[str, int], cfg: DataConfig) -> str:
     """Each drop reason with its count and what to change."""
     remedies = {
         DROP_TOO_LONG: f"truncation 'drop' with max_length {cfg.max_length}: raise max_length, or set truncation 'truncate'",
-        DROP_TRUNCATED_AWAY: f"the assistant turns start after token {cfg.max_length}: raise max_length, or use "
-        "multi_turn 'per_turn' so each turn is its own, shorter row",
+        DROP_TRUNCATED_AWAY: f"cut at max_length {cfg.max_length} before its first assistant token: raise max_length, "
+        "or shorten the conversations before them",
         DROP_NO_TARGET: "every assistant turn renders to nothing the loss can train on",
     }
     return "; ".join(f"{n} {reason} ({remedies.get(reason, '')})" for reason, n in reasons.items())
+
+
+def describe_report(report: DataReport, cfg: DataConfig) -> list[str]:
+    """The data summary a run prints: one line of counts, then a line for each thing worth a look."""
+    r = report
+    rows = f"{r.train_rows:,} train rows" + (f", {r.eval_rows:,} eval rows" if r.eval_rows else "")
+    policy = (f"; multi_turn {cfg.multi_turn}: {r.conversations_full:,} conversations whole, "
+              f"{r.conversations_per_turn:,} split per turn" if r.conversations_full + r.conversations_per_turn else "")
+    lines = [
+        f"{r.rows_read:,} rows read -> {rows}, {r.train_target_tokens:,} target tokens; {r.rows_skipped:,} refused, "
+        f"{r.rows_truncated:,} truncated, {r.rows_dropped:,} dropped (max_length {cfg.max_length}, {cfg.truncation}); "
+        f"row lengths {describe_lengths(r.length_tokens)}{policy}"
+    ]
+    if r.rows_dropped:
+        lines.append(f"   dropped: {describe_drops(r.drop_reasons, cfg)}")
+    if r.per_turn_reason:
+        lines.append(f"   split per turn because the chat template rewrites past turns, e.g. {r.per_turn_reason}")
+    if r.reasoning_dropped:
+        lines.append(f"   reasoning not rendered by the chat template (so not trained): {r.reasoning_dropped:,} assistant messages")
+    if r.system_dropped:
+        lines.append(f"   system prompt not rendered by the chat template: {r.system_dropped:,} conversations train without it")
+    lines += [f"   refused: {reason}" for reason in r.skip_reasons]
+    if r.rows_skipped > len(r.skip_reasons):
+        lines.append(f"   refused: ... and {r.rows_skipped - len(r.skip_reasons):,} more")
+    return lines
 
 
 def _length_stats(lengths: list[int]) -> dict[str, int]:
@@ -394,7 +427,9 @@ def _length_stats(lengths: list[int]) -> dict[str, int]:
 
 
 def describe_lengths(stats: dict[str, int]) -> str:
-    return ", ".join(f"{k} {v}" for k, v in stats.items()) + " tokens" if stats else "unknown"
+    if not stats:
+        return "unknown"
+    return f"{stats['min']}-{stats['max']} tokens (median {stats['median']}, p90 {stats['p90']})"
 
 
 def _split(rows: list[tuple[int, dict]], test_size: float, seed: int, n_read: int):

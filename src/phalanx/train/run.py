@@ -27,7 +27,7 @@ from phalanx.checkpoint.resume import (CRASH_LEFTOVERS, RUN_RECORD, existing_run
                                        set_aside_crashed_run)
 from phalanx.config.schema import RunConfig
 from phalanx.data.collate import pad_batch
-from phalanx.data.prepare import PreparedData, prepare_data
+from phalanx.data.prepare import PreparedData, describe_report, prepare_data
 from phalanx.data.sampler import StatefulDistributedSampler, eval_shard
 from phalanx.errors import ConfigError
 from phalanx.models.adapters import apply_finetuning, trainable_parameter_count
@@ -249,11 +249,10 @@ def announce(run: Run) -> None:
     say(f"   - Epochs: {cfg.training.num_epochs} ({run.total_steps} optimizer steps)")
     say(f"   - Gradient Accumulation: {cfg.training.gradient_accumulation_steps}")
     say(f"   - Max Sequence Length: {cfg.data.max_length}")
-    say(f"📊 Data: {r.train_rows} train rows, {r.eval_rows} eval rows; {r.rows_skipped} skipped, "
-        f"{r.rows_truncated} truncated, {r.rows_dropped} dropped (max_length {cfg.data.max_length}, "
-        f"{cfg.data.truncation}); tokenization {'cached' if r.cache_hit else 'done'} ({r.cache_dir})")
-    for reason in r.skip_reasons:
-        say(f"   skipped: {reason}")
+    summary, *details = describe_report(r, cfg.data)
+    say(f"📊 Data: {summary}; tokenization {'cached' if r.cache_hit else 'done'} ({r.cache_dir})")
+    for line in details:
+        say(line)
     if run.resumed_from is not None:
         say(f"↩️  Resuming from {run.resumed_from} at step {run.state.global_step} (epoch {run.state.epoch}, "
             f"{run.state.tokens_seen:,} tokens seen, best eval loss {run.state.best_eval_loss})")

@@ -1,0 +1,164 @@
+"""`phalanx data`: look at the data as the loss will see it, before any model weights are loaded.
+
+    phalanx data preview [CONFIG.yaml] [--rows N] [--color auto|always|never] [--flag value ...]
+    phalanx data templates
+
+`preview` takes the same config and flags as `phalanx train`, loads only the tokenizer (with
+`--chat_template` applied), and reads every row through the training pipeline: the first N rows
+are printed with their trained tokens marked (green on a terminal, ``[[...]]`` otherwise) and their
+target counts; every refused row is printed with its reason; the last line is the data summary a
+run prints. It exits 1 when no row would train.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable, Sequence
+
+from phalanx.errors import PhalanxError
+
+USAGE = (
+    "usage: phalanx data preview [CONFIG.yaml] [--rows N] [--color auto|always|never] [--flag value ...]\n"
+    "       phalanx data templates\n\n"
+    "preview: the first N rows (default 3) with the tokens the loss trains on marked, every refused row with its\n"
+    "reason, and the data summary; the same config and flags as `phalanx train`; no model weights are loaded.\n"
+    "templates: the chat templates phalanx ships (pass one to --chat_template by name)."
+)
+MAX_REFUSALS_SHOWN = 50
+GREEN, RESET = "\x1b[1;32m", "\x1b[0m"
+
+
+def main(args: Sequence[str]) -> int:
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if args else 2
+    if args[0] == "templates":
+        return _templates()
+    if args[0] == "preview":
+        return _preview(list(args[1:]))
+    raise PhalanxError(f"phalanx data: unknown subcommand {args[0]!r}; accepted: preview, templates\n\n{USAGE}")
+
+
+def _templates() -> int:
+    from phalanx.data.chat_templates import shipped_templates
+
+    for name, description in shipped_templates().items():
+        print(f"{name:<24} {description}")
+    return 0
+
+
+def _preview(args: list[str]) -> int:
+    rows, args = _take(args, "rows", "3", int, "a whole number of rows, e.g. --rows 5")
+    color, args = _take(args, "color", "auto", str, "auto, always or never")
+    if color not in ("auto", "always", "never"):
+        raise PhalanxError(f"--color {color!r}: accepted values are auto, always, never")
+    from phalanx.cli import quiet_libraries
+    from phalanx.config.flags import split_flags
+    from phalanx.config.loader import load_config, overrides_from_flags
+
+    config_path, pairs = split_flags(args)
+    cfg = load_config(config_path, overrides_from_flags(pairs))
+    quiet_libraries()
+    from phalanx.models.load import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.model.model_name, cfg.model.trust_remote_code, cfg.data.chat_template)
+    use_color = color == "always" or (color == "auto" and sys.stdout.isatty() and "NO_COLOR" not in os.environ)
+    return preview(cfg, tokenizer, rows, use_color, print)
+
+
+def preview(cfg: Any, tokenizer: Any, rows: int, color: bool, say: Callable[[str], None]) -> int:
+    """Print the first ``rows`` rows marked, every refusal, and the summary; 1 when no row would train."""
+    from phalanx.data.prepare import DataReport, _Counts, _Source, describe_report, iter_outcomes
+
+    counts, shown = _Counts(), [0]
+    refusals = 0
+
+    def refused(error: Exception) -> None:
+        nonlocal refusals
+        refusals += 1
+        if refusals <= MAX_REFUSALS_SHOWN:
+            say(f"refused: {error}")
+
+    counts.on_refusal = refused
+    # Every row is read, whatever on_bad_row says: a preview lists all refusals instead of stopping at the first.
+    data_cfg = cfg.data.model_copy(update={"on_bad_row": "skip"})
+    sources = [_Source.for_training(data_cfg)]
+    if data_cfg.eval_dataset_path:
+        sources.append(_Source.path(data_cfg.eval_dataset_path))
+    trained: list[dict] = []
+    for source in sources:
+        for outcome in iter_outcomes(source, data_cfg, tokenizer, counts):
+            trained += outcome.examples
+            if outcome.tokenized is not None and shown[0] < rows:
+                shown[0] += 1
+                _show(outcome, tokenizer, color, say)
+    if refusals > MAX_REFUSALS_SHOWN:
+        say(f"refused: ... and {refusals - MAX_REFUSALS_SHOWN} more rows")
+    # No train/eval split here: every row that would train is counted as a train row.
+    report = DataReport(**counts.report(trained, None), cache_hit=False, cache_dir="")
+    lines = describe_report(report, cfg.data)
+    say("Data: " + lines[0])
+    for line in lines[1:]:
+        if not line.lstrip().startswith("refused:"):  # printed above, each one
+            say(line)
+    return 0 if trained else 1
+
+
+def _show(outcome: Any, tokenizer: Any, color: bool, say: Callable[[str], None]) -> None:
+    result = outcome.tokenized
+    n = len(result.examples)
+    dropped = n - len(outcome.examples)
+    for k, example in enumerate(outcome.examples):
+        turn = f", turn {k + 1} of {n}" if result.policy == "per_turn" else ""
+        say(f"── {outcome.where}{turn}: {len(example['input_ids'])} tokens, {_targets(example)} trained "
+            f"(multi_turn {result.policy})")
+        say(marked_text(tokenizer, example, color))
+    if dropped:
+        say(f"── {outcome.where}: {dropped} of its {n} rows dropped (see the summary)")
+
+
+def marked_text(tokenizer: Any, example: dict, color: bool) -> str:
+    """The row's text with the trained tokens marked; runs are decoded whole so multi-byte characters survive."""
+    opened, closed = (GREEN, RESET) if color else ("[[", "]]")
+    pieces, run, trained = [], [], None
+    for token, label in zip(example["input_ids"], example["labels"]):
+        now = label != -100
+        if trained is not None and now != trained:
+            pieces.append(_decode(tokenizer, run, trained, opened, closed))
+            run = []
+        run.append(token)
+        trained = now
+    if run:
+        pieces.append(_decode(tokenizer, run, bool(trained), opened, closed))
+    return "".join(pieces)
+
+
+def _decode(tokenizer: Any, ids: list[int], trained: bool, opened: str, closed: str) -> str:
+    text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    return f"{opened}{text}{closed}" if trained else text
+
+
+def _targets(example: dict) -> int:
+    return sum(1 for label in example["labels"] if label != -100)
+
+
+def _take(args: list[str], name: str, default: str, kind: type, accepted: str) -> tuple[Any, list[str]]:
+    """Remove ``--name VALUE`` (or ``--name=VALUE``) from args: a preview option, not a config field."""
+    rest, value, i = [], default, 0
+    while i < len(args):
+        arg = args[i]
+        if arg == f"--{name}":
+            if i + 1 >= len(args):
+                raise PhalanxError(f"--{name} needs a value: {accepted}")
+            value, i = args[i + 1], i + 2
+            continue
+        if arg.startswith(f"--{name}="):
+            value = arg.partition("=")[2]
+        else:
+            rest.append(arg)
+        i += 1
+    try:
+        return kind(value), rest
+    except ValueError:
+        raise PhalanxError(f"--{name} {value!r}: expected {accepted}") from None

@@ -1,0 +1,53 @@
+"""`phalanx data preview` shows the rows as the loss sees them, and every refusal, without loading model weights."""
+
+from __future__ import annotations
+
+import json
+
+from helpers import chat_row, run_phalanx
+
+from phalanx.config.loader import load_config, overrides_from_flags
+from phalanx.data.command import GREEN, RESET, preview
+
+
+def test_preview_marks_trained_tokens_and_lists_every_refused_row(tmp_path):
+    rows = [json.dumps(chat_row(i)) for i in range(3)]
+    no_answer = chat_row(3)
+    no_answer["messages"][-1] = {"role": "assistant"}  # neither content nor tool calls
+    rows += [json.dumps(no_answer), "{not json"]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("\n".join(rows) + "\n")
+    # on_bad_row is 'error' (the default): a run would stop at line 4; the preview reads on and lists both.
+    proc = run_phalanx("data", "preview", "--dataset_path", str(data), "--rows", "2", "--max_length", "4096",
+                       "--test_size", "0")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    headers = [line for line in out.splitlines() if line.startswith("── ")]
+    assert len(headers) == 2 and headers[0].startswith(f"── {data} line 1: ") and "(multi_turn full)" in headers[0]
+    assert "[[Your BMI is" in out and "[[<tool_call>" in out  # piped: brackets, not colour
+    assert "[[<|im_start|>" not in out and "[[You are a careful" not in out  # headers and system text are not trained
+    assert f"refused: {data} line 4: messages[4].content: missing" in out
+    assert f"refused: {data} line 5: " in out
+    summary = [line for line in out.splitlines() if line.startswith("Data: ")]
+    assert summary and summary[0].startswith("Data: 5 rows read -> 3 train rows") and "2 refused" in summary[0]
+
+    listed = run_phalanx("data", "templates")
+    assert listed.returncode == 0 and listed.stdout.startswith("deepseek-r1-distill ")
+    typo = run_phalanx("data", "previw")
+    assert typo.returncode == 2 and "unknown subcommand 'previw'; accepted: preview, templates" in typo.stderr
+
+
+def test_preview_colours_on_a_terminal_and_fails_when_nothing_trains(tmp_path, tokenizer, write_jsonl):
+    cfg = load_config(None, overrides_from_flags([("dataset_path", str(write_jsonl(tmp_path / "a.jsonl", [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "HELLO"}]}])))]))
+    lines: list[str] = []
+    assert preview(cfg, tokenizer, 1, True, lines.append) == 0
+    assert f"{GREEN}HELLO<|im_end|>\n{RESET}" in lines[1]
+
+    cfg = load_config(None, overrides_from_flags([("dataset_path", str(write_jsonl(tmp_path / "b.jsonl", [
+        {"messages": [{"role": "user", "content": "x" * 50}, {"role": "assistant", "content": "late"}]}]))),
+        ("max_length", "20")]))
+    lines.clear()
+    assert preview(cfg, tokenizer, 3, False, lines.append) == 1
+    assert lines[-2].startswith("Data: 1 rows read -> 0 train rows") and "1 dropped" in lines[-2]
+    assert "1 no assistant token left within max_length (cut at max_length 20 before its first assistant token" in lines[-1]
