@@ -147,26 +147,34 @@ def children(pid: int) -> list[int]:
     return kids
 
 
-def wait_gone(pids: list[int], timeout: float = 30) -> None:
+def wait_gone(pids: list[int], timeout: float = 30) -> bool:
+    """True once every pid has exited (gone, or a zombie: its files are closed); False at the timeout."""
     deadline = time.monotonic() + timeout
     for pid in pids:
-        while time.monotonic() < deadline:
+        while True:
             try:
                 state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
             except OSError:
                 break  # gone
             if state == "Z":
-                break  # exited; its files are closed
+                break
+            if time.monotonic() > deadline:
+                return False
             time.sleep(0.01)
+    return True
 
 
-def test_sigkill_then_rerun_completes_without_duplicates(runs, tmp_path, capsys):
+def test_killed_launcher_then_sigterm_then_rerun_completes_without_duplicates(runs, tmp_path, capsys):
+    """The `--world_size 2` launcher is SIGKILLed mid-run: its ranks (in sessions of their own, so not killed along)
+    notice and stop by themselves. A second launch gets SIGTERM: its ranks die without saving anything for it, and
+    the launcher names them and fails (not 75, which tells a scheduler to requeue). A rerun on one rank then
+    generates only what was not committed."""
     root, prompts, _, _ = runs
     out = tmp_path / "k" / "traj_chat.jsonl"
     shards = out.with_name("traj_chat.jsonl.shards")
+    command = [sys.executable, "-m", "phalanx", *generate_args(prompts, out, "--world_size", "2")]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "phalanx", *generate_args(prompts, out, "--world_size", "2")],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ranks: list[int] = []
     try:
         deadline = time.monotonic() + 120
@@ -177,13 +185,21 @@ def test_sigkill_then_rerun_completes_without_duplicates(runs, tmp_path, capsys)
         ranks = children(proc.pid)
         assert proc.poll() is None and len(ranks) == 2, "the run ended before it could be killed"
     finally:
-        for pid in [proc.pid, *ranks]:  # the launcher and both ranks, mid-run, as a crash would
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        proc.kill()  # the launcher only, as the OOM killer or `kill -9` would
         proc.wait()
-        wait_gone(ranks)  # SIGKILL is delivered at once, but a rank lets go of its files only as it exits
+    assert wait_gone(ranks, timeout=20), "the ranks of a killed launcher must stop by themselves"
+
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None and len(children(proc.pid)) < 2:
+        time.sleep(0.01)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 2, stderr[-3000:]
+    assert "received SIGTERM and the ranks stopped without saving" in stderr, stderr[-3000:]
+    assert "rank 0 (" in stderr and "rank 1 (" in stderr, stderr[-3000:]
+
     done = committed_pairs(shards)
     assert 0 < done < PROMPTS * K and not out.exists()
     # Rerun the same command, on one rank this time: only what was not committed is generated.

@@ -25,6 +25,7 @@ import json
 import os
 import random
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
@@ -34,6 +35,7 @@ from phalanx.errors import ConfigError, DataError, PhalanxError
 
 MANIFEST = "manifest.json"
 FORMAT = 1
+LOCK_WAIT_S = 10.0  # how long a rank waits for a shard file that another process still holds
 
 
 def shard_dir(output: Path) -> Path:
@@ -154,19 +156,27 @@ class ShardWriter:
 
     The file stays locked while it is open: a rank of an earlier run that is still alive (its
     launcher was killed, not the rank) and a rank of the rerun never write one file together.
+    Such a rank stops on its own within a moment (launch.local.stop_when_orphaned), so the lock
+    is waited for, LOCK_WAIT_S at most, before the rerun gives up.
     """
 
     def __init__(self, path: Path):
         self.path = path
         self.file = open(path, "ab")
-        try:
-            fcntl.flock(self.file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            self.file.close()
-            raise PhalanxError(
-                f"{path} is being written by another process: is an earlier `phalanx generate` with this --output "
-                "still running (its ranks outlive a killed launcher)? Wait for it or stop it, then rerun."
-            ) from None
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(self.file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if time.monotonic() < deadline:
+                    time.sleep(0.1)
+                    continue
+                self.file.close()
+                raise PhalanxError(
+                    f"{path} is being written by another process (still after {LOCK_WAIT_S:.0f} s): is an earlier "
+                    "`phalanx generate` with this --output still running? Wait for it or stop it, then rerun."
+                ) from None
         end = scan_shard(path)[1]
         self.file.truncate(end)
         self.file.seek(end)

@@ -24,6 +24,11 @@ from phalanx.errors import PhalanxError
 
 # Set for the ranks `launch_local` starts: they leave printing bad input to it.
 PARENT_REPORTS = "PHALANX_LAUNCHER_REPORTS_ERRORS"
+# Also set for them: the launcher's pid (a rank stops when it is gone) and where each rank records its exit status
+# (after a SIGTERM the agent has reaped the ranks and keeps their exit codes to itself).
+LAUNCHER_PID = "PHALANX_LAUNCHER_PID"
+EXIT_RECORDS = "PHALANX_RANK_EXIT_RECORDS"
+ORPHAN_POLL_S = 0.25
 BAD_INPUT_EXIT_CODE = 2  # what the CLI returns for any PhalanxError
 
 
@@ -67,15 +72,18 @@ def launch_local(module_args: Sequence[str], nproc: int, master_port: Optional[i
     # The elastic agent starts each rank in its own session, so a signal sent to this launcher's process group
     # never reaches them: pass SIGUSR1 (SLURM's usual warning) on; the ranks save a checkpoint and stop.
     signal.signal(signal.SIGUSR1, forward_to_children)
-    os.environ[PARENT_REPORTS] = "1"  # the agent copies this process's environment into each rank's
+    records = Path(logs) / "exit"
+    records.mkdir()
+    # The agent copies this process's environment into each rank's.
+    rank_env = {PARENT_REPORTS: "1", LAUNCHER_PID: str(os.getpid()), EXIT_RECORDS: str(records)}
+    os.environ.update(rank_env)
     restore_levels = quiet_agent_logs()
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "phalanx", *module_args)
     except SignalException as exc:
-        # SIGTERM/SIGINT: the agent has already passed SIGTERM to the ranks, which save before they exit.
-        print(f"launcher received {exc.sigval.name}; the ranks were asked to stop and keep what they finished (rerun to resume)",
-              file=sys.stderr, flush=True)
-        return PREEMPTED_EXIT_CODE
+        # SIGTERM/SIGINT: the agent passed SIGTERM to the ranks and waited for them (killing those still running after
+        # its shutdown timeout). What each rank did is in its exit record.
+        return after_stop_signal(exc.sigval.name, read_exit_records(records, nproc))
     except ChildFailedError as exc:
         codes = {f.exitcode for f in exc.failures.values()}
         # A rank exits 75 only after the preemption checkpoint is committed (save ends in a barrier); the agent
@@ -88,10 +96,84 @@ def launch_local(module_args: Sequence[str], nproc: int, master_port: Optional[i
         failed = ", ".join(f"rank {rank} ({describe_exit(f.exitcode)})" for rank, f in sorted(exc.failures.items()))
         raise PhalanxError(f"failed on {failed}; the other ranks were stopped. See the rank's message above.") from None
     finally:
-        os.environ.pop(PARENT_REPORTS, None)
+        for name in rank_env:
+            os.environ.pop(name, None)
         restore_levels()
         shutil.rmtree(logs, ignore_errors=True)
     return 0
+
+
+def after_stop_signal(signal_name: str, codes: dict[int, Optional[int]]) -> int:
+    """The launcher's status after a SIGTERM/SIGINT, from each rank's exit code (None: no record, the rank was killed).
+
+    75 only when a rank exited 75: it did so after the preemption checkpoint was committed (the save ends in a
+    barrier of all ranks), so a requeue resumes from it. Ranks that died without saving are a failure, named."""
+    from phalanx.runtime.signals import PREEMPTED_EXIT_CODE
+
+    unclean = {rank: code for rank, code in sorted(codes.items()) if code not in (0, PREEMPTED_EXIT_CODE)}
+    described = ", ".join(f"rank {rank} ({'killed: no exit status' if code is None else describe_exit(code)})"
+                          for rank, code in unclean.items())
+    if PREEMPTED_EXIT_CODE in codes.values():
+        note = f" ({described} after that)" if unclean else ""
+        print(f"launcher received {signal_name}; the ranks saved a checkpoint and stopped{note}; rerun the same command "
+              "to resume from it", file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT_CODE
+    if not unclean:
+        return 0  # every rank had finished when the signal came
+    raise PhalanxError(f"launcher received {signal_name} and the ranks stopped without saving a checkpoint for it: "
+                       f"{described}. What they committed earlier is kept; rerun the same command to continue from it.")
+
+
+def read_exit_records(folder: Path, nproc: int) -> dict[int, Optional[int]]:
+    codes: dict[int, Optional[int]] = {}
+    for rank in range(nproc):
+        try:
+            codes[rank] = int((folder / f"rank-{rank}").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            codes[rank] = None
+    return codes
+
+
+def rank_exit_record() -> Optional[Path]:
+    """Where this process, a rank that `launch_local` started, records its exit status (None elsewhere)."""
+    folder, rank = os.environ.get(EXIT_RECORDS), os.environ.get("RANK")
+    return Path(folder) / f"rank-{rank}" if folder and rank is not None else None
+
+
+def record_exit(code: int) -> None:
+    """Called as a `phalanx` process exits: a rank of `launch_local` leaves its exit status for the launcher."""
+    record = rank_exit_record()
+    if record is not None:
+        try:
+            record.write_text(str(code), encoding="utf-8")
+        except OSError:
+            pass  # the launcher then reports this rank as killed: a worse message, not a wrong status
+
+
+def start_rank_process() -> None:
+    """Called first in every `phalanx` process. In a rank of `launch_local`: drop the record an earlier attempt
+    (--max_restarts) left, and stop when the launcher is gone."""
+    launcher = os.environ.get(LAUNCHER_PID)
+    if not launcher or rank_exit_record() is None:
+        return
+    rank_exit_record().unlink(missing_ok=True)
+    stop_when_orphaned(int(launcher))
+
+
+def stop_when_orphaned(launcher: int) -> None:
+    """A rank whose launcher died (SIGKILL, out of memory) has no one to report to or to stop it, and would go on
+    writing into the output a rerun is about to use (the agent starts each rank in a session of its own, so the
+    launcher's process group took none of them along). It stops at once; what it committed stays valid."""
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(ORPHAN_POLL_S)
+        print(f"[rank {os.environ.get('RANK')}] the launcher (pid {launcher}) is gone; stopping this rank",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="phalanx-launcher-watch", daemon=True).start()
 
 
 def quiet_agent_logs():
