@@ -22,6 +22,7 @@ def seed_run(tmp_path_factory):
         "--gradient_accumulation_steps", "2", "--max_grad_norm", "1.0", "--lora_r", "8", "--lora_alpha", "16",
         "--lora_dropout", "0.1", "--eval_steps", "3", "--save_steps", "3", "--log_steps", "2", "--max_length", "768",
         "--save_total_limit", "2", "--test_size", "0.2",
+        "--mixed_precision", "no",  # a choice YAML 1.1 would read as false
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return out, proc
@@ -33,6 +34,12 @@ def test_console_shows_configuration_evals_and_summary(seed_run):
     for needle in ("World Size: 2", "Effective Batch Size: 8", "✅ Eval at step 3", "💾 New best model saved",
                    "📊 Epoch 1 average loss", "🏁 Done", "peak memory per rank (MB): ["):
         assert needle in out, needle
+    # stdout is a pipe, as in a SLURM .out file: one plain progress line per logged step (log_steps 2), no redraws.
+    assert "\r" not in out
+    progress = [line.split(" | ")[0] for line in out.splitlines() if line.startswith("step ")]
+    assert progress == ["step 2/8 (25%)", "step 4/8 (50%)", "step 6/8 (75%)", "step 8/8 (100%)"], out[-3000:]
+    assert "tok/s" in out and "left" in out
+    assert json.loads((seed_run[0] / "training_info.json").read_text())["config"]["training"]["mixed_precision"] == "no"
 
 
 def test_outputs_layout_and_training_info(seed_run):

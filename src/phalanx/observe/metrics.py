@@ -1,7 +1,9 @@
 """Rank-0 reporting: metrics.jsonl, TensorBoard events, console lines and a progress bar.
 
 Every method is safe to call on every rank; only rank 0 writes or prints, so the loop
-does not need `if rank == 0` around each report.
+does not need `if rank == 0` around each report. The bar is drawn only on a terminal: in a
+log file (a SLURM .out, a pipe) its redraws pile up, so there each logged train step gets
+one plain line instead.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ class Reporter:
         self._tb = None
         self._bar: Optional[tqdm] = None
         self._bar_args: Optional[dict] = None
+        self._plain = False  # progress as one line per logged train step (stdout is no terminal)
+        self._total, self._initial, self._started = total_steps, resume_step, time.perf_counter()
         if not is_main:
             return
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -35,7 +39,9 @@ class Reporter:
 
             # purge_step hides events a crashed run logged after the checkpoint it resumes from
             self._tb = SummaryWriter(log_dir=str(output_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
-        self._bar_args = dict(total=total_steps, initial=resume_step, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout) if progress_bar else None
+        self._plain = progress_bar and not sys.stdout.isatty()
+        if progress_bar and not self._plain:
+            self._bar_args = dict(total=total_steps, initial=resume_step, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout)
 
     def say(self, line: str) -> None:
         if not self.is_main:
@@ -57,6 +63,22 @@ class Reporter:
             for key, value in metrics.items():
                 if isinstance(value, (int, float)):
                     self._tb.add_scalar(f"{kind}/{key}", value, step)
+        if self._plain and kind == "train":
+            print(self._progress_line(step, metrics), flush=True)
+
+    def _progress_line(self, step: int, metrics: dict) -> str:
+        """'step 4/8 (50%) | loss 1.2345 | lr 1.00e-02 | grad_norm 0.512 | 812 tok/s | 00:04 elapsed, ~00:04 left'"""
+        parts = [f"step {step}/{self._total} ({100 * step // max(self._total, 1)}%)" if self._total else f"step {step}"]
+        for key, form in (("loss", "{:.4f}"), ("lr", "{:.2e}"), ("grad_norm", "{:.3f}")):
+            if isinstance(metrics.get(key), (int, float)):
+                parts.append(f"{key} {form.format(metrics[key])}")
+        if isinstance(metrics.get("tokens_per_s"), (int, float)):
+            parts.append(f"{metrics['tokens_per_s']:.0f} tok/s")
+        elapsed, done = time.perf_counter() - self._started, step - self._initial
+        timing = f"{tqdm.format_interval(elapsed)} elapsed"
+        if self._total and done > 0:
+            timing += f", ~{tqdm.format_interval(elapsed / done * max(self._total - step, 0))} left"
+        return " | ".join(parts + [timing])
 
     def advance(self, steps: int, postfix: dict) -> None:
         if self._bar is None and self._bar_args is not None:
