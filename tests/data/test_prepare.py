@@ -149,6 +149,29 @@ def test_drop_omits_long_rows(tmp_path, tokenizer, write_jsonl):
     assert (r.rows_truncated, r.rows_dropped, r.train_rows) == (0, 2, 1)
 
 
+def test_keep_recent_leaves_out_the_oldest_exchanges_and_keeps_the_system_prompt(tmp_path, tokenizer, write_jsonl):
+    """A long chat keeps its system prompt and latest exchanges; a row of one exchange too long is cut at its end."""
+    exchanges = [m for k in range(6) for m in ({"role": "user", "content": f"QUESTION-{k} " + "x" * 30},
+                                                {"role": "assistant", "content": f"ANSWER-{k}"})]
+    long_chat = {"messages": [{"role": "system", "content": "SYSTEM-TEXT"}] + exchanges}
+    f = write_jsonl(tmp_path / "chats.jsonl", [long_chat, {"messages": [{"role": "user", "content": "q" * 400},
+                                                                        {"role": "assistant", "content": "late"}]}])
+    data = _prepare(_cfg(dataset_path=str(f), max_length=200, truncation="keep_recent"), tokenizer, tmp_path)
+    r = data.report
+    assert (r.rows_shortened, r.rows_truncated, r.rows_dropped, r.train_rows) == (1, 1, 1, 1)
+    text = tokenizer.decode(data.train[0]["input_ids"])
+    assert len(data.train[0]["input_ids"]) <= 200 and text.startswith("<|im_start|>system\nSYSTEM-TEXT<|im_end|>\n")
+    kept = [k for k in range(6) if f"QUESTION-{k}" in text]
+    assert kept == list(range(6 - len(kept), 6)) and 0 < len(kept) < 6  # the latest ones, whole
+    assert _answers(data.train, tokenizer) == ["".join(f"ANSWER-{k}<|im_end|>\n" for k in kept)]
+    assert r.length_tokens["max"] > 200  # lengths as rendered, before max_length
+    # The same conversations under multi_turn per_turn: each turn's row keeps as many earlier exchanges as fit.
+    data = _prepare(_cfg(dataset_path=str(f), max_length=200, truncation="keep_recent", multi_turn="per_turn"),
+                    tokenizer, tmp_path)
+    assert _answers(data.train, tokenizer) == [f"ANSWER-{k}<|im_end|>\n" for k in range(6)]
+    assert all(len(row) <= 200 for row in data.train["input_ids"])
+
+
 def test_error_names_the_row_and_its_length(tmp_path, tokenizer, write_jsonl):
     f = _lengths_file(tmp_path, write_jsonl)
     with pytest.raises(DataError, match=rf"{f} line 2: 262 tokens, longer than max_length=100"):

@@ -65,8 +65,11 @@ class DataConfig(Section):
     eval_dataset_path: Optional[str] = Field(None, description="Separate evaluation data; when set, test_size is not used.")
     test_size: float = Field(0.2, ge=0.0, lt=1.0, description="Fraction of the training rows held out for evaluation.")
     max_length: int = Field(1024, gt=0, description="Longest tokenized conversation, in tokens.")
-    truncation: Literal["truncate", "drop", "error"] = Field(
-        "truncate", description="What to do with a conversation longer than max_length."
+    truncation: Literal["truncate", "keep_recent", "drop", "error"] = Field(
+        "truncate",
+        description="What to do with a conversation longer than max_length: 'truncate' cuts its end; 'keep_recent' "
+        "drops its oldest exchanges (from a user message up to the next), never the system prompt or tools, until it "
+        "fits, and cuts the end only if the last exchange alone is too long; 'drop' leaves the row out; 'error' stops.",
     )
     on_bad_row: Literal["error", "skip"] = Field(
         "error", description="A malformed row stops the run with its location, or is skipped and counted."

@@ -66,6 +66,7 @@ class DataReport:
     rows_skipped: int  # bad rows skipped under on_bad_row="skip"
     skip_reasons: list[str]  # the first few skip messages
     rows_truncated: int  # cut to max_length
+    rows_shortened: int  # fitted by leaving out their oldest exchanges (truncation keep_recent)
     rows_dropped: int  # longer than max_length under truncation="drop", or no target token left
     drop_reasons: dict[str, int]  # why rows were dropped, with counts
     length_tokens: dict[str, int]  # tokenized row lengths before max_length: min, median, p90, max
@@ -226,6 +227,7 @@ class _Counts:
         self.policies = {"full": 0, "per_turn": 0, "text": 0}
         self.per_turn_reason: Optional[str] = None
         self.reasoning_dropped = self.system_dropped = 0
+        self.shortened = 0  # rows that fit after their oldest exchanges were left out (truncation keep_recent)
         self.on_refusal: Optional[Callable[[DataError], None]] = None  # `phalanx data preview` prints each one
 
     def tokenized(self, result: Tokenized, where: str) -> None:
@@ -257,6 +259,7 @@ class _Counts:
             "rows_skipped": self.skipped,
             "skip_reasons": self.reasons,
             "rows_truncated": self.truncated,
+            "rows_shortened": self.shortened,
             "rows_dropped": self.dropped,
             "drop_reasons": self.drop_reasons,
             "length_tokens": _length_stats(self.lengths),
@@ -326,7 +329,11 @@ def iter_outcomes(source: _Source, cfg: DataConfig, tokenizer: Any, counts: _Cou
         try:
             if fmt == "auto":  # the first readable row decides for the whole source
                 fmt, detected_at = detect_format(row, where), where
-            result = tokenize_conversation(tokenizer, _convert(row, where, fmt, detected_at), where, cfg.multi_turn)
+            conv = _convert(row, where, fmt, detected_at)
+            result = tokenize_conversation(tokenizer, conv, where, cfg.multi_turn)
+            counts.lengths += [len(ex["input_ids"]) for ex in result.examples]  # as rendered, before max_length
+            if cfg.truncation == "keep_recent" and _too_long(result.examples, cfg):
+                result = _keep_recent(tokenizer, conv, result, where, cfg, counts)
         except DataError as e:
             counts.refuse(e)
             yield RowOutcome(index, where, None, [], e)
@@ -356,7 +363,6 @@ def _convert(row: dict, where: str, fmt: str, detected_at: Optional[str]):
 def _fit(example: dict, cfg: DataConfig, where: str, counts: _Counts) -> Optional[dict]:
     """Apply max_length / truncation; drop a row with no target token left."""
     n = len(example["input_ids"])
-    counts.lengths.append(n)
     if n > cfg.max_length:
         if cfg.truncation == "error":
             raise DataError(
@@ -386,8 +392,9 @@ def describe_drops(reasons: dict[str, int], cfg: DataConfig) -> str:
     """Each drop reason with its count and what to change."""
     remedies = {
         DROP_TOO_LONG: f"truncation 'drop' with max_length {cfg.max_length}: raise max_length, or set truncation 'truncate'",
-        DROP_TRUNCATED_AWAY: f"cut at max_length {cfg.max_length} before its first assistant token: raise max_length, "
-        "or shorten the conversations before them",
+        DROP_TRUNCATED_AWAY: f"cut at max_length {cfg.max_length} before its first assistant token: raise max_length"
+        + (", or set truncation 'keep_recent' to leave out the oldest exchanges of long conversations instead"
+           if cfg.truncation != "keep_recent" else ""),
         DROP_NO_TARGET: "every assistant turn renders to nothing the loss can train on",
     }
     return "; ".join(f"{n} {reason} ({remedies.get(reason, '')})" for reason, n in reasons.items())
@@ -401,7 +408,8 @@ def describe_report(report: DataReport, cfg: DataConfig) -> list[str]:
               f"{r.conversations_per_turn:,} split per turn" if r.conversations_full + r.conversations_per_turn else "")
     lines = [
         f"{r.rows_read:,} rows read -> {rows}, {r.train_target_tokens:,} target tokens; {r.rows_skipped:,} refused, "
-        f"{r.rows_truncated:,} truncated, {r.rows_dropped:,} dropped (max_length {cfg.max_length}, {cfg.truncation}); "
+        + (f"{r.rows_shortened:,} shortened to their latest exchanges, " if r.rows_shortened else "")
+        + f"{r.rows_truncated:,} truncated, {r.rows_dropped:,} dropped (max_length {cfg.max_length}, {cfg.truncation}); "
         f"row lengths {describe_lengths(r.length_tokens)}{policy}"
     ]
     if r.rows_dropped:
@@ -430,6 +438,34 @@ def describe_lengths(stats: dict[str, int]) -> str:
     if not stats:
         return "unknown"
     return f"{stats['min']}-{stats['max']} tokens (median {stats['median']}, p90 {stats['p90']})"
+
+
+def _too_long(examples: list[dict], cfg: DataConfig) -> bool:
+    return any(len(ex["input_ids"]) > cfg.max_length for ex in examples)
+
+
+def _keep_recent(tokenizer: Any, conv: dict, result: Tokenized, where: str, cfg: DataConfig, counts: _Counts) -> Tokenized:
+    """``result`` with each row that is too long rendered again without its oldest exchanges (system messages and
+    tools stay), the fewest dropped that make it fit; a row whose last exchange alone is too long keeps that one
+    exchange, and _fit then cuts its end."""
+    messages = conv["messages"]
+    system = [m for m in messages if m["role"] == "system"]
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    # per_turn rows are turn views (messages[:i+1]); a full row is the whole conversation.
+    ends = turns if result.policy == "per_turn" else [len(messages) - 1]
+    examples = []
+    for example, end in zip(result.examples, ends):
+        if len(example["input_ids"]) > cfg.max_length:
+            starts = [k for k in range(1, end + 1) if messages[k]["role"] == "user" and messages[k - 1]["role"] != "system"]
+            for k in starts:
+                shorter = {**conv, "messages": system + [m for m in messages[k : end + 1] if m["role"] != "system"]}
+                rows = tokenize_conversation(tokenizer, shorter, where, result.policy).examples
+                example = rows[-1] if result.policy == "per_turn" else rows[0]
+                if len(example["input_ids"]) <= cfg.max_length:
+                    counts.shortened += 1
+                    break
+        examples.append(example)
+    return Tokenized(examples, result.policy, result.reasoning_dropped, result.system_dropped, result.notes)
 
 
 def _split(rows: list[tuple[int, dict]], test_size: float, seed: int, n_read: int):
