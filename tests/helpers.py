@@ -17,6 +17,16 @@ def run_phalanx(*args: str, cwd: Path | None = None, timeout: float = 300, env: 
                           capture_output=True, text=True, timeout=timeout)
 
 
+def shared_template(name: str) -> Path:
+    """A real model's chat template (test data, not ours to ship): `../shared/templates/NAME.jinja` beside the
+    repository, or under $PHALANX_SHARED_TEMPLATES. Missing is a failure, never a skip."""
+    folder = Path(os.environ.get("PHALANX_SHARED_TEMPLATES", ROOT.parent / "shared" / "templates"))
+    path = folder / f"{name}.jinja"
+    assert path.is_file(), f"{path} is missing: the real chat templates live in shared/templates beside the repository " \
+                           "(set PHALANX_SHARED_TEMPLATES to their folder)"
+    return path
+
+
 def read_metrics(output_dir: Path, kind: str = "train") -> list[dict]:
     lines = (Path(output_dir) / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r["kind"] == kind]

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import chat_row, run_phalanx, write_chat_jsonl
+from helpers import chat_row, run_phalanx, shared_template, write_chat_jsonl
 
 from phalanx.cli import main
 
@@ -195,3 +195,31 @@ def test_hybrid_shard_on_one_node_is_refused_before_any_rank_starts(tmp_path, ca
     assert time.perf_counter() - started < 10, "refused by the config check, not by ranks timing out"
     assert not out.exists(), "nothing is written"
 
+
+
+def test_rows_dropped_by_max_length_are_explained(tmp_path, earlier_run, capsys):
+    """Every row is cut before its first assistant token: the error says so, with the lengths and the remedy."""
+    data = tmp_path / "train.jsonl"
+    write_chat_jsonl(data, 4)
+    before = tree_digest(earlier_run)
+    code, out = run_main(["train", "--dataset_path", str(data), "--output_dir", str(earlier_run), "--overwrite_output_dir",
+                          "--max_length", "64", "--test_size", "0"], capsys)
+    assert code == 2, out
+    assert "no usable training rows (4 read, 0 skipped, 4 dropped, 0 held out for evaluation)" in out
+    assert "dropped: 4 no assistant token left within max_length (cut at max_length 64 before its first assistant " \
+           "token: raise max_length" in out
+    assert "; row lengths " in out and " tokens (median " in out
+    assert tree_digest(earlier_run) == before
+
+
+def test_deepseek_r1_distill_template_that_drops_tool_calls_is_refused(tmp_path, capsys):
+    """The model's own template writes a tool call only when content is null: the row is refused, not trained as an
+    empty turn, and the error names the call and the corrected template phalanx ships."""
+    data = tmp_path / "train.jsonl"
+    write_chat_jsonl(data, 2)
+    code, out = run_main(["train", "--dataset_path", str(data), "--output_dir", str(tmp_path / "o"), "--max_length", "768",
+                          "--chat_template", str(shared_template("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B"))], capsys)
+    assert code == 2, out
+    assert "train.jsonl line 1: messages[2].tool_calls[0]: the chat template dropped the tool call's name 'get_bmi'" in out
+    assert "--chat_template deepseek-r1-distill" in out
+    assert not (tmp_path / "o").exists()
