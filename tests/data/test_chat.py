@@ -79,6 +79,7 @@ def test_chatml_multi_turn_tool_calls_mask_exactly_the_assistant_turns(tokenizer
     assert tokenizer.decode(result["input_ids"]) == rendered
     assert "# Tools\n{\"type\": \"function\"" in rendered
     assert tokenizer.eos_token_id not in result["input_ids"]
+    assert not tokenize_conversation(tokenizer, conv, WHERE).tools_dropped
 
 
 def test_a_different_template_masks_correctly_too(make_tokenizer, tool_row):
@@ -283,14 +284,14 @@ SYSTEM_IN_LAST_USER = (
 )
 
 
-def test_system_prompt_moved_or_dropped_by_the_template(make_tokenizer):
+def test_system_prompt_moved_or_dropped_by_the_template(make_tokenizer, tools):
     tok = make_tokenizer(SYSTEM_IN_LAST_USER)
-    row = {"messages": [
+    row = {"tools": tools, "messages": [
         {"role": "system", "content": "SYSTEM-TEXT"}, {"role": "user", "content": "U1"}, {"role": "assistant", "content": "OK"},
         {"role": "user", "content": "U2"}, {"role": "assistant", "content": "OK"},
     ]}
     result = tokenize_conversation(tok, to_conversation(row, WHERE), WHERE)
-    assert result.policy == "full" and result.system_dropped
+    assert result.policy == "full" and result.system_dropped and result.tools_dropped  # this template writes no tools
     assert tok.decode(result.examples[0]["input_ids"]) == "[INST]U1[/INST]OK</s>[INST]U2[/INST]OK</s>"
     assert target_runs(tok, result.examples[0]) == ["OK</s>", "OK</s>"]
 

@@ -64,6 +64,7 @@ class Tokenized:
     policy: str  # "full", "per_turn" or "text"
     reasoning_dropped: int = 0  # assistant messages with reasoning the template does not render
     system_dropped: bool = False  # a system prompt the template does not render (Mistral's, unless a user turn is last)
+    tools_dropped: bool = False  # tool schemas given with the row that the template does not render (R1-Distill's)
     notes: list[str] = field(default_factory=list)  # why auto chose per_turn
 
 
@@ -100,8 +101,8 @@ def tokenize_conversation(tokenizer: Any, conv: Conversation, where: str, multi_
         full = renderer.prefix(len(conv["messages"]), False)
         spans, problem = _locate_in_full(renderer, full, turns)
         if spans is not None:
-            system_dropped = _system_dropped(conv["messages"], [full])
-            return Tokenized([_tokenize_spans(tokenizer, full, spans)], "full", dropped, system_dropped)
+            return Tokenized([_tokenize_spans(tokenizer, full, spans)], "full", dropped,
+                             _system_dropped(conv["messages"], [full]), _tools_dropped(conv.get("tools"), [full]))
         if multi_turn == "full":
             raise DataError(
                 f"{where}: multi_turn 'full': {problem}. The template rewrites earlier turns once later ones "
@@ -110,8 +111,9 @@ def tokenize_conversation(tokenizer: Any, conv: Conversation, where: str, multi_
             )
         notes.append(problem)
     examples = [_tokenize_spans(tokenizer, turn.view, [(turn.start, turn.end)]) for turn in turns]
-    system_dropped = _system_dropped(conv["messages"], [turn.view for turn in turns])
-    return Tokenized(examples, "per_turn", dropped, system_dropped, notes)
+    views = [turn.view for turn in turns]
+    return Tokenized(examples, "per_turn", dropped, _system_dropped(conv["messages"], views),
+                     _tools_dropped(conv.get("tools"), views), notes)
 
 
 # ---------------------------------------------------------------------------- rendering
@@ -270,7 +272,7 @@ def _check_rendered(r: _Renderer, turn: _Turn, where: str) -> bool:
         missing = None if fn["name"] in out else f"name {fn['name']!r}"
         if missing is None:
             missing = next((f"argument {text!r}" for text in _argument_texts(fn.get("arguments"))
-                            if not any(form in out for form in _json_forms(text))), None)
+                            if not any(form in out for form in _json_forms(text) + _python_forms(text))), None)
         if missing is not None:
             hint = (" DeepSeek-R1-Distill's own template renders tool calls only when content is None (phalanx "
                     "passes \"\"); its corrected copy ships as --chat_template deepseek-r1-distill."
@@ -295,6 +297,16 @@ def _system_dropped(messages: list[dict], texts: list[str]) -> bool:
     return False
 
 
+def _tools_dropped(tools: Optional[list[dict]], texts: list[str]) -> bool:
+    """True when a tool's schema (its description, else its parameters) appears in none of the rows."""
+    for tool in tools or []:
+        fn = tool.get("function", tool)
+        mark = fn.get("description") or json.dumps(fn.get("parameters") or {})[1:-1] or ""
+        if mark.strip() and not any(any(form in text for form in _json_forms(mark)) for text in texts):
+            return True
+    return False
+
+
 def _argument_texts(arguments: Any) -> Iterator[str]:
     """Keys and scalar values of a tool call's arguments, as text."""
     if isinstance(arguments, dict):
@@ -306,8 +318,12 @@ def _argument_texts(arguments: Any) -> Iterator[str]:
             yield from _argument_texts(value)
     elif isinstance(arguments, str):
         yield arguments
-    elif arguments is not None:
+    else:  # a number, true/false or null; templates that print the mapping itself write Python's True/None
         yield json.dumps(arguments)
+
+
+def _python_forms(text: str) -> tuple[str, ...]:
+    return {"true": ("True",), "false": ("False",), "null": ("None",)}.get(text, ())
 
 
 def _json_forms(text: str) -> tuple[str, ...]:

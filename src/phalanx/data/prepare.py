@@ -75,6 +75,7 @@ class DataReport:
     per_turn_reason: Optional[str]  # why auto chose per_turn, for the first such row
     reasoning_dropped: int  # assistant messages whose reasoning the chat template does not render
     system_dropped: int  # conversations whose system prompt the chat template does not render
+    tools_dropped: int  # conversations whose tool schemas the chat template does not render
     train_rows: int
     eval_rows: int
     train_target_tokens: int
@@ -226,7 +227,7 @@ class _Counts:
         self.lengths: list[int] = []
         self.policies = {"full": 0, "per_turn": 0, "text": 0}
         self.per_turn_reason: Optional[str] = None
-        self.reasoning_dropped = self.system_dropped = 0
+        self.reasoning_dropped = self.system_dropped = self.tools_dropped = 0
         self.shortened = 0  # rows that fit after their oldest exchanges were left out (truncation keep_recent)
         self.on_refusal: Optional[Callable[[DataError], None]] = None  # `phalanx data preview` prints each one
 
@@ -236,6 +237,7 @@ class _Counts:
             self.per_turn_reason = f"{where}: {result.notes[0]}"
         self.reasoning_dropped += result.reasoning_dropped
         self.system_dropped += int(result.system_dropped)
+        self.tools_dropped += int(result.tools_dropped)
 
     def drop(self, reason: str) -> None:
         self.dropped += 1
@@ -268,6 +270,7 @@ class _Counts:
             "per_turn_reason": self.per_turn_reason,
             "reasoning_dropped": self.reasoning_dropped,
             "system_dropped": self.system_dropped,
+            "tools_dropped": self.tools_dropped,
             "train_rows": len(train),
             "eval_rows": len(eval_) if eval_ else 0,
             "train_target_tokens": sum(sum(1 for t in ex["labels"] if t != IGNORE_INDEX) for ex in train),
@@ -420,6 +423,9 @@ def describe_report(report: DataReport, cfg: DataConfig) -> list[str]:
         lines.append(f"   reasoning not rendered by the chat template (so not trained): {r.reasoning_dropped:,} assistant messages")
     if r.system_dropped:
         lines.append(f"   system prompt not rendered by the chat template: {r.system_dropped:,} conversations train without it")
+    if r.tools_dropped:
+        lines.append(f"   tool schemas not rendered by the chat template: {r.tools_dropped:,} conversations train without "
+                     "them (describe the tools in the system prompt, or use a template that renders `tools`)")
     lines += [f"   refused: {reason}" for reason in r.skip_reasons]
     if r.rows_skipped > len(r.skip_reasons):
         lines.append(f"   refused: ... and {r.rows_skipped - len(r.skip_reasons):,} more")
@@ -465,7 +471,7 @@ def _keep_recent(tokenizer: Any, conv: dict, result: Tokenized, where: str, cfg:
                     counts.shortened += 1
                     break
         examples.append(example)
-    return Tokenized(examples, result.policy, result.reasoning_dropped, result.system_dropped, result.notes)
+    return dataclasses.replace(result, examples=examples)
 
 
 def _split(rows: list[tuple[int, dict]], test_size: float, seed: int, n_read: int):
