@@ -165,7 +165,7 @@ class CheckpointConfig(Section):
 class LoggingConfig(Section):
     log_steps: int = Field(10, gt=0, description="Log metrics every this many optimizer steps.")
     tensorboard: bool = Field(True, description="Write TensorBoard events under output_dir/tensorboard.")
-    progress_bar: bool = Field(True, description="Show a progress bar on rank 0.")
+    progress_bar: bool = Field(True, description="Show a progress bar on rank 0 (on a terminal; where stdout is a file or pipe, one plain line per logged step).")
 
 
 class DistributedConfig(Section):
