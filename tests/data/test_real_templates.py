@@ -1,0 +1,203 @@
+"""The loss mask on real chat templates equals an independent oracle: the same template, marked up.
+
+For every real template (../shared/templates/ and tests/data/templates/real/) and every test row, phalanx's
+``tokenize_conversation`` must give exactly the examples of ``data.templates.oracle_examples``: the same
+input ids (the template's text tokenized in one pass) and the same labels (trained: each assistant turn's
+output, after its header, through the end-of-turn marker and its newline). ``data.templates.CASES``
+records, per template and row, the policy multi_turn="auto" must choose, or why the row must be refused.
+
+The oracle is checked on its own first (the "self-check" tests): each marked copy renders byte for byte
+what the original renders, its trained text is the hand-reviewed text of templates/expected_trained.json,
+and transformers' own ``assistant_masks`` for the marked copy agree with the oracle's labels.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import pytest
+from data.templates import (
+    CASE,
+    CASES,
+    IGNORE_INDEX,
+    SHARED_ENV,
+    Match,
+    Refuse,
+    build_tokenizer,
+    expected_trained,
+    marked_template,
+    oracle_examples,
+    original_template,
+    row,
+    shared_templates_dir,
+    template_markers,
+    trained_texts,
+    turns_render_alike,
+)
+
+from phalanx.data.chat import tokenize_conversation
+from phalanx.data.formats import to_conversation
+from phalanx.errors import DataError
+
+WHERE = "chats.jsonl line 7"
+
+ROW_PARAMS = [pytest.param(case.name, kind, id=f"{case.name}-{kind}") for case in CASES for kind in case.rows]
+MATCHED = [p for p in ROW_PARAMS if isinstance(CASE[p.values[0]].rows[p.values[1]], Match)]
+TEMPLATE_PARAMS = [pytest.param(case.name, id=case.name) for case in CASES]
+
+
+@functools.lru_cache(maxsize=None)
+def tokenizer_for(name: str):
+    """One tokenizer per template for the whole module; its chat_template is the original template."""
+    return build_tokenizer(original_template(name))
+
+
+def conversation(kind: str) -> tuple[dict, list, list]:
+    conv = to_conversation(row(kind), WHERE)
+    return conv, conv["messages"], conv["tools"]
+
+
+def _render(tok, template: str, messages, tools, generation_prompt: bool):
+    try:
+        return tok.apply_chat_template(
+            messages, tools=tools, chat_template=template, add_generation_prompt=generation_prompt, tokenize=False
+        )
+    except Exception as e:  # noqa: BLE001 - the template's own error is part of what must match
+        return f"<raised {type(e).__name__}: {e}>"
+
+
+def _runs(tok, example: dict) -> list[str]:
+    """Each contiguous run of trained tokens, decoded."""
+    runs, current = [], []
+    for token, label in zip(example["input_ids"], example["labels"]):
+        if label != IGNORE_INDEX:
+            current.append(label)
+        elif current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    return [tok.decode(run) for run in runs]
+
+
+def assert_examples_equal(tok, got: list[dict], want: list[dict]):
+    assert len(got) == len(want), f"{len(got)} examples, the oracle has {len(want)}"
+    for n, (g, w) in enumerate(zip(got, want)):
+        assert set(g) >= {"input_ids", "labels"}, f"example {n}: keys {sorted(g)}"
+        g_ids, g_labels = list(g["input_ids"]), list(g["labels"])
+        assert tok.decode(g_ids) == tok.decode(w["input_ids"]), f"example {n}: the input text differs from the template's"
+        assert g_ids == w["input_ids"], f"example {n}: same text, other tokens (tokenized in pieces, or special tokens added?)"
+        assert _runs(tok, {"input_ids": g_ids, "labels": g_labels}) == _runs(tok, w), f"example {n}: trained text differs"
+        assert g_labels == w["labels"], f"example {n}: labels differ"
+
+
+# ------------------------------------------------------------------------------- the test data
+
+
+def test_the_shared_real_templates_are_there():
+    folder = shared_templates_dir()
+    missing = [f"{c.name}.jinja" for c in CASES if c.shared and not c.original_path.is_file()]
+    assert not missing, (
+        f"missing from {folder.resolve()}: {', '.join(missing)}; these tests read the real chat templates from the "
+        f"'shared' folder beside the repository root (set {SHARED_ENV} to where they are)"
+    )
+
+
+def test_a_missing_shared_folder_fails_with_a_clear_message(monkeypatch, tmp_path):
+    monkeypatch.setenv(SHARED_ENV, str(tmp_path / "nowhere"))
+    with pytest.raises(AssertionError, match=rf"Qwen-Qwen3-0\.6B\.jinja is missing: .*nowhere.*set {SHARED_ENV}"):
+        original_template("Qwen-Qwen3-0.6B")
+
+
+@pytest.mark.parametrize("name", TEMPLATE_PARAMS)
+def test_every_marker_the_template_writes_is_one_special_token(name):
+    case, tok = CASE[name], tokenizer_for(name)
+    assert tok.is_fast
+    for marker in template_markers(original_template(case)) + [t for t in (case.bos, case.eos) if t]:
+        assert len(tok(marker, add_special_tokens=False)["input_ids"]) == 1, marker
+    assert (tok.bos_token, tok.eos_token) == (case.bos, case.eos)
+
+
+# ------------------------------------------------------------------------ oracle self-checks
+
+
+@pytest.mark.parametrize("name,kind", ROW_PARAMS)
+def test_marked_copy_renders_like_the_original(name, kind):
+    """Byte for byte, on the row and each of its prefixes, with and without the generation prompt."""
+    tok, original, marked = tokenizer_for(name), original_template(name), marked_template(name)
+    _, messages, tools = conversation(kind)
+    for n in range(1, len(messages) + 1):
+        for generation_prompt in (False, True):
+            want = _render(tok, original, messages[:n], tools, generation_prompt)
+            got = _render(tok, marked, messages[:n], tools, generation_prompt)
+            assert got == want, f"messages[:{n}], add_generation_prompt={generation_prompt}"
+    outcome = _render(tok, original, messages, tools, False)
+    what = outcome if outcome.startswith("<raised") else f"renders {len(outcome)} characters"
+    print(f"{name}/{kind}: identical on {2 * len(messages)} renderings; the whole row {what}")
+
+
+@pytest.mark.parametrize("name,kind", MATCHED)
+def test_oracle_trains_exactly_the_reviewed_text(name, kind):
+    tok, marked, expect = tokenizer_for(name), marked_template(name), CASE[name].rows[kind]
+    _, messages, tools = conversation(kind)
+    reviewed = expected_trained()[f"{name}/{kind}"]
+    for policy in ("full", "per_turn"):
+        assert trained_texts(tok, marked, messages, tools, policy) == reviewed[policy], policy
+
+    # transformers' own mask for the marked copy is the oracle's "full" labels, over the original's text
+    [full] = oracle_examples(tok, marked, messages, tools, "full")
+    enc = tok.apply_chat_template(
+        messages, tools=tools, chat_template=marked, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    assert full["input_ids"] == list(enc["input_ids"])
+    assert [int(label != IGNORE_INDEX) for label in full["labels"]] == list(enc["assistant_masks"])
+    text = tok.apply_chat_template(messages, tools=tools, tokenize=False)
+    assert full["input_ids"] == tok(text, add_special_tokens=False)["input_ids"]
+
+    # per turn: example i is messages[:i+1] as the original renders it, trained on turn i only
+    per_turn = oracle_examples(tok, marked, messages, tools, "per_turn")
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    assert len(per_turn) == len(turns)
+    for i, example in zip(turns, per_turn):
+        prefix = tok.apply_chat_template(messages[: i + 1], tools=tools, tokenize=False)
+        assert example["input_ids"] == tok(prefix, add_special_tokens=False)["input_ids"]
+    for example, spans in zip(per_turn, reviewed["per_turn"]):
+        runs = _runs(tok, example)
+        assert len(runs) == 1 and spans[0] in runs[0]  # tokens overlapping the span: the span, maybe a bit more
+
+    # the recorded "auto" policy is the one the template calls for
+    alike = turns_render_alike(tok, marked, messages, tools)
+    assert expect.auto == ("full" if alike else "per_turn")
+    print(f"{name}/{kind}: auto={expect.auto}; full trains {reviewed['full'][0]}")
+
+
+# ----------------------------------------------------------------------- the masker vs the oracle
+
+
+def _check_masker(name: str, kind: str, multi_turn: str):
+    tok, expect = tokenizer_for(name), CASE[name].rows[kind]
+    conv, messages, tools = conversation(kind)
+    if isinstance(expect, Refuse):
+        with pytest.raises(DataError) as info:
+            tokenize_conversation(tok, conv, WHERE, multi_turn=multi_turn)
+        message = str(info.value)
+        assert message.startswith(WHERE + ": "), message
+        assert re.search(expect.pattern, message, re.S), f"{expect.why}; the refusal should match {expect.pattern!r}: {message}"
+        return
+    policy = expect.auto if multi_turn == "auto" else multi_turn
+    _, fresh, _ = conversation(kind)  # a copy of its own, so the masker cannot change what the oracle sees
+    want = oracle_examples(tok, marked_template(name), fresh, tools, policy)
+    out = tokenize_conversation(tok, conv, WHERE, multi_turn=multi_turn)
+    assert out.policy == policy
+    assert_examples_equal(tok, out.examples, want)
+
+
+@pytest.mark.parametrize("name,kind", ROW_PARAMS)
+def test_masker_matches_the_oracle_under_auto(name, kind):
+    _check_masker(name, kind, "auto")
+
+
+@pytest.mark.parametrize("name,kind", ROW_PARAMS)
+def test_masker_matches_the_oracle_per_turn(name, kind):
+    _check_masker(name, kind, "per_turn")
