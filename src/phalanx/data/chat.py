@@ -178,10 +178,12 @@ def _locate_turn(r: _Renderer, i: int) -> _Turn:
         shared = _common_prefix(prompt, view)
         # Two shapes are certain. The prompt covers the view up to the message's own text and pre-fills more
         # (DeepSeek-R1-Distill's "<think>\n"); or the context before the turn is rendered differently (Mistral
-        # writes the system prompt only into a last user message) and the prompt ends with everything the view
-        # writes between the previous message's text and this message's own text: the header.
+        # writes the system prompt only into a last user message, Hermes closes a last tool message differently)
+        # and the view leads into the message's own text with exactly what the generation prompt adds: the header.
         prefill = shared >= own
-        rewritten_context = shared < own <= len(view) and prompt.endswith(view[_header_from(r, i, view, shared, own):own])
+        context = r.prefix(i, False)
+        header = prompt[_common_prefix(prompt, context):]
+        rewritten_context = shared < own <= len(view) and view[:own].endswith(header)
         if not (prefill or rewritten_context):
             raise DataError(
                 f"{r.where}: messages[{i}] (assistant): the chat template's generation prompt "
@@ -201,14 +203,6 @@ def _locate_turn(r: _Renderer, i: int) -> _Turn:
             "cannot be located."
         )
     return _Turn(i, view, start, end)
-
-
-def _header_from(r: _Renderer, i: int, view: str, shared: int, own: int) -> int:
-    """Where the text leading into message i starts in its view: after the previous message's own text when that
-    text is found between the first difference and the output, else at the first difference (the strictest)."""
-    previous = (r.messages[i - 1].get("content") or "").strip() if i > 0 else ""
-    at = view.rfind(previous, shared, own) if previous else -1
-    return at + len(previous) if at >= 0 else shared
 
 
 def _locate_in_full(r: _Renderer, full: str, turns: list[_Turn]) -> tuple[Optional[list[tuple[int, int]]], str]:
