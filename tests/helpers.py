@@ -18,12 +18,13 @@ def run_phalanx(*args: str, cwd: Path | None = None, timeout: float = 300, env: 
 
 
 def shared_template(name: str) -> Path:
-    """A real model's chat template (test data, not ours to ship): `../shared/templates/NAME.jinja` beside the
-    repository, or under $PHALANX_SHARED_TEMPLATES. Missing is a failure, never a skip."""
-    folder = Path(os.environ.get("PHALANX_SHARED_TEMPLATES", ROOT.parent / "shared" / "templates"))
-    path = folder / f"{name}.jinja"
-    assert path.is_file(), f"{path} is missing: the real chat templates live in shared/templates beside the repository " \
-                           "(set PHALANX_SHARED_TEMPLATES to their folder)"
+    """A real model's chat template (test data, not ours to ship) from the shared folder beside the repository
+    (tests/data/templates finds it). Missing is a failure, never a skip."""
+    from data.templates import SHARED_ENV, shared_templates_dir
+
+    path = shared_templates_dir() / f"{name}.jinja"
+    assert path.is_file(), f"{path} is missing: the real chat templates live in shared/templates beside the " \
+                           f"repository (set {SHARED_ENV} to their folder)"
     return path
 
 
