@@ -5,15 +5,16 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, run_phalanx, write_chat_jsonl
+from helpers import run_phalanx, shared_template, write_chat_jsonl
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from phalanx.config.loader import load_config
 from phalanx.data.chat_templates import resolve_chat_template, shipped_templates
+from phalanx.data.chat import IGNORE_INDEX, tokenize_conversation
 from phalanx.data.formats import to_conversation
 from phalanx.errors import ConfigError
 
-ORIGINAL = (ROOT.parent / "shared" / "templates" / "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja").read_text()
+ORIGINAL = shared_template("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B").read_text()
 OURS = resolve_chat_template("deepseek-r1-distill")
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 CALL_BMI = "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_bmi\n```json\n{\"weight_kg\": 70}\n```<｜tool▁call▁end｜>"
@@ -201,3 +202,27 @@ def test_an_unknown_template_stops_train_before_it_starts(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "field 'data.chat_template' = 'nosuch': no such file" in proc.stderr
     assert "deepseek-r1-distill" in proc.stderr and "Traceback" not in proc.stderr and not out.exists()
+
+
+def test_tool_rows_train_with_exact_masks_under_the_corrected_template():
+    """Every call list and answer trains (with its end-of-sentence); no header, user text or tool output does."""
+    from data.templates import build_tokenizer
+
+    tok = build_tokenizer(OURS, bos_token=BOS, eos_token=EOS)
+    messages = TWO_CALLS[:6] + [{"role": "assistant", "content": "", "tool_calls": [call("get_bmi", {"weight_kg": 70})]},
+                                {"role": "tool", "content": '{"bmi": 22.9}'}, {"role": "assistant", "content": "same"}]
+    result = tokenize_conversation(tok, to_conversation({"messages": messages}, "row 1"), "row 1")
+    assert result.policy == "full"
+    example, runs, run = result.examples[0], [], []
+    for token, label in zip(example["input_ids"], example["labels"]):
+        if label != IGNORE_INDEX:
+            run.append(token)
+        elif run:
+            runs.append(tok.decode(run)); run = []
+    runs += [tok.decode(run)] if run else []
+    assert runs == [
+        f"<｜tool▁calls▁begin｜>{CALL_BMI}\n{CALL_TIME}<｜tool▁calls▁end｜>{EOS}",
+        f"22.9, at noon.{EOS}",
+        f"<｜tool▁calls▁begin｜>{CALL_BMI}<｜tool▁calls▁end｜>{EOS}",
+        f"same{EOS}",
+    ]
