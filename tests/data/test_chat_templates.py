@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import run_phalanx, shared_template, write_chat_jsonl
+from helpers import ROOT, run_phalanx, shared_template, write_chat_jsonl
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from phalanx.config.loader import load_config
