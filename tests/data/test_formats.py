@@ -149,3 +149,16 @@ def test_other_message_errors():
     )
     assert "unknown format 'csv'" in _error({"text": "a"}, "csv")
     assert "text: expected a string" in _error({"text": 1}, "text")
+
+
+def test_reasoning_under_any_common_name_reaches_every_name_templates_read():
+    for key in ("reasoning_content", "reasoning", "thinking"):
+        row = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", key: "because"}]}
+        message = to_conversation(row, "row 1")["messages"][1]
+        assert (message["reasoning_content"], message["reasoning"], message["thinking"]) == ("because",) * 3
+    with pytest.raises(DataError, match=r"^row 1: messages\[0\]: only assistant messages may carry reasoning"):
+        to_conversation({"messages": [{"role": "user", "content": "q", "thinking": "x"},
+                                      {"role": "assistant", "content": "a"}]}, "row 1")
+    with pytest.raises(DataError, match=r"^row 1: messages\[1\]\.reasoning_content: expected a string, found a list"):
+        to_conversation({"messages": [{"role": "user", "content": "q"},
+                                      {"role": "assistant", "content": "a", "reasoning_content": ["x"]}]}, "row 1")

@@ -16,6 +16,8 @@ from phalanx.errors import DataError
 
 FORMATS = ("messages", "sharegpt", "alpaca", "text")
 ROLES = ("system", "user", "assistant", "tool")
+# Where an assistant message may carry its reasoning; the first one present wins.
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
 
 # ShareGPT speaker names (lower-cased) -> roles. function_call carries a tool call as JSON.
 SHAREGPT_ROLES = {
@@ -125,9 +127,16 @@ def _message(m: Any, path: str, where: str) -> dict:
             )
         content = ""  # many templates concatenate content; None would render as 'None'
     out["content"] = content
-    for key in ("tool_call_id", "name"):
+    for key in ("tool_call_id", "name", *REASONING_KEYS):
         if key in out and not isinstance(out[key], str):
             raise DataError(f"{where}: {path}.{key}: expected a string, found {_kind(out[key])}")
+    reasoning = next((out[key] for key in REASONING_KEYS if key in out), None)
+    if reasoning is not None:
+        if role != "assistant":
+            raise DataError(f"{where}: {path}: only assistant messages may carry reasoning, found role {role!r}")
+        # Datasets and templates name it differently (Qwen3 and DeepSeek read reasoning_content, gpt-oss reads
+        # thinking): every name carries it, so the template finds it under the one it reads.
+        out.update({key: reasoning for key in REASONING_KEYS})
     return out
 
 
