@@ -42,6 +42,7 @@ FLAT_FLAGS: dict[str, str] = {
     "on_bad_row": "data.on_bad_row",
     "chat_template": "data.chat_template",
     "multi_turn": "data.multi_turn",
+    "packing": "data.packing",
     "num_epochs": "training.num_epochs",
     "max_steps": "training.max_steps",
     "batch_size": "training.batch_size",

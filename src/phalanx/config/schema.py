@@ -86,6 +86,13 @@ class DataConfig(Section):
         "context at inference (for templates that rewrite earlier turns, e.g. drop past reasoning); 'auto' = full "
         "where every turn renders the same whatever follows it, else per_turn.",
     )
+    packing: bool = Field(
+        True,
+        description="Padding-free micro-batches: a micro-batch's rows are concatenated into one sequence with "
+        "position ids restarting per row and attention that cannot cross rows (varlen attention), so no compute "
+        "goes to padding; the same rows per micro-batch, the same loss. Model types not checked for it train padded "
+        "(the run says so). false: right-pad each micro-batch to its longest row.",
+    )
 
     @field_validator("chat_template")
     @classmethod
