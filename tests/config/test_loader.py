@@ -109,3 +109,5 @@ def test_text_fields_get_the_text_typed_and_bool_fields_keep_yes_no(tmp_path: Pa
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides_from_flags([("mixed_precision", "No")]))
     assert "'No'" in str(err.value) and "'auto', 'no', 'fp16' or 'bf16'" in str(err.value)
+    with pytest.raises(ConfigError, match=r"field 'training.max_steps' = 'yes': Input should be a valid integer"):
+        load_config(None, overrides_from_flags([("max_steps", "yes")]))  # not silently 1

@@ -197,8 +197,9 @@ def keep_typed_text(value: Any, node: Optional[yaml.Node], annotation: Any) -> A
     number gets the characters the user wrote; bool fields keep their yes/no/true/false; null stays null. Driven
     by the schema's annotations, so every string and choice field is covered, today's and tomorrow's."""
     if isinstance(node, yaml.ScalarNode):
+        # A number field given yes/no gets the text too, so it is refused by name instead of becoming 1 or 0.
         if (isinstance(value, (bool, int, float)) and node.style is None
-                and not _takes_as_is(annotation, value) and _takes_text(annotation)):
+                and not _takes_as_is(annotation, value) and (_takes_text(annotation) or isinstance(value, bool))):
             return node.value
         return value
     if isinstance(node, yaml.SequenceNode) and isinstance(value, list) and len(node.value) == len(value):
