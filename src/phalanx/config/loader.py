@@ -70,6 +70,7 @@ FLAT_FLAGS: dict[str, str] = {
     "fsdp_config": "distributed.fsdp_config",
     "master_port": "distributed.master_port",
     "max_restarts": "distributed.max_restarts",
+    "shutdown_timeout_s": "distributed.shutdown_timeout_s",
     "output_dir": "output_dir",
     "overwrite_output_dir": "overwrite_output_dir",
     "force": "force",

@@ -197,6 +197,7 @@ class DistributedConfig(Section):
     use_fsdp: bool = Field(False, description="Seed 003's switch: true means strategy 'fsdp'.")
     gradient_accumulation_steps: Optional[int] = Field(None, gt=0, description="Seed 003's place for training.gradient_accumulation_steps; when set, it sets that field.")
     max_restarts: int = Field(0, ge=0, description="Restart all ranks this many times when one fails; each restart resumes from the newest committed checkpoint.")
+    shutdown_timeout_s: int = Field(300, gt=0, description="After a SIGTERM, how long the launcher (--world_size, and torchrun in `phalanx launcher` / `phalanx slurm` scripts) lets the ranks finish their step and commit the preemption checkpoint before it kills them; torch's own default is 30 s. Give it the time a save takes on your model.")
     master_port: Optional[int] = Field(None, gt=0, lt=65536, description="Rendezvous port for --world_size; a free one when unset.")
     init_timeout_minutes: float = Field(10, gt=0, description="How long ranks wait for each other to start (and through the first step).")
     timeout_minutes: float = Field(5, gt=0, description="How long a training collective may wait for a missing rank before every rank gives up.")
