@@ -325,3 +325,58 @@ def test_template_that_drops_tool_calls_or_arguments_is_refused(make_tokenizer, 
     no_content = chatml.replace("<|im_start|>assistant\n{{ m.content }}", "<|im_start|>assistant\n")
     with pytest.raises(DataError, match=r"messages\[4\] \(assistant\): the chat template dropped its content \('ASSISTANT-ONE"):
         tokenize_conversation(make_tokenizer(no_content), to_conversation(tool_row, WHERE), WHERE)
+
+
+# gpt-oss's habit: a final answer ends with <|return|>, the same answer followed by more ends with <|end|>.
+FINAL_ONLY_MARKER = (
+    "{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}"
+    "{% if m.role == 'assistant' and loop.last %}<|return|>{% else %}<|end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant<|message|>{% endif %}"
+)
+# Command R's habit: the assistant header is written after the last message whether or not a prompt is asked for.
+ALWAYS_WRITES_HEADER = (
+    "{% for m in messages %}<SOT><{{ m.role }}>{{ m.content }}<EOT>{% endfor %}<SOT><assistant>"
+)
+# GLM's habit: no end-of-turn marker; the next header is the model's stop.
+NO_END_MARKER = "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+
+
+def test_text_written_only_after_a_final_answer_is_its_own(make_tokenizer, chat_row):
+    tok = make_tokenizer(FINAL_ONLY_MARKER)
+    row = {"messages": chat_row(1)["messages"] + [{"role": "user", "content": "more"}, {"role": "assistant", "content": "B"}]}
+    result = tokenize_conversation(tok, to_conversation(row, WHERE), WHERE)
+    assert result.policy == "per_turn"  # "fine 1<|return|>" is not in the whole rendering, which has "<|end|>" there
+    assert [target_runs(tok, ex) for ex in result.examples] == [["fine 1<|return|>"], ["B<|return|>"]]
+
+
+def test_a_template_that_always_writes_the_next_header_is_refused(make_tokenizer, chat_row):
+    with pytest.raises(DataError, match=r"messages\[1\] \(assistant\): where this turn ends is ambiguous: the template "
+                                        r"writes .* after it when it ends the conversation"):
+        tokenize_conversation(make_tokenizer(ALWAYS_WRITES_HEADER), to_conversation(chat_row(1), WHERE), WHERE)
+
+
+def test_turns_the_template_ends_with_nothing_are_counted(make_tokenizer, chat_row):
+    row = {"messages": chat_row(1)["messages"] + [{"role": "user", "content": "more"}, {"role": "assistant", "content": "B"}]}
+    result = tokenize_conversation(make_tokenizer(NO_END_MARKER), to_conversation(row, WHERE), WHERE)
+    assert result.policy == "full" and result.unterminated == 2
+    assert target_runs(make_tokenizer(NO_END_MARKER), result.examples[0]) == ["fine 1", "B"]
+
+
+@pytest.mark.parametrize("writes", ["' + tc.function.arguments + '", "{{ tc.function.arguments | string }}"],
+                         ids=["concatenates-text", "prints-the-value"])
+def test_arguments_go_as_json_text_to_templates_that_cannot_take_a_mapping(make_tokenizer, chatml, tool_row, writes):
+    template = chatml.replace("\"arguments\": {{ tc.function.arguments | tojson }}",
+                              "\"arguments\": " + ("{{ '" + writes + "' }}" if writes.startswith("'") else writes))
+    result = tokenize_conversation(make_tokenizer(template), to_conversation(tool_row, WHERE), WHERE)
+    assert target_runs(make_tokenizer(template), result.examples[0])[0] == CHATML_TARGETS[0]  # {"city": "Paris"}
+
+
+def test_a_tool_calling_message_whose_content_the_template_ignores_is_located(make_tokenizer, chatml, tool_row):
+    """Mistral writes only the calls of a tool-calling message: the sentinel goes into the call's name too."""
+    ignores_content = NUMBERED + chatml.replace("<|im_start|>assistant\n{{ m.content }}",
+                                                "<|im_start|>assistant\n{% if not m.tool_calls %}{{ m.content }}{% endif %}")
+    tool_row["messages"][2]["content"] = "<think>checking the weather</think>"  # reasoning only: not trained, counted
+    tok = make_tokenizer(ignores_content)
+    result = tokenize_conversation(tok, to_conversation(tool_row, WHERE), WHERE)
+    assert result.policy == "full" and target_runs(tok, result.examples[0]) == CHATML_TARGETS
+    assert result.reasoning_dropped == 1

@@ -12,10 +12,17 @@ rendered reasoning, content, tool calls, end-of-turn marker) is located as:
   when the view starts with it. A generation prompt that also pre-fills the start of an answer
   the finished turn does not render (DeepSeek-R1-Distill's ``<｜Assistant｜><think>\\n``) is
   accepted when it covers everything before the first character the message itself decides
-  (found by rendering a sentinel message in its place); the output then starts there.
-- end: the end of the view, less a trailer that the template writes only when no generation
-  prompt is asked for (Phi-3.5's final ``<|endoftext|>``): the view and the same messages
-  rendered with the generation prompt part there. A part inside a special token snaps to its start.
+  (found by rendering a sentinel message in its place); the output then starts there. When the
+  context before the turn renders differently in the view (Mistral's moved system prompt, an
+  earlier turn's dropped reasoning), the output starts after the generation prompt's header,
+  which must lead into the message's text.
+- end: the end of the view, less the trailer the template writes after whatever message ends a
+  conversation (Phi-3.5's final ``<|endoftext|>``: the context rendered without and with a
+  generation prompt part there). Checked against the view followed by a user message: it may part
+  earlier only inside the message's own text (the turn is rewritten once followed: Qwen3) or
+  before text written only after a final assistant message (gpt-oss's ``<|return|>``, trained);
+  parting anywhere else means the end is ambiguous (Command R writes the next header even without a
+  generation prompt) and the row is refused. A part inside a special token snaps to its start.
 
 How a conversation with several assistant turns becomes rows (``data.multi_turn``):
 
@@ -46,7 +53,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
-from phalanx.data.formats import Conversation
+from phalanx.data.formats import REASONING_KEYS, Conversation
 from phalanx.errors import DataError
 
 IGNORE_INDEX = -100
@@ -65,6 +72,7 @@ class Tokenized:
     reasoning_dropped: int = 0  # assistant messages with reasoning the template does not render
     system_dropped: bool = False  # a system prompt the template does not render (Mistral's, unless a user turn is last)
     tools_dropped: bool = False  # tool schemas given with the row that the template does not render (R1-Distill's)
+    unterminated: int = 0  # trained turns the template ends with no marker after the text (nothing teaches a stop)
     notes: list[str] = field(default_factory=list)  # why auto chose per_turn
 
 
@@ -74,6 +82,7 @@ class _Turn:
     view: str  # render(messages[:index + 1])
     start: int  # the output is view[start:end]
     end: int
+    own_end: int  # where the message's own text ends; end == own_end: the template wrote no end-of-turn marker
 
     @property
     def output(self) -> str:
@@ -93,16 +102,40 @@ def tokenize_conversation(tokenizer: Any, conv: Conversation, where: str, multi_
             "use a model whose tokenizer ships one (an instruct/chat model), pass --chat_template FILE|NAME, "
             "or give plain {\"text\": ...} rows"
         )
+    # Tool call arguments go to the template as a mapping (most write `arguments | tojson`). A template that
+    # concatenates them as text (DeepSeek-V3.1) fails on a mapping, and one that prints the value (`| string`)
+    # writes Python's repr: both get the JSON text instead, as the data wrote it.
+    as_text = _with_text_arguments(conv)
+    try:
+        result, texts = _tokenize_chat(tokenizer, conv, where, multi_turn)
+    except DataError as error:
+        if as_text is None:
+            raise
+        try:
+            return _tokenize_chat(tokenizer, as_text, where, multi_turn)[0]
+        except DataError:
+            raise error from None
+    if as_text is not None and _writes_python_mappings(conv, texts):
+        try:
+            return _tokenize_chat(tokenizer, as_text, where, multi_turn)[0]
+        except DataError:
+            pass
+    return result
+
+
+def _tokenize_chat(tokenizer: Any, conv: Conversation, where: str, multi_turn: str) -> tuple[Tokenized, list[str]]:
     renderer = _Renderer(tokenizer, conv["messages"], conv.get("tools"), where)
     turns = [_locate_turn(renderer, i) for i, m in enumerate(conv["messages"]) if m["role"] == "assistant"]
     dropped = sum(_check_rendered(renderer, turn, where) for turn in turns)
+    unterminated = sum(turn.end == turn.own_end for turn in turns)
     notes: list[str] = []
     if multi_turn in ("auto", "full"):
         full = renderer.prefix(len(conv["messages"]), False)
         spans, problem = _locate_in_full(renderer, full, turns)
         if spans is not None:
             return Tokenized([_tokenize_spans(tokenizer, full, spans)], "full", dropped,
-                             _system_dropped(conv["messages"], [full]), _tools_dropped(conv.get("tools"), [full]))
+                             _system_dropped(conv["messages"], [full]), _tools_dropped(conv.get("tools"), [full]),
+                             unterminated), [full]
         if multi_turn == "full":
             raise DataError(
                 f"{where}: multi_turn 'full': {problem}. The template rewrites earlier turns once later ones "
@@ -113,7 +146,23 @@ def tokenize_conversation(tokenizer: Any, conv: Conversation, where: str, multi_
     examples = [_tokenize_spans(tokenizer, turn.view, [(turn.start, turn.end)]) for turn in turns]
     views = [turn.view for turn in turns]
     return Tokenized(examples, "per_turn", dropped, _system_dropped(conv["messages"], views),
-                     _tools_dropped(conv.get("tools"), views), notes)
+                     _tools_dropped(conv.get("tools"), views), unterminated, notes), views
+
+
+def _with_text_arguments(conv: Conversation) -> Optional[Conversation]:
+    """The conversation with every tool call's arguments as JSON text; None when it has no tool call."""
+    if not any(m.get("tool_calls") for m in conv["messages"]):
+        return None
+    messages = copy.deepcopy(conv["messages"])
+    for message in messages:
+        for call in message.get("tool_calls") or []:
+            call["function"]["arguments"] = json.dumps(call["function"]["arguments"], ensure_ascii=False)
+    return {**conv, "messages": messages}
+
+
+def _writes_python_mappings(conv: Conversation, texts: list[str]) -> bool:
+    calls = [c["function"]["arguments"] for m in conv["messages"] for c in m.get("tool_calls") or []]
+    return any(args and isinstance(args, dict) and any(repr(args) in text for text in texts) for args in calls)
 
 
 # ---------------------------------------------------------------------------- rendering
@@ -168,41 +217,71 @@ class _Renderer:
 def _locate_turn(r: _Renderer, i: int) -> _Turn:
     """Where assistant message i's output lies in its turn view (see the module docstring)."""
     prompt = r.prefix(i, True)
+    context = r.prefix(i, False)
     view = r.prefix(i + 1, False)
     probe = r.try_render(r.messages[:i] + [{"role": "assistant", "content": SENTINEL}], False)
-    own = _common_prefix(view, probe) if probe is not None else len(view) + 1  # first character the message decides
+    if probe is None:
+        raise DataError(f"{r.where}: messages[{i}] (assistant): the chat template fails on a plain assistant message "
+                        "in its place, so where the message's own text starts cannot be located")
+    own = _common_prefix(view, probe)  # first character the message decides
+    own_end = len(view) - _common_suffix(view, probe, len(view) - own)  # and its last
+    start = _output_start(r, i, prompt, context, view, own)
+    end = _output_end(r, i, prompt, context, view, own_end)
+    return _Turn(i, view, start, end, own_end)
+
+
+def _output_start(r: _Renderer, i: int, prompt: str, context: str, view: str, own: int) -> int:
     if view.startswith(prompt):
         # An answer may itself begin like the end of a pre-filling prompt ("<think>\n..."): it starts at its own text.
-        start = min(len(prompt), own)
-    else:
-        shared = _common_prefix(prompt, view)
-        # Two shapes are certain. The prompt covers the view up to the message's own text and pre-fills more
-        # (DeepSeek-R1-Distill's "<think>\n"); or the context before the turn is rendered differently (Mistral
-        # writes the system prompt only into a last user message, Hermes closes a last tool message differently)
-        # and the view leads into the message's own text with exactly what the generation prompt adds: the header.
-        prefill = shared >= own
-        context = r.prefix(i, False)
-        header = prompt[_common_prefix(prompt, context):]
-        rewritten_context = shared < own <= len(view) and view[:own].endswith(header)
-        if not (prefill or rewritten_context):
-            raise DataError(
-                f"{r.where}: messages[{i}] (assistant): the chat template's generation prompt "
-                f"(add_generation_prompt=True) is not how it starts the assistant turn it then renders "
-                f"({_divergence(prompt, view)}), so the start of the assistant's output cannot be located. "
-                "Use a template whose generation prompt matches how it renders assistant turns (--chat_template)."
-            )
-        start = own  # the prompt pre-fills text the finished turn does not render: the output starts at its own text
-    closed = r.prefix(i + 1, True)
-    end = _common_prefix(view, closed)
-    if end < len(view):
-        end = _snap_back(view, end, r.specials())
-    if end < start:
+        return min(len(prompt), own)
+    shared = _common_prefix(prompt, view)
+    if shared >= own:
+        # The prompt covers the view up to the message's own text and pre-fills more (DeepSeek-R1-Distill's
+        # "<think>\n", which the finished turn does not render): the output starts at the message's own text.
+        return own
+    # The context before the turn renders differently (Mistral writes the system prompt only into a last user
+    # message, Hermes closes a last tool message differently, Kimi and gpt-oss drop an earlier turn's reasoning).
+    # Certain only when the view leads into the message with the header the generation prompt writes: the output
+    # starts after the last such header, and what the template writes between it and the message's text (an
+    # empty think block, a channel name) is the model's to write.
+    header = prompt[_common_prefix(prompt, context):]
+    at = view.rfind(header, shared, own) if header else own
+    if at < 0:
         raise DataError(
-            f"{r.where}: messages[{i}] (assistant): the rendering with a generation prompt parts from the one "
-            f"without it inside the assistant's turn ({_divergence(view, closed)}), so where the turn ends "
-            "cannot be located."
+            f"{r.where}: messages[{i}] (assistant): the chat template's generation prompt (add_generation_prompt=True) "
+            f"is not how it starts the assistant turn it then renders ({_divergence(prompt, view)}), so the start of "
+            "the assistant's output cannot be located. Use a template whose generation prompt matches how it renders "
+            "assistant turns (--chat_template)."
         )
-    return _Turn(i, view, start, end)
+    return at + len(header) if header else own
+
+
+def _output_end(r: _Renderer, i: int, prompt: str, context: str, view: str, own_end: int) -> int:
+    """The view less the trailer a template writes after whatever message ends a conversation (Phi-3.5's final
+    <|endoftext|>: the context rendered without and with a generation prompt part there), checked against the
+    view followed by a user message, which must part from it where that trailer starts."""
+    trailer = context[_snap_back(context, _common_prefix(context, prompt), r.specials()):]
+    if not view.endswith(trailer) or len(view) - len(trailer) < own_end:
+        raise DataError(
+            f"{r.where}: messages[{i}] (assistant): the chat template ends a conversation with {trailer!r} after a user "
+            f"message but not after this assistant turn ({_short(view[-80:])}), so where the turn ends cannot be located."
+        )
+    end = len(view) - len(trailer)
+    followed = r.try_render(r.messages[: i + 1] + [{"role": "user", "content": SENTINEL}], False)
+    if followed is None:
+        return end
+    part = _snap_back(view, _common_prefix(view, followed), r.specials())
+    if part < own_end or part == end:
+        return end  # the following message rewrites this turn (Qwen3, Mistral): it cannot contradict, nor confirm
+    if part < end and not followed.endswith(view[part:end] + trailer):
+        return end  # text written only after a final assistant message is its own (gpt-oss's <|return|>)
+    raise DataError(
+        f"{r.where}: messages[{i}] (assistant): where this turn ends is ambiguous: the template writes "
+        f"{view[min(part, end):]!r} after it when it ends the conversation, and a following message's rendering parts "
+        f"from that at character {part - own_end} after the message's text ({_divergence(view, followed)}); a template "
+        "that writes the next header even without add_generation_prompt cannot be masked with certainty. Use a "
+        "template that honours add_generation_prompt (--chat_template)."
+    )
 
 
 def _locate_in_full(r: _Renderer, full: str, turns: list[_Turn]) -> tuple[Optional[list[tuple[int, int]]], str]:
@@ -238,13 +317,12 @@ def _locate_in_full(r: _Renderer, full: str, turns: list[_Turn]) -> tuple[Option
 def _sentinel_like(message: dict) -> dict:
     """The message with its own text replaced by the sentinel, keeping its shape (content or tool calls)."""
     probe = copy.deepcopy(message)
-    probe.pop("reasoning_content", None)
-    if (message.get("content") or "").strip():
+    for key in REASONING_KEYS:
+        probe.pop(key, None)
+    if (message.get("content") or "").strip() or not message.get("tool_calls"):
         probe["content"] = SENTINEL
-    elif message.get("tool_calls"):
-        probe["tool_calls"][0]["function"]["name"] = SENTINEL
-    else:
-        probe["content"] = SENTINEL
+    for call in probe.get("tool_calls") or []:  # some templates ignore the content of a tool-calling message
+        call["function"]["name"] = SENTINEL
     return probe
 
 
@@ -271,6 +349,9 @@ def _check_rendered(r: _Renderer, turn: _Turn, where: str) -> bool:
             hint = (" DeepSeek-R1-Distill's own template renders tool calls only when content is None (phalanx "
                     "passes \"\"); its corrected copy ships as --chat_template deepseek-r1-distill."
                     if "<｜tool▁calls▁begin｜>" in (r.tokenizer.chat_template or "") else "")
+            if call.get("id") and str(call["id"]) in out and fn["name"] not in out:
+                hint += (f" The template writes the call's id ({call['id']!r}) where the name belongs: it expects ids "
+                         "that carry the name (Kimi's are functions.NAME:INDEX).")
             raise DataError(
                 f"{where}: messages[{i}].tool_calls[{j}]: the chat template dropped the tool call's {missing}: "
                 f"the rendered turn reads {_short(out)}. Use a template that renders tool calls "

@@ -76,6 +76,7 @@ class DataReport:
     reasoning_dropped: int  # assistant messages whose reasoning the chat template does not render
     system_dropped: int  # conversations whose system prompt the chat template does not render
     tools_dropped: int  # conversations whose tool schemas the chat template does not render
+    unterminated_turns: int  # assistant turns the template ends with no marker after the text (no stop is trained)
     train_rows: int
     eval_rows: int
     train_target_tokens: int
@@ -227,7 +228,7 @@ class _Counts:
         self.lengths: list[int] = []
         self.policies = {"full": 0, "per_turn": 0, "text": 0}
         self.per_turn_reason: Optional[str] = None
-        self.reasoning_dropped = self.system_dropped = self.tools_dropped = 0
+        self.reasoning_dropped = self.system_dropped = self.tools_dropped = self.unterminated = 0
         self.shortened = 0  # rows that fit after their oldest exchanges were left out (truncation keep_recent)
         self.on_refusal: Optional[Callable[[DataError], None]] = None  # `phalanx data preview` prints each one
 
@@ -238,6 +239,7 @@ class _Counts:
         self.reasoning_dropped += result.reasoning_dropped
         self.system_dropped += int(result.system_dropped)
         self.tools_dropped += int(result.tools_dropped)
+        self.unterminated += result.unterminated
 
     def drop(self, reason: str) -> None:
         self.dropped += 1
@@ -271,6 +273,7 @@ class _Counts:
             "reasoning_dropped": self.reasoning_dropped,
             "system_dropped": self.system_dropped,
             "tools_dropped": self.tools_dropped,
+            "unterminated_turns": self.unterminated,
             "train_rows": len(train),
             "eval_rows": len(eval_) if eval_ else 0,
             "train_target_tokens": sum(sum(1 for t in ex["labels"] if t != IGNORE_INDEX) for ex in train),
@@ -426,6 +429,9 @@ def describe_report(report: DataReport, cfg: DataConfig) -> list[str]:
     if r.tools_dropped:
         lines.append(f"   tool schemas not rendered by the chat template: {r.tools_dropped:,} conversations train without "
                      "them (describe the tools in the system prompt, or use a template that renders `tools`)")
+    if r.unterminated_turns:
+        lines.append(f"   no end-of-turn marker after the assistant's text: {r.unterminated_turns:,} turns (the template "
+                     "writes none there, so these rows teach no stop; check the template if the model should learn one)")
     lines += [f"   refused: {reason}" for reason in r.skip_reasons]
     if r.rows_skipped > len(r.skip_reasons):
         lines.append(f"   refused: ... and {r.rows_skipped - len(r.skip_reasons):,} more")
