@@ -351,7 +351,8 @@ def test_text_written_only_after_a_final_answer_is_its_own(make_tokenizer, chat_
 
 def test_a_template_that_always_writes_the_next_header_is_refused(make_tokenizer, chat_row):
     with pytest.raises(DataError, match=r"messages\[1\] \(assistant\): where this turn ends is ambiguous: the template "
-                                        r"writes .* after it when it ends the conversation"):
+                                        r"writes '<EOT><SOT><assistant>' after the message's text when it ends the conversation, and a "
+                                        r"following message's rendering keeps only '<EOT><SOT><' of that"):
         tokenize_conversation(make_tokenizer(ALWAYS_WRITES_HEADER), to_conversation(chat_row(1), WHERE), WHERE)
 
 
@@ -380,3 +381,43 @@ def test_a_tool_calling_message_whose_content_the_template_ignores_is_located(ma
     result = tokenize_conversation(tok, to_conversation(tool_row, WHERE), WHERE)
     assert result.policy == "full" and target_runs(tok, result.examples[0]) == CHATML_TARGETS
     assert result.reasoning_dropped == 1
+
+
+# MiniMax's habit: the generation prompt pre-fills "<think>\n", which the template writes around reasoning.
+WRITES_THINK_AROUND_REASONING = (
+    "{% for m in messages %}{% if m.role == 'assistant' %}<A>\n"
+    "{% if m.reasoning_content %}<think>\n{{ m.reasoning_content }}\n</think>\n\n{% endif %}{{ m.content }}</s>"
+    "{% else %}<U>{{ m.content }}{% endif %}{% endfor %}{% if add_generation_prompt %}<A>\n<think>\n{% endif %}"
+)
+
+
+def test_a_prefill_the_template_writes_around_reasoning_is_not_trained(make_tokenizer):
+    tok = make_tokenizer(WRITES_THINK_AROUND_REASONING)
+    result = tokenize_conversation(tok, to_conversation(REASONING_ROW, WHERE), WHERE, "per_turn")
+    assert [target_runs(tok, ex) for ex in result.examples] == [["WHY-ONE\n</think>\n\nANSWER-ONE</s>"],
+                                                                ["WHY-TWO\n</think>\n\nANSWER-TWO</s>"]]
+
+
+def test_an_end_of_sequence_token_inside_a_turn_is_refused(make_tokenizer, tool_row):
+    """Nemotron writes content and tool calls as two assistant blocks, each closed by the end-of-sequence token."""
+    template = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% if m.tool_calls %}</s><|assistant|>"
+                "{% for tc in m.tool_calls %}{{ tc.function.name }}{{ tc.function.arguments | tojson }}{% endfor %}"
+                "{% endif %}</s>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    tool_row["messages"][2]["content"] = "Let me check."
+    with pytest.raises(DataError, match=r"messages\[2\] \(assistant\): the chat template writes the end-of-sequence "
+                                        r"token '</s>' inside this turn"):
+        tokenize_conversation(make_tokenizer(template), to_conversation(tool_row, WHERE), WHERE)
+
+
+def test_consecutive_assistant_messages(make_tokenizer, chat_row):
+    """After an assistant message a generation prompt may rewrite it (gpt-oss) or be missing (Apriel writes the
+    header with the turn): each message still trains exactly its own output."""
+    row = {"messages": chat_row(1)["messages"] + [{"role": "assistant", "content": "B"}]}
+    tok = make_tokenizer(FINAL_ONLY_MARKER)
+    assert [target_runs(tok, ex) for ex in tokenize_conversation(tok, to_conversation(row, WHERE), WHERE).examples] == \
+        [["fine 1<|return|>"], ["B<|return|>"]]
+    header_with_turn = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}<|end|>\n{% endfor %}"
+                        "{% if add_generation_prompt and messages[-1].role != 'assistant' %}<|assistant|>\n{% endif %}")
+    tok = make_tokenizer(header_with_turn)
+    result = tokenize_conversation(tok, to_conversation(row, WHERE), WHERE)
+    assert result.policy == "full" and target_runs(tok, result.examples[0]) == ["fine 1<|end|>\n", "B<|end|>\n"]

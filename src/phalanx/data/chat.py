@@ -175,6 +175,7 @@ class _Renderer:
         self.tokenizer, self.messages, self.tools, self.where = tokenizer, messages, tools, where
         self._prefixes: dict[tuple[int, bool], str] = {}
         self._specials: Optional[list[str]] = None
+        self._canonical: Optional[tuple[str, str]] = None
 
     def prefix(self, n: int, generation_prompt: bool) -> str:
         key = (n, generation_prompt)
@@ -204,6 +205,19 @@ class _Renderer:
         )
         return out if isinstance(out, str) else out[0]  # some versions hand back a list for batched input
 
+    def canonical_contexts(self) -> tuple[str, str]:
+        """A one-user-message conversation rendered without and with a generation prompt."""
+        if self._canonical is None:
+            user = [{"role": "user", "content": SENTINEL}]
+            without, with_prompt = self.try_render(user, False), self.try_render(user, True)
+            self._canonical = (without, with_prompt) if without is not None and with_prompt is not None else ("", "")
+        return self._canonical
+
+    def assistant_header(self) -> str:
+        """What the generation prompt adds after a user message ('' when the template cannot say)."""
+        without, with_prompt = self.canonical_contexts()
+        return with_prompt[_common_prefix(without, with_prompt):]
+
     def specials(self) -> list[str]:
         """The tokenizer's special and added tokens longer than one character (a position inside one snaps)."""
         if self._specials is None:
@@ -225,15 +239,38 @@ def _locate_turn(r: _Renderer, i: int) -> _Turn:
                         "in its place, so where the message's own text starts cannot be located")
     own = _common_prefix(view, probe)  # first character the message decides
     own_end = len(view) - _common_suffix(view, probe, len(view) - own)  # and its last
-    start = _output_start(r, i, prompt, context, view, own)
+    # The same message with only its text replaced keeps what the template writes around reasoning and tool calls:
+    # where that probe parts from the view is where the message's own words start.
+    shaped = r.try_render(r.messages[:i] + [_sentinel_like(r.messages[i], keep_reasoning=True)], False)
+    words = _common_prefix(view, shaped) if shaped is not None else own
+    start = _output_start(r, i, prompt, context, view, own, words)
     end = _output_end(r, i, prompt, context, view, own_end)
+    _check_no_end_of_sequence_inside(r, i, view, start, end)
     return _Turn(i, view, start, end, own_end)
 
 
-def _output_start(r: _Renderer, i: int, prompt: str, context: str, view: str, own: int) -> int:
+def _check_no_end_of_sequence_inside(r: _Renderer, i: int, view: str, start: int, end: int) -> None:
+    """A model stops at its end-of-sequence token: a turn that holds one before its end could never be generated
+    (Nemotron writes content and tool calls as two assistant blocks, each closed by it)."""
+    eos = getattr(r.tokenizer, "eos_token", None)
+    at = view.find(eos, start, end) if eos else -1
+    if at >= 0 and view[at + len(eos) : end].strip():
+        raise DataError(
+            f"{r.where}: messages[{i}] (assistant): the chat template writes the end-of-sequence token {eos!r} inside "
+            f"this turn ({_short(view[start:end])}), so a model could never generate what follows it. Split the "
+            "message (content and tool calls as separate assistant messages) or use another template (--chat_template)."
+        )
+
+
+def _output_start(r: _Renderer, i: int, prompt: str, context: str, view: str, own: int, words: int) -> int:
     if view.startswith(prompt):
-        # An answer may itself begin like the end of a pre-filling prompt ("<think>\n..."): it starts at its own text.
-        return min(len(prompt), own)
+        # An answer may itself begin like the end of a pre-filling prompt ("<think>\n..."): it starts at its own words.
+        start = min(len(prompt), words)
+        # After an assistant message some templates write no generation prompt, and the turn writes its own header
+        # (Apriel): the output starts after the header a generation prompt writes after a user message.
+        header = r.assistant_header()
+        at = view.rfind(header, start, own) if header and own > start else -1
+        return at + len(header) if at >= 0 else start
     shared = _common_prefix(prompt, view)
     if shared >= own:
         # The prompt covers the view up to the message's own text and pre-fills more (DeepSeek-R1-Distill's
@@ -260,6 +297,10 @@ def _output_end(r: _Renderer, i: int, prompt: str, context: str, view: str, own_
     """The view less the trailer a template writes after whatever message ends a conversation (Phi-3.5's final
     <|endoftext|>: the context rendered without and with a generation prompt part there), checked against the
     view followed by a user message, which must part from it where that trailer starts."""
+    if i > 0 and r.messages[i - 1]["role"] == "assistant":
+        # A generation prompt after an assistant message may rewrite it (gpt-oss ends a final answer differently):
+        # the trailer comes from a conversation that ends with a user message instead.
+        context, prompt = r.canonical_contexts()
     trailer = context[_snap_back(context, _common_prefix(context, prompt), r.specials()):]
     if not view.endswith(trailer) or len(view) - len(trailer) < own_end:
         raise DataError(
@@ -277,8 +318,8 @@ def _output_end(r: _Renderer, i: int, prompt: str, context: str, view: str, own_
         return end  # text written only after a final assistant message is its own (gpt-oss's <|return|>)
     raise DataError(
         f"{r.where}: messages[{i}] (assistant): where this turn ends is ambiguous: the template writes "
-        f"{view[min(part, end):]!r} after it when it ends the conversation, and a following message's rendering parts "
-        f"from that at character {part - own_end} after the message's text ({_divergence(view, followed)}); a template "
+        f"{view[own_end:]!r} after the message's text when it ends the conversation, and a following message's "
+        f"rendering keeps only {view[own_end:part]!r} of that ({_divergence(view, followed)}); a template "
         "that writes the next header even without add_generation_prompt cannot be masked with certainty. Use a "
         "template that honours add_generation_prompt (--chat_template)."
     )
@@ -314,10 +355,10 @@ def _locate_in_full(r: _Renderer, full: str, turns: list[_Turn]) -> tuple[Option
     return spans, ""
 
 
-def _sentinel_like(message: dict) -> dict:
+def _sentinel_like(message: dict, keep_reasoning: bool = False) -> dict:
     """The message with its own text replaced by the sentinel, keeping its shape (content or tool calls)."""
     probe = copy.deepcopy(message)
-    for key in REASONING_KEYS:
+    for key in () if keep_reasoning else REASONING_KEYS:
         probe.pop(key, None)
     if (message.get("content") or "").strip() or not message.get("tool_calls"):
         probe["content"] = SENTINEL
