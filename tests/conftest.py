@@ -31,13 +31,16 @@ def equivalence_data(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def single(equivalence_data, tmp_path_factory):
-    """get(finetune) -> (output folder, per-step losses) of one process with batch 4, trained once per session."""
+    """get(finetune) -> (output folder, per-step losses) of one process with batch 4, trained once per session.
+
+    It pads its micro-batches (--packing false) while the runs compared with it pack theirs (the default): every
+    equivalence check under DDP, FSDP2 and ZeRO is also a check that packed training equals padded training."""
     cache = {}
 
     def get(finetune: str) -> tuple[Path, list[float]]:
         if finetune not in cache:
             out = tmp_path_factory.mktemp(f"single-{finetune}")
-            cache[finetune] = out, train(equivalence_data, out, 1, 4, finetune)
+            cache[finetune] = out, train(equivalence_data, out, 1, 4, finetune, "--packing", "false")
         return cache[finetune]
 
     return get

@@ -85,7 +85,7 @@ EVAL_NAN = ["--test_size", "0.2", "--eval.eval_batch_size", "3", "--eval_steps",
 def single_eval_nan(eval_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("single-evalnan")
     proc = run_phalanx("train", "--dataset_path", str(eval_data), "--output_dir", str(out), "--batch_size", "4",
-                       *COMMON, *EVAL_NAN, env={"PHALANX_FAULT": "nan@step=3"})
+                       *COMMON, *EVAL_NAN, "--packing", "false", env={"PHALANX_FAULT": "nan@step=3"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
@@ -95,7 +95,8 @@ def single_eval_nan(eval_data, tmp_path_factory):
                                       ["--strategy", "fsdp"]], ids=["zero2", "zero3", "fsdp"])
 def test_skipped_nan_step_and_uneven_eval_match_one_process(eval_data, single_eval_nan, tmp_path, strategy):
     """A NaN step on one rank is discarded on all without leaving gradients behind; 7 eval rows give the two
-    ranks different numbers of eval batches (2 and 1), which a sharded forward must not hang on."""
+    ranks different numbers of eval batches (2 and 1), which a sharded forward must not hang on. The reference
+    pads (--packing false), the ranks pack: train and eval losses agree to 1e-5 packed and padded."""
     out = tmp_path / "run"
     proc = run_phalanx("train", "--dataset_path", str(eval_data), "--output_dir", str(out), "--world_size", "2",
                        "--batch_size", "2", *COMMON, *EVAL_NAN, *strategy, env={"PHALANX_FAULT": "nan@step=3,rank=0"})

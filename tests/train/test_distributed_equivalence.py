@@ -3,6 +3,7 @@
 Real ranks over gloo, started by `phalanx train --world_size 2` (torch's elastic launcher),
 against one plain process (the session's `single` reference); fp32 on CPU, losses compared step
 by step to 1e-5 (the runs differ only in the order fp32 partial sums are added: about 1e-6).
+The ranks pack their micro-batches (the default), the reference pads: packed equals padded too.
 """
 
 import pytest
@@ -32,7 +33,8 @@ def test_accumulation_and_activation_checkpointing_change_no_loss(equivalence_da
 
 
 def test_fp16_gradient_compression_stays_close(equivalence_data, tmp_path, single):
-    """seed 000's comm hook: gradients travel as fp16, so the match is close rather than exact."""
+    """seed 000's comm hook: gradients travel as fp16, so the match is close rather than exact. Padded micro-batches
+    here (--packing false): the multi-rank padded path keeps a run of its own."""
     _, reference = single("lora")
-    losses = train(equivalence_data, tmp_path, 2, 2, "lora", "--ddp_comm_hook", "fp16")
+    losses = train(equivalence_data, tmp_path, 2, 2, "lora", "--ddp_comm_hook", "fp16", "--packing", "false")
     assert losses == pytest.approx(reference, abs=1e-2)

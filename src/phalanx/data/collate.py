@@ -1,4 +1,11 @@
-"""Pad a list of tokenized examples into one batch of tensors (right padding, to the longest example)."""
+"""Turn a list of tokenized examples into one micro-batch: padding-free packed (default) or right-padded.
+
+`collate` (what training and evaluation use) also works out on the host what the loss needs to know: the
+token counts (`input_tokens`: real tokens; `target_tokens`: positions whose label is a target, labels[1:] !=
+-100 within each row) and where the targets are (`target_positions`: flat indices of the positions whose next
+label is a target; `target_labels`: those labels). The loop then never reads a count back from the device,
+and the loss selects target positions with an index, not a boolean mask (which would wait for the device).
+"""
 
 from __future__ import annotations
 
@@ -7,19 +14,70 @@ import torch
 from phalanx.data.chat import IGNORE_INDEX
 
 
-def pad_batch(examples: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """``input_ids`` padded with ``pad_token_id``, ``attention_mask`` 1 on real tokens, ``labels`` padded with -100."""
+def _checked(examples: list[dict]) -> None:
     if not examples:
-        raise ValueError("pad_batch needs at least one example")
+        raise ValueError("a micro-batch needs at least one example")
+    for row, e in enumerate(examples):
+        if len(e["labels"]) != len(e["input_ids"]):
+            raise ValueError(f"example {row}: {len(e['input_ids'])} input_ids but {len(e['labels'])} labels")
+
+
+def pad_batch(examples: list[dict], pad_token_id: int) -> dict:
+    """``input_ids`` padded with ``pad_token_id``, ``attention_mask`` 1 on real tokens, ``labels`` padded with -100."""
+    _checked(examples)
     width = max(len(e["input_ids"]) for e in examples)
     input_ids = torch.full((len(examples), width), pad_token_id, dtype=torch.long)
     labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
     attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
     for row, e in enumerate(examples):
         n = len(e["input_ids"])
-        if len(e["labels"]) != n:
-            raise ValueError(f"example {row}: {n} input_ids but {len(e['labels'])} labels")
         input_ids[row, :n] = torch.as_tensor(e["input_ids"], dtype=torch.long)
         labels[row, :n] = torch.as_tensor(e["labels"], dtype=torch.long)
         attention_mask[row, :n] = 1
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def pack_batch(examples: list[dict]) -> dict:
+    """The examples concatenated into one row of shape (1, total tokens), with no padding and no attention mask.
+
+    ``position_ids`` restart at 0 with every example (the attention and the rotary embedding see each one as
+    its own sequence) and ``row_lengths`` says where each ends. The label at every example's first token is
+    -100: the loss shifts labels by one, and the first token of example k+1 must not be predicted from the
+    last token of example k. An example's first label never counts unpacked either, so the targets (and the
+    loss normalisation) are exactly the padded batch's."""
+    _checked(examples)
+    lengths = tuple(len(e["input_ids"]) for e in examples)
+    input_ids = torch.cat([torch.as_tensor(e["input_ids"], dtype=torch.long) for e in examples])
+    labels = torch.cat([torch.as_tensor(e["labels"], dtype=torch.long) for e in examples])
+    position_ids = torch.cat([torch.arange(n, dtype=torch.long) for n in lengths])
+    starts = torch.tensor([0, *lengths[:-1]], dtype=torch.long).cumsum(0)
+    labels[starts] = IGNORE_INDEX
+    return {"input_ids": input_ids[None], "position_ids": position_ids[None], "labels": labels[None], "row_lengths": lengths}
+
+
+def collate(examples: list[dict], pad_token_id: int, packing: bool) -> dict:
+    """A training or evaluation micro-batch: packed or padded, with its host-side token counts."""
+    batch = pack_batch(examples) if packing else pad_batch(examples, pad_token_id)
+    labels = batch["labels"]
+    before_target = torch.zeros_like(labels, dtype=torch.bool)
+    before_target[:, :-1] = labels[:, 1:] != IGNORE_INDEX  # the last position of a row never predicts a target
+    positions = before_target.reshape(-1).nonzero().squeeze(1)
+    batch["target_positions"] = positions
+    batch["target_labels"] = labels.reshape(-1)[positions + 1]
+    batch["input_tokens"] = sum(len(e["input_ids"]) for e in examples)
+    batch["target_tokens"] = len(positions)
+    return batch
+
+
+def batch_counts(batch: dict) -> tuple[int, int]:
+    """(target tokens, input tokens) of a batch: the collator's host counts, else counted from its (CPU) tensors."""
+    if "target_tokens" in batch:
+        return batch["target_tokens"], batch["input_tokens"]
+    labels = batch["labels"]
+    inputs = int(batch["attention_mask"].sum()) if "attention_mask" in batch else labels.numel()
+    return int((labels[:, 1:] != IGNORE_INDEX).sum()), inputs
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    """The batch with its tensors on `device`; host-side counts and row lengths stay as they are."""
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}

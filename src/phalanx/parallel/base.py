@@ -92,8 +92,9 @@ class Strategy:
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
-    def step(self, max_grad_norm: float) -> float:
-        """Unscale, clip (0 = off, norm still reported), apply and clear gradients; returns the pre-clip norm."""
+    def step(self, max_grad_norm: float) -> torch.Tensor | float:
+        """Unscale, clip (0 = off, norm still reported), apply and clear gradients; returns the pre-clip norm, as a
+        device tensor where there is one (reading it is a host sync: callers read it when they log it)."""
         assert self.optimizer is not None
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
@@ -104,7 +105,7 @@ class Strategy:
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return norm.detach()
 
     def clip_gradients(self, max_grad_norm: float) -> torch.Tensor:
         """Clip to max_grad_norm (0 = off) and return the pre-clip global norm; sharded strategies override it."""

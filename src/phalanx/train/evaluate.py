@@ -7,22 +7,26 @@ import math
 import torch
 from torch import nn
 
+from phalanx.data.collate import batch_counts, to_device
 from phalanx.runtime.dist import all_reduce_sum
-from phalanx.train.loss import count_target_tokens, token_loss_sum
+from phalanx.train.loss import token_loss_sum
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches, device: torch.device, autocast) -> dict:
-    """Mean loss per target token over all ranks' batches (ranks may hold different counts), and perplexity."""
+    """Mean loss per target token over all ranks' batches (ranks may hold different counts), and perplexity.
+
+    The same loss path as training (packed or padded batches, target positions only); token counts from the host."""
     was_training = model.training
     model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, target tokens]
+    loss_total, tokens = torch.zeros((), dtype=torch.float64, device=device), 0
     for batch in batches:
-        batch = {k: v.to(device) for k, v in batch.items()}
+        tokens += batch_counts(batch)[0]
+        batch = to_device(batch, device)
         with autocast():
             loss_sum = token_loss_sum(model, batch)
-        totals[0] += loss_sum.double()
-        totals[1] += count_target_tokens(batch["labels"])
+        loss_total += loss_sum.double()
+    totals = torch.stack([loss_total, torch.tensor(float(tokens), dtype=torch.float64, device=device)])  # [loss sum, target tokens]
     all_reduce_sum(totals)
     model.train(was_training)
     loss = (totals[0] / totals[1].clamp(min=1)).item()

@@ -13,7 +13,8 @@ from phalanx.runtime.faults import kill_self
 from phalanx.runtime.signals import Preempted
 from phalanx.runtime.watch import set_collective_timeout, set_phase
 from phalanx.train.evaluate import evaluate
-from phalanx.train.loss import count_target_tokens, token_loss_sum
+from phalanx.data.collate import batch_counts, to_device
+from phalanx.train.loss import token_loss_sum
 from phalanx.train.run import Run
 
 
@@ -36,34 +37,36 @@ def inject_fault(run: Run, step: int, loss_sum: torch.Tensor) -> torch.Tensor:
 
 
 def train_step(run: Run, micro_batches: list[dict]) -> dict:
-    """One optimizer step over this rank's micro-batches; the loss is the mean over the global batch's target tokens."""
+    """One optimizer step over this rank's micro-batches; the loss is the mean over the global batch's target tokens.
+
+    One host read per step: the global loss (the NaN decision every rank must share) with the step's token
+    counts. Counts come from the collator on the host; the normalisation is applied as a device tensor, and
+    the gradient norm stays on the device until a log step reads it."""
     device, strategy, step = run.rank.device, run.strategy, run.state.global_step + 1
+    local = [batch_counts(mb) for mb in micro_batches]
     # Token counts and the preemption flag travel in one collective: every rank learns both in the same step.
-    counts = torch.tensor(
-        [sum(count_target_tokens(mb["labels"]) for mb in micro_batches),
-         sum(int(mb["attention_mask"].sum()) for mb in micro_batches), float(run.preemption.requested)],
-        dtype=torch.float64, device=device,
-    )
-    target_tokens, input_tokens, preempt = all_reduce_sum(counts).tolist()
+    counts = all_reduce_sum(torch.tensor([sum(t for t, _ in local), sum(i for _, i in local), float(run.preemption.requested)],
+                                         dtype=torch.float64).to(device, non_blocking=True))
     # DDP averages gradients over ranks; multiplying by world size turns that average into a global token sum.
-    scale = run.rank.world_size / max(target_tokens, 1.0)
+    scale = (run.rank.world_size / counts[0].clamp(min=1.0)).float()
     loss_total = torch.zeros((), dtype=torch.float64, device=device)
     for i, mb in enumerate(micro_batches):
-        mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
+        mb = to_device(mb, device)
         with strategy.micro_step(sync_gradients=i == len(micro_batches) - 1):
             with strategy.autocast():
                 loss_sum = inject_fault(run, step, token_loss_sum(run.model, mb))
             strategy.backward(loss_sum * scale)
         loss_total += loss_sum.detach().double()
     # Reduced before the optimizer step, so a NaN on any rank is seen, and decided on, by all of them.
-    loss = (all_reduce_sum(loss_total) / max(target_tokens, 1.0)).item()
+    global_loss, target_tokens, input_tokens, preempt = torch.cat([all_reduce_sum(loss_total).reshape(1), counts]).tolist()
+    loss = global_loss / max(target_tokens, 1.0)
     lr = run.scheduler.get_last_lr()[0]
     metrics = {"loss": loss, "lr": lr, "target_tokens": int(target_tokens), "input_tokens": int(input_tokens),
                "preempt": preempt > 0, "finite": math.isfinite(loss)}
     if not metrics["finite"]:
         strategy.discard_gradients()
         return {**metrics, "grad_norm": float("nan")}
-    metrics["grad_norm"] = strategy.step(run.cfg.training.max_grad_norm)
+    metrics["grad_norm"] = strategy.step(run.cfg.training.max_grad_norm)  # a device tensor: read at log steps only
     run.scheduler.step()
     return metrics
 
@@ -129,7 +132,7 @@ def train(run: Run) -> None:
             reporter.advance(1, {"loss": f"{metrics['loss']:.4f}", "lr": f"{metrics['lr']:.2e}", "tok/s": f"{tokens_per_s:.0f}"})
             step, last = state.global_step, state.global_step >= run.total_steps
             if step % cfg.logging.log_steps == 0 or last:
-                reporter.log(step, {"loss": window["loss"] / window["steps"], "lr": metrics["lr"], "grad_norm": metrics["grad_norm"],
+                reporter.log(step, {"loss": window["loss"] / window["steps"], "lr": metrics["lr"], "grad_norm": float(metrics["grad_norm"]),
                                     "tokens_per_s": tokens_per_s, "tokens_seen": state.tokens_seen, "epoch": state.epoch}, kind="train")
                 window = {"loss": 0.0, "steps": 0, "tokens": 0, "start": time.perf_counter()}
             if step % cfg.eval.eval_steps == 0 or last:

@@ -26,11 +26,12 @@ from phalanx.checkpoint.commit import write_json_atomic
 from phalanx.checkpoint.resume import (CRASH_LEFTOVERS, RUN_RECORD, existing_run_artifacts, last_logged_step, resume_point,
                                        set_aside_crashed_run)
 from phalanx.config.schema import RunConfig
-from phalanx.data.collate import pad_batch
+from phalanx.data.collate import collate as collate_rows
 from phalanx.data.prepare import PreparedData, describe_report, prepare_data
 from phalanx.data.sampler import StatefulDistributedSampler, eval_shard
 from phalanx.errors import ConfigError
 from phalanx.models.adapters import apply_finetuning, trainable_parameter_count
+from phalanx.models.attention import enable_varlen_attention, packing_unsupported_reason
 from phalanx.models.load import cache_root, load_model, load_tokenizer, quantization_config
 from phalanx.observe.memory import peak_memory_mb
 from phalanx.observe.metrics import Reporter
@@ -41,6 +42,7 @@ from phalanx.runtime.faults import Fault, planned_fault
 from phalanx.runtime.seed import seed_everything
 from phalanx.runtime.signals import PreemptionFlag
 from phalanx.runtime.watch import set_phase
+from phalanx.train.loss import install_target_head
 from phalanx.train.schedule import make_optimizer, make_scheduler
 from phalanx.train.state import TrainerState
 
@@ -167,6 +169,20 @@ def count_total_steps(cfg: RunConfig, train_rows: int, world_size: int) -> int:
     return max(1, math.ceil(cfg.training.num_epochs * steps_per_epoch))
 
 
+def choose_packing(wanted: bool, model: torch.nn.Module, rank: rt.RankInfo) -> bool:
+    """Packed (padding-free) micro-batches when asked for and the model supports them; the attention is switched to
+    a varlen one. A model that cannot pack trains padded, and rank 0 says why."""
+    if not wanted:
+        return False
+    reason = packing_unsupported_reason(model)
+    if reason is not None:
+        if rank.is_main:
+            print(f"📦 Packing off: {reason}; micro-batches are padded instead (--packing false silences this).", flush=True)
+        return False
+    enable_varlen_attention(model, rank.device)
+    return True
+
+
 def build_run(cfg: RunConfig, preemption: Optional[PreemptionFlag] = None) -> Run:
     """`preemption`: the flag the caller installed when the process started (the CLI does, before its imports), so
     that a SIGTERM/SIGUSR1 while the ranks import, tokenize or load is kept and honoured at the first step (save,
@@ -187,12 +203,14 @@ def build_run(cfg: RunConfig, preemption: Optional[PreemptionFlag] = None) -> Ru
     # QLoRA's base is quantized while loading, on this rank's device, where it stays.
     quantization = quantization_config(cfg.model, precision.dtype)
     model = load_model(cfg.model.model_name, base_dtype, cfg.model.trust_remote_code, quantization=quantization, device=rank.device)
+    packing = choose_packing(cfg.data.packing, model, rank)
     model = apply_finetuning(model, cfg.model, cfg.lora)
+    install_target_head(model)  # the output head runs at target positions only, in chunks (train/loss.py)
     strategy = make_strategy(rank, precision, cfg.distributed.ddp_comm_hook, cfg=cfg)
     make = partial(make_optimizer, cfg=cfg.training, fused_on_cuda=cfg.distributed.strategy != "deepspeed")
     model, optimizer = strategy.prepare(model, make)
 
-    collate = partial(pad_batch, pad_token_id=tokenizer.pad_token_id)
+    collate = partial(collate_rows, pad_token_id=tokenizer.pad_token_id, packing=packing)
     sampler = StatefulDistributedSampler(len(data.train), rank.rank, rank.world_size, seed=cfg.training.seed)
     # The loader gets its own generator: drawing its base seed from the global RNG would shift dropout after a resume.
     train_loader = DataLoader(data.train, batch_size=cfg.training.batch_size, sampler=sampler, collate_fn=collate,
