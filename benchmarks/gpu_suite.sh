@@ -31,9 +31,9 @@ for part in $parts; do
       step resume-bf16 120 python3 -m phalanx train configs/demo.yaml --world_size 1 --max_steps 16 --eval_steps 6 \
           --save_steps 6 --mixed_precision bf16 --output_dir /tmp/smoke-bf16 --force --logging.progress_bar false ;;
     speed)
-      step train_vs_hf 420 python3 benchmarks/train_vs_hf.py --gpu-shape qwen2.5-1.5b --steps 30 --no-results ;;
+      step train_vs_hf 540 python3 benchmarks/train_vs_hf.py --gpu-shape qwen2.5-1.5b --steps 30 --no-results --orders phalanx-first --with-unpacked ;;
     speed-hf-first)  # the same comparison in the other order: the first run on a fresh machine pays its warm-up
-      step train_vs_hf_hf_first 420 python3 benchmarks/train_vs_hf.py --gpu-shape qwen2.5-1.5b --steps 30 --no-results --hf-first ;;
+      step train_vs_hf_hf_first 540 python3 benchmarks/train_vs_hf.py --gpu-shape qwen2.5-1.5b --steps 30 --no-results --orders hf-first --with-unpacked ;;
     profile)  # cProfile of rank 0 on both sides (timings perturbed); .prof files under $OUT/prof
       step profile 300 python3 benchmarks/train_vs_hf.py --gpu-shape qwen2.5-1.5b --steps 15 --no-results --profile "$OUT/prof" ;;
     qlora)  # 4-bit NF4 base vs plain LoRA on the 1.5B shape: peak memory and time (model folder from the speed part)

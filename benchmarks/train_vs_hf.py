@@ -24,12 +24,20 @@ What is measured, for each:
   * peak memory per rank: max RSS on CPU, torch.cuda.max_memory_allocated on CUDA;
   * the loss at the first logged step (same model, same rows: the two must agree closely).
 
+phalanx runs as users run it: packed (padding-free) micro-batches by default, the loss at target positions
+only. Trainer pads (its collator is phalanx's `pad_batch`, as users' own would). `--with-unpacked` adds a
+third run, phalanx with `--packing false` (the old path), as the A/B of phalanx's own change. The same rows
+reach both sides, so *seconds per row* (steady seconds per step / rows per step) compares the work each side
+needs for the same data. Both running orders are measured in one call by default (`--orders both`:
+phalanx then Trainer, then Trainer then phalanx) and the time-per-row ratio is reported per order and as
+their geometric mean: on a shared machine one order alone is not a comparison.
+
 `--gpu-shape qwen2.5-1.5b` builds a Qwen2-architecture model with Qwen2.5-1.5B's shape (random weights),
 runs at sequence length 2048 in bf16 on CUDA and adds MFU. `--dry-run` prints the plan (and builds the
 model on CPU in gpu-shape mode) without training.
 
 Run from the repository root:
-  .venv/bin/python benchmarks/train_vs_hf.py                # 2 CPU ranks, 30 steps, batch 2, max_length 768
+  .venv/bin/python benchmarks/train_vs_hf.py                # 2 CPU ranks, 30 steps, batch 4, max_length 2048, both orders
   .venv/bin/python benchmarks/train_vs_hf.py --gpu-shape qwen2.5-1.5b --dry-run
 Results are appended to benchmarks/RESULTS.md (never asserted: timings are reported, not tested).
 """
@@ -39,6 +47,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import shlex
@@ -381,6 +390,9 @@ def run_logged(cmd: list[str], env: dict, log: Path, label: str) -> tuple[float,
     print(f"\n$ {shlex.join(cmd)}", flush=True)
     import threading
 
+    for facts in (THREADS, SPAWNED, CPU_SERIES, LAST_SEEN, OTHERS):  # a label measured again (both orders) starts afresh
+        facts.pop(label, None)
+
     busy0, ours0 = cpu_busy_seconds(), children_cpu_seconds()
     launched = time.time()
     start = time.perf_counter()
@@ -583,9 +595,10 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=None, help="ranks for both runs (default 2 on CPU, the GPU count in gpu-shape mode)")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
-    p.add_argument("--batch_size", type=int, default=None, help="per-rank micro-batch (default 2; 4 in gpu-shape mode)")
+    p.add_argument("--batch_size", type=int, default=None, help="per-rank micro-batch (default 4)")
     p.add_argument("--grad_accum", type=int, default=1, help="gradient accumulation steps (default 1)")
-    p.add_argument("--max_length", type=int, default=None, help="sequence cap in tokens (default 768; 2048 in gpu-shape mode)")
+    p.add_argument("--max_length", type=int, default=None,
+                   help="sequence cap in tokens (default 2048: the bundled rows whole, mean 944 tokens, max 1956)")
     p.add_argument("--model", default="embedded:tiny-qwen3", help="model for both runs (phalanx model_name syntax)")
     p.add_argument("--dataset_path", default=None, help="jsonl for both runs (default: phalanx's bundled health-agent chats)")
     p.add_argument("--learning_rate", type=float, default=5e-5)
@@ -601,7 +614,11 @@ def parse_args(argv=None):
                    help="native: `python -m phalanx train --world_size N` (what users run); torchrun: `torchrun -m phalanx`")
     p.add_argument("--only", choices=["both", "phalanx", "hf"], default="both", help="run one side only (for profiling)")
     p.add_argument("--hf-first", dest="hf_first", action="store_true",
-                   help="run Trainer first (alternate the order between repeats on a shared machine)")
+                   help="run Trainer first, one order only (same as --orders hf-first)")
+    p.add_argument("--orders", choices=["both", "phalanx-first", "hf-first"], default=None,
+                   help="both (default): phalanx then Trainer, then Trainer then phalanx, reported per order and together")
+    p.add_argument("--with-unpacked", dest="with_unpacked", action="store_true",
+                   help="also run phalanx with --packing false (its padded path) in each order, after phalanx")
     p.add_argument("--hf-optim", dest="hf_optim", default=None,
                    help="Trainer's optim (default: Trainer's own default; phalanx uses torch.optim.AdamW)")
     p.add_argument("--profile", default=None, metavar="DIR",
@@ -642,8 +659,10 @@ def main(argv=None) -> None:
     if gpu and not cuda and not args.dry_run:
         sys.exit("--gpu-shape needs a CUDA device (bf16 on GPU); add --dry-run to check the plan on a machine without one.")
     nproc = args.nproc or ((max(torch.cuda.device_count(), 1) if cuda else 1) if gpu else 2)
-    batch = args.batch_size or (4 if gpu else 2)
-    max_length = args.max_length or (2048 if gpu else 768)
+    batch = args.batch_size or 4
+    max_length = args.max_length or 2048
+    orders = ["hf-first"] if args.hf_first and not args.orders else \
+        (["phalanx-first", "hf-first"] if (args.orders or "both") == "both" else [args.orders])
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     load_before = load_average()
@@ -700,7 +719,6 @@ def main(argv=None) -> None:
         "--logging.progress_bar", "false",
         "--mixed_precision", "bf16" if gpu else "auto",  # auto = fp32 on CPU
         "--overwrite_output_dir", "true",
-        "--output_dir", str(work / "phalanx-output"),
     ]
     if args.dataset_path:
         flags += ["--dataset_path", args.dataset_path]
@@ -780,43 +798,82 @@ def main(argv=None) -> None:
         "lora_dropout": args.lora_dropout, "target_modules": "all-linear", "hf_optim": args.hf_optim,
     }
     spec_path.write_text(json.dumps(spec))
-    for old in work.glob("hf-rank*.json"):
-        old.unlink()
 
-    def run_phalanx():
+    def run_phalanx(label="phalanx", extra=()):
         if args.wait_idle:
             wait_until_idle(args.wait_idle)
-        return read_phalanx(work / "phalanx-output", plan, args, run_logged(phalanx_cmd, env, work / "phalanx.log", "phalanx"),
-                            data.report.cache_dir, work / "phalanx.log")
+        out = work / ("phalanx-output" if label == "phalanx" else "phalanx-unpacked-output")
+        cmd = [*phalanx_cmd, *extra, "--output_dir", str(out)]
+        log = work / f"{label.replace(' ', '-')}.log"
+        return read_phalanx(out, plan, args, run_logged(cmd, env, log, label), data.report.cache_dir, log, label)
 
     def run_hf():
         if args.wait_idle:
             wait_until_idle(args.wait_idle)
+        for old in work.glob("hf-rank*.json"):
+            old.unlink()
         return read_hf(work, plan, args, run_logged(hf_cmd, env, work / "hf.log", "HF Trainer"), nproc)
 
-    sides = [s for s in (("phalanx", run_phalanx), ("hf", run_hf)) if args.only in ("both", s[0])]
-    if args.hf_first:
-        sides.reverse()
-    results, loads_between = {}, []
-    for name, fn in sides:
-        results[name] = fn()
-        loads_between.append(load_average())
-    px, hf = results.get("phalanx"), results.get("hf")
-    load_mid = loads_between[0]
-    load_after = load_average()
-
-    if px and hf:
-        report(args, px, hf, plan, nproc, batch, max_length, command, commit, dirty, torch,
-               (load_before, load_mid, load_after), flops_note, n_params, gpu, cuda)
-    for name, res in (("phalanx", px), ("HF Trainer", hf)):
-        if res:
-            print(f"{name}: steady {res['steady_tps']:,.0f} tok/s, wall {res['wall']:.1f}s, "
-                  f"peak {res['peak']} MB/rank, first loss {res['first_loss']}")
+    pairs, entries = [], []
+    for order in orders:
+        sides = [s for s in (("phalanx", run_phalanx), ("hf", run_hf)) if args.only in ("both", s[0])]
+        if args.with_unpacked and args.only in ("both", "phalanx"):
+            sides.insert(1, ("unpacked", lambda: run_phalanx(UNPACKED, ("--packing", "false"))))
+        if order == "hf-first":
+            sides.reverse()
+        results, loads_between = {}, []
+        for name, fn in sides:
+            results[name] = fn()
+            loads_between.append(load_average())
+        px, hf, unpacked = results.get("phalanx"), results.get("hf"), results.get("unpacked")
+        loads = (load_before, loads_between[0], load_average())
+        load_before = loads[2]
+        if px and hf:
+            pairs.append((order, px, hf, unpacked))
+            entries.append(report(args, px, hf, unpacked, plan, nproc, batch, max_length, order, loads, flops_note,
+                                  n_params, gpu, cuda, torch))
+        for name, res in (("phalanx", px), (UNPACKED, unpacked), ("HF Trainer", hf)):
+            if res:
+                print(f"{name}: steady {res['steady_tps']:,.0f} tok/s, {seconds_per_row(res, nproc, batch):.4f} s/row, "
+                      f"wall {res['wall']:.1f}s, peak {res['peak']} MB/rank, first loss {res['first_loss']}")
+    if pairs:
+        summary = order_summary(pairs, nproc, batch)
+        print("\n" + "\n".join(summary))
+        if not args.no_results:
+            write_entry(args, entries, summary, nproc, batch, max_length, command, commit, dirty, gpu, cuda, torch)
     if args.profile:
         summarize_profiles(Path(args.profile))
 
 
-def read_phalanx(out: Path, plan: Plan, args, run: tuple, cache_dir: str, log: Path) -> dict:
+UNPACKED = "phalanx --packing false"
+
+
+def seconds_per_row(res: dict, nproc: int, batch: int) -> float:
+    """Steady seconds per training row (every rank reads `batch` rows per step; accumulation multiplies both)."""
+    a, b = res["steady_steps"]
+    return res["steady_seconds"] / (b - a + 1) / (nproc * batch * res.get("grad_accum", 1))
+
+
+def order_summary(pairs: list, nproc: int, batch: int) -> list[str]:
+    """Time per row, phalanx / Trainer, per order and as the geometric mean of the orders."""
+    lines, ratios, unpacked_ratios = [], [], []
+    for order, px, hf, unpacked in pairs:
+        r = seconds_per_row(px, nproc, batch) / seconds_per_row(hf, nproc, batch)
+        ratios.append(r)
+        line = (f"- {order}: time per row phalanx {seconds_per_row(px, nproc, batch) * 1e3:.2f} ms, Trainer "
+                f"{seconds_per_row(hf, nproc, batch) * 1e3:.2f} ms: **{r:.2f}x**")
+        if unpacked:
+            u = seconds_per_row(unpacked, nproc, batch) / seconds_per_row(hf, nproc, batch)
+            unpacked_ratios.append(u)
+            line += f"; {UNPACKED} {seconds_per_row(unpacked, nproc, batch) * 1e3:.2f} ms ({u:.2f}x Trainer)"
+        lines.append(line)
+    geo = lambda xs: math.exp(sum(math.log(x) for x in xs) / len(xs))  # noqa: E731
+    lines.append(f"- time per row, phalanx / Trainer+PEFT, geometric mean of {len(ratios)} order(s): **{geo(ratios):.2f}x**"
+                 + (f"; {UNPACKED} / Trainer: {geo(unpacked_ratios):.2f}x" if unpacked_ratios else ""))
+    return lines
+
+
+def read_phalanx(out: Path, plan: Plan, args, run: tuple, cache_dir: str, log: Path, label: str = "phalanx") -> dict:
     wall, launched, exited = run
     info = json.loads((out / "final_training_info.json").read_text())
     records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
@@ -835,8 +892,8 @@ def read_phalanx(out: Path, plan: Plan, args, run: tuple, cache_dir: str, log: P
         "first_loss": train[0]["loss"], "first_loss_steps": train[0]["step"], "last_loss": train[-1]["loss"],
         "data_check": same_rows, "steps": info["global_step"],
         "startup": ends[min(ends)] - launched, "teardown": exited - ends[last],
-        "cpu_steady": cpu_between("phalanx", ends[first], ends[last]),
-        "spawn": SPAWNED.get("phalanx", launched) - launched, "after_ranks": exited - LAST_SEEN.get("phalanx", exited),
+        "cpu_steady": cpu_between(label, ends[first], ends[last]), "grad_accum": args.grad_accum,
+        "spawn": SPAWNED.get(label, launched) - launched, "after_ranks": exited - LAST_SEEN.get(label, exited),
     }
 
 
@@ -864,7 +921,7 @@ def read_hf(work: Path, plan: Plan, args, run: tuple, nproc: int) -> dict:
         "data_check": same, "threads": r0["threads"], "optimizer": f"{r0['optimizer']} ({r0['optim_arg']})",
         "steps": len(r0["step_ends"]),
         "startup": ends[min(args.log_steps, last)] - launched, "teardown": exited - ends[last],
-        "cpu_steady": cpu_between("HF Trainer", ends[first], ends[last]),
+        "cpu_steady": cpu_between("HF Trainer", ends[first], ends[last]), "grad_accum": args.grad_accum,
         "spawn": SPAWNED.get("HF Trainer", launched) - launched, "after_ranks": exited - LAST_SEEN.get("HF Trainer", exited),
     }
 
@@ -878,11 +935,14 @@ def tokens_per_cpu(res: dict) -> Optional[float]:
     return res["steady_tokens"] / res["cpu_steady"] if res.get("cpu_steady") else None
 
 
-def report(args, px, hf, plan, nproc, batch, max_length, command, commit, dirty, torch, loads, flops_note, n_params, gpu, cuda):
+def report(args, px, hf, unpacked, plan, nproc, batch, max_length, order, loads, flops_note, n_params, gpu, cuda, torch) -> list[str]:
+    """Print one order's table; return its part of the RESULTS.md entry."""
     all_tokens = sum(plan.step_tokens(s) for s in range(args.steps))
     mem_label = "peak CUDA memory / rank, max (MB)" if gpu else "peak RSS / rank, max (MB)"
     s0, s1 = px["steady_steps"]
     rows = [
+        ("seconds / row, steady (ms)", fmt(seconds_per_row(px, nproc, batch) * 1e3, 2), fmt(seconds_per_row(hf, nproc, batch) * 1e3, 2),
+         ratio(seconds_per_row(px, nproc, batch), seconds_per_row(hf, nproc, batch))),
         (f"tokens/s, steady (steps {s0}-{s1})", fmt(px["steady_tps"], 0), fmt(hf["steady_tps"], 0), ratio(px["steady_tps"], hf["steady_tps"])),
         ("  seconds / step, steady", fmt(px["steady_seconds"] / (s1 - s0 + 1), 3), fmt(hf["steady_seconds"] / (hf["steady_steps"][1] - hf["steady_steps"][0] + 1), 3),
          ratio(px["steady_seconds"] / (s1 - s0 + 1), hf["steady_seconds"] / (hf["steady_steps"][1] - hf["steady_steps"][0] + 1))),
@@ -933,10 +993,23 @@ def report(args, px, hf, plan, nproc, batch, max_length, command, commit, dirty,
     print(f"other processes' CPU use during the runs: {others_text()}")
     for line in mfu_lines:
         print(line)
-    if args.no_results:
-        return
-    device = torch.cuda.get_device_name(0) if cuda else "no GPU"
+    first = {"phalanx-first": "phalanx ran first", "hf-first": "Trainer ran first"}[order]
     entry = [
+        f"\n#### {first}\n",
+        f"- load average (1/5/15 min): before {loads[0]}, between runs {loads[1]}, after {loads[2]}; "
+        f"other processes' CPU use during the runs: {others_text()}",
+        f"- {sanity}",
+    ]
+    if unpacked:
+        u, p_ = seconds_per_row(unpacked, nproc, batch), seconds_per_row(px, nproc, batch)
+        entry.append(f"- {UNPACKED}: {u * 1e3:.2f} ms per row ({unpacked['steady_tps']:,.0f} tokens/s steady, first loss "
+                     f"{unpacked['first_loss']:.6f}); packed / unpacked time per row {p_ / u:.2f}")
+    return [*entry, *(f"- {line}" for line in mfu_lines), "", text, ""]
+
+
+def write_entry(args, entries, summary, nproc, batch, max_length, command, commit, dirty, gpu, cuda, torch) -> None:
+    device = torch.cuda.get_device_name(0) if cuda else "no GPU"
+    head = [
         f"\n### {_dt.datetime.now().strftime('%Y-%m-%d %H:%M')} - {nproc} rank(s), {'CUDA bf16' if gpu else 'CPU fp32'}, "
         f"{args.steps} steps, batch {batch}/rank, accumulation {args.grad_accum}, max_length {max_length}\n",
         f"- machine: nproc {os.cpu_count()}, CPU {cpu_model()}, {device}; torch {torch.__version__}, "
@@ -945,22 +1018,16 @@ def report(args, px, hf, plan, nproc, batch, max_length, command, commit, dirty,
         f"- command: `{command}`",
         f"- model: {args.gpu_shape + ' shape (random weights)' if gpu else args.model}; LoRA r {args.lora_r}, alpha {args.lora_alpha}, "
         f"dropout {args.lora_dropout}, all-linear; lr {args.learning_rate}; phalanx launched "
-        f"{'natively (--world_size)' if args.phalanx_launcher == 'native' and not args.profile else 'under torchrun'}, Trainer under torchrun; "
-        f"{'Trainer' if args.hf_first else 'phalanx'} ran first",
-        f"- load average (1/5/15 min): before {loads[0]}, between runs {loads[1]}, after {loads[2]}; "
-        f"other processes' CPU use during the runs: {others_text()}",
-        f"- {sanity}",
-        *(f"- {line}" for line in mfu_lines),
-        *( [f"- note: {args.note}"] if args.note else []),
-        "",
-        text,
-        "",
+        f"{'natively (--world_size)' if args.phalanx_launcher == 'native' and not args.profile else 'under torchrun'} with its "
+        f"defaults (packed micro-batches, target-only head), Trainer under torchrun (padded)",
+        *([f"- note: {args.note}"] if args.note else []),
+        *summary,
     ]
     with RESULTS.open("a") as f:
         if f.tell() == 0:
             f.write("# Benchmark results\n\nEach script in `benchmarks/` appends dated entries here, newest last. "
                     "Timings are reported, never asserted.\n")
-        f.write("\n".join(entry))
+        f.write("\n".join(head + [line for entry in entries for line in entry]))
     print(f"appended to {RESULTS}")
 
 
