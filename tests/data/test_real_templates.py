@@ -34,6 +34,7 @@ from data.templates import (
     template_markers,
     trained_texts,
     turns_render_alike,
+    with_text_arguments,
 )
 
 from phalanx.data.chat import tokenize_conversation
@@ -44,6 +45,7 @@ WHERE = "chats.jsonl line 7"
 
 ROW_PARAMS = [pytest.param(case.name, kind, id=f"{case.name}-{kind}") for case in CASES for kind in case.rows]
 MATCHED = [p for p in ROW_PARAMS if isinstance(CASE[p.values[0]].rows[p.values[1]], Match)]
+MARKED = [p for p in ROW_PARAMS if CASE[p.values[0]].marked]
 TEMPLATE_PARAMS = [pytest.param(case.name, id=case.name) for case in CASES]
 
 
@@ -56,6 +58,15 @@ def tokenizer_for(name: str):
 def conversation(kind: str) -> tuple[dict, list, list]:
     conv = to_conversation(row(kind), WHERE)
     return conv, conv["messages"], conv["tools"]
+
+
+def oracle_conversation(name: str, kind: str) -> tuple[list, list]:
+    """The row's messages and tools as the oracle renders them (tool-call arguments as text where the case says so)."""
+    _, messages, tools = conversation(kind)
+    expect = CASE[name].rows[kind]
+    if isinstance(expect, Match) and expect.arguments == "text":
+        messages = with_text_arguments(messages)
+    return messages, tools
 
 
 def _render(tok, template: str, messages, tools, generation_prompt: bool):
@@ -122,11 +133,11 @@ def test_every_marker_the_template_writes_is_one_special_token(name):
 # ------------------------------------------------------------------------ oracle self-checks
 
 
-@pytest.mark.parametrize("name,kind", ROW_PARAMS)
+@pytest.mark.parametrize("name,kind", MARKED)
 def test_marked_copy_renders_like_the_original(name, kind):
     """Byte for byte, on the row and each of its prefixes, with and without the generation prompt."""
     tok, original, marked = tokenizer_for(name), original_template(name), marked_template(name)
-    _, messages, tools = conversation(kind)
+    messages, tools = oracle_conversation(name, kind)
     for n in range(1, len(messages) + 1):
         for generation_prompt in (False, True):
             want = _render(tok, original, messages[:n], tools, generation_prompt)
@@ -140,8 +151,12 @@ def test_marked_copy_renders_like_the_original(name, kind):
 @pytest.mark.parametrize("name,kind", MATCHED)
 def test_oracle_trains_exactly_the_reviewed_text(name, kind):
     tok, marked, expect = tokenizer_for(name), marked_template(name), CASE[name].rows[kind]
-    _, messages, tools = conversation(kind)
+    messages, tools = oracle_conversation(name, kind)
     reviewed = expected_trained()[f"{name}/{kind}"]
+    if expect.arguments == "text":  # the template cannot take the arguments as a mapping
+        _, as_mapping, _ = conversation(kind)
+        with pytest.raises(TypeError):
+            tok.apply_chat_template(as_mapping, tools=tools, tokenize=False)
     for policy in ("full", "per_turn"):
         assert trained_texts(tok, marked, messages, tools, policy) == reviewed[policy], policy
 
@@ -186,10 +201,11 @@ def _check_masker(name: str, kind: str, multi_turn: str):
         assert re.search(expect.pattern, message, re.S), f"{expect.why}; the refusal should match {expect.pattern!r}: {message}"
         return
     policy = expect.auto if multi_turn == "auto" else multi_turn
-    _, fresh, _ = conversation(kind)  # a copy of its own, so the masker cannot change what the oracle sees
+    fresh, _ = oracle_conversation(name, kind)  # a copy of its own, so the masker cannot change what the oracle sees
     want = oracle_examples(tok, marked_template(name), fresh, tools, policy)
     out = tokenize_conversation(tok, conv, WHERE, multi_turn=multi_turn)
     assert out.policy == policy
+    assert out.unterminated == expect.unterminated, "turns with no end-of-turn marker after the text"
     assert_examples_equal(tok, out.examples, want)
 
 

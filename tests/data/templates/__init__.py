@@ -109,6 +109,20 @@ def _plain_row(system: bool = True, reasoning: bool = False, think: bool = False
     return {"messages": messages}
 
 
+def _two_assistants_row() -> dict:
+    # Two assistant messages in a row (an answer sent in two parts): templates that check the role alternation
+    # raise on it; the others render the second as a turn of its own, with no user message before it.
+    return {
+        "messages": [
+            {"role": "user", "content": "Tell me two facts."},
+            {"role": "assistant", "content": "Fact one."},
+            {"role": "assistant", "content": "Fact two."},
+            {"role": "user", "content": "More?"},
+            {"role": "assistant", "content": "No."},
+        ]
+    }
+
+
 ROWS = {
     "tool": _tool_row(),
     "plain": _plain_row(),
@@ -117,6 +131,7 @@ ROWS = {
     "reasoning_tool": _tool_row(reasoning=True),
     "think": _plain_row(think=True),  # the reasoning inside content, as <think>...</think>
     "think_tool": _tool_row(think=True),
+    "two_assistants": _two_assistants_row(),
 }
 
 
@@ -125,14 +140,31 @@ def row(kind: str) -> dict:
     return json.loads(json.dumps(ROWS[kind]))
 
 
+def with_text_arguments(messages: list[dict]) -> list[dict]:
+    """A copy of normalised messages with each tool call's arguments as JSON text (see ``Match.arguments``)."""
+    messages = json.loads(json.dumps(messages))
+    for message in messages:
+        for call in message.get("tool_calls") or []:
+            call["function"]["arguments"] = json.dumps(call["function"]["arguments"], ensure_ascii=False)
+    return messages
+
+
 # -------------------------------------------------------------------------------- templates
 
 
 @dataclass(frozen=True)
 class Match:
-    """phalanx must produce the oracle's examples; ``auto`` is the policy multi_turn="auto" must choose."""
+    """phalanx must produce the oracle's examples; ``auto`` is the policy multi_turn="auto" must choose.
+
+    ``arguments``: how the template takes tool-call arguments, so how the oracle renders them: "mapping" (as
+    to_conversation gives them) or "text" (JSON text: a template that concatenates them as strings fails on a
+    mapping, DeepSeek-V3.1). ``unterminated``: the assistant turns the template ends with no marker after the
+    message's text (GLM-4.6 writes none: its model stops by writing the next role's token), which phalanx counts.
+    """
 
     auto: str
+    arguments: str = "mapping"
+    unterminated: int = 0
 
 
 @dataclass(frozen=True)
@@ -151,6 +183,8 @@ class TemplateCase:
     eos: Optional[str]
     pad: Optional[str]
     rows: dict = field(hash=False)  # row kind -> Match | Refuse
+    specials: tuple = ()  # the model's other special tokens that the template writes but MARKER_PATTERNS misses
+    marked: bool = True  # whether a marked copy exists (not for a template whose every row is refused)
 
     @property
     def original_path(self) -> Path:
@@ -164,6 +198,9 @@ class TemplateCase:
 FULL, PER_TURN = Match("full"), Match("per_turn")
 # The vanished tool call (messages[2]) must be named, with the function it calls.
 VANISHED_CALL = Refuse(r"messages\[2\].*get_weather|get_weather.*messages\[2\]", "the template drops the tool call")
+ALTERNATION = Refuse("roles must alternate", "the template raises on two assistant messages in a row")
+# Command R7B writes the next assistant header after every conversation, add_generation_prompt or not.
+AMBIGUOUS_END = Refuse(r"messages\[\d\] \(assistant\): where this turn ends is ambiguous", "the template writes the next header itself")
 
 # bos/eos/pad as each model's tokenizer_config.json has them. Row expectations:
 # - R1-Distill renders a tool call only when content is None (to_conversation passes ""), so the call vanishes;
@@ -172,23 +209,48 @@ VANISHED_CALL = Refuse(r"messages\[2\].*get_weather|get_weather.*messages\[2\]",
 #   earlier reasoning: every row is per_turn. QwQ strips <think>...</think> from all but the last turn.
 # - Gemma 2 raises on a system message; Hermes' tool_use template iterates over tools (None without them).
 # - Mistral Nemo drops the system prompt unless a user turn is last, and moves the tools before the last
-#   user message: the assistant turns render the same, so "full".
+#   user message: the assistant turns render the same, so "full". It and Gemma 2 raise on two assistant
+#   messages in a row; the others render each as a turn of its own.
+# The templates after these come from a trial on unseen templates (real/README.md says what makes each hard):
+# - gpt-oss ends the last turn with <|return|> (trained) and every other with <|end|>, and renders the analysis
+#   channel (thinking) only in the last turn and in a tool call no final answer follows: every row is per_turn.
+# - Mistral Small 3.1 has no generation prompt and ignores reasoning; its alternation check never fires (the
+#   list it checks is built inside a for loop, where `set` does not last), so two assistant messages pass.
+# - GLM-4.6 writes no end-of-turn marker (its model stops by writing <|user|> or <|observation|>): every turn is
+#   unterminated; it renders reasoning only after the last user message, so reasoning rows are per_turn.
+# - DeepSeek-V3.1 concatenates tool-call arguments as strings (a mapping raises): the masker passes them as JSON
+#   text. It ignores reasoning_content and cuts a <think> block from content except after a tool output.
+# - MiniMax-M2 pre-fills "<think>\n" in its generation prompt: when it writes a reasoning block (only after the
+#   last user message: per_turn), that "<think>\n" is the prompt's, not trained. A <think> block in content stays
+#   content (its split of content happens inside a for loop, where `set` does not last): "full".
+# - Command R7B: every row refused (AMBIGUOUS_END).
+# - Nemotron Nano v2 writes the last assistant message apart, after "<think>\n\n" (pre-filled by its generation
+#   prompt); the turns' text is the same as in the whole rendering, so "full". It strips <think> from all but the
+#   last turn (think: per_turn) and writes a last message's content and tool calls as two blocks, each closed by
+#   its end-of-sequence token: refused (think_tool's first message has both).
+ALL_ROWS = ("plain", "nosys", "tool", "reasoning", "reasoning_tool", "think", "think_tool", "two_assistants")
 CASES = [
     TemplateCase(
         "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B", True, "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜end▁of▁sentence｜>",
-        {"plain": FULL, "nosys": FULL, "tool": VANISHED_CALL},
+        {"plain": FULL, "nosys": FULL, "tool": VANISHED_CALL, "two_assistants": FULL},
     ),
-    TemplateCase("Qwen-Qwen2.5-7B-Instruct", True, None, "<|im_end|>", "<|endoftext|>", {"plain": FULL, "nosys": FULL, "tool": FULL}),
     TemplateCase(
-        "Qwen-Qwen3-0.6B", True, None, "<|im_end|>", "<|endoftext|>",
-        {k: PER_TURN for k in ("plain", "nosys", "tool", "reasoning", "reasoning_tool", "think", "think_tool")},
+        "Qwen-Qwen2.5-7B-Instruct", True, None, "<|im_end|>", "<|endoftext|>",
+        {"plain": FULL, "nosys": FULL, "tool": FULL, "two_assistants": FULL},
     ),
-    TemplateCase("meta-llama-Llama-3.1-8B-Instruct", True, "<|begin_of_text|>", "<|eot_id|>", None, {"plain": FULL, "nosys": FULL, "tool": FULL}),
+    TemplateCase("Qwen-Qwen3-0.6B", True, None, "<|im_end|>", "<|endoftext|>", {k: PER_TURN for k in ALL_ROWS}),
+    TemplateCase(
+        "meta-llama-Llama-3.1-8B-Instruct", True, "<|begin_of_text|>", "<|eot_id|>", None,
+        {"plain": FULL, "nosys": FULL, "tool": FULL, "two_assistants": FULL},
+    ),
     TemplateCase(
         "microsoft-Phi-3.5-mini-instruct", True, "<s>", "<|endoftext|>", "<|endoftext|>",
-        {"plain": FULL, "nosys": FULL, "tool": VANISHED_CALL},
+        {"plain": FULL, "nosys": FULL, "tool": VANISHED_CALL, "two_assistants": FULL},
     ),
-    TemplateCase("mistralai-Mistral-Nemo-Instruct-2407", True, "<s>", "</s>", None, {"plain": FULL, "nosys": FULL, "tool": FULL}),
+    TemplateCase(
+        "mistralai-Mistral-Nemo-Instruct-2407", True, "<s>", "</s>", None,
+        {"plain": FULL, "nosys": FULL, "tool": FULL, "two_assistants": ALTERNATION},
+    ),
     # ---- tests/data/templates/real/
     TemplateCase(
         "google-gemma-2-2b-it", False, "<bos>", "<eos>", "<pad>",
@@ -196,6 +258,7 @@ CASES = [
             "nosys": FULL,
             "plain": Refuse("System role not supported", "the template raises on a system message"),
             "tool": Refuse("System role not supported", "the template raises on a system message"),
+            "two_assistants": ALTERNATION,
         },
     ),
     TemplateCase(
@@ -204,13 +267,65 @@ CASES = [
             "tool": FULL,
             "plain": Refuse("not iterable", "the tool_use template loops over tools, which are None without tools"),
             "nosys": Refuse("not iterable", "the tool_use template loops over tools, which are None without tools"),
+            "two_assistants": Refuse("not iterable", "the tool_use template loops over tools, which are None without tools"),
         },
     ),
     TemplateCase(
         "Qwen-QwQ-32B", False, None, "<|im_end|>", "<|endoftext|>",
-        {"plain": FULL, "nosys": FULL, "tool": FULL, "think": PER_TURN, "think_tool": PER_TURN},
+        {"plain": FULL, "nosys": FULL, "tool": FULL, "think": PER_TURN, "think_tool": PER_TURN, "two_assistants": FULL},
     ),
-    TemplateCase("meta-llama-Llama-3.2-3B-Instruct", False, "<|begin_of_text|>", "<|eot_id|>", None, {"plain": FULL, "nosys": FULL, "tool": FULL}),
+    TemplateCase(
+        "meta-llama-Llama-3.2-3B-Instruct", False, "<|begin_of_text|>", "<|eot_id|>", None,
+        {"plain": FULL, "nosys": FULL, "tool": FULL, "two_assistants": FULL},
+    ),
+    # ---- added from the trial on unseen templates; pad left unset (the masker never reads it)
+    TemplateCase(
+        "openai-gpt-oss-120b", False, "<|startoftext|>", "<|return|>", None, {k: PER_TURN for k in ALL_ROWS},
+        specials=("<|constrain|>",),
+    ),
+    TemplateCase("mistralai-Mistral-Small-3.1-24B-Instruct-2503", False, "<s>", "</s>", None, {k: FULL for k in ALL_ROWS}),
+    TemplateCase(
+        "GLM-4.6", False, None, "<|endoftext|>", None,
+        {
+            **{k: Match("full", unterminated=3) for k in ("plain", "nosys", "tool", "two_assistants")},
+            **{k: Match("per_turn", unterminated=3) for k in ("reasoning", "reasoning_tool", "think", "think_tool")},
+        },
+        specials=("[gMASK]", "<sop>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>",
+                  "<arg_value>", "</arg_value>", "<tool_response>", "</tool_response>"),
+    ),
+    TemplateCase(
+        "deepseek-ai-DeepSeek-V3.1", False, "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", None,
+        {
+            **{k: FULL for k in ("plain", "nosys", "reasoning", "think", "two_assistants")},
+            **{k: Match("full", arguments="text") for k in ("tool", "reasoning_tool", "think_tool")},
+        },
+        specials=("<think>", "</think>"),
+    ),
+    TemplateCase(
+        "unsloth-MiniMax-M2", False, "]~!b[", "[e~[", None,
+        {
+            **{k: FULL for k in ("plain", "nosys", "tool", "think", "think_tool", "two_assistants")},
+            **{k: PER_TURN for k in ("reasoning", "reasoning_tool")},
+        },
+        specials=("]~b]", "<think>", "</think>", "<minimax:tool_call>", "</minimax:tool_call>"),
+    ),
+    TemplateCase(
+        "CohereForAI-c4ai-command-r7b-12-2024-tool_use", False, "<BOS_TOKEN>", "<|END_OF_TURN_TOKEN|>", None,
+        {k: AMBIGUOUS_END for k in ALL_ROWS}, marked=False,
+    ),
+    TemplateCase(
+        "NVIDIA-Nemotron-Nano-v2", False, "<s>", "<SPECIAL_12>", None,
+        {
+            **{k: FULL for k in ("plain", "nosys", "tool", "reasoning", "reasoning_tool", "two_assistants")},
+            "think": PER_TURN,
+            "think_tool": Refuse(
+                r"messages\[2\] \(assistant\): the chat template writes the end-of-sequence token '<SPECIAL_12>' inside this turn",
+                "a last message's content and tool calls are written as two blocks, each closed by the end-of-sequence token",
+            ),
+        },
+        specials=("<SPECIAL_10>", "<SPECIAL_11>", "<think>", "</think>", "<TOOLCALL>", "</TOOLCALL>", "<AVAILABLE_TOOLS>",
+                  "</AVAILABLE_TOOLS>", "<TOOL_RESPONSE>", "</TOOL_RESPONSE>"),
+    ),
 ]
 CASE = {c.name: c for c in CASES}
 
@@ -277,7 +392,8 @@ def build_tokenizer(template_text: str, bos_token=_UNSET, eos_token=_UNSET, pad_
     bos = (case.bos if case else None) if bos_token is _UNSET else bos_token
     eos = (case.eos if case else None) if eos_token is _UNSET else eos_token
     pad = (case.pad if case else None) if pad_token is _UNSET else pad_token
-    specials = list(dict.fromkeys([t for t in (bos, eos, pad) if t] + template_markers(template_text)))
+    extra = list(case.specials) if case else []
+    specials = list(dict.fromkeys([t for t in (bos, eos, pad) if t] + template_markers(template_text) + extra))
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
