@@ -60,7 +60,7 @@ def launch_train_ranks(cfg, args: Sequence[str]) -> int:
     check_before_launch(cfg, cfg.distributed.world_size, on_gpu=resolve_backend(cfg.distributed.backend) == "nccl")
     resume_point(cfg)  # an output_dir that holds another run is refused here, once, before any rank starts
     return launch_local(["train", *args], cfg.distributed.world_size, cfg.distributed.master_port,
-                        max_restarts=cfg.distributed.max_restarts)
+                        max_restarts=cfg.distributed.max_restarts, shutdown_timeout_s=cfg.distributed.shutdown_timeout_s)
 
 
 def train_rank(config_path: Optional[str], pairs: list[tuple[str, str]], preemption: PreemptionFlag) -> int:
@@ -232,8 +232,8 @@ def exit_without_teardown(code: int) -> None:
 
 
 def run_command(argv: list[str]) -> int:
-    if argv and argv[0] == "generate":
-        quiet_libraries()  # only where models load (train does it in its ranks); the others stay fast to start
+    # Commands that load models quiet the libraries themselves (quiet_libraries), after installing their signal
+    # handlers: the imports take seconds, and a preemption signal must not be lost in them.
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print(usage(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
         return 0 if not argv or argv[0] in ("-h", "--help") else 2

@@ -110,7 +110,7 @@ def test_records_train_as_they_are(runs):
     assert by_prompt[9]["messages"][0] == {"role": "user", "content": "Give one tip for better sleep."}
     for i, row in enumerate(rows):
         conv = to_conversation(row, f"row {i}")
-        ids = tokenize_conversation(tok, conv, f"row {i}")
+        ids = tokenize_conversation(tok, conv, f"row {i}").examples[-1]  # the row holding the final turn
         last = len(ids["labels"]) - 1
         while ids["labels"][last] != IGNORE_INDEX:
             last -= 1
@@ -164,11 +164,32 @@ def wait_gone(pids: list[int], timeout: float = 30) -> bool:
     return True
 
 
-def test_killed_launcher_then_sigterm_then_rerun_completes_without_duplicates(runs, tmp_path, capsys):
-    """The `--world_size 2` launcher is SIGKILLed mid-run: its ranks (in sessions of their own, so not killed along)
-    notice and stop by themselves. A second launch gets SIGTERM: its ranks die without saving anything for it, and
-    the launcher names them and fails (not 75, which tells a scheduler to requeue). A rerun on one rank then
-    generates only what was not committed."""
+def freeze(pids: list[int]) -> None:
+    """SIGSTOP each process and wait until every thread has stopped: a signal sent after that stays pending."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    for pid in pids:
+        tasks = Path(f"/proc/{pid}/task")
+        while any(t.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0] != "T" for t in tasks.iterdir()):
+            assert time.monotonic() < deadline, f"process {pid} did not stop"
+            time.sleep(0.001)
+
+
+def signal_pending(pid: int, sig: signal.Signals) -> bool:
+    status = Path(f"/proc/{pid}/status").read_text()
+    pending = int(next(line for line in status.splitlines() if line.startswith("ShdPnd:")).split()[1], 16)
+    return bool(pending & (1 << (sig - 1)))
+
+
+def test_killed_launcher_then_preempted_launch_then_rerun_completes_without_duplicates(runs, tmp_path, capsys):
+    """The `--world_size 2` launcher is SIGKILLed while its ranks start: they (in sessions of their own, so not
+    killed along) notice and stop by themselves. A second launch gets SIGTERM mid-run: each rank finishes the batch
+    it is generating, commits it and stops, and the launcher exits 75 (requeue me). Each rank's shard then holds the
+    first of its batches, in order, and nothing torn. A rerun on one rank generates only what was not committed, and
+    the files are the uninterrupted run's bytes."""
+    from phalanx.generate.shards import scan_shard
+
     root, prompts, _, _ = runs
     out = tmp_path / "k" / "traj_chat.jsonl"
     shards = out.with_name("traj_chat.jsonl.shards")
@@ -178,10 +199,9 @@ def test_killed_launcher_then_sigterm_then_rerun_completes_without_duplicates(ru
     ranks: list[int] = []
     try:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            if shards.is_dir() and any(b'{"commit"' in p.read_bytes() for p in shards.glob("rank-*.jsonl")):
-                break
+        while time.monotonic() < deadline and proc.poll() is None and len(children(proc.pid)) < 2:
             time.sleep(0.01)
+        time.sleep(0.5)  # importing the model stack
         ranks = children(proc.pid)
         assert proc.poll() is None and len(ranks) == 2, "the run ended before it could be killed"
     finally:
@@ -189,19 +209,39 @@ def test_killed_launcher_then_sigterm_then_rerun_completes_without_duplicates(ru
         proc.wait()
     assert wait_gone(ranks, timeout=20), "the ranks of a killed launcher must stop by themselves"
 
+    # A batch takes a fraction of a second here: the ranks are frozen (SIGSTOP) at their first commit, so that the
+    # SIGTERM the launcher passes on is waiting for them, mid-batch, when they go on.
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None and len(children(proc.pid)) < 2:
-        time.sleep(0.01)
-    time.sleep(0.5)
-    proc.send_signal(signal.SIGTERM)
+    ranks = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None and not committed_pairs(shards):
+            time.sleep(0.01)
+        ranks = children(proc.pid)
+        freeze(ranks)
+        at_signal = committed_pairs(shards)
+        assert proc.poll() is None and len(ranks) == 2 and at_signal, "the launch ended before it could be preempted"
+        proc.send_signal(signal.SIGTERM)
+        passed_on = time.monotonic() + 30
+        while not all(signal_pending(pid, signal.SIGTERM) for pid in ranks):
+            assert time.monotonic() < passed_on, "the launcher did not pass SIGTERM on to its ranks"
+            time.sleep(0.01)
+    finally:
+        for pid in ranks:
+            os.kill(pid, signal.SIGCONT)
     _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 2, stderr[-3000:]
-    assert "received SIGTERM and the ranks stopped without saving" in stderr, stderr[-3000:]
-    assert "rank 0 (" in stderr and "rank 1 (" in stderr, stderr[-3000:]
+    assert proc.returncode == 75, stderr[-3000:]
+    assert "preempted (SIGTERM): every rank committed the batch it was generating" in stderr, stderr[-3000:]
+    assert "launcher received SIGTERM; the ranks saved their progress and stopped; rerun" in stderr, stderr[-3000:]
 
     done = committed_pairs(shards)
-    assert 0 < done < PROMPTS * K and not out.exists()
+    assert at_signal < done < PROMPTS * K and not out.exists(), (at_signal, done)  # the batches in flight are kept
+    planned = -(-PROMPTS * K // 6)  # batches of --batch_size 6
+    for rank in (0, 1):
+        shard = shards / f"rank-{rank}.jsonl"
+        assert scan_shard(shard)[1] == shard.stat().st_size, "stopped between batches: no uncommitted tail"
+        batches = [json.loads(line)["commit"]["batch"] for line in shard.read_text().splitlines() if '"commit"' in line[:12]]
+        assert batches == list(range(rank, planned, 2))[:len(batches)], (rank, batches)
     # Rerun the same command, on one rank this time: only what was not committed is generated.
     code, log = run_in_process(generate_args(prompts, out), capsys)
     assert code == 0, log

@@ -74,6 +74,7 @@ def test_launcher_multi_node_and_deepspeed(in_project, capsys, tmp_path):
                      '--hostfile "$DS_HOSTFILE"', '--node_rank "$NODE_RANK"', 'slots=$NPROC_PER_NODE'):
         assert expected in text, expected
     assert "CUDA_VISIBLE_DEVICES" not in text and "DS_ACCELERATOR" not in text, "GPU nodes: DeepSpeed finds CUDA itself"
+    assert "SHUTDOWN_TIMEOUT" not in text, "the DeepSpeed launcher's grace after SIGTERM is its own (30 s)"
     assert "note: the DeepSpeed launcher will start the ranks, but the config trains with strategy 'ddp'" in err
 
 
@@ -105,6 +106,9 @@ def test_launcher_elastic_uses_c10d_with_fresh_stores(in_project, capsys, tmp_pa
     text = (tmp_path / "e.sh").read_text()
     assert 'MAX_RESTARTS="${PHALANX_MAX_RESTARTS:-3}"' in text
     assert "--rdzv_backend c10d" in text and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text and "is_host=$IS_HOST" in text
+    # torchrun's grace between SIGTERM and SIGKILL (torch's default 30 s) is distributed.shutdown_timeout_s.
+    assert 'SHUTDOWN_TIMEOUT="${PHALANX_SHUTDOWN_TIMEOUT:-300}"' in text
+    assert text.index('export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="$SHUTDOWN_TIMEOUT"') < text.index("-m torch.distributed.run")
 
 
 @pytest.mark.parametrize("args, message", [
@@ -151,7 +155,7 @@ def test_slurm_script_like_seed_003(in_project, capsys, tmp_path):
     for expected in ("#SBATCH --job-name=llm_finetune", "#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1",
                      "#SBATCH --gres=gpu:8", "#SBATCH --cpus-per-task=64", "#SBATCH --mem-per-gpu=32G",
                      "#SBATCH --time=48:00:00", "#SBATCH --partition=gpu", "#SBATCH --account=proj42",
-                     "#SBATCH --signal=B:USR1@300", "#SBATCH --requeue", "#SBATCH --open-mode=append",
+                     "#SBATCH --signal=B:USR1@360", "#SBATCH --requeue", "#SBATCH --open-mode=append",
                      f"#SBATCH --chdir={in_project}", "module load cuda/12.2",
                      'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1',
                      "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1", 'NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-^lo,docker}"',
@@ -176,8 +180,18 @@ def test_slurm_cpu_nodes_request_no_gpus(in_project, capsys, tmp_path):
     assert "#SBATCH --cpus-per-task=8" in text and "#SBATCH --mem=16G" in text
     assert "--nproc_per_node 4" in text and "--rdzv_backend c10d" in text and "--max_restarts 2" in text
     assert "--backend gloo" in text and 'export CUDA_VISIBLE_DEVICES=""' in text
-    # With elastic restarts torchrun would restart ranks that stop to save; the job stops torchrun instead.
+    # With elastic restarts torchrun would restart ranks that stop to save; the job stops torchrun instead, which
+    # gives the ranks distributed.shutdown_timeout_s to save; SLURM warns that long before the limit, plus a margin.
     assert 'scancel --signal=TERM "$SLURM_JOB_ID"' in text
+    assert 'SHUTDOWN_TIMEOUT="${PHALANX_SHUTDOWN_TIMEOUT:-300}"' in text and "#SBATCH --signal=B:USR1@360" in text
+    assert text.index('export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="$SHUTDOWN_TIMEOUT"') < text.index("srun --ntasks-per-node=1")
+    code, _, err = cli(capsys, "slurm", "--config", "train.yaml", "--num_nodes", "2", "--num_gpus_per_node", "0",
+                       "--output", str(script), "--", "--shutdown_timeout_s", "900")
+    assert code == 0 and "#SBATCH --signal=B:USR1@960" in script.read_text() and "PHALANX_SHUTDOWN_TIMEOUT:-900" in script.read_text()
+    code, _, err = cli(capsys, "slurm", "--config", "train.yaml", "--num_nodes", "2", "--num_gpus_per_node", "0",
+                       "--signal_time", "120", "--output", str(script))
+    assert code == 0 and "#SBATCH --signal=B:USR1@120" in script.read_text()
+    assert "warning: --signal_time 120: SLURM ends the job 120 s after its warning, sooner than the 300 s" in err
 
 
 @pytest.mark.parametrize("args, message", [

@@ -8,6 +8,10 @@
 With --world_size N (and no torchrun around it) the command checks its input once, then starts N
 ranks through torch's elastic launcher, as `phalanx train` does. Each rank generates its batches
 (job.py), commits them to its shard (shards.py); rank 0 merges. Rerunning resumes.
+
+Preemption: SIGTERM / SIGUSR1 make every rank finish the batch it is generating, commit it and exit
+75, as training does. A rank decides between batches, on its own flag or on one another rank raised
+in the store; the ranks then meet once, at the gather that ends every run, and no rank merges.
 """
 
 from __future__ import annotations
@@ -66,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("world_size", type=int, default=1, help="Ranks to start on this machine (ignored under torchrun).")
     add("master_port", type=int, default=None, help="Rendezvous port for --world_size (default: a free one).")
     add("timeout_minutes", type=float, default=30.0, help="How long a rank waits for the others at the end.")
+    add("shutdown_timeout_s", type=int, default=300, help="--world_size: after a SIGTERM, how long the launcher "
+        "lets the ranks finish and commit their batch before it kills them.")
     add("overwrite", type=_bool, nargs="?", const=True, default=False,
         help="Discard earlier records of --output and start over (default: resume them).")
     add("trust_remote_code", type=_bool, nargs="?", const=True, default=False,
@@ -86,6 +92,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         (0 <= args.val_fraction < 1, "--val_fraction must be in [0, 1)"),
         (args.world_size >= 1, "--world_size must be at least 1"),
         (args.timeout_minutes > 0, "--timeout_minutes must be positive"),
+        (args.shutdown_timeout_s >= 1, "--shutdown_timeout_s must be at least 1"),
     ]
     for ok, message in checks:
         if not ok:
@@ -101,34 +108,47 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str]) -> int:
-    args = parse_args(argv)
-    from phalanx.runtime.dist import launched_by_torchrun
+    import os
 
-    if args.world_size > 1 and not launched_by_torchrun():
+    from phalanx.cli import quiet_libraries
+    from phalanx.runtime.signals import PreemptionFlag
+
+    # A rank (torchrun, `--world_size`) catches SIGTERM/SIGUSR1 from its first moment, before the model stack is
+    # imported, as `phalanx train` does: a signal that comes while it starts is kept, not fatal. The `--world_size`
+    # launcher leaves them to torch's agent, which passes them on to the ranks.
+    is_rank = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # runtime.dist.launched_by_torchrun, without torch
+    preemption = PreemptionFlag().install() if is_rank else None
+    args = parse_args(argv)
+    if args.world_size > 1 and not is_rank:
         from phalanx.generate.job import plan_job
         from phalanx.generate.shards import check_manifest
         from phalanx.launch.local import launch_local
         from phalanx.runtime.dist import check_world_fits
 
+        quiet_libraries()
         # Check what can be checked before any rank starts, so bad input is reported once; write nothing.
         check_world_fits(args.world_size, "auto")
         job = plan_job(args, warn=lambda message: None)
         check_manifest(job.folder, job.output, job.settings, args.overwrite)
         try:
-            code = launch_local(["generate", *argv], args.world_size, args.master_port)
+            code = launch_local(["generate", *argv], args.world_size, args.master_port,
+                                shutdown_timeout_s=args.shutdown_timeout_s)
         except PhalanxError as exc:
             raise PhalanxError(f"phalanx generate: {exc}") from None
         if code:
             print(f"phalanx generate was interrupted; committed batches are kept in {job.folder}: rerun the same "
                   "command to resume", file=sys.stderr, flush=True)
         return code or 0
-    return run(args)
+    preemption = preemption or PreemptionFlag().install()
+    quiet_libraries()
+    return run(args, preemption)
 
 
-def run(args: argparse.Namespace) -> int:
-    """One rank's part (or the whole job in one process)."""
+def run(args: argparse.Namespace, preemption) -> int:
+    """One rank's part (or the whole job in one process); returns 0, or 75 when a signal stopped it."""
     from phalanx.generate.job import plan_job
     from phalanx.runtime import dist as rt
+    from phalanx.runtime.signals import PREEMPTED_EXIT_CODE
 
     rank_id = rt.env_rank_info()[0]
     say = (lambda message: print(message, flush=True)) if rank_id == 0 else (lambda message: None)
@@ -136,8 +156,14 @@ def run(args: argparse.Namespace) -> int:
     rank = rt.init_runtime("auto", args.timeout_minutes)
     try:
         done = _agree_on_state(job, rank, args.overwrite)
-        stats = _generate(job, rank, done, say)
+        stats = _generate(job, rank, done, say, preemption)
+        # Every rank comes here, done or stopped; a signal that arrives later (the merge) lets the run finish.
         everyone = rt.gather_objects(stats)
+        stopped = [s for s in everyone if s["stopped"]]
+        if stopped:
+            if rank.is_main:
+                _report_stop(job, stopped, everyone, len(done))
+            return PREEMPTED_EXIT_CODE
         if rank.is_main:
             _finish(job, rank.world_size, everyone, len(done), say)
         rt.barrier()
@@ -166,7 +192,7 @@ def _agree_on_state(job, rank, overwrite: bool) -> set[tuple[int, int]]:
     return set(map(tuple, answer))
 
 
-def _generate(job, rank, done: set, say) -> dict:
+def _generate(job, rank, done: set, say, preemption) -> dict:
     from phalanx.generate.engine import generate_with_fallback
     from phalanx.generate.job import load_generation_model, make_record, plan_batches, rank_batches
     from phalanx.generate.shards import ShardWriter, shard_path
@@ -180,8 +206,16 @@ def _generate(job, rank, done: set, say) -> dict:
         say(f"♻️  Resuming: {len(done)} of {total} sequences are already committed in {job.folder}")
     mine = rank_batches(batches, rank.rank, rank.world_size, done)
     stats = {"rank": rank.rank, "sequences": 0, "tokens": 0, "seconds": 0.0, "batch_size": job.batch_size,
-             "shrunk": False}
-    if not mine:
+             "shrunk": False, "stopped": None}
+
+    def stop_requested() -> bool:
+        # Checked only between batches: each batch is committed whole (one write, fsynced) or not started.
+        if preemption.requested_anywhere():
+            stats["stopped"] = preemption.signal_name or "signal"
+            return True
+        return False
+
+    if not mine or stop_requested():
         return stats
     model = load_generation_model(job, rank.device)
     prompt_ids = {p.id: list(p.input_ids) for p in job.prompts}
@@ -197,6 +231,8 @@ def _generate(job, rank, done: set, say) -> dict:
     started = time.perf_counter()
     try:
         for number, (index, pairs) in enumerate(mine, start=1):
+            if stop_requested():
+                break
             t0 = time.perf_counter()
             finished, micro = generate_with_fallback(model, prompt_ids, pairs, job.params, job.stop_ids,
                                                      job.tokenizer.pad_token_id, micro, shrink, len(job.tokenizer))
@@ -211,6 +247,16 @@ def _generate(job, rank, done: set, say) -> dict:
     stats["seconds"] = time.perf_counter() - started
     stats["batch_size"] = micro
     return stats
+
+
+def _report_stop(job, stopped: list[dict], everyone: list[dict], resumed: int) -> None:
+    from phalanx.runtime.signals import PREEMPTED_EXIT_CODE
+
+    reasons = ", ".join(sorted({s["stopped"] for s in stopped}))
+    committed = resumed + sum(s["sequences"] for s in everyone)
+    print(f"⏸️  preempted ({reasons}): every rank committed the batch it was generating and stopped; {committed} of "
+          f"{len(job.pairs())} sequences are committed in {job.folder}. Exiting with status {PREEMPTED_EXIT_CODE}: "
+          "rerun the same command to resume.", file=sys.stderr, flush=True)
 
 
 def _finish(job, world_size: int, everyone: list[dict], resumed: int, say) -> None:

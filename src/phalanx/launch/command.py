@@ -178,7 +178,8 @@ def launcher_main(argv: Sequence[str]) -> int:
         config=config_for_script(args.config, project), python=args.python, project_dir=project,
         num_gpus_per_node=gpus, nproc_per_node=nproc, num_nodes=args.num_nodes, node_rank=args.node_rank,
         master_addr=master, master_port=args.master_port, use_deepspeed=args.use_deepspeed,
-        max_restarts=args.max_restarts, rdzv_timeout=args.rdzv_timeout, train_args=train_args,
+        max_restarts=args.max_restarts, rdzv_timeout=args.rdzv_timeout,
+        shutdown_timeout=cfg.distributed.shutdown_timeout_s, train_args=train_args,
         command_line=command_line("launcher", argv),
     )
     write_script(out, scripts.render_launcher_sh(spec, out))
@@ -224,8 +225,9 @@ def slurm_parser() -> argparse.ArgumentParser:
     p.add_argument("--job_name", default="llm_finetune")
     p.add_argument("--log", default="slurm-%j.out", help="the job's log file (SLURM's --output)")
     p.add_argument("--master_port", type=tcp_port, help="rendezvous port (default: derived from the job id)")
-    p.add_argument("--signal_time", type=int, default=300,
-                   help="seconds before the time limit at which the job saves a checkpoint and requeues itself")
+    p.add_argument("--signal_time", type=int, default=None,
+                   help="seconds before the time limit at which the job saves a checkpoint and requeues itself "
+                        f"(default: the config's distributed.shutdown_timeout_s + {scripts.SIGNAL_MARGIN_S})")
     p.add_argument("--no_requeue", action="store_true", help="let the job end at its time limit instead")
     p.add_argument("--setup", action="append", default=[],
                    help="a shell line to run first, e.g. 'module load cuda/12.2' (repeatable)")
@@ -238,7 +240,7 @@ def slurm_main(argv: Sequence[str]) -> int:
     own, train_args = split_train_args(argv)
     args = slurm_parser().parse_args(own)
     gpus, nproc = layout(args)
-    if args.signal_time < 1:
+    if args.signal_time is not None and args.signal_time < 1:
         raise ConfigError(f"--signal_time {args.signal_time}: seconds before the time limit, at least 1")
     cpus = args.cpus_per_task if args.cpus_per_task is not None else (8 if gpus else 1)
     if cpus < 1:
@@ -249,21 +251,27 @@ def slurm_main(argv: Sequence[str]) -> int:
     requeue = not args.no_requeue
     warn_if_restarts_start_over(cfg, requeue or args.max_restarts > 0)
     note_launcher_and_strategy(cfg, args.use_deepspeed)
+    grace = cfg.distributed.shutdown_timeout_s
+    signal_time = args.signal_time if args.signal_time is not None else grace + scripts.SIGNAL_MARGIN_S
+    if requeue and signal_time < grace:
+        print(f"warning: --signal_time {signal_time}: SLURM ends the job {signal_time} s after its warning, sooner "
+              f"than the {grace} s distributed.shutdown_timeout_s gives the ranks to save; a save that takes that "
+              "long is cut off. Raise --signal_time or lower shutdown_timeout_s.", file=sys.stderr)
     spec = SlurmSpec(
         config=config_for_script(args.config, project), python=args.python, project_dir=project,
         num_gpus_per_node=gpus, nproc_per_node=nproc, num_nodes=args.num_nodes,
         master_port=args.master_port or DEFAULT_PORT, fixed_port=args.master_port is not None,
         use_deepspeed=args.use_deepspeed, max_restarts=args.max_restarts, rdzv_timeout=args.rdzv_timeout,
-        train_args=train_args,
+        shutdown_timeout=grace, train_args=train_args,
         command_line=command_line("slurm", argv), job_name=args.job_name, time_limit=args.time_limit,
         partition=args.partition, account=args.account, cpus_per_rank=cpus, mem_per_gpu=args.mem_per_gpu,
-        mem=args.mem, log=args.log, signal_time=args.signal_time, requeue=requeue, setup=args.setup,
+        mem=args.mem, log=args.log, signal_time=signal_time, requeue=requeue, setup=args.setup,
         output_dir=cfg.output_dir,
     )
     write_script(out, scripts.render_slurm(spec, out))
     kind = f"{gpus} GPU(s)" if gpus else f"{nproc} CPU rank(s)"
     print(f"wrote {out}: {args.num_nodes} node(s) x {kind}, time limit {args.time_limit}"
-          + (f", saves and requeues {args.signal_time} s before it." if requeue else "."))
+          + (f", saves and requeues {signal_time} s before it." if requeue else "."))
     print(f"submit it with: sbatch {out}")
     return 0
 

@@ -30,6 +30,8 @@ LAUNCHER_PID = "PHALANX_LAUNCHER_PID"
 EXIT_RECORDS = "PHALANX_RANK_EXIT_RECORDS"
 ORPHAN_POLL_S = 0.25
 BAD_INPUT_EXIT_CODE = 2  # what the CLI returns for any PhalanxError
+# How long ranks get to finish (a preempted rank commits its checkpoint or batch) once the launcher stops them.
+DEFAULT_SHUTDOWN_TIMEOUT_S = 300
 
 
 def free_port() -> int:
@@ -38,9 +40,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch_local(module_args: Sequence[str], nproc: int, master_port: Optional[int] = None, max_restarts: int = 0) -> int:
+def launch_local(module_args: Sequence[str], nproc: int, master_port: Optional[int] = None, max_restarts: int = 0,
+                 shutdown_timeout_s: int = DEFAULT_SHUTDOWN_TIMEOUT_S) -> int:
     """Run `python -m phalanx <module_args>` as `nproc` ranks; returns 0, or the preemption status when the ranks
-    saved and stopped on a signal; raises PhalanxError naming the ranks that failed otherwise."""
+    saved and stopped on a signal; raises PhalanxError naming the ranks that failed otherwise.
+
+    `shutdown_timeout_s`: after a SIGTERM (or once a rank has exited), how long the agent waits for the ranks to
+    finish before it kills them; a preempted rank saves in that time. torch's own default is 30 s."""
     import signal
 
     from phalanx.runtime.signals import PREEMPTED_EXIT_CODE
@@ -66,6 +72,7 @@ def launch_local(module_args: Sequence[str], nproc: int, master_port: Optional[i
         max_restarts=max_restarts,
         monitor_interval=0.2,  # notice a dead rank quickly and stop the others
         logs_specs=DefaultLogsSpecs(log_dir=logs),
+        **shutdown_timeout_option(LaunchConfig, shutdown_timeout_s),
     )
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
@@ -86,8 +93,8 @@ def launch_local(module_args: Sequence[str], nproc: int, master_port: Optional[i
         return after_stop_signal(exc.sigval.name, read_exit_records(records, nproc))
     except ChildFailedError as exc:
         codes = {f.exitcode for f in exc.failures.values()}
-        # A rank exits 75 only after the preemption checkpoint is committed (save ends in a barrier); the agent
-        # then stops the ranks still tearing down, which is no failure.
+        # A rank exits 75 only after every rank's work is committed (see after_stop_signal); the agent then stops
+        # the ranks still tearing down, which is no failure.
         if PREEMPTED_EXIT_CODE in codes:
             return PREEMPTED_EXIT_CODE
         reported = reported_bad_input(exc.failures)
@@ -103,11 +110,28 @@ def launch_local(module_args: Sequence[str], nproc: int, master_port: Optional[i
     return 0
 
 
+def shutdown_timeout_option(launch_config: type, seconds: int) -> dict:
+    """LaunchConfig's `shutdown_timeout` (torch's SIGTERM-to-SIGKILL grace for the ranks), where this torch has it.
+    Older ones always wait 30 s: say so when the setting asks for more."""
+    import dataclasses
+
+    if "shutdown_timeout" in {f.name for f in dataclasses.fields(launch_config)}:
+        return {"shutdown_timeout": int(seconds)}
+    if seconds > 30:
+        import torch
+
+        print(f"note: torch {torch.__version__} kills the ranks 30 s after a SIGTERM whatever the shutdown timeout "
+              f"({seconds} s) says; a newer torch (its torchrun has --shutdown-timeout) waits that long",
+              file=sys.stderr, flush=True)
+    return {}
+
+
 def after_stop_signal(signal_name: str, codes: dict[int, Optional[int]]) -> int:
     """The launcher's status after a SIGTERM/SIGINT, from each rank's exit code (None: no record, the rank was killed).
 
-    75 only when a rank exited 75: it did so after the preemption checkpoint was committed (the save ends in a
-    barrier of all ranks), so a requeue resumes from it. Ranks that died without saving are a failure, named."""
+    75 only when a rank exited 75: it did so once every rank's work was committed (train: the preemption checkpoint,
+    whose save ends in a barrier; generate: each rank's last batch, before the gather they all meet in), so a requeue
+    resumes from it. Ranks that died without saving are a failure, named."""
     from phalanx.runtime.signals import PREEMPTED_EXIT_CODE
 
     unclean = {rank: code for rank, code in sorted(codes.items()) if code not in (0, PREEMPTED_EXIT_CODE)}
@@ -115,12 +139,12 @@ def after_stop_signal(signal_name: str, codes: dict[int, Optional[int]]) -> int:
                           for rank, code in unclean.items())
     if PREEMPTED_EXIT_CODE in codes.values():
         note = f" ({described} after that)" if unclean else ""
-        print(f"launcher received {signal_name}; the ranks saved a checkpoint and stopped{note}; rerun the same command "
-              "to resume from it", file=sys.stderr, flush=True)
+        print(f"launcher received {signal_name}; the ranks saved their progress and stopped{note}; rerun the same "
+              "command to resume from it", file=sys.stderr, flush=True)
         return PREEMPTED_EXIT_CODE
     if not unclean:
         return 0  # every rank had finished when the signal came
-    raise PhalanxError(f"launcher received {signal_name} and the ranks stopped without saving a checkpoint for it: "
+    raise PhalanxError(f"launcher received {signal_name} and the ranks stopped without saving their progress for it: "
                        f"{described}. What they committed earlier is kept; rerun the same command to continue from it.")
 
 

@@ -16,6 +16,7 @@ from typing import Optional
 
 DEFAULT_PORT = 29500
 DEFAULT_RDZV_TIMEOUT = 600  # seconds a node waits for the others before it gives up, with a message
+SIGNAL_MARGIN_S = 60  # SLURM's warning comes this long before the ranks' shutdown grace would run out at the time limit
 
 
 @dataclass
@@ -34,6 +35,7 @@ class LaunchSpec:
     use_deepspeed: bool = False
     max_restarts: int = 0
     rdzv_timeout: int = DEFAULT_RDZV_TIMEOUT
+    shutdown_timeout: int = 300  # distributed.shutdown_timeout_s: torchrun's grace between SIGTERM and SIGKILL
     train_args: list[str] = field(default_factory=list)
     command_line: str = ""
 
@@ -58,7 +60,7 @@ class SlurmSpec(LaunchSpec):
     mem_per_gpu: Optional[str] = "32G"
     mem: Optional[str] = None
     log: str = "slurm-%j.out"
-    signal_time: int = 300
+    signal_time: int = 300 + SIGNAL_MARGIN_S
     requeue: bool = True
     setup: list[str] = field(default_factory=list)
     output_dir: str = "./phalanx-output"
@@ -125,7 +127,9 @@ def render_launcher_sh(spec: LaunchSpec, script: Path) -> str:
         f"#        bash {script.name} 4                4 processes on this node (like seed 000's launch_distributed.sh 4)",
         f"#        bash {script.name} --max_steps 10   extra --flag value pairs go to `phalanx train`",
         "# Without regenerating, override with PHALANX_ + PYTHON, NUM_NODES, NODE_RANK, MASTER_ADDR, MASTER_PORT,",
-        "# NPROC_PER_NODE, MAX_RESTARTS or RDZV_TIMEOUT (seconds a node waits for the others), e.g. PHALANX_NODE_RANK=1.",
+        "# NPROC_PER_NODE, MAX_RESTARTS or RDZV_TIMEOUT (seconds a node waits for the others), e.g. PHALANX_NODE_RANK=1"
+        + ("." if spec.use_deepspeed else ";"),
+        *([] if spec.use_deepspeed else ["# SHUTDOWN_TIMEOUT: seconds the ranks get to save after a SIGTERM."]),
         "set -euo pipefail",
         "",
         "# The project folder: relative paths in the config resolve from here.",
@@ -139,6 +143,7 @@ def render_launcher_sh(spec: LaunchSpec, script: Path) -> str:
         f'NPROC_PER_NODE="${{PHALANX_NPROC_PER_NODE:-{spec.nproc_per_node}}}"',
         f'MAX_RESTARTS="${{PHALANX_MAX_RESTARTS:-{spec.max_restarts}}}"',
         f'RDZV_TIMEOUT="${{PHALANX_RDZV_TIMEOUT:-{spec.rdzv_timeout}}}"',
+        *([f'SHUTDOWN_TIMEOUT="${{PHALANX_SHUTDOWN_TIMEOUT:-{spec.shutdown_timeout}}}"'] if not spec.use_deepspeed else []),
         'if [[ "${1:-}" =~ ^[0-9]+$ ]]; then NPROC_PER_NODE="$1"; shift; fi',
         "",
     ]
@@ -192,6 +197,7 @@ def render_launcher_sh(spec: LaunchSpec, script: Path) -> str:
         '          --rdzv_conf "timeout=$RDZV_TIMEOUT")',
         "fi",
         "",
+        *SHUTDOWN_LINES,
         "# torchrun (python -m torch.distributed.run) starts NPROC_PER_NODE ranks of `phalanx train` here.",
         'exec "$PYTHON" -m torch.distributed.run --nnodes "$NUM_NODES" --nproc_per_node "$NPROC_PER_NODE" "${RDZV[@]}" \\',
         f'    {_train_words(spec)} "${{TRAIN_BACKEND[@]}}" "$@"',
@@ -242,6 +248,12 @@ def render_launcher_bat(spec: LaunchSpec, script: Path) -> str:
 def _bat_word(arg: str) -> str:
     return f'"{arg}"' if any(c in arg for c in ' &|<>^%"') else arg
 
+
+SHUTDOWN_LINES = [
+    "# After a SIGTERM, torchrun gives the ranks this long to save a checkpoint before it kills them (torch's",
+    "# default is 30 s; distributed.shutdown_timeout_s). A torch too old to know this variable keeps 30 s.",
+    'export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="$SHUTDOWN_TIMEOUT"',
+]
 
 SLURM_NCCL = [
     "# NCCL: report errors instead of hanging, say what went wrong, and keep off loopback and docker",
@@ -308,6 +320,8 @@ def render_slurm(spec: SlurmSpec, script: Path) -> str:
         f'PYTHON="${{PHALANX_PYTHON:-{spec.python}}}"',
         f'OUTPUT_DIR="${{PHALANX_OUTPUT_DIR:-{spec.output_dir}}}"',
         f'RDZV_TIMEOUT="${{PHALANX_RDZV_TIMEOUT:-{spec.rdzv_timeout}}}"',
+        *([f'SHUTDOWN_TIMEOUT="${{PHALANX_SHUTDOWN_TIMEOUT:-{spec.shutdown_timeout}}}"', *SHUTDOWN_LINES]
+          if not spec.use_deepspeed else []),
         f"export OMP_NUM_THREADS={spec.cpus_per_rank}",
         "",
         *SLURM_NCCL,
@@ -339,7 +353,7 @@ def render_slurm(spec: SlurmSpec, script: Path) -> str:
     if spec.requeue:
         if spec.max_restarts:
             # torchrun would restart ranks that stop to save (they exit 75), so stop torchrun itself; it passes
-            # SIGTERM on to the ranks and gives them 30 s before it kills them.
+            # SIGTERM on to the ranks and gives them SHUTDOWN_TIMEOUT seconds before it kills them.
             stop = ["    # torchrun restarts ranks that stop (--max_restarts); SIGTERM stops torchrun and, through it, the ranks.",
                     '    scancel --signal=TERM "$SLURM_JOB_ID"']
         else:

@@ -1,7 +1,10 @@
 """Preemption: SIGTERM / SIGUSR1 (what SLURM and Kubernetes send) ask the run to save and stop.
 
-The handler only sets a flag; the loop folds the flag into the step's collective, so
-every rank learns of the request in the same step and all of them stop together.
+The handler only sets a flag. Training folds the flag into the step's collective, so every rank
+learns of the request in the same step and all of them stop together. Generation ranks meet in no
+collective between batches (each commits to its own shard), so a rank that was signalled also
+raises the flag in the process group's store, where the others see it before their next batch
+(`requested_anywhere`).
 """
 
 from __future__ import annotations
@@ -14,11 +17,14 @@ PREEMPTED_EXIT_CODE = 75
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
+_STORE_KEY = "phalanx/preempt"
+
 
 class PreemptionFlag:
     def __init__(self) -> None:
         self.requested = False
         self.signal_name = ""
+        self._published = False
 
     def install(self) -> "PreemptionFlag":
         for sig in PREEMPT_SIGNALS:
@@ -28,6 +34,26 @@ class PreemptionFlag:
     def _handle(self, signum, frame) -> None:
         self.requested = True
         self.signal_name = signal.Signals(signum).name
+
+    def requested_anywhere(self) -> bool:
+        """This rank's request, or one another rank published: one round trip to the process group's store (none
+        without a process group). A rank that sees another's takes its signal name, so every rank reports the same."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return self.requested
+        from torch.distributed import distributed_c10d as c10d
+
+        store = c10d._get_default_store()
+        if self.requested:
+            if not self._published:
+                store.set(_STORE_KEY, self.signal_name)
+                self._published = True
+            return True
+        if not store.check([_STORE_KEY]):
+            return False
+        self.signal_name = self.signal_name or store.get(_STORE_KEY).decode()
+        return True
 
 
 class Preempted(Exception):
