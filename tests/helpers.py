@@ -17,6 +17,21 @@ def run_phalanx(*args: str, cwd: Path | None = None, timeout: float = 300, env: 
                           capture_output=True, text=True, timeout=timeout)
 
 
+def trained_runs(tok, example: dict) -> list[str]:
+    """Each contiguous run of trained tokens of a tokenized row, decoded (labels are the ids, or -100)."""
+    runs, current = [], []
+    for token, label in zip(example["input_ids"], example["labels"]):
+        assert label in (-100, token)
+        if label != -100:
+            current.append(label)
+        elif current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    return [tok.decode(run) for run in runs]
+
+
 def shared_template(name: str) -> Path:
     """A real model's chat template (test data, not ours to ship) from the shared folder beside the repository
     (tests/data/templates finds it). Missing is a failure, never a skip."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from helpers import trained_runs
 
 from phalanx.data.chat import IGNORE_INDEX, tokenize_conversation
 from phalanx.data.collate import pad_batch
@@ -42,19 +43,7 @@ def one(tokenized):
     return tokenized.examples[0]
 
 
-def target_runs(tok, result) -> list[str]:
-    """Decode each contiguous run of labelled tokens."""
-    runs, current = [], []
-    for token, label in zip(result["input_ids"], result["labels"]):
-        assert label in (IGNORE_INDEX, token)
-        if label != IGNORE_INDEX:
-            current.append(label)
-        elif current:
-            runs.append(current)
-            current = []
-    if current:
-        runs.append(current)
-    return [tok.decode(run) for run in runs]
+target_runs = trained_runs
 
 
 CHATML_TARGETS = [

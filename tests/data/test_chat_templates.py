@@ -1,16 +1,14 @@
 """data.chat_template: phalanx's DeepSeek-R1-Distill template against the models' own, resolving the value, and a
 real run that saves the template it trained with."""
 
-import json
-from pathlib import Path
 
 import pytest
-from helpers import ROOT, run_phalanx, shared_template, write_chat_jsonl
+from helpers import ROOT, run_phalanx, shared_template, trained_runs, write_chat_jsonl
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from phalanx.config.loader import load_config
 from phalanx.data.chat_templates import resolve_chat_template, shipped_templates
-from phalanx.data.chat import IGNORE_INDEX, tokenize_conversation
+from phalanx.data.chat import tokenize_conversation
 from phalanx.data.formats import to_conversation
 from phalanx.errors import ConfigError
 
@@ -213,13 +211,7 @@ def test_tool_rows_train_with_exact_masks_under_the_corrected_template():
                                 {"role": "tool", "content": '{"bmi": 22.9}'}, {"role": "assistant", "content": "same"}]
     result = tokenize_conversation(tok, to_conversation({"messages": messages}, "row 1"), "row 1")
     assert result.policy == "full"
-    example, runs, run = result.examples[0], [], []
-    for token, label in zip(example["input_ids"], example["labels"]):
-        if label != IGNORE_INDEX:
-            run.append(token)
-        elif run:
-            runs.append(tok.decode(run)); run = []
-    runs += [tok.decode(run)] if run else []
+    runs = trained_runs(tok, result.examples[0])
     assert runs == [
         f"<｜tool▁calls▁begin｜>{CALL_BMI}\n{CALL_TIME}<｜tool▁calls▁end｜>{EOS}",
         f"22.9, at noon.{EOS}",

@@ -17,6 +17,7 @@ import functools
 import re
 
 import pytest
+from helpers import trained_runs
 from data.templates import (
     CASE,
     CASES,
@@ -78,20 +79,6 @@ def _render(tok, template: str, messages, tools, generation_prompt: bool):
         return f"<raised {type(e).__name__}: {e}>"
 
 
-def _runs(tok, example: dict) -> list[str]:
-    """Each contiguous run of trained tokens, decoded."""
-    runs, current = [], []
-    for token, label in zip(example["input_ids"], example["labels"]):
-        if label != IGNORE_INDEX:
-            current.append(label)
-        elif current:
-            runs.append(current)
-            current = []
-    if current:
-        runs.append(current)
-    return [tok.decode(run) for run in runs]
-
-
 def assert_examples_equal(tok, got: list[dict], want: list[dict]):
     assert len(got) == len(want), f"{len(got)} examples, the oracle has {len(want)}"
     for n, (g, w) in enumerate(zip(got, want)):
@@ -99,7 +86,7 @@ def assert_examples_equal(tok, got: list[dict], want: list[dict]):
         g_ids, g_labels = list(g["input_ids"]), list(g["labels"])
         assert tok.decode(g_ids) == tok.decode(w["input_ids"]), f"example {n}: the input text differs from the template's"
         assert g_ids == w["input_ids"], f"example {n}: same text, other tokens (tokenized in pieces, or special tokens added?)"
-        assert _runs(tok, {"input_ids": g_ids, "labels": g_labels}) == _runs(tok, w), f"example {n}: trained text differs"
+        assert trained_runs(tok, {"input_ids": g_ids, "labels": g_labels}) == trained_runs(tok, w), f"example {n}: trained text differs"
         assert g_labels == w["labels"], f"example {n}: labels differ"
 
 
@@ -178,7 +165,7 @@ def test_oracle_trains_exactly_the_reviewed_text(name, kind):
         prefix = tok.apply_chat_template(messages[: i + 1], tools=tools, tokenize=False)
         assert example["input_ids"] == tok(prefix, add_special_tokens=False)["input_ids"]
     for example, spans in zip(per_turn, reviewed["per_turn"]):
-        runs = _runs(tok, example)
+        runs = trained_runs(tok, example)
         assert len(runs) == 1 and spans[0] in runs[0]  # tokens overlapping the span: the span, maybe a bit more
 
     # the recorded "auto" policy is the one the template calls for
