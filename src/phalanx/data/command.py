@@ -69,9 +69,9 @@ def _preview(args: list[str]) -> int:
 
 def preview(cfg: Any, tokenizer: Any, rows: int, color: bool, say: Callable[[str], None]) -> int:
     """Print the first ``rows`` rows marked, every refusal, and the summary; 1 when no row would train."""
-    from phalanx.data.prepare import DataReport, _Counts, _Source, describe_report, iter_outcomes
+    from phalanx.data.prepare import DataReport, RowCounts, DataSource, describe_report, iter_outcomes
 
-    counts, shown = _Counts(), [0]
+    counts, shown = RowCounts(), [0]
     refusals = 0
 
     def refused(error: Exception) -> None:
@@ -83,9 +83,9 @@ def preview(cfg: Any, tokenizer: Any, rows: int, color: bool, say: Callable[[str
     counts.on_refusal = refused
     # Every row is read, whatever on_bad_row says: a preview lists all refusals instead of stopping at the first.
     data_cfg = cfg.data.model_copy(update={"on_bad_row": "skip"})
-    sources = [_Source.for_training(data_cfg)]
+    sources = [DataSource.for_training(data_cfg)]
     if data_cfg.eval_dataset_path:
-        sources.append(_Source.path(data_cfg.eval_dataset_path))
+        sources.append(DataSource.path(data_cfg.eval_dataset_path))
     trained: list[dict] = []
     for source in sources:
         for outcome in iter_outcomes(source, data_cfg, tokenizer, counts):

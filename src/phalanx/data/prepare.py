@@ -94,8 +94,8 @@ class PreparedData:
 def prepare_data(cfg: DataConfig, tokenizer: Any, *, seed: int, cache_root: Path) -> PreparedData:
     """Tokenized train (and eval) sets for ``cfg``, from the cache when an identical run made them before."""
     cache_root = Path(cache_root)
-    train_source = _Source.for_training(cfg)
-    eval_source = _Source.path(cfg.eval_dataset_path) if cfg.eval_dataset_path else None
+    train_source = DataSource.for_training(cfg)
+    eval_source = DataSource.path(cfg.eval_dataset_path) if cfg.eval_dataset_path else None
     key = _cache_key(cfg, tokenizer, seed, train_source, eval_source)
     final = cache_root / key
     if final.is_dir():  # rename is atomic: an existing folder is complete
@@ -125,14 +125,16 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, *, seed: int, cache_root: Path
 
 
 @dataclass
-class _Source:
+class DataSource:
+    """Where rows come from: a path (jsonl file, folder, save_to_disk) or a datasets name; its identity keys the cache."""
+
     kind: str  # "path" or "name"
     target: str
     split: str = "train"
     dataset: Any = None  # the loaded datasets.Dataset of a "name" source
 
     @classmethod
-    def for_training(cls, cfg: DataConfig) -> "_Source":
+    def for_training(cls, cfg: DataConfig) -> "DataSource":
         if cfg.dataset_name and cfg.dataset_name != BUNDLED_DATASET:
             ds = load_named_dataset(cfg.dataset_name, cfg.dataset_split)
             return cls("name", cfg.dataset_name, cfg.dataset_split, ds)
@@ -144,7 +146,7 @@ class _Source:
         return cls.path(str(bundled))
 
     @classmethod
-    def path(cls, path: str) -> "_Source":
+    def path(cls, path: str) -> "DataSource":
         return cls("path", path)
 
     def rows(self, on_bad_row):
@@ -182,7 +184,7 @@ def _file_identity(path: Path, root: Path) -> list:
 # ---------------------------------------------------------------------------- cache key
 
 
-def _cache_key(cfg: DataConfig, tokenizer: Any, seed: int, train: _Source, eval_: Optional[_Source]) -> str:
+def _cache_key(cfg: DataConfig, tokenizer: Any, seed: int, train: DataSource, eval_: Optional[DataSource]) -> str:
     identity = {
         "version": CACHE_VERSION,
         "train": train.identity(),
@@ -220,7 +222,9 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 # ---------------------------------------------------------------------------- build
 
 
-class _Counts:
+class RowCounts:
+    """What happened to the rows of one preparation (train and eval sources together); becomes the DataReport."""
+
     def __init__(self) -> None:
         self.read = self.skipped = self.truncated = self.dropped = 0
         self.reasons: list[str] = []
@@ -280,8 +284,8 @@ class _Counts:
         }
 
 
-def _build(cfg: DataConfig, tokenizer: Any, seed: int, train_source: _Source, eval_source: Optional[_Source]):
-    counts = _Counts()
+def _build(cfg: DataConfig, tokenizer: Any, seed: int, train_source: DataSource, eval_source: Optional[DataSource]):
+    counts = RowCounts()
     rows, n_rows = _tokenize_source(train_source, cfg, tokenizer, counts)
     if eval_source is not None:
         train = [ex for _, ex in rows]
@@ -302,7 +306,7 @@ def _build(cfg: DataConfig, tokenizer: Any, seed: int, train_source: _Source, ev
     return train, eval_, report
 
 
-def _tokenize_source(source: _Source, cfg: DataConfig, tokenizer: Any, counts: _Counts):
+def _tokenize_source(source: DataSource, cfg: DataConfig, tokenizer: Any, counts: RowCounts):
     """``(index, example)`` for every usable row, and the number of readable rows the index counts."""
     out, n_rows = [], 0
     for outcome in iter_outcomes(source, cfg, tokenizer, counts):
@@ -324,7 +328,7 @@ class RowOutcome:
     error: Optional[DataError] = None  # why the row was refused
 
 
-def iter_outcomes(source: _Source, cfg: DataConfig, tokenizer: Any, counts: _Counts):
+def iter_outcomes(source: DataSource, cfg: DataConfig, tokenizer: Any, counts: RowCounts):
     """Every readable row of ``source``, converted, rendered, masked and fitted to max_length; refusals are
     yielded (and counted as skipped) rather than raised, so the caller decides between stopping and skipping."""
     fmt, detected_at = cfg.format, None
@@ -366,7 +370,7 @@ def _convert(row: dict, where: str, fmt: str, detected_at: Optional[str]):
         raise
 
 
-def _fit(example: dict, cfg: DataConfig, where: str, counts: _Counts) -> Optional[dict]:
+def _fit(example: dict, cfg: DataConfig, where: str, counts: RowCounts) -> Optional[dict]:
     """Apply max_length / truncation; drop a row with no target token left."""
     n = len(example["input_ids"])
     if n > cfg.max_length:
@@ -456,7 +460,7 @@ def _too_long(examples: list[dict], cfg: DataConfig) -> bool:
     return any(len(ex["input_ids"]) > cfg.max_length for ex in examples)
 
 
-def _keep_recent(tokenizer: Any, conv: dict, result: Tokenized, where: str, cfg: DataConfig, counts: _Counts) -> Tokenized:
+def _keep_recent(tokenizer: Any, conv: dict, result: Tokenized, where: str, cfg: DataConfig, counts: RowCounts) -> Tokenized:
     """``result`` with each row that is too long rendered again without its oldest exchanges (system messages and
     tools stay), the fewest dropped that make it fit; a row whose last exchange alone is too long keeps that one
     exchange, and _fit then cuts its end."""
