@@ -49,6 +49,13 @@ class LoraConfig(Section):
         "all-linear",
         description="Module names to adapt, or 'all-linear' (every linear layer but the output head).",
     )
+    kernel: Literal["fused", "peft"] = Field(
+        "fused",
+        description="Forward of the LoRA layers. 'fused': phalanx's own over PEFT's parameters (same names and "
+        "files): the update runs in the activation dtype and keeps no copy of the input, so far less memory; "
+        "dropout draws an independent mask per adapter as PEFT does and redraws it in backward instead of keeping "
+        "it. 4-bit (QLoRA) bases keep PEFT's forward (the run says so). 'peft': PEFT's forward everywhere.",
+    )
 
 
 class DataConfig(Section):

@@ -1,4 +1,6 @@
-"""Decide what trains: a LoRA adapter through PEFT (on a 4-bit base for QLoRA), or every weight (full fine-tuning)."""
+"""Decide what trains: a LoRA adapter through PEFT (on a 4-bit base for QLoRA), or every weight (full fine-tuning).
+
+LoRA layers run phalanx's fused forward over PEFT's parameters unless `lora.kernel` is 'peft' (models/lora_fused.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from torch import nn  # noqa: E402
 
 from phalanx.config.schema import LoraConfig, ModelConfig  # noqa: E402
 from phalanx.errors import ConfigError  # noqa: E402
+from phalanx.models.lora_fused import install_fused_lora  # noqa: E402
+from phalanx.runtime.dist import env_rank_info  # noqa: E402
 
 
 def apply_finetuning(model: nn.Module, model_cfg: ModelConfig, lora_cfg: LoraConfig) -> nn.Module:
@@ -44,7 +48,18 @@ def apply_finetuning(model: nn.Module, model_cfg: ModelConfig, lora_cfg: LoraCon
         raise ConfigError(f"lora.target_modules = {lora_cfg.target_modules!r}: {exc}. Linear modules in this model: {names}") from None
     if model_cfg.gradient_checkpointing:
         peft_model.enable_input_require_grads()
+    if lora_cfg.kernel == "fused":
+        use_fused_kernel(peft_model)
     return peft_model
+
+
+def use_fused_kernel(peft_model: nn.Module) -> None:
+    """Give the LoRA layers phalanx's fused forward (models/lora_fused.py); say once which layers keep PEFT's."""
+    fused, others = install_fused_lora(peft_model)
+    if others and env_rank_info()[0] == 0:
+        kept = ", ".join(f"{count} {kind}" for kind, count in sorted(others.items()))
+        print(f"LoRA kernel: fused on {fused} layers; PEFT's forward on {kept} (4-bit base or adapter variant, "
+              "which the fused path does not cover; --lora.kernel peft silences this).", flush=True)
 
 
 def trainable_parameter_count(model: nn.Module) -> tuple[int, int]:

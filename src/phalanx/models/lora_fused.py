@@ -1,0 +1,161 @@
+"""A lean forward for PEFT's LoRA linear layers: the same parameters, names and files, less memory and traffic.
+
+PEFT's `lora.Linear.forward` casts each adapter's input to the adapter dtype (fp32), runs dropout on that copy and
+keeps it for backward, then casts it back to bf16 under autocast (another copy kept), and scales and adds the
+update in separate passes. q/k/v (and gate/up) read the same hidden states, so each keeps its own copies.
+
+Here the update is one autograd Function per layer,
+
+    out = base(x) + (dropout(x) @ A^T @ B^T) * scale
+
+computed in the activation dtype (the autocast dtype, else x's): A and B stay the fp32 (or whatever dtype the
+strategy gives them) parameters PEFT made; they are cast to the activation dtype for the matmuls, and their
+gradients come back in their own dtype. Backward needs only x (which the base linear keeps anyway) and the r-wide
+intermediate x @ A^T. The update is added into the base output in place (`addmm_`), with the scale as its alpha.
+
+Dropout keeps PEFT's semantics exactly: every adapter draws its own mask, from the same default generator, with the
+same call PEFT's dropout makes on CPU (`bernoulli_(1 - p)` on a tensor of the input's shape), so on CPU in fp32
+the masks are PEFT's bit for bit. Sharing one mask across q/k/v would correlate their noise, which changes the
+estimator, so it is not done. Instead no mask is kept: the generator state before the draw is saved (a few bytes on
+CUDA, 5 KB on CPU) and backward redraws the mask from it into a temporary. The 1/(1-p) rescaling goes into the
+scalar alpha, not the mask, so a bf16 mask holds exact 0/1 values and the rescale is not rounded to bf16.
+With dropout 0 (or in eval mode) there is no mask and no copy at all.
+
+Layers this does not cover keep PEFT's forward: 4-bit (bitsandbytes) bases, DoRA and other variants, LoRA biases,
+several active adapters, merged or disabled adapters, per-call `adapter_names`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from peft.tuners.lora.layer import Linear as PeftLoraLinear
+from torch import nn
+
+FUSED = "fused"
+
+
+def _default_generator(device: torch.device) -> Optional[torch.Generator]:
+    if device.type == "cpu":
+        return torch.default_generator
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return None
+
+
+class _LoraUpdate(torch.autograd.Function):
+    """out = base_out + alpha * (m ∘ x) @ A^T @ B^T, with m the 0/1 dropout mask (none when p is 0).
+
+    alpha = scale / (1 - p). The matmuls run in `dtype`; A and B are cast to it; gradients return in their dtypes."""
+
+    @staticmethod
+    def forward(ctx, base_out, x, weight_a, weight_b, alpha: float, p: float, dtype: torch.dtype):
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.dtype != dtype:
+            flat = flat.to(dtype)
+        a = weight_a.to(dtype)
+        b = weight_b.to(dtype)
+        state = None
+        if p > 0.0:
+            generator = _default_generator(flat.device)
+            state = generator.get_state()
+            # PEFT's dropout on CPU is exactly this draw (torch's _dropout_impl): same stream, same mask.
+            kept = torch.empty_like(flat).bernoulli_(1.0 - p)
+            h = torch.mm(kept.mul_(flat), a.t())
+            del kept
+        else:
+            h = torch.mm(flat, a.t())
+        out_flat_shape = (-1, base_out.shape[-1])
+        if base_out.dtype == dtype:
+            out = base_out
+            out.view(out_flat_shape).addmm_(h, b.t(), alpha=alpha)
+            ctx.mark_dirty(out)
+        else:
+            out = base_out + torch.mm(h, b.t()).mul_(alpha).to(base_out.dtype).view(base_out.shape)
+        ctx.save_for_backward(x, weight_a, weight_b, h)
+        ctx.state, ctx.p, ctx.alpha, ctx.dtype = state, p, alpha, dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight_a, weight_b, h = ctx.saved_tensors
+        dtype, alpha = ctx.dtype, ctx.alpha
+        need_x, need_a, need_b = ctx.needs_input_grad[1:4]
+        g = grad_out.reshape(-1, grad_out.shape[-1])
+        if g.dtype != dtype:
+            g = g.to(dtype)
+        grad_x = grad_a = grad_b = None
+        if need_b:
+            grad_b = torch.mm(g.t(), h).mul_(alpha).to(weight_b.dtype)
+        if need_x or need_a:
+            gh = torch.mm(g, weight_b.to(dtype)).mul_(alpha)  # d out / d h, r wide
+            flat = x.reshape(-1, x.shape[-1])
+            if flat.dtype != dtype:
+                flat = flat.to(dtype)
+            mask = None
+            if ctx.p > 0.0:
+                generator = torch.Generator(device=flat.device)
+                generator.set_state(ctx.state)
+                mask = torch.empty_like(flat).bernoulli_(1.0 - ctx.p, generator=generator)
+            if need_a:
+                grad_a = torch.mm(gh.t(), flat if mask is None else flat * mask).to(weight_a.dtype)
+            if need_x:
+                grad_x = torch.mm(gh, weight_a.to(dtype))
+                if mask is not None:
+                    grad_x.mul_(mask)
+                grad_x = grad_x.view(x.shape).to(x.dtype)
+        return grad_out, grad_x, grad_a, grad_b, None, None, None
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
+class FusedLoraLinear(PeftLoraLinear):
+    """PEFT's lora.Linear with the fused forward; everything else (parameters, merging, saving) is PEFT's."""
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        adapters = self.active_adapters
+        if (self.disable_adapters or self.merged or args or kwargs or len(adapters) != 1
+                or adapters[0] not in self.lora_A or adapters[0] in self.lora_variant
+                or _default_generator(x.device) is None):
+            return super().forward(x, *args, **kwargs)
+        name = adapters[0]
+        result = self.base_layer(x)
+        p = self.lora_dropout[name].p if (self.training and isinstance(self.lora_dropout[name], nn.Dropout)) else 0.0
+        alpha = self.scaling[name] / (1.0 - p)
+        return _LoraUpdate.apply(result, x, self.lora_A[name].weight, self.lora_B[name].weight, alpha, p,
+                                 _compute_dtype(x))
+
+
+def fused_applies(module: nn.Module) -> bool:
+    """True for a PEFT lora.Linear over a plain nn.Linear with plain LoRA adapters (no DoRA/variants, no LoRA bias)."""
+    if type(module) is not PeftLoraLinear or type(module.get_base_layer()) is not nn.Linear:
+        return False
+    if module.lora_variant:
+        return False
+    return all(module.lora_B[name].bias is None for name in module.lora_B)
+
+
+def install_fused_lora(model: nn.Module) -> tuple[int, dict[str, int]]:
+    """Swap the class of every LoRA linear the fused path covers; returns (fused count, {other LoRA layer type: count}).
+
+    Each fused layer is also marked a ZeRO-3 leaf module (`_z3_leaf`): its forward reads lora_A/lora_B's weights
+    without calling those submodules, so DeepSpeed must gather the whole layer's parameters at the layer's own
+    forward (and backward) hooks, as it does for MoE blocks. DDP and FSDP2 see the same parameters as before."""
+    from peft.tuners.lora.layer import LoraLayer
+
+    fused, others = 0, {}
+    for module in model.modules():
+        if fused_applies(module):
+            module.__class__ = FusedLoraLinear
+            module._z3_leaf = True
+            fused += 1
+        elif isinstance(module, LoraLayer) and not isinstance(module, FusedLoraLinear):
+            kind = type(module).__module__.rsplit(".", 1)[-1] + "." + type(module).__name__
+            others[kind] = others.get(kind, 0) + 1
+    return fused, others

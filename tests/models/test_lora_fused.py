@@ -1,0 +1,184 @@
+"""The fused LoRA forward (models/lora_fused.py) computes what PEFT's does, over the same parameters and files.
+
+fp32 on CPU: outputs and the gradients of A, B and the input equal PEFT's to 1e-6, with dropout 0 and with dropout
+(the masks are PEFT's own draws). bf16: within bf16 rounding of PEFT, adapters stay fp32. save_pretrained output
+loads with PeftModel.from_pretrained. Layers the fused path does not cover keep PEFT's forward, and the run says so."""
+
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft import PeftModel, get_peft_model
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from phalanx.config.schema import LoraConfig, ModelConfig
+from phalanx.models.adapters import apply_finetuning
+from phalanx.models.lora_fused import FusedLoraLinear, install_fused_lora
+
+TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+LINEARS = 7 * TINY["num_hidden_layers"]
+
+
+def base_model(dtype=torch.float32):
+    torch.manual_seed(0)
+    # Qwen2: q/k/v carry biases, so their outputs are views of a flattened addmm, the case in-place addition must handle.
+    return Qwen2ForCausalLM(Qwen2Config(**TINY)).to(dtype)
+
+
+def lora_model(kernel, dropout=0.0, dtype=torch.float32, gradient_checkpointing=False):
+    model = apply_finetuning(base_model(dtype), ModelConfig(gradient_checkpointing=gradient_checkpointing),
+                             LoraConfig(r=8, alpha=16, dropout=dropout, kernel=kernel))
+    # PEFT starts B at zero, where the update and A's gradient vanish: give B values so the test means something.
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+    return model
+
+
+def run(model, seed=3, autocast=None, train=True):
+    """Logits, gradients of every adapter weight and of the input embeddings, for one forward+backward."""
+    model.train(train)
+    gen = torch.Generator().manual_seed(2)
+    embeds = (torch.randn(2, 24, TINY["hidden_size"], generator=gen) * 0.5).to(model.dtype).requires_grad_(True)
+    torch.manual_seed(seed)  # the dropout masks
+    with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+        logits = model(inputs_embeds=embeds).logits
+    (logits.float() * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+    return logits.detach().float(), grads, embeds.grad.float()
+
+
+def assert_close(fused, peft, atol, rtol):
+    (out_f, grads_f, gx_f), (out_p, grads_p, gx_p) = fused, peft
+    torch.testing.assert_close(out_f, out_p, atol=atol, rtol=rtol)
+    assert grads_f.keys() == grads_p.keys() and len(grads_f) == 2 * LINEARS
+    for name in grads_p:
+        torch.testing.assert_close(grads_f[name], grads_p[name], atol=atol, rtol=rtol, msg=name)
+    torch.testing.assert_close(gx_f, gx_p, atol=atol, rtol=rtol)
+
+
+def test_fused_is_the_default_and_covers_every_linear():
+    model = lora_model("fused")
+    assert LoraConfig().kernel == "fused"
+    assert sum(isinstance(m, FusedLoraLinear) for m in model.modules()) == LINEARS
+    peft = lora_model("peft")
+    assert not any(isinstance(m, FusedLoraLinear) for m in peft.modules())
+    # Same parameters, names, dtypes and trainability: optimizers, DDP/FSDP wrapping and checkpoints see no change.
+    assert [(n, p.shape, p.dtype, p.requires_grad) for n, p in model.named_parameters()] == \
+        [(n, p.shape, p.dtype, p.requires_grad) for n, p in peft.named_parameters()]
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_fp32_matches_peft(dropout):
+    fused, peft = run(lora_model("fused", dropout)), run(lora_model("peft", dropout))
+    assert_close(fused, peft, atol=1e-6, rtol=1e-5)
+    if dropout:  # the masks are live: another seed gives other outputs, and the same seed PEFT's
+        assert not torch.allclose(run(lora_model("fused", dropout), seed=4)[0], fused[0])
+
+
+def test_dropout_masks_survive_activation_checkpointing():
+    """Non-reentrant checkpointing recomputes the forward with the RNG restored; the redrawn masks must agree."""
+    fused = run(lora_model("fused", 0.1, gradient_checkpointing=True))
+    assert_close(fused, run(lora_model("peft", 0.1)), atol=1e-6, rtol=1e-5)
+
+
+def test_eval_mode_has_no_dropout():
+    out = run(lora_model("fused", 0.3), train=False)[0]
+    torch.testing.assert_close(out, run(lora_model("peft", 0.0), train=False)[0], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_bf16_matches_peft_and_adapters_stay_fp32(autocast):
+    # A bf16 base as phalanx loads it for LoRA runs, with and without autocast on top (DDP/single use autocast).
+    fused_model, peft_model = lora_model("fused", dtype=torch.bfloat16), lora_model("peft", dtype=torch.bfloat16)
+    fused, peft = run(fused_model, autocast=autocast), run(peft_model, autocast=autocast)
+    for model in (fused_model, peft_model):
+        assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}
+        assert {p.grad.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
+    # PEFT runs the update in fp32 without autocast, the fused path in bf16: bf16 rounding apart.
+    scale = fused[0].abs().max()
+    torch.testing.assert_close(fused[0], peft[0], atol=0.02 * scale, rtol=0.02)
+    for name in peft[1]:
+        ref = peft[1][name]
+        assert (fused[1][name] - ref).norm() <= 0.03 * ref.norm() + 1e-6, name
+    assert (fused[2] - peft[2]).norm() <= 0.03 * peft[2].norm()
+
+
+def test_bf16_saves_far_fewer_activation_bytes():
+    """What backward keeps, counted per storage (parameters aside): the fused path keeps no fp32, cast or dropped
+    copies of the inputs and no masks, so dropout costs it nothing."""
+    def saved_bytes(model):
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        seen = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        model.train()
+        embeds = torch.randn(2, 24, TINY["hidden_size"], dtype=torch.bfloat16, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+            model(inputs_embeds=embeds).logits.float().sum().backward()
+        return sum(seen.values())
+
+    fused = {p: saved_bytes(lora_model("fused", p, dtype=torch.bfloat16)) for p in (0.0, 0.1)}
+    peft = {p: saved_bytes(lora_model("peft", p, dtype=torch.bfloat16)) for p in (0.0, 0.1)}
+    assert fused[0.1] == fused[0.0] < peft[0.0] < peft[0.1]
+    assert fused[0.1] < 0.5 * peft[0.1], (fused, peft)
+
+
+def test_save_pretrained_loads_with_peft(tmp_path):
+    model = lora_model("fused", 0.1)
+    out = run(model, train=False)[0]
+    model.save_pretrained(tmp_path / "fused")
+    lora_model("peft", 0.1).save_pretrained(tmp_path / "peft")
+    from safetensors.torch import load_file
+
+    fused_file, peft_file = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("fused", "peft"))
+    assert {k: v.shape for k, v in fused_file.items()} == {k: v.shape for k, v in peft_file.items()}
+    loaded = PeftModel.from_pretrained(base_model(), tmp_path / "fused")
+    assert not any(isinstance(m, FusedLoraLinear) for m in loaded.modules())
+    torch.testing.assert_close(run(loaded, train=False)[0], out, atol=1e-6, rtol=1e-5)
+
+
+def test_disabled_and_merged_adapters_take_peft_paths():
+    model = lora_model("fused")
+    model.eval()
+    ids = torch.arange(10).unsqueeze(0)
+    with torch.no_grad():
+        adapted = model(input_ids=ids).logits
+        with model.disable_adapter():
+            plain = model(input_ids=ids).logits
+        torch.testing.assert_close(plain, base_model()(input_ids=ids).logits)
+        assert not torch.allclose(plain, adapted)
+        merged = copy.deepcopy(model).merge_and_unload()
+        torch.testing.assert_close(merged(input_ids=ids).logits, adapted, atol=1e-5, rtol=1e-5)
+
+
+def test_variants_keep_peft_forward_and_the_run_says_so(capsys):
+    model = get_peft_model(base_model(), PeftLoraConfig(r=4, target_modules="all-linear", use_dora=True))
+    fused, others = install_fused_lora(model)
+    assert fused == 0 and sum(others.values()) == LINEARS
+    from phalanx.models.adapters import use_fused_kernel
+
+    use_fused_kernel(get_peft_model(base_model(), PeftLoraConfig(r=4, target_modules="all-linear", use_dora=True)))
+    said = capsys.readouterr().out
+    assert said.count("LoRA kernel") == 1 and "PEFT's forward on" in said
+
+
+def test_qlora_base_keeps_peft_forward(capsys):
+    pytest.importorskip("bitsandbytes")
+    from phalanx.config.loader import load_config, overrides_from_flags
+    from phalanx.models.load import load_model, quantization_config
+
+    cfg = load_config(None, overrides_from_flags([("load_in_4bit", "true")]))
+    model = load_model("embedded:tiny-qwen3", torch.float32, quantization=quantization_config(cfg.model, None))
+    model = apply_finetuning(model, cfg.model, cfg.lora)
+    assert not any(isinstance(m, FusedLoraLinear) for m in model.modules())
+    said = capsys.readouterr().out
+    assert said.count("LoRA kernel") == 1 and "Linear4bit" in said
