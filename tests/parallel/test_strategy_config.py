@@ -65,3 +65,37 @@ def test_user_deepspeed_json_autos_are_filled_and_unset_fields_taken_from_it(tmp
         build_ds_config(cfg, world_size=2, precision=Precision(None))
     assert "gradient_clipping is 0.3 in the JSON but 1.0" in str(err.value)
     assert "zero_optimization.stage is 3 in the JSON but 2" in str(err.value)
+
+
+def test_each_configured_strategy_name_builds_its_class_from_the_config(tmp_path):
+    """make_strategy is a lookup: every `distributed.strategy` value has a registered class, built by from_config."""
+    import typing
+
+    import torch
+
+    from phalanx.config.schema import SHARDING_STRATEGIES, DistributedConfig
+    from phalanx.parallel import STRATEGIES, make_strategy
+    from phalanx.parallel.config_files import config_main
+    from phalanx.parallel.ddp import DDPStrategy
+    from phalanx.parallel.deepspeed import DeepSpeedStrategy
+    from phalanx.parallel.fsdp import FSDPStrategy
+    from phalanx.runtime.dist import RankInfo
+
+    assert set(STRATEGIES) == set(typing.get_args(DistributedConfig.model_fields["strategy"].annotation))
+    assert set(SHARDING_STRATEGIES) == set(typing.get_args(DistributedConfig.model_fields["sharding_strategy"].annotation))
+    one, two = (RankInfo(0, n, 0, n, torch.device("cpu")) for n in (1, 2))
+    fp32 = Precision(None)
+    assert type(make_strategy(one, fp32, cfg=load_config(None, {}))).name == "single"  # one process under DDP: plain
+    ddp = make_strategy(two, fp32, cfg=load_config(None, {"distributed.ddp_comm_hook": "bf16"}))
+    assert isinstance(ddp, DDPStrategy) and ddp.comm_hook == "bf16"
+    assert make_strategy(two, fp32, "fp16", cfg=load_config(None, {})).comm_hook == "fp16"  # an explicit hook stands in
+    fsdp = make_strategy(one, fp32, cfg=load_config(None, {"distributed.strategy": "fsdp", "model.finetune": "full",
+                                                          "distributed.sharding_strategy": "SHARD_GRAD_OP"}))
+    assert isinstance(fsdp, FSDPStrategy) and (fsdp.sharding_strategy, fsdp.finetune, fsdp.param_dtype) == ("SHARD_GRAD_OP", "full", None)
+    file = tmp_path / "fsdp.json"
+    assert config_main(["fsdp", "--sharding_strategy", "NO_SHARD", "--mixed_precision", "BFLOAT16", "--cpu_offload",
+                        "--output", str(file)]) == 0
+    fsdp = make_strategy(two, fp32, cfg=load_config(None, {"distributed.strategy": "fsdp", "distributed.fsdp_config": str(file)}))
+    assert (fsdp.sharding_strategy, fsdp.cpu_offload, fsdp.param_dtype) == ("NO_SHARD", True, torch.bfloat16)
+    ds = make_strategy(two, fp32, cfg=load_config(None, {"distributed.strategy": "deepspeed", "distributed.zero_stage": 3}))
+    assert isinstance(ds, DeepSpeedStrategy) and ds.zero_stage == 3

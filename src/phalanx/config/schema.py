@@ -6,7 +6,7 @@ so the documentation cannot drift from what is validated.
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Literal, Optional, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -182,6 +182,11 @@ class LoggingConfig(Section):
     progress_bar: bool = Field(True, description="Show a progress bar on rank 0 (on a terminal; where stdout is a file or pipe, one plain line per logged step).")
 
 
+# FSDP sharding strategies (seed 003's names), defined once: the FSDP strategy and `phalanx config fsdp` read these.
+ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
+SHARDING_STRATEGIES: tuple[str, ...] = get_args(ShardingStrategy)
+
+
 class DistributedConfig(Section):
     world_size: int = Field(1, gt=0, description="Processes to start on this machine (ignored under torchrun, which sets it).")
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="'auto' is NCCL on CUDA, gloo on CPU.")
@@ -190,7 +195,7 @@ class DistributedConfig(Section):
         "ddp", description="How several ranks train: 'ddp' (a full replica per rank), 'fsdp' (PyTorch FSDP2, sharded "
         "parameters, gradients and optimizer state) or 'deepspeed' (the DeepSpeed ZeRO engine). One process runs plain under 'ddp' and on a one-rank group under the others (their CPU offload works on a single device)."
     )
-    sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"] = Field(
+    sharding_strategy: ShardingStrategy = Field(
         "FULL_SHARD", description="FSDP: shard everything and regather per layer (FULL_SHARD), keep parameters gathered "
         "between forward and backward (SHARD_GRAD_OP), shard within a node and replicate across nodes (HYBRID_SHARD), "
         "or replicate only (NO_SHARD)."

@@ -11,13 +11,16 @@ import contextlib
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, ContextManager, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, ContextManager, Iterator, Optional
 
 import torch
 from torch import nn
 
 from phalanx.errors import ConfigError
 from phalanx.runtime.dist import RankInfo
+
+if TYPE_CHECKING:
+    from phalanx.config.schema import RunConfig
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,15 @@ class Strategy:
         self.scaler = torch.amp.GradScaler("cuda") if precision.needs_scaler else None
         self.model: Optional[nn.Module] = None
         self.optimizer: Optional[torch.optim.Optimizer] = None
+
+    @classmethod
+    def from_config(cls, rank: RankInfo, precision: Precision, cfg: RunConfig) -> "Strategy":
+        """This strategy as the run config sets it up (make_strategy calls it); subclasses read their own fields."""
+        return cls(rank, precision)
+
+    @classmethod
+    def check_config(cls, cfg: RunConfig, world_size: int, precision: Precision) -> None:
+        """Raise ConfigError for what every rank would refuse, before any starts (launchers call it; no CUDA call)."""
 
     def prepare(
         self, model: nn.Module, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager
+from typing import TYPE_CHECKING, ContextManager
 
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -11,6 +11,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from phalanx.parallel.base import Precision, Strategy, quantized_parameter_names
 from phalanx.runtime.dist import RankInfo
+
+if TYPE_CHECKING:
+    from phalanx.config.schema import RunConfig
 
 COMM_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
 
@@ -23,6 +26,13 @@ class DDPStrategy(Strategy):
         self.comm_hook = comm_hook
         # Models with running statistics (BatchNorm) want rank 0's buffers on every rank before each forward.
         self.broadcast_buffers = broadcast_buffers
+
+    @classmethod
+    def from_config(cls, rank: RankInfo, precision: Precision, cfg: RunConfig) -> Strategy:
+        """distributed.ddp_comm_hook; one process has nothing to synchronise and trains plainly (base Strategy)."""
+        if not rank.distributed:
+            return Strategy(rank, precision)
+        return cls(rank, precision, cfg.distributed.ddp_comm_hook)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         on_cuda = self.rank.device.type == "cuda"

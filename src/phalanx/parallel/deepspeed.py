@@ -16,23 +16,25 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Optional
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional
 
 import torch
 from torch import nn
 
+from phalanx.checkpoint.layout import DS_DIR, DS_TAG
 from phalanx.checkpoint.safe_load import use_safe_loading
 from phalanx.errors import ConfigError
 from phalanx.parallel.base import Precision, Strategy, place_on_device
 from phalanx.runtime.dist import RankInfo
 
-DS_DIR = "deepspeed"
-DS_TAG = "state"
+if TYPE_CHECKING:
+    from phalanx.config.schema import RunConfig
+
 # DeepSpeed would otherwise print a throughput line every 10 steps.
 QUIET = {"steps_per_print": 2**31 - 1, "wall_clock_breakdown": False}
 
 
-def build_ds_config(cfg: Any, world_size: int, precision: Precision) -> dict:
+def build_ds_config(cfg: RunConfig, world_size: int, precision: Precision) -> dict:
     """The DeepSpeed config this run implies, merged with the user's deepspeed_config JSON (if any)."""
     t, d = cfg.training, cfg.distributed
     ours: dict = {
@@ -84,7 +86,7 @@ DECIDED_BY = {
 BINDING = {"train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"}
 
 
-def explicit_fields(cfg: Any) -> set[str]:
+def explicit_fields(cfg: RunConfig) -> set[str]:
     out = set()
     for section in ("training", "distributed"):
         out |= {f"{section}.{name}" for name in getattr(cfg, section).model_fields_set}
@@ -121,7 +123,7 @@ class DeepSpeedStrategy(Strategy):
     name = "deepspeed"
     shards_state = True  # DeepSpeed's own checkpoint: every rank writes its optimizer partition
 
-    def __init__(self, rank: RankInfo, precision: Precision, cfg: Any, finetune: str = "lora"):
+    def __init__(self, rank: RankInfo, precision: Precision, cfg: RunConfig, finetune: str = "lora"):
         super().__init__(rank, precision)
         self.scaler = None  # fp16 loss scaling is the engine's
         self.finetune = finetune
@@ -129,6 +131,16 @@ class DeepSpeedStrategy(Strategy):
         self.zero_stage = int(self.ds_config.get("zero_optimization", {}).get("stage", 0))
         self.engine: Any = None
         self._eval_gather: Any = None
+
+    @classmethod
+    def from_config(cls, rank: RankInfo, precision: Precision, cfg: RunConfig) -> "DeepSpeedStrategy":
+        return cls(rank, precision, cfg, cfg.model.finetune)
+
+    @classmethod
+    def check_config(cls, cfg: RunConfig, world_size: int, precision: Precision) -> None:
+        """A deepspeed_config JSON that contradicts the run is refused before any rank starts."""
+        if cfg.distributed.deepspeed_config:
+            build_ds_config(cfg, world_size, precision)
 
     def prepare(self, model: nn.Module, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]):
         import deepspeed

@@ -20,19 +20,22 @@ from __future__ import annotations
 import contextlib
 from concurrent.futures import Future
 from pathlib import Path
-from typing import ContextManager, Optional
+from typing import TYPE_CHECKING, ContextManager, Optional
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from phalanx.checkpoint.dcp import load_state, save_state
+from phalanx.checkpoint.layout import SHARDED_DIR
+from phalanx.config.schema import SHARDING_STRATEGIES
 from phalanx.errors import ConfigError
 from phalanx.parallel.base import Precision, Strategy
+from phalanx.parallel.config_files import read_fsdp_config
 from phalanx.runtime.dist import RankInfo
 
-SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
-SHARDED_DIR = "sharded_state"
+if TYPE_CHECKING:
+    from phalanx.config.schema import RunConfig
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -62,6 +65,18 @@ class FSDPStrategy(Strategy):
         self.finetune = finetune
         self.reshard_after_forward = sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
         self.units: list[nn.Module] = []
+
+    @classmethod
+    def from_config(cls, rank: RankInfo, precision: Precision, cfg: RunConfig) -> "FSDPStrategy":
+        """distributed.sharding_strategy and offload_param; an FSDP JSON (`phalanx config fsdp`, distributed.fsdp_config)
+        overrides the sharding strategy and the compute dtype, and can turn CPU offload on."""
+        d = cfg.distributed
+        sharding, offload, param_dtype = d.sharding_strategy, d.offload_param, None
+        if d.fsdp_config:
+            file = read_fsdp_config(d.fsdp_config)
+            sharding, offload = file["sharding_strategy"], file["cpu_offload"] or offload
+            param_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[file["mixed_precision"]]
+        return cls(rank, precision, sharding, offload, cfg.model.finetune, param_dtype)
 
     def _mesh(self):
         from torch.distributed.device_mesh import init_device_mesh

@@ -1,10 +1,13 @@
-"""`phalanx config deepspeed|fsdp`: write the DeepSpeed / FSDP config files seed 003's distributed_setup.py wrote.
+"""The DeepSpeed / FSDP config files: `phalanx config deepspeed|fsdp` writes them (as seed 003's
+distributed_setup.py did), and the FSDP strategy reads the one `--fsdp_config` names.
 
     phalanx config deepspeed --zero_stage 2 --offload_optimizer --bf16 --output config/ds_config.json
     phalanx config fsdp --sharding_strategy FULL_SHARD --mixed_precision BFLOAT16 --output config/fsdp_config.json
 
-The DeepSpeed file leaves the batch size "auto" (filled from the run config by `phalanx train`);
-the FSDP file carries the fields seed 003 shows, which `phalanx train --fsdp_config FILE` reads.
+The DeepSpeed file leaves the batch size "auto" (filled from the run config by `phalanx train`,
+see deepspeed.build_ds_config); the FSDP file carries the fields seed 003 shows, of which
+`phalanx train --fsdp_config FILE` reads the sharding strategy, mixed precision and CPU offload.
+No torch import here: `phalanx config` answers without loading it.
 """
 
 from __future__ import annotations
@@ -14,10 +17,10 @@ import json
 from pathlib import Path
 from typing import Optional, Sequence
 
+from phalanx.config.schema import SHARDING_STRATEGIES
 from phalanx.errors import ConfigError
 
 FSDP_MIXED_PRECISION = ("NO", "FP16", "BFLOAT16", "FP32")
-FSDP_SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
 DEFAULT_LAYER_CLASSES = ["LlamaDecoderLayer", "MistralDecoderLayer", "GemmaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"]
 
 
@@ -79,8 +82,8 @@ def read_fsdp_config(path: str) -> dict:
         raise ConfigError(f"distributed.fsdp_config = {path!r}: cannot read it as JSON ({exc})") from None
     sharding = data.get("fsdp_sharding_strategy", "FULL_SHARD")
     precision = str(data.get("fsdp_mixed_precision", "NO")).upper()
-    if sharding not in FSDP_SHARDING:
-        raise ConfigError(f"{path}: fsdp_sharding_strategy = {sharding!r}; accepted: {', '.join(FSDP_SHARDING)}")
+    if sharding not in SHARDING_STRATEGIES:
+        raise ConfigError(f"{path}: fsdp_sharding_strategy = {sharding!r}; accepted: {', '.join(SHARDING_STRATEGIES)}")
     if precision not in FSDP_MIXED_PRECISION:
         raise ConfigError(f"{path}: fsdp_mixed_precision = {precision!r}; accepted: {', '.join(FSDP_MIXED_PRECISION)}")
     return {"sharding_strategy": sharding, "mixed_precision": {"NO": None, "FP32": None, "FP16": "fp16", "BFLOAT16": "bf16"}[precision],
@@ -113,7 +116,7 @@ def config_main(argv: Sequence[str]) -> int:
     ds.add_argument("--allgather_bucket_size", type=float, default=5e8)
     ds.add_argument("--output", default=None, help="file to write; standard output when unset")
     fs = sub.add_parser("fsdp", help="an FSDP config")
-    fs.add_argument("--sharding_strategy", choices=FSDP_SHARDING, default="FULL_SHARD")
+    fs.add_argument("--sharding_strategy", choices=SHARDING_STRATEGIES, default="FULL_SHARD")
     fs.add_argument("--mixed_precision", choices=FSDP_MIXED_PRECISION, default="BFLOAT16")
     fs.add_argument("--cpu_offload", action="store_true", help="parameters, gradients and the optimizer step on the CPU")
     fs.add_argument("--layer_cls", nargs="+", default=None, help="decoder layer classes to wrap one by one")

@@ -6,7 +6,7 @@ import pytest
 from helpers import read_metrics, run_phalanx
 
 from phalanx.config.schema import RunConfig
-from phalanx.launch.ds_fsdp_config import config_main, read_fsdp_config
+from phalanx.parallel.config_files import config_main, read_fsdp_config
 from phalanx.parallel.base import Precision
 from equivalence import COMMON
 
