@@ -7,18 +7,12 @@ that resume would trust.
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import shutil
 from pathlib import Path
 
-MARKER = "phalanx_checkpoint.json"
-STEP_DIR = re.compile(r"checkpoint-(\d+)")
-
-
-def staging_dir(final: Path) -> Path:
-    return final.parent / f".{final.name}.staging"
+from phalanx.checkpoint.layout import MARKER, STEP_DIR, retired_dir, staging_dir
+from phalanx.runtime.durable import fsync_path, fsync_tree, write_json_atomic
 
 
 def fresh_staging_dir(final: Path) -> Path:
@@ -30,36 +24,11 @@ def fresh_staging_dir(final: Path) -> Path:
     return staging
 
 
-def fsync_path(path: Path) -> None:
-    """fsync one file or folder (a folder's fsync makes renames inside it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(root: Path) -> None:
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            fsync_path(Path(dirpath) / name)
-        fsync_path(Path(dirpath))
-
-
-def write_json_atomic(path: Path, payload: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(payload, f, indent=2, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def commit(staging: Path, final: Path, meta: dict) -> None:
     """Move a fully written staging folder into place and mark it committed (one writer only)."""
     fsync_tree(staging)
     recover_replaced(final)  # an earlier replacement of `final` cut short: its committed copy must not be deleted
-    retired = final.parent / f".{final.name}.retired"
+    retired = retired_dir(final)
     if retired.exists():
         shutil.rmtree(retired)
     if final.exists():
@@ -75,7 +44,7 @@ def committed_copy(final: Path) -> Path:
     """The folder to read for `final`: itself, or, when a crash cut short its replacement (commit() of a folder that
     already existed, e.g. checkpoint-last), the committed copy it was replacing, still waiting beside it.
     Reading only: every rank may call it."""
-    retired = final.parent / f".{final.name}.retired"
+    retired = retired_dir(final)
     return retired if not is_committed(final) and is_committed(retired) else final
 
 
@@ -83,7 +52,7 @@ def recover_replaced(final: Path) -> bool:
     """Put back the committed copy that a cut-short replacement of `final` left beside it (see committed_copy);
     the replacing copy never got its marker, so it is discarded. The single writer calls this. Returns True when
     something was put back."""
-    retired = final.parent / f".{final.name}.retired"
+    retired = retired_dir(final)
     if committed_copy(final) == final:
         return False
     if final.exists():

@@ -16,7 +16,6 @@ wrote its shards of checkpoint-N (before the metadata and the commit), wherever 
 
 from __future__ import annotations
 
-import re
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Optional
@@ -24,9 +23,9 @@ from typing import Optional
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 
+from phalanx.checkpoint.layout import STAGING_STEP_DIR
 from phalanx.runtime.faults import kill_self, planned_fault
 
-_STAGING_STEP = re.compile(r"\.checkpoint-(\d+)\.staging")
 _background_group: tuple = (None, None)  # (the default group it was made in, the gloo group)
 
 
@@ -60,7 +59,7 @@ def _kill_due(folder: Path) -> bool:
     fault = planned_fault()
     if fault is None or fault.kind != "killsave":
         return False
-    match = next((m for m in map(_STAGING_STEP.fullmatch, (p.name for p in (folder, *folder.parents))) if m), None)
+    match = next((m for m in map(STAGING_STEP_DIR.fullmatch, (p.name for p in (folder, *folder.parents))) if m), None)
     rank = dist.get_rank() if dist.is_initialized() else 0
     return match is not None and fault.due("killsave", int(match.group(1)), rank)
 

@@ -19,12 +19,11 @@ from pathlib import Path
 
 import torch
 
-from phalanx.checkpoint.commit import fsync_tree, is_committed
+from phalanx.checkpoint.commit import is_committed
+from phalanx.checkpoint.layout import ADAPTER_WEIGHTS, DS_DIR, DS_TAG, SHARDED_DIR, WEIGHTS, staging_dir
 from phalanx.checkpoint.safe_load import check_deepspeed_checkpoint, dcp_reader
 from phalanx.errors import PhalanxError
-
-SHARDED_DIR = "sharded_state"  # as parallel/fsdp.py writes it
-DEEPSPEED_DIR, DEEPSPEED_TAG = "deepspeed", "state"  # as parallel/deepspeed.py writes it
+from phalanx.runtime.durable import fsync_tree
 
 
 def export_checkpoint(folder: Path, out: Path) -> Path:
@@ -34,12 +33,12 @@ def export_checkpoint(folder: Path, out: Path) -> Path:
     folder, out = Path(folder), Path(out)
     if not is_committed(folder):
         raise PhalanxError(f"{folder} is not a committed phalanx checkpoint (no phalanx_checkpoint.json)")
-    if (folder / "model.safetensors").is_file() or (folder / "adapter_model.safetensors").is_file():
+    if (folder / WEIGHTS).is_file() or (folder / ADAPTER_WEIGHTS).is_file():
         raise PhalanxError(f"{folder} already holds from_pretrained weights; load it directly")
-    deepspeed = (folder / DEEPSPEED_DIR / DEEPSPEED_TAG).is_dir()
+    deepspeed = (folder / DS_DIR / DS_TAG).is_dir()
     if not (folder / SHARDED_DIR).is_dir() and not deepspeed:
         raise PhalanxError(f"{folder} holds neither model weights nor {SHARDED_DIR}/ (FSDP2's sharded state) nor "
-                           f"{DEEPSPEED_DIR}/ (DeepSpeed's); nothing to export")
+                           f"{DS_DIR}/ (DeepSpeed's); nothing to export")
     if out.exists():
         raise PhalanxError(f"{out} exists; choose a new folder to export into")
     config = AutoConfig.from_pretrained(folder)
@@ -50,10 +49,10 @@ def export_checkpoint(folder: Path, out: Path) -> Path:
     model.tie_weights()
     still_meta = [n for n, p in model.named_parameters() if p.is_meta]
     if still_meta or unexpected:
-        source = folder / (DEEPSPEED_DIR if deepspeed else SHARDED_DIR)
+        source = folder / (DS_DIR if deepspeed else SHARDED_DIR)
         raise PhalanxError(f"{source} does not fit its config.json: {len(still_meta)} weight(s) missing "
                            f"{still_meta[:3]}, {len(unexpected)} unknown {unexpected[:3]}")
-    staging = out.with_name(f".{out.name}.staging")
+    staging = staging_dir(out)
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging, safe_serialization=True)
     AutoTokenizer.from_pretrained(folder).save_pretrained(staging)
@@ -81,8 +80,8 @@ def read_deepspeed_weights(folder: Path) -> dict:
     """The fp32 weights of a ZeRO-3 checkpoint, merged from every rank's partition by DeepSpeed's own converter."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    check_deepspeed_checkpoint(folder / DEEPSPEED_DIR)  # the converter itself unpickles with weights_only=False
-    return get_fp32_state_dict_from_zero_checkpoint(str(folder / DEEPSPEED_DIR), tag=DEEPSPEED_TAG)
+    check_deepspeed_checkpoint(folder / DS_DIR)  # the converter itself unpickles with weights_only=False
+    return get_fp32_state_dict_from_zero_checkpoint(str(folder / DS_DIR), tag=DS_TAG)
 
 
 def main(argv: list[str]) -> int:

@@ -12,6 +12,8 @@ Layout of checkpoint-{step}/ (and checkpoint-best/):
 
 A save is synchronous (committed when save_checkpoint returns) or asynchronous (state copied
 to CPU memory, written in the background, committed by rank 0 once complete: PendingCheckpoint).
+This module is the mechanism; when to save, which folder is best, one save in flight and retention
+are the Checkpointer's decisions (checkpoint/checkpointer.py). File and folder names: layout.py.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
-from phalanx.checkpoint.commit import commit, fresh_staging_dir
+from phalanx.checkpoint.commit import commit, committed_copy, committed_step_checkpoints, fresh_staging_dir, is_committed
+from phalanx.checkpoint.layout import ADAPTER_WEIGHTS, TRAINER_STATE, WEIGHTS, rng_file, staging_dir, state_file
 from phalanx.checkpoint.safe_load import load_state_file
 from phalanx.errors import PhalanxError
 from phalanx.runtime import dist as rt
@@ -38,11 +41,9 @@ from phalanx.runtime.seed import load_rng_state, rng_state
 
 class CheckpointWriteError(PhalanxError):
     def __init__(self, final: Path, exc: Exception):
-        from phalanx.checkpoint.commit import committed_step_checkpoints
-
         free_mb = shutil.disk_usage(final.parent).free / 2**20 if final.parent.exists() else 0.0
         kept = [p.name for _, p in committed_step_checkpoints(final.parent)]
-        shutil.rmtree(final.parent / f".{final.name}.staging", ignore_errors=True)
+        shutil.rmtree(staging_dir(final), ignore_errors=True)
         super().__init__(
             f"cannot write checkpoint {final.name} into {final.parent}: {exc}. Free space there: {free_mb:.1f} MB. "
             f"Committed checkpoints are intact: {kept or 'none yet'}. Free space or fix permissions, then rerun "
@@ -86,6 +87,20 @@ def save_model_files(model: nn.Module, tokenizer: Any, folder: Path, state_dict:
         tokenizer.save_pretrained(folder)
 
 
+class PlainWeights:
+    """Any nn.Module as the `save_pretrained` that save_checkpoint calls: its state_dict as one model.safetensors
+    (no config, no tokenizer). TrainingEngine's models are saved this way; load_model_weights reads them back."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def save_pretrained(self, folder: Path, safe_serialization: bool = True, state_dict: Optional[dict] = None) -> None:
+        # Own CPU copies: safetensors refuses tensors that share storage (tied weights).
+        state = self.module.state_dict() if state_dict is None else state_dict
+        state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
+        save_file(state, str(Path(folder) / WEIGHTS), metadata={"format": "pt", "saved_by": "phalanx.engine"})
+
+
 def save_checkpoint(
     final: Path,
     *,
@@ -111,9 +126,9 @@ def save_checkpoint(
     PendingCheckpoint; rank 0 commits it only once every rank's files are on disk. Call its wait()
     before the next save and before the process ends. Synchronous: committed when this returns."""
     try:
-        staging = fresh_staging_dir(final) if rank.is_main else final.parent / f".{final.name}.staging"
+        staging = fresh_staging_dir(final) if rank.is_main else staging_dir(final)
         rt.barrier()  # staging exists before any rank writes into it
-        torch.save(_portable_rng(rng_state()), staging / f"rng_state_{rank.rank}.pt")
+        torch.save(_portable_rng(rng_state()), staging / rng_file(rank.rank))
         background = sharded.save_sharded(staging, asynchronous=asynchronous) if sharded is not None else None
         write_main = None
         if rank.is_main:
@@ -140,7 +155,9 @@ def _main_files_writer(model: nn.Module, tokenizer: Any, staging: Path, stateful
     """Rank 0's files as one call. `snapshot`: the states are copied now, so the call may run later, in the
     background, while training changes the live tensors."""
     if snapshot and weights:
-        if model_state is None and isinstance(model, nn.Module):
+        if model_state is None and isinstance(model, PlainWeights):
+            model_state = model.module.state_dict()  # every key, tied ones included: the plain format keeps them all
+        elif model_state is None and isinstance(model, nn.Module):
             model_state = _trainable_state(model)
         model_state = _copy(model_state)
     states = {name: obj.state_dict() for name, obj in stateful.items()}
@@ -150,8 +167,8 @@ def _main_files_writer(model: nn.Module, tokenizer: Any, staging: Path, stateful
     def write() -> None:
         save_model_files(model, tokenizer, staging, model_state, weights=weights)
         for name, state in states.items():
-            torch.save(state, staging / f"{name}.pt")
-        (staging / "trainer_state.json").write_text(text, encoding="utf-8")
+            torch.save(state, staging / state_file(name))
+        (staging / TRAINER_STATE).write_text(text, encoding="utf-8")
 
     return write
 
@@ -229,8 +246,6 @@ def load_checkpoint(
     sharded: Optional[Any] = None,
 ) -> dict:
     """Restore weights, stateful objects and this rank's RNG; returns trainer_state.json's content."""
-    from phalanx.checkpoint.commit import committed_copy, is_committed
-
     folder = committed_copy(Path(folder))  # a replacement of `folder` that a crash cut short: the copy it replaced
     if not is_committed(folder):
         raise PhalanxError(f"{folder} is not a committed phalanx checkpoint (no phalanx_checkpoint.json); it may be a save that crashed")
@@ -239,18 +254,18 @@ def load_checkpoint(
     else:
         load_model_weights(model, folder, finetune)
     for name, obj in stateful.items():
-        obj.load_state_dict(load_state_file(folder / f"{name}.pt"))
+        obj.load_state_dict(load_state_file(folder / state_file(name)))
     load_rng_file(folder, rank)
-    return json.loads((folder / "trainer_state.json").read_text(encoding="utf-8"))
+    return json.loads((folder / TRAINER_STATE).read_text(encoding="utf-8"))
 
 
 def load_rng_file(folder: Path, rank: rt.RankInfo) -> bool:
     """Set this process's RNG to what rank `rank.rank` saved in `folder`; False when it saved none (another
     number of ranks: a new rank keeps its seeded state)."""
-    rng_file = Path(folder) / f"rng_state_{rank.rank}.pt"
-    if not rng_file.is_file():
+    path = Path(folder) / rng_file(rank.rank)
+    if not path.is_file():
         return False
-    load_rng_state(_native_rng(load_state_file(rng_file)))
+    load_rng_state(_native_rng(load_state_file(path)))
     return True
 
 
@@ -259,15 +274,15 @@ def load_model_weights(model: nn.Module, folder: Path, finetune: str) -> None:
     if finetune == "lora":
         from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
-        state = load_file(folder / "adapter_model.safetensors")
+        state = load_file(folder / ADAPTER_WEIGHTS)
         check_same_shapes(folder, state, get_peft_model_state_dict(model), allow_missing=set())
         set_peft_model_state_dict(model, state)
         return
-    if not (folder / "model.safetensors").is_file():
+    if not (folder / WEIGHTS).is_file():
         raise PhalanxError(f"{folder} holds no model.safetensors: its weights are in the sharded state of the strategy "
                            "that saved it. Resume it with that strategy (any number of ranks), or write the weights first "
                            f"with: phalanx export {folder} OUT_DIR")
-    state = load_file(folder / "model.safetensors")
+    state = load_file(folder / WEIGHTS)
     own = model.state_dict()
     # save_pretrained leaves out weights tied to others (the output head tied to the embeddings).
     check_same_shapes(folder, state, own, allow_missing={k for k in own if _is_tied(model, k)})

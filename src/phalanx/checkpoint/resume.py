@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from phalanx.checkpoint.commit import committed_step_checkpoints, is_committed
+from phalanx.checkpoint.layout import BEST, TRAINER_STATE
 from phalanx.config.schema import RunConfig
 from phalanx.errors import ConfigError
 
@@ -22,7 +23,7 @@ from phalanx.errors import ConfigError
 RESUME_FREE = ("output_dir", "overwrite_output_dir", "force", "checkpoint.resume_from_checkpoint", "checkpoint.async_save", "logging.",
                "distributed.world_size", "distributed.master_port", "distributed.max_restarts", "distributed.backend",
                "distributed.timeout_minutes", "distributed.init_timeout_minutes")
-RUN_ARTIFACTS = ("training_info.json", "final_training_info.json", "metrics.jsonl", "checkpoint-best")
+RUN_ARTIFACTS = ("training_info.json", "final_training_info.json", "metrics.jsonl", BEST)
 # What a run that stopped before its first checkpoint leaves besides RUN_ARTIFACTS; moved aside with them.
 CRASH_LEFTOVERS = ("tensorboard", "loss_curve.png")
 # The final model written into output_dir itself: a run that wrote it has finished (or was finishing).
@@ -62,7 +63,7 @@ def existing_run_artifacts(output_dir: Path) -> list[str]:
 
 def saved_config(folder: Path) -> dict:
     try:
-        return json.loads((folder / "trainer_state.json").read_text(encoding="utf-8"))["config"]
+        return json.loads((folder / TRAINER_STATE).read_text(encoding="utf-8"))["config"]
     except (OSError, ValueError, KeyError) as exc:
         raise ConfigError(f"{folder}/trainer_state.json cannot be read ({exc}); resume from another checkpoint "
                           "with --resume_from_checkpoint PATH, or --overwrite_output_dir") from None

@@ -45,7 +45,7 @@ from phalanx.data.sources import (
     iter_rows,
     load_named_dataset,
 )
-from phalanx.checkpoint.commit import fsync_tree
+from phalanx.runtime.durable import fsync_tree
 from phalanx.errors import DataError
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,6 @@ Batches are `(inputs, targets)` pairs; `model(inputs)` gives outputs and
 
 from __future__ import annotations
 
-import math
 import os
 import time
 import warnings
@@ -24,13 +23,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx.checkpoint.commit import committed_copy
+from phalanx.checkpoint.checkpointer import BestMetric, Checkpointer, CheckpointPolicy
+from phalanx.checkpoint.commit import committed_copy, is_committed
 from phalanx.checkpoint.io import load_rng_file
-from phalanx.engine.checkpoint import load_engine_checkpoint, save_engine_checkpoint
+from phalanx.checkpoint.layout import BEST, EMA, LAST, state_file
 from phalanx.engine.ema import ModelEMA
 from phalanx.engine.metrics import MetricTotals, reduce_tensor
 from phalanx.engine.syncbn import convert_sync_batchnorm, has_batchnorm
-from phalanx.errors import ConfigError
+from phalanx.errors import ConfigError, PhalanxError
 from phalanx.observe.metrics import Reporter
 from phalanx.parallel.base import Precision, Strategy
 from phalanx.runtime import dist as rt
@@ -111,6 +111,11 @@ class TrainingEngine:
         self._resume: Optional[dict] = None  # where a checkpoint saved inside an epoch left it
         self.best_metric: Optional[float] = None
         self.history: dict[str, list] = {}
+        # checkpoint-best and checkpoint-last: the same component `phalanx train` saves with, the model as one
+        # model.safetensors; train_epoch sets its cadence (save_steps), attach() its optimizer and scheduler.
+        self.checkpointer = Checkpointer(self.output_dir, self.rank, model=self.unwrapped_model, plain_weights=True,
+                                         states=self._stateful(), trainer_state=self._trainer_state,
+                                         best=BestMetric(self, "best_metric"))
 
     # ---- distributed set-up (seed 004's static methods) -------------------------------------------
 
@@ -258,12 +263,11 @@ class TrainingEngine:
                 step_scheduler(scheduler, record.get(self._monitor_key(monitor, record)))
             reporter.log(self.global_step, record, kind="epoch")
             reporter.say(epoch_line(record, num_epochs))
-            if save_best and self._improved(record, monitor):
-                self.save_checkpoint("checkpoint-best")
-                reporter.say(f"💾 New best {self._monitor_key(monitor, record)} {self.best_metric:.4f}: "
-                             f"{self.output_dir / 'checkpoint-best'}")
+            key = self._monitor_key(monitor, record) if save_best else None
+            if key and self.checkpointer.maybe_save_best(record[key], self.global_step, lower_is_better="loss" in key):
+                reporter.say(f"💾 New best {key} {self.best_metric:.4f}: {self.output_dir / BEST}")
             if save_last:
-                self.save_checkpoint("checkpoint-last")
+                self.save_checkpoint(LAST)
         reporter.close()
         return self.history
 
@@ -273,6 +277,7 @@ class TrainingEngine:
         """One pass over `loader` (the rest of it, after a mid-epoch resume); returns loss (and accuracy)
         averaged over every rank's samples. `save_steps`: commit checkpoint-last every this many steps."""
         self.model.train()
+        self.checkpointer.policy = CheckpointPolicy(every=save_steps or None)
         totals = MetricTotals(self.device)
         sampler = _epoch_sampler(loader)
         progress = {"epoch": self.epochs_done, "lr": optimizer_lr(self.optimizer) if lr is None else lr,
@@ -307,9 +312,8 @@ class TrainingEngine:
                     postfix = {"loss": f"{loss.item():.4f}"}
                 reporter.advance(1, postfix)
             # The end of the epoch is saved after validation (save_last); a step save there would be overwritten.
-            if save_steps and self.global_step % save_steps == 0 and not (save_last and last is not None and i == last - 1):
-                self.save_checkpoint("checkpoint-last", epoch_progress={**progress, "totals": totals.sums.tolist()},
-                                     sampler=sampler)
+            if self.checkpointer.due(self.global_step) and not (save_last and last is not None and i == last - 1):
+                self.save_checkpoint(LAST, epoch_progress={**progress, "totals": totals.sums.tolist()}, sampler=sampler)
         return totals.reduce()
 
     def _inject_fault(self) -> None:
@@ -349,6 +353,7 @@ class TrainingEngine:
         self.optimizer, self.scheduler = optimizer, scheduler
         self.strategy.optimizer = optimizer
         optimizer.zero_grad(set_to_none=True)
+        self.checkpointer.states = self._stateful()
 
     def _stateful(self) -> dict[str, Any]:
         state: dict[str, Any] = {"precision": self.strategy}
@@ -357,27 +362,27 @@ class TrainingEngine:
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler
         if self.ema is not None:
-            state["ema"] = self.ema
+            state[EMA] = self.ema
         return state
 
-    def save_checkpoint(self, name: str = "checkpoint-last", *, epoch_progress: Optional[dict] = None,
+    def _trainer_state(self) -> dict:
+        return {"epochs_done": self.epochs_done, "global_step": self.global_step, "best_metric": self.best_metric,
+                "history": self.history, "world_size": self.world_size, "experiment_name": self.experiment_name}
+
+    def save_checkpoint(self, name: str = LAST, *, epoch_progress: Optional[dict] = None,
                         sampler: Any = None) -> Path:
         """Commit output_dir/name atomically (every rank calls it; rank 0 writes). Returns the folder.
 
         `epoch_progress` (a save inside an epoch): where the epoch stands, so a resume continues it: the
         sampler's global position (rows of the epoch's order handed out over all ranks), the learning rate
         the epoch started with, and every rank's running loss/accuracy sums."""
-        folder = self.output_dir / name
-        trainer_state = {"epochs_done": self.epochs_done, "global_step": self.global_step, "best_metric": self.best_metric,
-                         "history": self.history, "world_size": self.world_size, "experiment_name": self.experiment_name}
+        trainer_state = self._trainer_state()
         if epoch_progress is not None:
             totals = rt.gather_objects(epoch_progress["totals"])  # every rank's sums; rank 0 writes them
             position = epoch_progress["position"] + epoch_progress["rows"] * sampler.world_size
             trainer_state["epoch_progress"] = {"epoch": epoch_progress["epoch"], "lr": epoch_progress["lr"],
                                                "totals": totals, "sampler": {**sampler.state_dict(), "position": position}}
-        save_engine_checkpoint(folder, rank=self.rank, model=self.unwrapped_model, stateful=self._stateful(),
-                               trainer_state=trainer_state)
-        return folder
+        return self.checkpointer.save(name, trainer_state=trainer_state)
 
     def load_checkpoint(self, folder: Union[str, Path], optimizer: Optional[torch.optim.Optimizer] = None,
                         scheduler: Any = None) -> dict:
@@ -387,7 +392,11 @@ class TrainingEngine:
         """
         if optimizer is not None:
             self.attach(optimizer, scheduler)
-        state = load_engine_checkpoint(Path(folder), rank=self.rank, model=self.unwrapped_model, stateful=self._stateful())
+        missing = [name for name in self.checkpointer.states if not (Path(folder) / state_file(name)).is_file()]
+        if is_committed(Path(folder)) and missing:
+            raise PhalanxError(f"{folder} has no {', '.join(state_file(m) for m in missing)}: it was saved by a run "
+                               "configured differently (e.g. without EMA, or without a scheduler)")
+        state = self.checkpointer.load(Path(folder))
         self.epochs_done, self.global_step = int(state["epochs_done"]), int(state["global_step"])
         self.best_metric, self.history = state.get("best_metric"), state.get("history", {})
         progress = state.get("epoch_progress")
@@ -486,15 +495,6 @@ class TrainingEngine:
         if monitor.startswith("val_") and "val_loss" not in record:
             return "train_" + monitor[4:] if "train_" + monitor[4:] in record else "train_loss"
         raise ConfigError(f"monitor = {monitor!r} is not in this run's history; choose one of {sorted(record)}")
-
-    def _improved(self, record: dict, monitor: str) -> bool:
-        key = self._monitor_key(monitor, record)
-        value, lower_is_better = record[key], "loss" in key
-        better = self.best_metric is None or (value < self.best_metric if lower_is_better else value > self.best_metric)
-        if better and not math.isnan(value):
-            self.best_metric = value
-            return True
-        return False
 
 
 def _epoch_sampler(loader: Any) -> Any:

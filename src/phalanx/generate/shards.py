@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
 
-from phalanx.checkpoint.commit import write_json_atomic
+from phalanx.runtime.durable import write_json_atomic
 from phalanx.errors import ConfigError, DataError, PhalanxError
 
 MANIFEST = "manifest.json"

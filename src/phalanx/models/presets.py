@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from phalanx.checkpoint.commit import fsync_path, fsync_tree
+from phalanx.runtime.durable import fsync_path, fsync_tree
 from phalanx.errors import ConfigError, PhalanxError
 
 EMBEDDED_PREFIX = "embedded:"

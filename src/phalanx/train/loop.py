@@ -80,11 +80,8 @@ def run_eval(run: Run) -> dict | None:
     run.state.last_eval_loss = metrics["loss"]
     run.reporter.log(step, metrics, kind="eval")
     run.reporter.say(f"✅ Eval at step {step} | loss: {metrics['loss']:.4f} | perplexity: {metrics['perplexity']:.2f}")
-    if run.state.best_eval_loss is None or metrics["loss"] < run.state.best_eval_loss:
-        run.state.best_eval_loss, run.state.best_step = metrics["loss"], step
-        if run.cfg.checkpoint.save_best:
-            run.save("checkpoint-best")
-            run.reporter.say(f"💾 New best model saved at step {step} with loss: {metrics['loss']:.4f}")
+    if run.checkpointer.maybe_save_best(metrics["loss"], step) is not None:
+        run.reporter.say(f"💾 New best model saved at step {step} with loss: {metrics['loss']:.4f}")
     return metrics
 
 
@@ -92,7 +89,7 @@ def handle_non_finite(run: Run, metrics: dict) -> None:
     """NaN/Inf global loss: the same decision on every rank, because the loss was reduced first."""
     step = run.state.global_step + 1
     if run.cfg.training.nan_policy == "stop":
-        run.save(f"checkpoint-{run.state.global_step}", wait=True)
+        run.checkpointer.maybe_save(run.state.global_step, stopping=True)
         raise PhalanxError(f"non-finite loss ({metrics['loss']}) at step {step}; checkpoint-{run.state.global_step} "
                            "saved. Lower the learning rate or check the data, then resume; or use --nan_policy skip.")
     run.state.skipped_steps += 1
@@ -137,8 +134,7 @@ def train(run: Run) -> None:
                 window = {"loss": 0.0, "steps": 0, "tokens": 0, "start": time.perf_counter()}
             if step % cfg.eval.eval_steps == 0 or last:
                 run_eval(run)
-            if step % cfg.checkpoint.save_steps == 0 or metrics["preempt"]:
-                run.save(f"checkpoint-{step}", wait=metrics["preempt"])  # preempted: committed before exiting
+            run.checkpointer.maybe_save(step, stopping=metrics["preempt"])  # preempted: committed before exiting
             if metrics["preempt"]:
                 raise Preempted(f"preempted ({run.preemption.signal_name or 'signal on another rank'}) at step {step}; "
                                 f"checkpoint-{step} saved")

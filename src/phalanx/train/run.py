@@ -7,7 +7,6 @@ design fixes (tokenize before joining the process group, adapter before DDP), an
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -20,16 +19,15 @@ from typing import Any, Iterator, Optional
 import torch
 from torch.utils.data import DataLoader, Subset
 
-from phalanx.checkpoint.commit import apply_retention, fsync_tree
-from phalanx.checkpoint.io import PendingCheckpoint, load_checkpoint, save_checkpoint, save_model_files
-from phalanx.checkpoint.commit import write_json_atomic
+from phalanx.checkpoint.checkpointer import BestMetric, Checkpointer, CheckpointPolicy
+from phalanx.checkpoint.io import save_model_files
+from phalanx.checkpoint.layout import staging_dir
 from phalanx.checkpoint.resume import (CRASH_LEFTOVERS, RUN_RECORD, existing_run_artifacts, last_logged_step, resume_point,
                                        set_aside_crashed_run)
 from phalanx.config.schema import RunConfig
 from phalanx.data.collate import collate as collate_rows
 from phalanx.data.prepare import PreparedData, describe_report, prepare_data
 from phalanx.data.sampler import StatefulDistributedSampler, eval_shard
-from phalanx.errors import ConfigError
 from phalanx.models.adapters import apply_finetuning, trainable_parameter_count
 from phalanx.models.attention import enable_varlen_attention, packing_unsupported_reason
 from phalanx.models.load import cache_root, load_model, load_tokenizer, quantization_config
@@ -40,6 +38,7 @@ from phalanx.parallel import Precision, Strategy, make_strategy
 from phalanx.runtime import dist as rt
 from phalanx.runtime.faults import Fault, planned_fault
 from phalanx.runtime.seed import seed_everything
+from phalanx.runtime.durable import fsync_tree, write_json_atomic
 from phalanx.runtime.signals import PreemptionFlag
 from phalanx.runtime.watch import set_phase
 from phalanx.train.loss import install_target_head
@@ -63,13 +62,13 @@ class Run:
     data: PreparedData
     total_steps: int
     output_dir: Path
+    checkpointer: Checkpointer  # cadence, checkpoint-best, the background save in flight, retention, resume
     state: TrainerState = field(default_factory=TrainerState)
     started: float = field(default_factory=time.perf_counter)
     preemption: PreemptionFlag = field(default_factory=PreemptionFlag)
     fault: Optional[Fault] = None
     resumed_from: Optional[Path] = None
     consecutive_skips: int = 0
-    pending_checkpoint: Optional[PendingCheckpoint] = None  # written in the background (checkpoint.async_save)
 
     def steps_of_epoch(self) -> Iterator[list[dict]]:
         """This epoch's remaining micro-batches, grouped per optimizer step (the last group may be short)."""
@@ -82,42 +81,6 @@ class Run:
         if group:
             yield group
 
-    def save(self, name: str, wait: bool = False) -> None:
-        """Commit a checkpoint folder atomically; keep retention and the info file up to date.
-
-        With checkpoint.async_save the files are written in the background and committed once complete
-        (unless `wait`: the run is about to stop). How long training was held up is logged as kind 'save'."""
-        folder = self.output_dir / name
-        set_phase(self.rank.rank, f"saving {name}")
-        started = time.perf_counter()
-        self.wait_for_checkpoint()  # one save in flight at a time; its commit comes first
-        waited = time.perf_counter() - started
-        background = self.cfg.checkpoint.async_save and not wait
-        keep = {self.output_dir / "checkpoint-best", folder}
-        # A full fine-tune's sharded state holds every weight: checkpoint-{step} skips gathering them to rank 0
-        # (checkpoint-best and the final model are complete from_pretrained folders).
-        weights = name == "checkpoint-best" or not self.strategy.sharded_state_holds_model
-        self.pending_checkpoint = save_checkpoint(
-            folder, rank=self.rank, model=self.strategy.unwrap(), tokenizer=self.tokenizer,
-            stateful=stateful_objects(self.strategy, self.optimizer, self.scheduler),
-            trainer_state={**self.state.state_dict(), "sampler": self.sampler.state_dict(), "config": self.cfg.model_dump()},
-            model_state=self.strategy.model_state_for_saving() if weights else None, model_files=weights,
-            sharded=self.strategy if self.strategy.shards_state else None, asynchronous=background,
-            after_commit=partial(apply_retention, self.output_dir, self.cfg.checkpoint.save_total_limit, keep),
-        )
-        if self.rank.is_main:
-            write_info(self, self.output_dir / "training_info.json")
-        rt.barrier()
-        self.reporter.log(self.state.global_step, {"name": name, "async": background, "blocked_s": time.perf_counter() - started,
-                                                   "waited_for_previous_s": waited}, kind="save")
-
-    def wait_for_checkpoint(self) -> None:
-        """Wait until a checkpoint still being written in the background is complete and committed."""
-        if self.pending_checkpoint is not None:
-            pending, self.pending_checkpoint = self.pending_checkpoint, None
-            set_phase(self.rank.rank, f"finishing the background write of {pending.final.name}")
-            pending.wait()
-
 
 def stateful_objects(strategy: Strategy, optimizer: Any, scheduler: Any) -> dict:
     """What rank 0 saves with torch.save; a sharding strategy writes the optimizer itself, per rank."""
@@ -125,6 +88,25 @@ def stateful_objects(strategy: Strategy, optimizer: Any, scheduler: Any) -> dict
     if strategy.shards_state:
         del objects["optimizer"]
     return objects
+
+
+def make_checkpointer(cfg: RunConfig, rank: rt.RankInfo, output_dir: Path, state: TrainerState, strategy: Strategy,
+                      optimizer: Any, scheduler: Any, sampler: StatefulDistributedSampler, tokenizer: Any,
+                      total_steps: int) -> Checkpointer:
+    """The run's Checkpointer: the unwrapped model or adapter, the stateful objects, and trainer_state.json holding
+    the counters, the sampler's position and the config. Each save also rewrites training_info.json (rank 0)."""
+
+    def record_run() -> None:
+        if rank.is_main:
+            write_run_record(output_dir, cfg, state, total_steps, rank.world_size, strategy.name)
+
+    c = cfg.checkpoint
+    return Checkpointer(
+        output_dir, rank, model=strategy.unwrap(), tokenizer=tokenizer, strategy=strategy, finetune=cfg.model.finetune,
+        states=stateful_objects(strategy, optimizer, scheduler),
+        trainer_state=lambda: {**state.state_dict(), "sampler": sampler.state_dict(), "config": cfg.model_dump()},
+        policy=CheckpointPolicy(every=c.save_steps, keep=c.save_total_limit, asynchronous=c.async_save, save_best=c.save_best),
+        best=BestMetric(state, "best_eval_loss", "best_step"), after_save=record_run)
 
 
 def check_output_dir(cfg: RunConfig) -> Optional[Path]:
@@ -224,10 +206,10 @@ def build_run(cfg: RunConfig, preemption: Optional[PreemptionFlag] = None) -> Ru
 
     output_dir = Path(cfg.output_dir)
     state = TrainerState()
+    checkpointer = make_checkpointer(cfg, rank, output_dir, state, strategy, optimizer, scheduler, sampler, tokenizer,
+                                     total_steps)
     if resume_from is not None:
-        saved = load_checkpoint(resume_from, rank=rank, model=strategy.unwrap(), finetune=cfg.model.finetune,
-                                stateful=stateful_objects(strategy, optimizer, scheduler),
-                                sharded=strategy if strategy.shards_state else None)
+        saved = checkpointer.load(resume_from)
         state.load_state_dict(saved)
         sampler.load_state_dict(saved["sampler"])
     elif rank.is_main:
@@ -236,14 +218,14 @@ def build_run(cfg: RunConfig, preemption: Optional[PreemptionFlag] = None) -> Ru
         output_dir.mkdir(parents=True, exist_ok=True)
         # The record of this run's config, before any log exists: a rerun after a crash before the first
         # checkpoint can then tell its own crashed run (start over) from another run (refuse).
-        write_json_atomic(output_dir / RUN_RECORD, {**run_info(cfg, state, total_steps, rank.world_size, strategy.name),
-                                                   "config": cfg.model_dump()})
+        write_run_record(output_dir, cfg, state, total_steps, rank.world_size, strategy.name)
     rt.barrier()
     reporter = Reporter(output_dir, is_main=rank.is_main, total_steps=total_steps, resume_step=state.global_step,
                         tensorboard=cfg.logging.tensorboard, progress_bar=cfg.logging.progress_bar)
+    checkpointer.reporter = reporter  # made after the resume, which sets the step it starts counting from
     run = Run(cfg=cfg, rank=rank, tokenizer=tokenizer, model=model, strategy=strategy, optimizer=optimizer,
               scheduler=scheduler, sampler=sampler, train_loader=train_loader, eval_batches=eval_batches,
-              reporter=reporter, data=data, total_steps=total_steps, output_dir=output_dir, state=state,
+              reporter=reporter, data=data, total_steps=total_steps, output_dir=output_dir, checkpointer=checkpointer, state=state,
               fault=planned_fault(), resumed_from=resume_from, preemption=preemption)
     announce(run)
     return run
@@ -303,6 +285,12 @@ def run_info(cfg: RunConfig, state: TrainerState, total_steps: int, world_size: 
     }
 
 
+def write_run_record(output_dir: Path, cfg: RunConfig, state: TrainerState, total_steps: int, world_size: int,
+                     strategy: str) -> None:
+    """training_info.json: written when a run starts and at every save, with the config it trains with."""
+    write_json_atomic(output_dir / RUN_RECORD, {**run_info(cfg, state, total_steps, world_size, strategy), "config": cfg.model_dump()})
+
+
 def write_info(run: Run, path: Path, extra: Optional[dict] = None) -> None:
     # The config rides along: what the outputs were trained with, and how a rerun recognises its own run.
     write_json_atomic(path, {**info_payload(run), **(extra or {}), "config": run.cfg.model_dump()})
@@ -310,7 +298,7 @@ def write_info(run: Run, path: Path, extra: Optional[dict] = None) -> None:
 
 def finish_run(run: Run) -> dict:
     """Final model at output_dir, info files, loss plot and summary. Returns the summary on every rank."""
-    run.wait_for_checkpoint()  # the last checkpoint is committed before the run counts as finished
+    run.checkpointer.wait()  # the last checkpoint is committed before the run counts as finished
     set_phase(run.rank.rank, "finishing: gathering memory peaks")
     peaks = rt.gather_objects(peak_memory_mb(run.rank.device))
     elapsed = time.perf_counter() - run.started
@@ -335,7 +323,7 @@ def finish_run(run: Run) -> dict:
 
 def save_final_model(run: Run, model_state: Optional[dict] = None) -> None:
     """Write the model or adapter next to a staging copy, then move files into output_dir one rename each."""
-    staging = run.output_dir / ".final.staging"
+    staging = staging_dir(run.output_dir / "final")  # .final.staging
     if staging.exists():
         shutil.rmtree(staging)
     save_model_files(run.strategy.unwrap(), run.tokenizer, staging, model_state)
