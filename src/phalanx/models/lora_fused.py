@@ -16,10 +16,12 @@ intermediate x @ A^T. The update is added into the base output in place (`addmm_
 Dropout keeps PEFT's semantics exactly: every adapter draws its own mask, from the same default generator, with the
 same call PEFT's dropout makes on CPU (`bernoulli_(1 - p)` on a tensor of the input's shape), so on CPU in fp32
 the masks are PEFT's bit for bit. Sharing one mask across q/k/v would correlate their noise, which changes the
-estimator, so it is not done. Instead no mask is kept: the generator state before the draw is saved (a few bytes on
-CUDA, 5 KB on CPU) and backward redraws the mask from it into a temporary. The 1/(1-p) rescaling goes into the
-scalar alpha, not the mask, so a bf16 mask holds exact 0/1 values and the rescale is not rounded to bf16.
-With dropout 0 (or in eval mode) there is no mask and no copy at all.
+estimator, so it is not done. On CUDA no mask is kept: the generator state before the draw is saved (16 bytes) and
+backward redraws the mask from it into a temporary; Philox draws cost about a copy there, and memory is what
+limits a GPU step. On CPU a draw costs about 10 ns per element, ten times the multiply it feeds, so the mask is kept
+instead, as bools (1 byte per element, where PEFT keeps about 9 to 11 bytes per element per adapter). The 1/(1-p)
+rescaling goes into the scalar alpha, not the mask, so a bf16 mask holds exact 0/1 values and the rescale is not
+rounded to bf16. With dropout 0 (or in eval mode) there is no mask and no copy at all.
 
 Layers this does not cover keep PEFT's forward: 4-bit (bitsandbytes) bases, DoRA and other variants, LoRA biases,
 several active adapters, merged or disabled adapters, per-call `adapter_names`.
@@ -33,7 +35,8 @@ import torch
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from torch import nn
 
-FUSED = "fused"
+# Devices on which backward redraws the dropout mask from the saved generator state instead of keeping it.
+REDRAW_MASK_ON = frozenset({"cuda"})
 
 
 def _default_generator(device: torch.device) -> Optional[torch.Generator]:
@@ -56,12 +59,15 @@ class _LoraUpdate(torch.autograd.Function):
             flat = flat.to(dtype)
         a = weight_a.to(dtype)
         b = weight_b.to(dtype)
-        state = None
+        state = mask = None
         if p > 0.0:
-            generator = _default_generator(flat.device)
-            state = generator.get_state()
+            redraw = flat.device.type in REDRAW_MASK_ON
+            if redraw:
+                state = _default_generator(flat.device).get_state()
             # PEFT's dropout on CPU is exactly this draw (torch's _dropout_impl): same stream, same mask.
             kept = torch.empty_like(flat).bernoulli_(1.0 - p)
+            if not redraw:
+                mask = kept.bool()
             h = torch.mm(kept.mul_(flat), a.t())
             del kept
         else:
@@ -73,13 +79,13 @@ class _LoraUpdate(torch.autograd.Function):
             ctx.mark_dirty(out)
         else:
             out = base_out + torch.mm(h, b.t()).mul_(alpha).to(base_out.dtype).view(base_out.shape)
-        ctx.save_for_backward(x, weight_a, weight_b, h)
+        ctx.save_for_backward(x, weight_a, weight_b, h, mask)
         ctx.state, ctx.p, ctx.alpha, ctx.dtype = state, p, alpha, dtype
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight_a, weight_b, h = ctx.saved_tensors
+        x, weight_a, weight_b, h, mask = ctx.saved_tensors
         dtype, alpha = ctx.dtype, ctx.alpha
         need_x, need_a, need_b = ctx.needs_input_grad[1:4]
         g = grad_out.reshape(-1, grad_out.shape[-1])
@@ -93,8 +99,7 @@ class _LoraUpdate(torch.autograd.Function):
             flat = x.reshape(-1, x.shape[-1])
             if flat.dtype != dtype:
                 flat = flat.to(dtype)
-            mask = None
-            if ctx.p > 0.0:
+            if ctx.state is not None:
                 generator = torch.Generator(device=flat.device)
                 generator.set_state(ctx.state)
                 mask = torch.empty_like(flat).bernoulli_(1.0 - ctx.p, generator=generator)
