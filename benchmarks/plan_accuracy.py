@@ -7,6 +7,7 @@ stand for: device memory in use that PyTorch did not reserve (context, cuBLAS, N
 
   python benchmarks/plan_accuracy.py                         # CUDA: Qwen2.5-1.5B's shape, random weights, bf16
   python benchmarks/plan_accuracy.py --layers 8 --cases lora,full
+  python benchmarks/plan_accuracy.py --layers 1 --cases lora,lora-ckpt,lora-b1-2048,full --steps 2   # no GPU: CPU
 
 Results are reported (benchmarks/RESULTS.md, docs/plan.md), never asserted.
 """
@@ -46,6 +47,7 @@ def measure_one(overrides: dict) -> dict:
     from phalanx.cli import quiet_libraries
     from phalanx.config.loader import load_config
     from phalanx.plan import model_facts, setup_from_config, strategy_rows
+    from phalanx.plan.command import with_data_lengths
     from phalanx.runtime.dist import shutdown
     from phalanx.train.loop import train
     from phalanx.train.run import build_run
@@ -53,7 +55,9 @@ def measure_one(overrides: dict) -> dict:
     quiet_libraries()
     cfg = load_config(None, overrides)
     cuda = torch.cuda.is_available()
-    rows = strategy_rows(model_facts(cfg), setup_from_config(cfg, "cuda" if cuda else "cpu"), device_memory=2**50)
+    # As `phalanx plan` does: packed micro-batches priced from the data's row lengths.
+    setup = with_data_lengths(cfg, setup_from_config(cfg, "cuda" if cuda else "cpu"))
+    rows = strategy_rows(model_facts(cfg), setup, device_memory=2**50)
     row = rows[0]  # the single-process row
     estimate = row.peak_ckpt if cfg.model.gradient_checkpointing else row.peak
     if cuda:

@@ -21,14 +21,15 @@ SMALL = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_a
              head_dim=64)
 
 
-def write_model(folder: Path, **shape) -> Path:
-    """A randomly initialised Qwen3 with the embedded byte tokenizer, saved like any local model."""
+def write_model(folder: Path, vocab_size: int = 264, **shape) -> Path:
+    """A randomly initialised Qwen3 with the embedded byte tokenizer, saved like any local model. A `vocab_size` above
+    the tokenizer's 264 gives the output head a real model's weight (those ids are never read)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from phalanx.models.presets import build_embedded_tokenizer
 
     tokenizer = build_embedded_tokenizer()
-    config = Qwen3Config(vocab_size=264, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    config = Qwen3Config(vocab_size=vocab_size, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                          bos_token_id=None, max_position_embeddings=4096, tie_word_embeddings=True, **shape)
     torch.manual_seed(0)
     Qwen3ForCausalLM(config).save_pretrained(folder)

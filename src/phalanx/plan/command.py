@@ -53,9 +53,44 @@ def choose(rows: list[Row]) -> tuple[Optional[Row], bool]:
     return None, False
 
 
-def make_plan(cfg: RunConfig, device: str, device_memory: int) -> Plan:
+def with_data_lengths(cfg: RunConfig, setup: Setup, read: bool = True) -> Setup:
+    """`setup` with the largest packed micro-batch the data can make: the batch_size longest rows (tokens) and the
+    batch_size rows with the most targets, after max_length, as `phalanx train` tokenizes them (through the same
+    cache, so the run reuses the work). For a hub dataset, or with read=False, the bound batch x max_length
+    stays and the note says so."""
+    if not setup.packing:
+        return setup
+    bound = f"batch_size x max_length = {setup.tokens:,} tokens, an upper bound"
+    if not read:
+        return replace(setup, data_note=f"{bound} (--read_data false)")
+    from phalanx.data.prepare import BUNDLED_DATASET, prepare_data
+
+    if cfg.data.dataset_name and cfg.data.dataset_name != BUNDLED_DATASET:
+        return replace(setup, data_note=f"{bound} (hub data is not downloaded to plan; local files are read)")
+    from phalanx.errors import DataError
+    from phalanx.models.load import cache_root, load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(cfg.model.model_name, cfg.model.trust_remote_code, cfg.data.chat_template)
+        data = prepare_data(cfg.data, tokenizer, seed=cfg.training.seed, cache_root=cache_root() / "data")
+    except (ConfigError, DataError) as exc:
+        return replace(setup, data_note=f"{bound} (the data could not be read: {exc})")
+    lengths = [len(ids) for ids in data.train["input_ids"]]
+    targets = [sum(1 for y in labels[1:] if y != -100) for labels in data.train["labels"]]
+    if not lengths:
+        return replace(setup, data_note=f"{bound} (the data has no training rows)")
+    b = setup.batch
+    tokens, most = sum(sorted(lengths)[-b:]), sum(sorted(targets)[-b:])
+    mean = sum(lengths) / len(lengths)
+    return replace(setup, data_tokens=tokens, data_targets=most,
+                   data_note=f"from the data: the {min(b, len(lengths))} longest of {len(lengths):,} rows "
+                             f"({tokens:,} tokens; rows average {mean:,.0f}), at most {most:,} target positions")
+
+
+def make_plan(cfg: RunConfig, device: str, device_memory: int, read_data: bool = True) -> Plan:
     facts = model_facts(cfg)
     setup = setup_from_config(cfg, device)
+    setup = with_data_lengths(cfg, setup, read_data and facts.packable)
     ds_config = _read_json(cfg.distributed.deepspeed_config)
     rows = sorted(strategy_rows(facts, setup, device_memory=device_memory, ds_config=ds_config),
                   key=lambda r: ORDER.get(r.strategy, -1))
@@ -134,10 +169,17 @@ def _human(n: float) -> str:
 def render(plan: Plan) -> str:
     m, s = plan.facts, plan.setup
     dtype = "fp32" if s.compute_bytes == 4 else "bf16/fp16 mixed precision"
+    if s.packing and m.packable:
+        batch = f"a packed micro-batch of {s.batch} rows, {s.packed_tokens:,} tokens ({s.data_note})"
+    else:
+        why = "" if not s.packing else f" (packing off: {m.model_type or 'this model'} is not checked for packing)"
+        batch = f"a padded micro-batch of {s.batch} x {s.seq} tokens{why}"
+    head = ("output head and loss at target positions only, in chunks" if m.target_head
+            else "output head over every position (full logits)")
     lines = [
         f"Memory plan for {m.name}: {s.finetune} fine-tuning, {m.trainable_params:,} of {m.total_params:,} parameters train",
-        f"{s.world} rank(s), {s.device}, {dtype}; per rank a micro-batch of {s.batch} x {s.seq} tokens, "
-        f"accumulation {s.accumulation}. Bytes per rank:",
+        f"{s.world} rank(s), {s.device}, {dtype}; per rank {batch}, accumulation {s.accumulation}; {head}. "
+        "Bytes per rank:",
         "",
     ]
     header = ["strategy", "params", "grads", "optimizer", "activ.", "activ.ckpt", "peak", "peak ckpt", "host", "fits"]
@@ -197,8 +239,9 @@ def to_json(plan: Plan) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ command
-OWN_FLAGS = ("device_memory_gb", "device", "json")
-USAGE = """usage: phalanx plan [CONFIG.yaml] [--world_size N] [--device_memory_gb X] [--device cuda|cpu] [--json] [--flag value ...]
+OWN_FLAGS = ("device_memory_gb", "device", "json", "read_data")
+USAGE = """usage: phalanx plan [CONFIG.yaml] [--world_size N] [--device_memory_gb X] [--device cuda|cpu] [--json]
+                    [--read_data true|false] [--flag value ...]
 
 Bytes per rank for parameters, gradients, optimizer state and activations (with and without activation
 checkpointing) under each strategy, and the one with the least communication that fits. Takes the same
@@ -210,6 +253,9 @@ CONFIG.yaml and flags as `phalanx train`; reads the model's config.json only, ne
   --device cuda|cpu     the device type to plan for (default: cuda when one is visible); mixed_precision
                         'auto' means bf16 on cuda, fp32 on cpu
   --json                print the plan as JSON
+  --read_data true|false  packed micro-batches (data.packing) hold the sum of their rows' lengths: plan tokenizes
+                        local data (data.dataset_path, the bundled rows) as train would (same cache) and prices
+                        the batch_size longest rows (default true); false, or hub data: batch_size x max_length, an upper bound
 
 The method and its measured accuracy: docs/plan.md."""
 
@@ -253,11 +299,14 @@ def main(args: Sequence[str]) -> int:
         device_memory = int(gb * GiB)
     else:
         device_memory = device_memory_for(device, cfg.distributed.world_size)
-    plan = make_plan(cfg, device, device_memory)
+    read = own.get("read_data", "true").lower()
+    if read not in ("true", "false", "1", "0", "yes", "no"):
+        raise ConfigError(f"--read_data {own['read_data']!r}: accepted values are true and false")
     switch = own.get("json", "false").lower()
     if switch not in ("true", "false", "1", "0", "yes", "no"):
         raise ConfigError(f"--json takes no value (got {own['json']!r}); give CONFIG.yaml first: "
                           "phalanx plan CONFIG.yaml --json")
     as_json = switch in ("true", "1", "yes")
+    plan = make_plan(cfg, device, device_memory, read_data=read in ("true", "1", "yes"))
     print(json.dumps(to_json(plan), indent=2) if as_json else render(plan))
     return 0

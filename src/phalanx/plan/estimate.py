@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 from phalanx.config.schema import RunConfig
 from phalanx.errors import ConfigError
 from phalanx.plan.model import ModelFacts
+from phalanx.train.loss import CHUNK_LOGITS, chunk_rows
 
 GiB = 2**30
 FP32 = 4
@@ -75,10 +76,26 @@ class Setup:
     finetune: str
     lora_dropout: float
     base_4bit_bytes: float = 0.0  # bytes per weight of a 4-bit base (QLoRA), 0 when the base is not quantized
+    packing: bool = False  # data.packing: a micro-batch's rows concatenated, no padding (models that support it)
+    # From the data, when plan read it: tokens and target positions of the largest micro-batch a rank can get (the
+    # batch longest rows, the batch rows with the most targets). None: bounded by batch x max_length.
+    data_tokens: Optional[int] = None
+    data_targets: Optional[int] = None
+    data_note: str = ""  # where the figures above come from, or why the data was not read
 
     @property
     def tokens(self) -> int:
+        """Tokens of a padded micro-batch: every row as long as the longest, at most max_length."""
         return self.batch * self.seq
+
+    @property
+    def packed_tokens(self) -> int:
+        """Tokens of the largest packed micro-batch: the sum of its rows' lengths (the data's, else the bound)."""
+        return min(self.data_tokens, self.tokens) if self.data_tokens is not None else self.tokens
+
+    def targets(self, tokens: int) -> int:
+        """Positions that reach the output head: the data's count, else every position (an upper bound)."""
+        return min(self.data_targets, tokens) if self.data_targets is not None else tokens
 
 
 def setup_from_config(cfg: RunConfig, device: str) -> Setup:
@@ -94,7 +111,8 @@ def setup_from_config(cfg: RunConfig, device: str) -> Setup:
         four_bit = 0.5 + (1 / 64 + 4 / (64 * 256) if cfg.model.bnb_4bit_use_double_quant else 4 / 64)
     return Setup(device=device, compute_bytes=compute, batch=cfg.training.batch_size, seq=cfg.data.max_length,
                  accumulation=cfg.training.gradient_accumulation_steps, world=cfg.distributed.world_size,
-                 finetune=cfg.model.finetune, lora_dropout=cfg.lora.dropout, base_4bit_bytes=four_bit)
+                 finetune=cfg.model.finetune, lora_dropout=cfg.lora.dropout, base_4bit_bytes=four_bit,
+                 packing=cfg.data.packing)
 
 
 # ------------------------------------------------------------------------------------------------ activations
@@ -102,7 +120,11 @@ def setup_from_config(cfg: RunConfig, device: str) -> Setup:
 class Activations:
     saved: int  # what autograd keeps for backward, one micro-batch, whole model
     checkpointed: int  # the same with every decoder layer checkpointed (its input kept, one layer recomputed)
-    logits: int  # logits, the loss's fp32 copy and its log-softmax, alive together around the loss
+    logits: int  # the output head and loss at their largest (see loss_bytes), alive on top of `saved`
+    # What the loss still holds once backward starts (its gradients), and what a checkpointed forward holds when the
+    # loss runs (layer inputs only): with checkpointing, a layer is recomputed after the loss's chunks are gone.
+    logits_kept: Optional[int] = None
+    checkpointed_forward: int = 0
 
     @property
     def peak(self) -> int:
@@ -110,7 +132,9 @@ class Activations:
 
     @property
     def peak_checkpointed(self) -> int:
-        return self.checkpointed + self.logits
+        if self.logits_kept is None:
+            return self.checkpointed + self.logits
+        return max(self.checkpointed_forward + self.logits, self.checkpointed + self.logits_kept)
 
 
 def activation_bytes(m: ModelFacts, s: Setup, stream: int, compute: int) -> Activations:
@@ -119,29 +143,42 @@ def activation_bytes(m: ModelFacts, s: Setup, stream: int, compute: int) -> Acti
     `stream`: bytes per element of the residual stream (the embedding output's dtype); `compute`: of
     linear outputs (the autocast dtype, else the weights'). RMSNorm computes in fp32; attention is
     flash/efficient SDPA, which keeps q, k, v, its output and a log-sum-exp, never seq x seq scores.
+
+    Packed micro-batches (data.packing on a model that supports it) hold the sum of their rows' lengths in one
+    row, with no mask and K/V at their own head count; padded ones hold batch x (longest row) tokens.
     """
-    t, b, seq = s.tokens, s.batch, s.seq
+    packed = s.packing and m.packable
+    b, seq = s.batch, s.seq
+    t = s.packed_tokens if packed else s.tokens
     h, i = m.hidden, m.intermediate
     nq, nkv = m.heads * m.head_dim, m.kv_heads * m.head_dim
-    logits = _logits_bytes(m, s, compute)
+    logits, logits_kept = loss_bytes(m, s, compute, t)
     if not m.known_layout:  # 18 hidden-sized and 4 intermediate-sized tensors per token and layer
         layer = (18 * h + 4 * i) * compute * t
-        return Activations(saved=layer * m.num_layers, checkpointed=m.num_layers * h * stream * t + layer, logits=logits)
+        return Activations(saved=layer * m.num_layers, checkpointed=m.num_layers * h * stream * t + layer,
+                           logits=logits)
 
-    # Several rows per micro-batch may be padded: transformers then passes a mask, and SDPA converts it to an
-    # additive mask in the query dtype per layer (kept for backward) and k/v heads are repeated to full size.
-    padded = b > 1
+    # Several rows per padded micro-batch: transformers then passes a mask, and SDPA converts it to an additive
+    # mask in the query dtype per layer (kept for backward) and k/v heads are repeated to full size.
+    padded = b > 1 and not packed
     dropout = s.lora_dropout > 0
     mask_bytes = 1 if s.device == "cuda" else stream  # fused CUDA dropout keeps a bool mask, CPU a scaled noise tensor
     trains, lora = m.trainable_linears, m.lora_ranks
+    # phalanx's fused LoRA forward (models/lora_fused.py; not on a 4-bit base) keeps the shared input once, in its
+    # own dtype, and each adapter's r-wide x @ A^T; dropout masks are redrawn in backward, never kept.
+    fused = m.lora_fused and not s.base_4bit_bytes
 
     def rms_norm(dim: int, rows: int = 1) -> int:
         # x in fp32 (kept by pow), rsqrt per row, and x * rsqrt when the norm's weight trains.
         return FP32 * dim + FP32 * rows + (FP32 * dim if m.trainable_norms else 0)
 
-    def linear_inputs(dim: int, roles: Sequence[str], kept_anyway: bool = False) -> int:
+    def linear_inputs(dim: int, roles: Sequence[str], kept_anyway: bool = False, x_bytes: int = stream) -> int:
         """The input shared by `roles`: kept if a weight trains or a LoRA A reads it; autocast casts it per linear."""
         out = 0
+        if fused and any(r in lora for r in roles):
+            if not kept_anyway:
+                out += dim * x_bytes  # x itself, one tensor for every adapter that reads it
+            return out + sum(lora[r] for r in roles if r in lora) * compute
         readers = [r for r in roles if r in trains or (r in lora and not dropout)]
         if readers and not kept_anyway:
             out += dim * compute * (len(readers) if stream != compute else 1)
@@ -159,25 +196,54 @@ def activation_bytes(m: ModelFacts, s: Setup, stream: int, compute: int) -> Acti
     attention += (nq + 2 * kv) * compute  # rotated q, k and v as SDPA keeps them
     attention += nq * compute + FP32 * m.heads  # SDPA's output (o_proj's input too) and log-sum-exp
     attention += seq * compute if padded else 0  # the additive mask
+    if packed and b > 1 and s.device == "cpu":
+        attention += nq * compute  # CPU: one SDPA per row keeps its own output; o_proj reads their concatenation
     attention += linear_inputs(nq, ("o",), kept_anyway=True)
     mlp = rms_norm(h) + linear_inputs(h, ("gate", "up")) + 3 * i * compute  # gate, up, act(gate)
     if "down" in trains or "down" in lora:
-        mlp += linear_inputs(i, ("down",))  # act(gate) * up
+        mlp += linear_inputs(i, ("down",), x_bytes=compute)  # act(gate) * up
     per_layer = attention + mlp
     # Under LoRA the first layer's input comes from a frozen embedding: its norms keep no fp32 copy of it.
     first_layer = per_layer - (2 * FP32 * h if s.finetune == "lora" else 0)
-    final_norm = rms_norm(h) + (h * compute if m.head_trainable else 0)
-    shared = 3 * 8 + (seq if padded else 0)  # input ids, mask, labels (int64) and the boolean mask, per token
-    rope = 2 * seq * m.head_dim * compute
-    saved = (first_layer + per_layer * (m.num_layers - 1) + final_norm + shared) * t + rope
-    checkpointed = (m.num_layers * h * stream + per_layer + final_norm + shared) * t + rope
-    return Activations(saved=saved, checkpointed=checkpointed, logits=logits)
+    # A trainable plain head keeps its input; the target-only head keeps gradients instead (loss_bytes).
+    final_norm = rms_norm(h) + (h * compute if m.head_trainable and not m.target_head else 0)
+    # input ids, labels and position ids or a mask (int64), the boolean mask when padded; per target position its
+    # flat index and label (int64, the collator's).
+    shared = 3 * 8 + (seq if padded else 0)
+    targets = 2 * 8 * s.targets(t)
+    rope = 2 * (t if packed else seq) * m.head_dim * compute  # cos and sin per position of the (packed) row
+    saved = (first_layer + per_layer * (m.num_layers - 1) + final_norm + shared) * t + targets + rope
+    inputs = (m.num_layers * h * stream + final_norm + shared) * t + targets + rope
+    return Activations(saved=saved, checkpointed=inputs + per_layer * t, logits=logits, logits_kept=logits_kept,
+                       checkpointed_forward=inputs)
 
 
-def _logits_bytes(m: ModelFacts, s: Setup, logits_dtype: int) -> int:
-    """Logits, their fp32 copy for the loss (none when already fp32 and contiguous, one row per batch), log-softmax."""
-    copy = FP32 if (logits_dtype != FP32 or s.batch > 1) else 0
-    return s.tokens * m.vocab * (logits_dtype + copy + FP32)
+def loss_bytes(m: ModelFacts, s: Setup, compute: int, tokens: int) -> tuple[int, int]:
+    """The output head and cross-entropy at their largest, on top of the saved activations (train/loss.py), and
+    what of it backward still needs.
+
+    Target-only head (model types whose logits are lm_head(hidden), an unadapted head): the hidden states at the
+    N target positions are selected (N x hidden, compute dtype) and the loss runs in chunks of R = CHUNK_LOGITS /
+    vocab positions: R x vocab fp32 logits turned into probabilities in place, plus their compute-dtype copy for
+    the gradient matmuls (none in fp32). Each chunk's gradient with respect to the hidden states is what backward
+    needs (N x hidden fp32, kept), and with respect to the head's weight when it trains (vocab x hidden fp32).
+    No [tokens x vocab] tensor exists.
+
+    Other models (full_logits_bytes): the model's logits at every position, those of the target positions
+    selected, and one chunk's fp32 copy and log-softmax (each chunk is recomputed in backward, not kept)."""
+    n = s.targets(tokens)
+    if not m.target_head:
+        return full_logits_bytes(m, compute, tokens, n), 0
+    rows = min(n, chunk_rows(m.vocab, CHUNK_LOGITS))
+    chunk = rows * m.vocab * (FP32 + (compute if compute != FP32 else 0))
+    kept = n * m.hidden * FP32 + (m.vocab * m.hidden * FP32 if m.head_trainable else 0)
+    return n * m.hidden * compute + chunk + kept, kept
+
+
+def full_logits_bytes(m: ModelFacts, compute: int, tokens: int, targets: int) -> int:
+    """The logits path: [tokens x vocab] logits, the targets' rows of them, one chunk's fp32 logits and log-softmax."""
+    rows = min(targets, chunk_rows(m.vocab, CHUNK_LOGITS))
+    return (tokens + targets) * m.vocab * compute + rows * m.vocab * 2 * FP32
 
 
 # ------------------------------------------------------------------------------------------------ strategies
@@ -231,23 +297,26 @@ def strategy_rows(m: ModelFacts, s: Setup, *, device_memory: int, ds_config: Opt
                      grads=T * FP32 + buckets, grads_kept=buckets, working=(0 if lora else T * c) if mixed else 0,
                      scratch=scratch(T, m.largest_trainable)))
 
-    # FSDP2: fp32 shards (a LoRA base is brought back to fp32); the mixed-precision policy gathers units in the compute
-    # dtype. One unit per decoder layer plus the root (embeddings, norm, head), which stays gathered through backward.
+    # FSDP2: shards of what trains in fp32; a LoRA base stays in the compute dtype it was loaded in (parallel/fsdp.py).
+    # The mixed-precision policy gathers units in the compute dtype. One unit per decoder layer plus the root
+    # (embeddings, norm, head), which stays gathered through backward.
     fsdp_act = activation_bytes(m, s, stream=c, compute=c)
     unit, root = m.layer_params, m.root_params
     unit_grads = m.layer_trainable * (c + FP32)  # a unit's unsharded gradients and the fp32 reduce-scatter input
+    fsdp_frozen = m.frozen_params * (c if lora else FP32)  # bytes of the frozen base, before sharding
     for label, div, gathered in (
         ("fsdp NO_SHARD", 1, P * c),  # a gathered copy of everything, kept from forward to the end of backward
         ("fsdp SHARD_GRAD_OP", n, (root + m.num_layers * unit) * c),  # every layer stays gathered until backward
         ("fsdp FULL_SHARD", n, (root + 2 * unit) * c),  # the running layer and the prefetched one
     ):
-        rows.append(_row(BY_LABEL[label], s, fsdp_act, params=_shard(P, div) * FP32, working=gathered + unit_grads,
+        rows.append(_row(BY_LABEL[label], s, fsdp_act, params=_shard(fsdp_frozen, div) + _shard(T, div) * FP32,
+                         working=gathered + unit_grads,
                          grads=_shard(T, div) * FP32, grads_kept=0, optimizer=2 * _shard(T, div) * FP32,
                          scratch=scratch(_shard(T, div), _shard(m.largest_trainable, div))))
     # CPU offload: shards, gradients and the optimizer step live on the host; the device holds what is gathered.
     rows.append(_row(BY_LABEL["fsdp FULL_SHARD +offload"], s, fsdp_act, params=0, working=(root + 2 * unit) * c + unit_grads,
                      grads=0, grads_kept=0, optimizer=0, scratch=0,
-                     host=_shard(P, n) * FP32 + 3 * _shard(T, n) * FP32))
+                     host=_shard(fsdp_frozen, n) + 4 * _shard(T, n) * FP32))
 
     knobs = _ds_knobs(ds_config)
     ds_act = activation_bytes(m, s, stream=c, compute=c)

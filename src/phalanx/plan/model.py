@@ -41,6 +41,10 @@ class ModelFacts:
     trainable_norms: bool = False
     head_trainable: bool = False
     quantizable_params: int = 0  # frozen linear weights inside decoder layers: what load_in_4bit stores in 4 bits
+    model_type: str = ""
+    packable: bool = False  # trains on packed rows when data.packing asks (models/attention.py); else padded
+    target_head: bool = False  # the output head computes the loss at target positions only (train/loss.py)
+    lora_fused: bool = False  # the LoRA layers run phalanx's fused forward (models/lora_fused.py), not PEFT's
 
     @property
     def frozen_params(self) -> int:
@@ -70,7 +74,9 @@ def build_meta_model(cfg: RunConfig):
 
 
 def model_facts(cfg: RunConfig) -> ModelFacts:
+    from phalanx.models.attention import packing_unsupported_reason
     from phalanx.parallel.fsdp import decoder_layers  # the same units FSDP wraps
+    from phalanx.train.loss import TARGET_HEAD_MODEL_TYPES
 
     model, config = build_meta_model(cfg)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -83,6 +89,7 @@ def model_facts(cfg: RunConfig) -> ModelFacts:
     trainable_linears: set[str] = set()
     lora_ranks: dict[str, int] = {}
     trainable_norms = False
+    fused = True
     names: set[str] = set()
     for name, module in (first.named_modules() if first is not None else []):
         short = name.rsplit(".", 1)[-1]
@@ -94,6 +101,7 @@ def model_facts(cfg: RunConfig) -> ModelFacts:
             lora_a = getattr(module, "lora_A", None)
             if lora_a:
                 lora_ranks[ROLES[short]] = next(iter(lora_a.values())).out_features
+                fused = fused and type(module).__name__ == "FusedLoraLinear"
         if short.endswith("norm") and any(p.requires_grad for p in module.parameters(recurse=False)):
             trainable_norms = True
     import torch
@@ -101,6 +109,7 @@ def model_facts(cfg: RunConfig) -> ModelFacts:
     quantizable = sum(module.weight.numel() for layer in layers for module in layer.modules()
                       if isinstance(module, torch.nn.Linear) and not module.weight.requires_grad)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    model_type = str(getattr(config, "model_type", "") or "")
     hidden, heads = int(text.hidden_size), int(text.num_attention_heads)
     return ModelFacts(
         name=cfg.model.model_name,
@@ -125,4 +134,9 @@ def model_facts(cfg: RunConfig) -> ModelFacts:
         trainable_norms=trainable_norms,
         quantizable_params=quantizable,
         head_trainable=bool(head is not None and getattr(head, "weight", None) is not None and head.weight.requires_grad),
+        model_type=model_type,
+        packable=packing_unsupported_reason(model.get_base_model() if hasattr(model, "get_base_model") else model) is None,
+        # The same test install_target_head makes at run time: a known model type and a plain (unadapted) head.
+        target_head=model_type in TARGET_HEAD_MODEL_TYPES and type(head) is torch.nn.Linear,
+        lora_fused=fused and bool(lora_ranks),
     )
