@@ -44,11 +44,11 @@ def measure_one(overrides: dict) -> dict:
     """In this process: the plan's estimate, then the real run's peak."""
     import torch
 
-    from phalanx.cli import quiet_libraries
     from phalanx.config.loader import load_config
     from phalanx.plan import model_facts, setup_from_config, strategy_rows
     from phalanx.plan.command import with_data_lengths
     from phalanx.runtime.dist import shutdown
+    from phalanx.runtime.quiet import quiet_libraries
     from phalanx.train.loop import train
     from phalanx.train.run import build_run
 

@@ -726,7 +726,7 @@ def main(argv=None) -> None:
     import datasets
 
     datasets.disable_progress_bars()
-    from phalanx.cli import split_flags
+    from phalanx.config.flags import split_flags
     from phalanx.config.loader import load_config, overrides_from_flags
     from phalanx.train.run import load_data
 

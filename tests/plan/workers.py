@@ -74,7 +74,7 @@ def _worker(rank: int, world: int, runs: list, queue) -> None:
                       MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     try:
-        from phalanx.cli import quiet_libraries
+        from phalanx.runtime.quiet import quiet_libraries
 
         quiet_libraries()
         results = []

@@ -10,11 +10,12 @@ import difflib
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Collection, Literal, Optional, Sequence, Union
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from phalanx.config.flags import split_flags
 from phalanx.config.schema import RunConfig
 from phalanx.errors import ConfigError
 
@@ -320,3 +321,20 @@ def overrides_from_flags(pairs: list[tuple[str, str]]) -> dict[str, Any]:
                 "or any dotted config field such as --training.learning_rate; `phalanx train --help` lists them."
             )
     return out
+
+
+def config_from_args(args: Sequence[str], own_flags: Collection[str] = (), flags_only: bool = False,
+                     config_path: Optional[str] = None) -> tuple[RunConfig, Optional[str], list[tuple[str, str]]]:
+    """`[CONFIG.yaml] --flag value ...` read as `phalanx train` reads it -> (the RunConfig, the config path, every
+    flag pair), so that every command that takes a run config takes it the same way.
+
+    own_flags: the command's own flags (plan's --device); they stay in the pairs and do not reach the config.
+    flags_only: `args` are what a launcher passes on to `phalanx train` after its `--`; the file is `config_path`
+    (the launcher's --config), and a file among `args` is refused."""
+    path, pairs = split_flags(args)
+    if flags_only:
+        if path is not None:
+            raise ConfigError(f"after `--` give --flag value pairs for `phalanx train`, not a file ({path}); use --config")
+        path = config_path
+    cfg = load_config(path, overrides_from_flags([(name, value) for name, value in pairs if name not in own_flags]))
+    return cfg, path, pairs

@@ -53,9 +53,9 @@ def _preview(args: list[str]) -> int:
     color, args = _take(args, "color", "auto", str, "auto, always or never")
     if color not in ("auto", "always", "never"):
         raise PhalanxError(f"--color {color!r}: accepted values are auto, always, never")
-    from phalanx.cli import quiet_libraries
     from phalanx.config.flags import split_flags
     from phalanx.config.loader import load_config, overrides_from_flags
+    from phalanx.runtime.quiet import quiet_libraries
 
     config_path, pairs = split_flags(args)
     cfg = load_config(config_path, overrides_from_flags(pairs))

@@ -110,7 +110,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str]) -> int:
     import os
 
-    from phalanx.cli import quiet_libraries
+    from phalanx.runtime.quiet import quiet_libraries
     from phalanx.runtime.signals import PreemptionFlag
 
     # A rank (torchrun, `--world_size`) catches SIGTERM/SIGUSR1 from its first moment, before the model stack is

@@ -11,12 +11,16 @@ import argparse
 import shlex
 import stat
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
-from phalanx.errors import ConfigError, PhalanxError
+from phalanx.errors import ConfigError
 from phalanx.launch import scripts
-from phalanx.launch.scripts import DEFAULT_PORT, DEFAULT_RDZV_TIMEOUT, LaunchSpec, SlurmSpec
+from phalanx.launch.scripts import DEFAULT_PORT, DEFAULT_RDZV_TIMEOUT, Job, LaunchSpec, SlurmSpec
+
+if TYPE_CHECKING:
+    from phalanx.config.schema import RunConfig
 
 
 class Parser(argparse.ArgumentParser):
@@ -82,19 +86,16 @@ def layout(args: argparse.Namespace) -> tuple[int, int]:
     return gpus, nproc
 
 
-def check_training(config: Optional[str], train_args: list[str], num_nodes: int, nproc_per_node: int, gpus: int):
+def check_training(config: Optional[str], train_args: list[str], num_nodes: int, nproc_per_node: int,
+                   gpus: int) -> RunConfig:
     """Load the config with the extra flags exactly as `phalanx train` will, and check it against the job's layout
     (nodes, ranks, GPUs) as the ranks would; returns the RunConfig."""
-    from phalanx.config.flags import split_flags
-    from phalanx.config.loader import load_config, overrides_from_flags
+    from phalanx.config.loader import config_from_args
     from phalanx.parallel import check_before_launch
 
     if config is not None and not Path(config).is_file():
         raise ConfigError(f"--config {config}: no such file (expected a training YAML such as configs/demo.yaml)")
-    extra_config, pairs = split_flags(train_args)
-    if extra_config is not None:
-        raise ConfigError(f"after `--` give --flag value pairs for `phalanx train`, not a file ({extra_config}); use --config")
-    cfg = load_config(config, overrides_from_flags(pairs))
+    cfg = config_from_args(train_args, flags_only=True, config_path=config)[0]
     cfg.check_nodes(num_nodes)
     check_before_launch(cfg, num_nodes * nproc_per_node, on_gpu=gpus > 0)
     return cfg
@@ -139,6 +140,43 @@ def command_line(name: str, args: Sequence[str]) -> str:
     return " ".join(["phalanx", name, *map(shlex.quote, args)])
 
 
+@dataclass
+class JobFlags:
+    """`phalanx launcher|slurm` flags, parsed and their layout checked: what both commands read the same way."""
+
+    args: argparse.Namespace
+    train_args: list[str]  # after the bare `--`: for `phalanx train`
+    gpus: int  # per node
+    nproc: int  # ranks per node
+    command_line: str
+
+
+def parse_job_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> JobFlags:
+    own, train_args = split_train_args(argv)
+    args = parser.parse_args(own)
+    gpus, nproc = layout(args)
+    return JobFlags(args, train_args, gpus, nproc, command_line(parser.prog.split()[-1], argv))
+
+
+def checked_job(flags: JobFlags, project_dir: Path, restarts: bool) -> tuple[Job, RunConfig]:
+    """The job both scripts describe, after its training config was checked as the ranks will check it.
+
+    restarts: whether the job may run its command again (--max_restarts, a SLURM requeue), so that a config which
+    would start over instead of resuming is warned about."""
+    args = flags.args
+    cfg = check_training(args.config, flags.train_args, args.num_nodes, flags.nproc, flags.gpus)
+    warn_if_restarts_start_over(cfg, restarts)
+    note_launcher_and_strategy(cfg, args.use_deepspeed)
+    job = Job(
+        config=config_for_script(args.config, project_dir), python=args.python, project_dir=project_dir,
+        num_gpus_per_node=flags.gpus, nproc_per_node=flags.nproc, num_nodes=args.num_nodes,
+        use_deepspeed=args.use_deepspeed, max_restarts=args.max_restarts, rdzv_timeout=args.rdzv_timeout,
+        shutdown_timeout=cfg.distributed.shutdown_timeout_s, train_args=flags.train_args,
+        command_line=flags.command_line,
+    )
+    return job, cfg
+
+
 # --- phalanx launcher ----------------------------------------------------------------------------
 
 
@@ -155,9 +193,8 @@ def launcher_parser() -> argparse.ArgumentParser:
 
 
 def launcher_main(argv: Sequence[str]) -> int:
-    own, train_args = split_train_args(argv)
-    args = launcher_parser().parse_args(own)
-    gpus, nproc = layout(args)
+    flags = parse_job_flags(launcher_parser(), argv)
+    args, nproc = flags.args, flags.nproc
     if not 0 <= args.node_rank < args.num_nodes:
         raise ConfigError(f"--node_rank {args.node_rank} is outside 0..{args.num_nodes - 1} for --num_nodes {args.num_nodes}")
     master = args.master_addr or "127.0.0.1"
@@ -169,19 +206,9 @@ def launcher_main(argv: Sequence[str]) -> int:
         if is_loopback(master):
             raise ConfigError(f"--master_addr {master} is a loopback address; the other nodes cannot reach it. "
                               "Give the master node's address on the network the nodes share.")
-    cfg = check_training(args.config, train_args, args.num_nodes, nproc, gpus)
-    warn_if_restarts_start_over(cfg, args.max_restarts > 0)
-    note_launcher_and_strategy(cfg, args.use_deepspeed)
+    job, _ = checked_job(flags, Path.cwd().resolve(), restarts=args.max_restarts > 0)
     out = Path(args.output)
-    project = Path.cwd().resolve()
-    spec = LaunchSpec(
-        config=config_for_script(args.config, project), python=args.python, project_dir=project,
-        num_gpus_per_node=gpus, nproc_per_node=nproc, num_nodes=args.num_nodes, node_rank=args.node_rank,
-        master_addr=master, master_port=args.master_port, use_deepspeed=args.use_deepspeed,
-        max_restarts=args.max_restarts, rdzv_timeout=args.rdzv_timeout,
-        shutdown_timeout=cfg.distributed.shutdown_timeout_s, train_args=train_args,
-        command_line=command_line("launcher", argv),
-    )
+    spec = LaunchSpec(job, node_rank=args.node_rank, master_addr=master, master_port=args.master_port)
     write_script(out, scripts.render_launcher_sh(spec, out))
     written = [out]
     if args.num_nodes == 1 and not args.use_deepspeed:
@@ -237,20 +264,16 @@ def slurm_parser() -> argparse.ArgumentParser:
 
 
 def slurm_main(argv: Sequence[str]) -> int:
-    own, train_args = split_train_args(argv)
-    args = slurm_parser().parse_args(own)
-    gpus, nproc = layout(args)
+    flags = parse_job_flags(slurm_parser(), argv)
+    args, gpus, nproc = flags.args, flags.gpus, flags.nproc
     if args.signal_time is not None and args.signal_time < 1:
         raise ConfigError(f"--signal_time {args.signal_time}: seconds before the time limit, at least 1")
     cpus = args.cpus_per_task if args.cpus_per_task is not None else (8 if gpus else 1)
     if cpus < 1:
         raise ConfigError(f"--cpus_per_task {cpus}: at least 1")
-    cfg = check_training(args.config, train_args, args.num_nodes, nproc, gpus)
-    project = Path(args.chdir or Path.cwd()).resolve()
-    out = Path(args.output)
     requeue = not args.no_requeue
-    warn_if_restarts_start_over(cfg, requeue or args.max_restarts > 0)
-    note_launcher_and_strategy(cfg, args.use_deepspeed)
+    job, cfg = checked_job(flags, Path(args.chdir or Path.cwd()).resolve(), restarts=requeue or args.max_restarts > 0)
+    out = Path(args.output)
     grace = cfg.distributed.shutdown_timeout_s
     signal_time = args.signal_time if args.signal_time is not None else grace + scripts.SIGNAL_MARGIN_S
     if requeue and signal_time < grace:
@@ -258,12 +281,8 @@ def slurm_main(argv: Sequence[str]) -> int:
               f"than the {grace} s distributed.shutdown_timeout_s gives the ranks to save; a save that takes that "
               "long is cut off. Raise --signal_time or lower shutdown_timeout_s.", file=sys.stderr)
     spec = SlurmSpec(
-        config=config_for_script(args.config, project), python=args.python, project_dir=project,
-        num_gpus_per_node=gpus, nproc_per_node=nproc, num_nodes=args.num_nodes,
-        master_port=args.master_port or DEFAULT_PORT, fixed_port=args.master_port is not None,
-        use_deepspeed=args.use_deepspeed, max_restarts=args.max_restarts, rdzv_timeout=args.rdzv_timeout,
-        shutdown_timeout=grace, train_args=train_args,
-        command_line=command_line("slurm", argv), job_name=args.job_name, time_limit=args.time_limit,
+        job, master_port=args.master_port or DEFAULT_PORT, fixed_port=args.master_port is not None,
+        job_name=args.job_name, time_limit=args.time_limit,
         partition=args.partition, account=args.account, cpus_per_rank=cpus, mem_per_gpu=args.mem_per_gpu,
         mem=args.mem, log=args.log, signal_time=signal_time, requeue=requeue, setup=args.setup,
         output_dir=cfg.output_dir,

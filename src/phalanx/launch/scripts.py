@@ -1,9 +1,11 @@
 """Write the scripts that start training: a torchrun / DeepSpeed launcher per node, a Windows .bat, an sbatch job.
 
 Each renderer is a pure function from a spec to text, so tests can read what a user would
-get and then run it. The scripts are meant to be read: every non-obvious line says why.
-Values are baked in at generation time and can be overridden through environment
-variables when the script runs, so one script serves small experiments too.
+get and then run it. A launcher spec and a SLURM spec hold the same Job (ranks, launcher,
+training command), and both scripts check each node with the same preflight block. The
+scripts are meant to be read: every non-obvious line says why. Values are baked in at
+generation time and can be overridden through environment variables when the script runs,
+so one script serves small experiments too.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ SIGNAL_MARGIN_S = 60  # SLURM's warning comes this long before the ranks' shutdo
 
 
 @dataclass
-class LaunchSpec:
-    """What one node needs to start its share of the ranks."""
+class Job:
+    """The run every node takes part in, whether a launcher script or SLURM starts it: ranks, launcher, training."""
 
     config: Optional[str]  # path as the scripts should use it (relative to project_dir, or absolute)
     python: str
@@ -29,9 +31,6 @@ class LaunchSpec:
     num_gpus_per_node: int
     nproc_per_node: int
     num_nodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int = DEFAULT_PORT
     use_deepspeed: bool = False
     max_restarts: int = 0
     rdzv_timeout: int = DEFAULT_RDZV_TIMEOUT
@@ -49,9 +48,21 @@ class LaunchSpec:
 
 
 @dataclass
-class SlurmSpec(LaunchSpec):
+class LaunchSpec:
+    """What one node needs to start its share of the ranks: the job, and where this node stands in it."""
+
+    job: Job
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = DEFAULT_PORT
+
+
+@dataclass
+class SlurmSpec:
     """An sbatch job: one torchrun per node through srun, c10d rendezvous on the first node."""
 
+    job: Job
+    master_port: int = DEFAULT_PORT
     job_name: str = "llm_finetune"
     time_limit: str = "24:00:00"
     partition: Optional[str] = None
@@ -76,12 +87,31 @@ def relative_dir(script: Path, project_dir: Path) -> str:
     return os.path.relpath(project_dir, script.resolve().parent)
 
 
-def _train_words(spec: LaunchSpec) -> str:
-    words = ["-m", "phalanx", "train"]
-    if spec.config:
-        words.append(q(spec.config))
-    words += [q(a) for a in spec.train_args]
+def _train_words(job: Job, module_flag: str = "-m") -> str:
+    """`-m phalanx train CONFIG FLAGS...` as the script passes it to the launcher (DeepSpeed's spells it --module)."""
+    words = [module_flag, "phalanx", "train"]
+    if job.config:
+        words.append(q(job.config))
+    words += [q(a) for a in job.train_args]
     return " ".join(words)
+
+
+def preflight_lines(num_gpus_per_node: int, nproc: str, node_rank: str) -> list[str]:
+    """Bash that checks this node before its launcher starts and sets NET_IFNAME and LOCAL_ADDR; a failed check
+    stops the script with preflight's status. No single quotes: SLURM embeds it in a quoted string."""
+    return [
+        "# Fail fast with a clear message where torch would wait: too few GPUs, a master address that is",
+        "# not this machine or cannot be reached, a port already taken. Prints the interface and address",
+        "# this node uses to reach the master.",
+        f'NET=$("$PYTHON" -m phalanx.launch.preflight --num_gpus_per_node {num_gpus_per_node} --nproc_per_node {nproc} \\',
+        f'    --num_nodes "$NUM_NODES" --node_rank {node_rank} --master_addr "$MASTER_ADDR" \\',
+        '    --master_port "$MASTER_PORT" --timeout "$RDZV_TIMEOUT") || exit',
+        'read -r NET_IFNAME LOCAL_ADDR <<< "$NET"',
+        'if [ "$NUM_NODES" -gt 1 ] && [ "$NET_IFNAME" != "-" ]; then',
+        "    # The host name may resolve to 127.0.0.1; gloo must advertise the address the other nodes can reach.",
+        '    export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-$NET_IFNAME}"',
+        "fi",
+    ]
 
 
 def deepspeed_lines(node_rank: str, nproc: str, cpu: bool) -> list[str]:
@@ -115,39 +145,40 @@ def deepspeed_lines(node_rank: str, nproc: str, cpu: bool) -> list[str]:
 
 def render_launcher_sh(spec: LaunchSpec, script: Path) -> str:
     """A bash script for node `spec.node_rank`: preflight checks, then torchrun (or the DeepSpeed launcher)."""
-    rel = relative_dir(script, spec.project_dir)
-    nodes_word = f"node {spec.node_rank} of {spec.num_nodes}" if spec.num_nodes > 1 else "a single node"
+    job = spec.job
+    rel = relative_dir(script, job.project_dir)
+    nodes_word = f"node {spec.node_rank} of {job.num_nodes}" if job.num_nodes > 1 else "a single node"
     lines = [
         "#!/usr/bin/env bash",
-        f"# Starts phalanx training on {nodes_word}: {spec.nproc_per_node} {spec.rank_kind} per node"
-        + (" (DeepSpeed launcher)." if spec.use_deepspeed else " (torchrun)."),
-        f"# Written by: {spec.command_line}" if spec.command_line else "# Written by phalanx launcher.",
+        f"# Starts phalanx training on {nodes_word}: {job.nproc_per_node} {job.rank_kind} per node"
+        + (" (DeepSpeed launcher)." if job.use_deepspeed else " (torchrun)."),
+        f"# Written by: {job.command_line}" if job.command_line else "# Written by phalanx launcher.",
         "#",
         f"# Run:   bash {script.name}                  as configured",
         f"#        bash {script.name} 4                4 processes on this node (like seed 000's launch_distributed.sh 4)",
         f"#        bash {script.name} --max_steps 10   extra --flag value pairs go to `phalanx train`",
         "# Without regenerating, override with PHALANX_ + PYTHON, NUM_NODES, NODE_RANK, MASTER_ADDR, MASTER_PORT,",
         "# NPROC_PER_NODE, MAX_RESTARTS or RDZV_TIMEOUT (seconds a node waits for the others), e.g. PHALANX_NODE_RANK=1"
-        + ("." if spec.use_deepspeed else ";"),
-        *([] if spec.use_deepspeed else ["# SHUTDOWN_TIMEOUT: seconds the ranks get to save after a SIGTERM."]),
+        + ("." if job.use_deepspeed else ";"),
+        *([] if job.use_deepspeed else ["# SHUTDOWN_TIMEOUT: seconds the ranks get to save after a SIGTERM."]),
         "set -euo pipefail",
         "",
         "# The project folder: relative paths in the config resolve from here.",
         f'cd "$(dirname "${{BASH_SOURCE[0]}}")"/{q(rel)}',
         "",
-        f'PYTHON="${{PHALANX_PYTHON:-{spec.python}}}"',
-        f'NUM_NODES="${{PHALANX_NUM_NODES:-{spec.num_nodes}}}"',
+        f'PYTHON="${{PHALANX_PYTHON:-{job.python}}}"',
+        f'NUM_NODES="${{PHALANX_NUM_NODES:-{job.num_nodes}}}"',
         f'NODE_RANK="${{PHALANX_NODE_RANK:-{spec.node_rank}}}"',
         f'MASTER_ADDR="${{PHALANX_MASTER_ADDR:-{spec.master_addr}}}"',
         f'MASTER_PORT="${{PHALANX_MASTER_PORT:-{spec.master_port}}}"',
-        f'NPROC_PER_NODE="${{PHALANX_NPROC_PER_NODE:-{spec.nproc_per_node}}}"',
-        f'MAX_RESTARTS="${{PHALANX_MAX_RESTARTS:-{spec.max_restarts}}}"',
-        f'RDZV_TIMEOUT="${{PHALANX_RDZV_TIMEOUT:-{spec.rdzv_timeout}}}"',
-        *([f'SHUTDOWN_TIMEOUT="${{PHALANX_SHUTDOWN_TIMEOUT:-{spec.shutdown_timeout}}}"'] if not spec.use_deepspeed else []),
+        f'NPROC_PER_NODE="${{PHALANX_NPROC_PER_NODE:-{job.nproc_per_node}}}"',
+        f'MAX_RESTARTS="${{PHALANX_MAX_RESTARTS:-{job.max_restarts}}}"',
+        f'RDZV_TIMEOUT="${{PHALANX_RDZV_TIMEOUT:-{job.rdzv_timeout}}}"',
+        *([f'SHUTDOWN_TIMEOUT="${{PHALANX_SHUTDOWN_TIMEOUT:-{job.shutdown_timeout}}}"'] if not job.use_deepspeed else []),
         'if [[ "${1:-}" =~ ^[0-9]+$ ]]; then NPROC_PER_NODE="$1"; shift; fi',
         "",
     ]
-    if spec.cpu:
+    if job.cpu:
         lines += [
             "# CPU ranks: no GPU is used even where one is visible, and gloo carries the gradients.",
             'export CUDA_VISIBLE_DEVICES=""',
@@ -157,27 +188,15 @@ def render_launcher_sh(spec: LaunchSpec, script: Path) -> str:
         lines += ["TRAIN_BACKEND=()"]
     lines += [
         "",
-        "# Fail fast with a clear message where torch would wait: too few GPUs, a master address that is",
-        "# not this machine or cannot be reached, a port already taken. Prints the interface and address",
-        "# this node uses to reach the master.",
-        'NET=$("$PYTHON" -m phalanx.launch.preflight --num_gpus_per_node '
-        f'{spec.num_gpus_per_node} --nproc_per_node "$NPROC_PER_NODE" \\',
-        '    --num_nodes "$NUM_NODES" --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" \\',
-        '    --master_port "$MASTER_PORT" --timeout "$RDZV_TIMEOUT")',
-        'read -r NET_IFNAME LOCAL_ADDR <<< "$NET"',
-        'if [ "$NUM_NODES" -gt 1 ] && [ "$NET_IFNAME" != "-" ]; then',
-        "    # The host name may resolve to 127.0.0.1; gloo must advertise the address the other nodes can reach.",
-        '    export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-$NET_IFNAME}"',
-        "fi",
+        *preflight_lines(job.num_gpus_per_node, '"$NPROC_PER_NODE"', '"$NODE_RANK"'),
         'echo "phalanx: node $NODE_RANK of $NUM_NODES, $NPROC_PER_NODE rank(s), master $MASTER_ADDR:$MASTER_PORT'
         ' reached from $LOCAL_ADDR ($NET_IFNAME)" >&2',
         "",
     ]
-    if spec.use_deepspeed:
-        train = ("--module phalanx train " + (q(spec.config) + " " if spec.config else "")
-                 + " ".join(q(a) for a in spec.train_args)).rstrip()
-        lines += deepspeed_lines('"$NODE_RANK"', '$NPROC_PER_NODE', spec.cpu) + [
-            f'exec "$PYTHON" -m deepspeed.launcher.runner "${{DS[@]}}" --master_port "$MASTER_PORT" --no_local_rank {train} \\',
+    if job.use_deepspeed:
+        lines += deepspeed_lines('"$NODE_RANK"', '$NPROC_PER_NODE', job.cpu) + [
+            'exec "$PYTHON" -m deepspeed.launcher.runner "${DS[@]}" --master_port "$MASTER_PORT" --no_local_rank '
+            f'{_train_words(job, "--module")} \\',
             '    "${TRAIN_BACKEND[@]}" "$@"',
         ]
         return "\n".join(lines) + "\n"
@@ -200,21 +219,22 @@ def render_launcher_sh(spec: LaunchSpec, script: Path) -> str:
         *SHUTDOWN_LINES,
         "# torchrun (python -m torch.distributed.run) starts NPROC_PER_NODE ranks of `phalanx train` here.",
         'exec "$PYTHON" -m torch.distributed.run --nnodes "$NUM_NODES" --nproc_per_node "$NPROC_PER_NODE" "${RDZV[@]}" \\',
-        f'    {_train_words(spec)} "${{TRAIN_BACKEND[@]}}" "$@"',
+        f'    {_train_words(job)} "${{TRAIN_BACKEND[@]}}" "$@"',
     ]
     return "\n".join(lines) + "\n"
 
 
 def render_launcher_bat(spec: LaunchSpec, script: Path) -> str:
     """A single-node Windows launcher (seed 002 ships launch_distributed_hub.bat N)."""
-    rel = relative_dir(script, spec.project_dir).replace("/", "\\")
-    python = spec.python if os.name == "nt" else "python"
-    config = (spec.config or "").replace("/", "\\") if spec.config and not os.path.isabs(spec.config) else (spec.config or "")
-    train = ["-m", "phalanx", "train"] + ([f'"{config}"'] if config else []) + [_bat_word(a) for a in spec.train_args]
+    job = spec.job
+    rel = relative_dir(script, job.project_dir).replace("/", "\\")
+    python = job.python if os.name == "nt" else "python"
+    config = (job.config or "").replace("/", "\\") if job.config and not os.path.isabs(job.config) else (job.config or "")
+    train = ["-m", "phalanx", "train"] + ([f'"{config}"'] if config else []) + [_bat_word(a) for a in job.train_args]
     lines = [
         "@echo off",
-        f"REM Starts phalanx training on this Windows machine: {spec.nproc_per_node} rank(s) over gloo (torchrun).",
-        f"REM Written by: {spec.command_line}" if spec.command_line else "REM Written by phalanx launcher.",
+        f"REM Starts phalanx training on this Windows machine: {job.nproc_per_node} rank(s) over gloo (torchrun).",
+        f"REM Written by: {job.command_line}" if job.command_line else "REM Written by phalanx launcher.",
         f"REM Run:   {script.stem}.bat                  as configured",
         f"REM        {script.stem}.bat 2                2 processes (like seed 002's launch_distributed_hub.bat 2)",
         f"REM        {script.stem}.bat --max_steps 10   extra --flag value pairs go to `phalanx train`",
@@ -223,7 +243,7 @@ def render_launcher_bat(spec: LaunchSpec, script: Path) -> str:
         "REM The project folder: relative paths in the config resolve from here.",
         f'cd /d "%~dp0{rel}"',
         f'if "%PHALANX_PYTHON%"=="" (set "PYTHON={python}") else (set "PYTHON=%PHALANX_PYTHON%")',
-        f"set NPROC_PER_NODE={spec.nproc_per_node}",
+        f"set NPROC_PER_NODE={job.nproc_per_node}",
         "REM torch on Windows has neither NCCL nor the libuv TCP store: gloo ranks and the classic store.",
         "set USE_LIBUV=0",
         "REM A first argument made only of digits is the number of processes.",
@@ -268,18 +288,19 @@ SLURM_NCCL = [
 
 def render_slurm(spec: SlurmSpec, script: Path) -> str:
     """An sbatch script like seed 003's, with one launcher per node and preemption handled."""
-    ranks = spec.nproc_per_node
+    job = spec.job
+    ranks = job.nproc_per_node
     sbatch = [
         f"#SBATCH --job-name={spec.job_name}",
-        f"#SBATCH --nodes={spec.num_nodes}",
+        f"#SBATCH --nodes={job.num_nodes}",
         "#SBATCH --ntasks-per-node=1",
     ]
-    if not spec.cpu:
-        sbatch.append(f"#SBATCH --gres=gpu:{spec.num_gpus_per_node}")
+    if not job.cpu:
+        sbatch.append(f"#SBATCH --gres=gpu:{job.num_gpus_per_node}")
     sbatch.append(f"#SBATCH --cpus-per-task={spec.cpus_per_rank * ranks}")
     if spec.mem:
         sbatch.append(f"#SBATCH --mem={spec.mem}")
-    elif spec.mem_per_gpu and not spec.cpu:
+    elif spec.mem_per_gpu and not job.cpu:
         sbatch.append(f"#SBATCH --mem-per-gpu={spec.mem_per_gpu}")
     sbatch.append(f"#SBATCH --time={spec.time_limit}")
     if spec.partition:
@@ -289,7 +310,7 @@ def render_slurm(spec: SlurmSpec, script: Path) -> str:
     sbatch += [
         f"#SBATCH --output={spec.log}",
         f"#SBATCH --error={spec.log}",
-        f"#SBATCH --chdir={spec.project_dir}",
+        f"#SBATCH --chdir={job.project_dir}",
     ]
     if spec.requeue:
         sbatch += [
@@ -299,8 +320,8 @@ def render_slurm(spec: SlurmSpec, script: Path) -> str:
         ]
     lines = [
         "#!/bin/bash",
-        f"# phalanx training on {spec.num_nodes} node(s) x {ranks} {spec.rank_kind}; submit with: sbatch {script.name}",
-        f"# Written by: {spec.command_line}" if spec.command_line else "# Written by phalanx slurm.",
+        f"# phalanx training on {job.num_nodes} node(s) x {ranks} {job.rank_kind}; submit with: sbatch {script.name}",
+        f"# Written by: {job.command_line}" if job.command_line else "# Written by phalanx slurm.",
         "# One task per node (--ntasks-per-node=1): that task is torchrun, and torchrun starts the node's ranks.",
         f"# --cpus-per-task is {spec.cpus_per_rank} CPU(s) for each of the {ranks} rank(s) of a node.",
         *([
@@ -317,16 +338,16 @@ def render_slurm(spec: SlurmSpec, script: Path) -> str:
     if spec.setup:
         lines += ["# Environment set-up (--setup):", *spec.setup, ""]
     lines += [
-        f'PYTHON="${{PHALANX_PYTHON:-{spec.python}}}"',
+        f'PYTHON="${{PHALANX_PYTHON:-{job.python}}}"',
         f'OUTPUT_DIR="${{PHALANX_OUTPUT_DIR:-{spec.output_dir}}}"',
-        f'RDZV_TIMEOUT="${{PHALANX_RDZV_TIMEOUT:-{spec.rdzv_timeout}}}"',
-        *([f'SHUTDOWN_TIMEOUT="${{PHALANX_SHUTDOWN_TIMEOUT:-{spec.shutdown_timeout}}}"', *SHUTDOWN_LINES]
-          if not spec.use_deepspeed else []),
+        f'RDZV_TIMEOUT="${{PHALANX_RDZV_TIMEOUT:-{job.rdzv_timeout}}}"',
+        *([f'SHUTDOWN_TIMEOUT="${{PHALANX_SHUTDOWN_TIMEOUT:-{job.shutdown_timeout}}}"', *SHUTDOWN_LINES]
+          if not job.use_deepspeed else []),
         f"export OMP_NUM_THREADS={spec.cpus_per_rank}",
         "",
         *SLURM_NCCL,
     ]
-    if spec.cpu:
+    if job.cpu:
         lines += [
             "# CPU ranks: no GPU is used even where one is visible, and gloo carries the gradients.",
             'export CUDA_VISIBLE_DEVICES=""',
@@ -351,7 +372,7 @@ def render_slurm(spec: SlurmSpec, script: Path) -> str:
         "",
     ]
     if spec.requeue:
-        if spec.max_restarts:
+        if job.max_restarts:
             # torchrun would restart ranks that stop to save (they exit 75), so stop torchrun itself; it passes
             # SIGTERM on to the ranks and gives them SHUTDOWN_TIMEOUT seconds before it kills them.
             stop = ["    # torchrun restarts ranks that stop (--max_restarts); SIGTERM stops torchrun and, through it, the ranks.",
@@ -374,16 +395,12 @@ def render_slurm(spec: SlurmSpec, script: Path) -> str:
     step = [
         "# Runs once per node. torchrun ignores USR1 so that the ranks (which save on it) decide when to stop.",
         "STEP='trap \"\" USR1",
-        'NET=$("$PYTHON" -m phalanx.launch.preflight --num_gpus_per_node '
-        f'{spec.num_gpus_per_node} --nproc_per_node {ranks} --num_nodes "$NUM_NODES" \\',
-        '    --node_rank "$SLURM_NODEID" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" --timeout "$RDZV_TIMEOUT") || exit 2',
-        'read -r NET_IFNAME LOCAL_ADDR <<< "$NET"',
-        'if [ "$NUM_NODES" -gt 1 ] && [ "$NET_IFNAME" != "-" ]; then export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-$NET_IFNAME}"; fi',
+        *preflight_lines(job.num_gpus_per_node, str(ranks), '"$SLURM_NODEID"'),
         'echo "phalanx: node $SLURM_NODEID of $NUM_NODES ($(hostname)), master $MASTER_ADDR:$MASTER_PORT reached from $LOCAL_ADDR ($NET_IFNAME)"',
         'IS_HOST=$([ "$SLURM_NODEID" = 0 ] && echo 1 || echo 0)',
     ]
-    if spec.use_deepspeed:
-        step += deepspeed_lines('"$SLURM_NODEID"', str(ranks), spec.cpu) + [
+    if job.use_deepspeed:
+        step += deepspeed_lines('"$SLURM_NODEID"', str(ranks), job.cpu) + [
             'exec "$PYTHON" -m deepspeed.launcher.runner "${DS[@]}" --master_port "$MASTER_PORT" --no_local_rank \\',
             '    --module phalanx train "$@"\'',
         ]
@@ -392,11 +409,11 @@ def render_slurm(spec: SlurmSpec, script: Path) -> str:
             'exec "$PYTHON" -m torch.distributed.run --nnodes "$NUM_NODES" --nproc_per_node ' + str(ranks) + " \\",
             '    --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "phalanx-$SLURM_JOB_ID" \\',
             '    --rdzv_conf "is_host=$IS_HOST,join_timeout=$RDZV_TIMEOUT" --local_addr "$LOCAL_ADDR" \\',
-            f'    --max_restarts {spec.max_restarts} --monitor_interval 1 -m phalanx train "$@"\'',
+            f'    --max_restarts {job.max_restarts} --monitor_interval 1 -m phalanx train "$@"\'',
         ]
-    train_args = ([q(spec.config)] if spec.config else []) + [q(a) for a in spec.train_args]
+    train_args = ([q(job.config)] if job.config else []) + [q(a) for a in job.train_args]
     train_args += ['--output_dir "$OUTPUT_DIR"']
-    if spec.cpu:
+    if job.cpu:
         train_args.append("--backend gloo")
     lines += step + [
         "",

@@ -1,0 +1,130 @@
+"""`phalanx train`: one process, `--world_size N` local ranks, or one rank of a launcher, from start to exit status.
+
+Import-light on purpose: a rank installs its preemption handler before the model stack is imported (seconds), so
+no signal is lost, and a bad config is reported before torch is loaded at all.
+"""
+
+from __future__ import annotations
+
+import errno
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+from phalanx.errors import PhalanxError
+
+if TYPE_CHECKING:
+    from phalanx.config.schema import RunConfig
+    from phalanx.runtime.signals import PreemptionFlag
+
+
+def train_help() -> str:
+    from phalanx.config.docs import flags_table
+
+    return "usage: phalanx train [CONFIG.yaml] [--flag value ...]\n\n" + flags_table()
+
+
+def main(args: Sequence[str]) -> int:
+    if "-h" in args or "--help" in args:
+        print(train_help())
+        return 0
+    import os
+
+    from phalanx.config.loader import config_from_args
+    from phalanx.runtime.quiet import quiet_libraries
+    # Only `signal`: installed before the model stack is imported (seconds), so no preemption signal is lost.
+    from phalanx.runtime.signals import PreemptionFlag
+
+    # A rank of torchrun, the DeepSpeed launcher, SLURM or `--world_size N` (runtime.dist.launched_by_torchrun,
+    # tested here without importing torch, so that a bad config is reported at once).
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return train_rank(args, PreemptionFlag().install())
+    cfg = config_from_args(args)[0]
+    cfg.check_nodes(1)  # one process, or `--world_size N` ranks on this machine
+    if cfg.model.load_in_4bit:
+        from phalanx.models.packages import require_4bit_packages
+
+        require_4bit_packages()  # once here, not once per rank
+    if cfg.distributed.world_size > 1:
+        return launch_train_ranks(cfg, args)
+    preemption = PreemptionFlag().install()
+    quiet_libraries()
+    return train_worker(cfg, preemption)
+
+
+def launch_train_ranks(cfg: RunConfig, args: Sequence[str]) -> int:
+    """`--world_size N`: start N local ranks at once. This process only checks what needs no model or data library
+    (the ranks tokenize, one of them at a time through the cache's lock, before they join the process group)."""
+    from phalanx.checkpoint.resume import resume_point
+    from phalanx.launch.local import launch_local
+    from phalanx.parallel import check_before_launch
+    from phalanx.runtime.dist import check_world_fits, resolve_backend
+
+    check_world_fits(cfg.distributed.world_size, cfg.distributed.backend)
+    check_before_launch(cfg, cfg.distributed.world_size, on_gpu=resolve_backend(cfg.distributed.backend) == "nccl")
+    resume_point(cfg)  # an output_dir that holds another run is refused here, once, before any rank starts
+    return launch_local(["train", *args], cfg.distributed.world_size, cfg.distributed.master_port,
+                        max_restarts=cfg.distributed.max_restarts, shutdown_timeout_s=cfg.distributed.shutdown_timeout_s)
+
+
+def train_rank(args: Sequence[str], preemption: PreemptionFlag) -> int:
+    """One rank started by a launcher. Bad input is the same on every rank: it is reported once for the job."""
+    from phalanx.config.loader import config_from_args
+    from phalanx.errors import ConfigError, DataError
+    from phalanx.runtime.dist import env_rank_info
+    from phalanx.runtime.quiet import quiet_libraries
+
+    rank, world = env_rank_info()[:2]
+    try:
+        cfg = config_from_args(args)[0]
+        quiet_libraries()
+        return train_worker(cfg, preemption)
+    except (ConfigError, DataError) as exc:
+        if world == 1:
+            raise
+        from phalanx.launch.local import report_bad_input
+
+        return report_bad_input(exc, rank)
+
+
+def train_worker(cfg: RunConfig, preemption: PreemptionFlag) -> int:
+    """One rank's whole run. A failure is reported with what every rank was doing, so the stuck one is named."""
+    from phalanx.runtime.dist import env_rank_info, shutdown
+    from phalanx.runtime.signals import PREEMPTED_EXIT_CODE, Preempted
+    from phalanx.runtime.watch import describe_ranks
+    from phalanx.train.loop import train
+    from phalanx.train.run import build_run, finish_run
+
+    rank, world = env_rank_info()[:2]
+    run = None
+    try:
+        run = build_run(cfg, preemption)
+        train(run)
+        finish_run(run)
+    except Preempted as exc:
+        print(f"⏸️  {exc}; exiting with status {PREEMPTED_EXIT_CODE} so a requeue resumes it", file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT_CODE
+    except PhalanxError:
+        raise
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EACCES, errno.EROFS, errno.EDQUOT):
+            raise
+        from phalanx.checkpoint.commit import committed_step_checkpoints
+
+        kept = [p.name for _, p in committed_step_checkpoints(Path(cfg.output_dir))]
+        raise PhalanxError(f"rank {rank} cannot write to output_dir {cfg.output_dir}: {exc.strerror} ({exc.filename}). "
+                           f"Committed checkpoints are intact: {kept or 'none yet'}; free space or fix permissions, "
+                           "then rerun the same command to resume.") from None
+    except Exception as exc:
+        if world > 1:
+            raise PhalanxError(f"rank {rank} failed: {type(exc).__name__}: {exc}\n  what each rank was doing: "
+                               f"{describe_ranks(world)}") from exc
+        raise
+    finally:
+        if run is not None:
+            run.reporter.close()  # a failed run keeps the metrics and TensorBoard events it logged
+        # Free DDP (its reducer holds the process group) before destroying the group: the other order can
+        # tear gloo down inside a Python destructor, where its threads wait for the GIL we hold: a hang at exit.
+        del run
+        shutdown()
+    return 0
