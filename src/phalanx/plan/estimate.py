@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 from phalanx.config.schema import RunConfig
 from phalanx.errors import ConfigError
 from phalanx.plan.model import ModelFacts
+from phalanx.models.lora_fused import REDRAW_MASK_ON
 from phalanx.train.loss import CHUNK_LOGITS, chunk_rows
 
 GiB = 2**30
@@ -165,7 +166,8 @@ def activation_bytes(m: ModelFacts, s: Setup, stream: int, compute: int) -> Acti
     mask_bytes = 1 if s.device == "cuda" else stream  # fused CUDA dropout keeps a bool mask, CPU a scaled noise tensor
     trains, lora = m.trainable_linears, m.lora_ranks
     # phalanx's fused LoRA forward (models/lora_fused.py; not on a 4-bit base) keeps the shared input once, in its
-    # own dtype, and each adapter's r-wide x @ A^T; dropout masks are redrawn in backward, never kept.
+    # own dtype, and each adapter's r-wide x @ A^T; a dropout mask per adapter as bools on CPU, none on CUDA
+    # (redrawn in backward).
     fused = m.lora_fused and not s.base_4bit_bytes
 
     def rms_norm(dim: int, rows: int = 1) -> int:
@@ -178,7 +180,10 @@ def activation_bytes(m: ModelFacts, s: Setup, stream: int, compute: int) -> Acti
         if fused and any(r in lora for r in roles):
             if not kept_anyway:
                 out += dim * x_bytes  # x itself, one tensor for every adapter that reads it
-            return out + sum(lora[r] for r in roles if r in lora) * compute
+            adapters = [r for r in roles if r in lora]
+            if dropout and s.device not in REDRAW_MASK_ON:
+                out += dim * len(adapters)  # each adapter's dropout mask, as bools (redrawn in backward on CUDA)
+            return out + sum(lora[r] for r in adapters) * compute
         readers = [r for r in roles if r in trains or (r in lora and not dropout)]
         if readers and not kept_anyway:
             out += dim * compute * (len(readers) if stream != compute else 1)
