@@ -68,3 +68,25 @@ def test_fsdp_resume_from_sharded_state_is_identical(tmp_path):
     a, b = load_file(whole / "adapter_model.safetensors"), load_file(killed / "adapter_model.safetensors")
     for key in a:
         assert (a[key] - b[key]).abs().max() < 1e-5, key
+
+
+def test_fsdp_keeps_a_frozen_bf16_lora_base_in_bf16():
+    """Under bf16 mixed precision (asked for directly: on CPU a run gets fp32) the frozen base stays bf16 once sharded,
+    with no fp32 copy of weights that never step; only the LoRA weights are fp32 masters. Three steps run, and the
+    losses equal DDP's bf16 autocast path to one bf16 rounding (measured: equal to the last digit on CPU)."""
+    from dist_workers import run_ranks
+    from parallel import fsdp_ranks
+
+    from phalanx.config.schema import EMBEDDED_MODEL
+    from phalanx.models.load import resolve_model_path
+
+    resolve_model_path(EMBEDDED_MODEL)  # built once here, not by two ranks at once
+    fsdp = run_ranks(fsdp_ranks.lora_bf16_steps, 2, "fsdp")
+    ddp = run_ranks(fsdp_ranks.lora_bf16_steps, 2, "ddp")
+    for rank in fsdp:
+        assert rank["frozen"] == ["torch.bfloat16"] and rank["trainable"] == ["torch.float32"], rank
+    # Each rank holds half the frozen base, in 2 bytes a weight (DDP: all of it, also bf16).
+    assert fsdp[0]["frozen_local_bytes"] + fsdp[1]["frozen_local_bytes"] == pytest.approx(ddp[0]["frozen_local_bytes"], rel=0.01)
+    assert fsdp[0]["losses"] == fsdp[1]["losses"]
+    assert fsdp[0]["losses"] == pytest.approx(ddp[0]["losses"], rel=4e-3)
+    assert fsdp[0]["losses"][-1] < fsdp[0]["losses"][0], "the adapter trains"

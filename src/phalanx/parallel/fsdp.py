@@ -9,6 +9,10 @@ frees its gathered parameters after forward:
   HYBRID_SHARD   2-D mesh (nodes x ranks per node): shard inside a node, replicate across nodes
   NO_SHARD       2-D mesh (world x 1): every rank replicates, gradients all-reduced (DDP's math)
 
+Under LoRA with mixed precision the frozen base stays in the compute dtype it was loaded in (bf16:
+2 bytes a weight, sharded) and only the adapter keeps fp32 master weights; the all-gather casts the
+adapter to the compute dtype and gradients are reduced in fp32.
+
 The final model or adapter is gathered to full tensors on rank 0 (every rank takes part);
 training state for resume is written sharded with torch.distributed.checkpoint, each rank
 its own part (optionally in the background), and loads on any number of ranks. Under full
@@ -18,6 +22,8 @@ fine-tuning that sharded state holds every weight, so checkpoint-{step} gathers 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, ContextManager, Optional
@@ -36,6 +42,18 @@ from phalanx.runtime.dist import RankInfo
 
 if TYPE_CHECKING:
     from phalanx.config.schema import RunConfig
+
+
+@functools.cache
+def fsdp_allows_frozen_dtypes() -> bool:
+    """Whether this torch's FSDP2 lets frozen parameters differ in dtype from trainable ones in one unit (pytorch
+    PR 154103): read from its check itself, since older versions required one dtype for every parameter of a unit."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    try:
+        return "requires_grad" in inspect.getsource(FSDPParamGroup._init_mp_dtypes)
+    except (OSError, TypeError, AttributeError):  # no source shipped: assume the old rule
+        return False
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -97,9 +115,10 @@ class FSDPStrategy(Strategy):
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-        # FSDP2 gathers each unit into one flat buffer, so a unit's parameters share one dtype. Frozen LoRA bases
-        # loaded in the compute dtype are brought back to fp32; the mixed-precision policy casts for compute.
-        if len({p.dtype for p in model.parameters()}) > 1:
+        # A unit's trainable parameters must share one dtype (one reduce-scatter). A LoRA base loaded in the compute
+        # dtype stays there: it never steps, so an fp32 copy would only double its memory and its all-gather input.
+        # Where that cannot hold (torch too old, trainable weights in several dtypes), everything becomes fp32.
+        if len({p.dtype for p in model.parameters() if p.is_floating_point()}) > 1 and not self._frozen_keep_dtype(model):
             model = model.to(torch.float32)
         mp = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32) \
             if self.param_dtype is not None else MixedPrecisionPolicy()
@@ -112,6 +131,15 @@ class FSDPStrategy(Strategy):
         fully_shard(model, reshard_after_forward=False, **kwargs)
         self.units = [*layers, model]
         return model
+
+    def _frozen_keep_dtype(self, model: nn.Module) -> bool:
+        """Frozen weights may stay in the compute dtype: trainable ones share one dtype (the fp32 master copy), every
+        frozen floating-point weight is already in param_dtype (the all-gather casts nothing), and this torch's
+        FSDP2 checks dtypes over trainable parameters only."""
+        trainable = {p.dtype for p in model.parameters() if p.requires_grad}
+        frozen = {p.dtype for p in model.parameters() if not p.requires_grad and p.is_floating_point()}
+        return (self.param_dtype is not None and len(trainable) <= 1 and frozen <= {self.param_dtype}
+                and fsdp_allows_frozen_dtypes())
 
     def micro_step(self, sync_gradients: bool) -> ContextManager:
         self._restore_after_eval()
