@@ -6,7 +6,7 @@ runs LoRA with mixed precision; adapters fp32). The arms alternate step by step 
 load hits both alike. "saved" is every distinct storage that autograd keeps for backward (saved_tensors_hooks),
 parameters excluded: the activation memory of a step. Times are reported, never asserted.
 
-    python benchmarks/lora_kernel.py [--hidden 512 --layers 4 --seq 512 --batch 4 --steps 5 --threads 2]
+    python benchmarks/lora_kernel.py [--hidden 512 --layers 4 --seq 512 --batch 4 --steps 5 --threads 2] [--redraw-mask]
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from phalanx.config.schema import LoraConfig, ModelConfig
+from phalanx.models import lora_fused
 from phalanx.models.adapters import apply_finetuning
 
 
@@ -69,8 +70,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dropouts", default="0.05,0")
     parser.add_argument("--dtypes", default="fp32,bf16")
+    parser.add_argument("--redraw-mask", action="store_true",
+                        help="redraw dropout masks in backward on CPU too (CUDA's policy) instead of keeping bools")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.redraw_mask:
+        lora_fused.REDRAW_MASK_ON = frozenset({"cpu", "cuda"})
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
     results = []
     for dtype_name in args.dtypes.split(","):
@@ -84,7 +89,7 @@ def main() -> None:
                     start = time.perf_counter()
                     step(model, ids, dtype != torch.float32)
                     times[kernel].append(time.perf_counter() - start)
-            row = {"dtype": dtype_name, "dropout": dropout}
+            row = {"dtype": dtype_name, "dropout": dropout, "mask": "redraw" if args.redraw_mask and dropout else "keep"}
             for kernel in models:
                 row[f"{kernel}_s_per_step"] = round(statistics.median(times[kernel]), 3)
                 row[f"{kernel}_saved_MiB"] = round(saved[kernel] / 2**20, 1)
