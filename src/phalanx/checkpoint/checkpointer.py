@@ -107,7 +107,7 @@ class Checkpointer:
 
     def maybe_save(self, step: int, *, stopping: bool = False) -> Optional[Path]:
         """The loop's one call per step: save checkpoint-{step} when the cadence says so, or when the run is
-        `stopping` (preempted; NaN with nan_policy stop), then synchronously: committed before this returns.
+        `stopping` (preempted; NaN with nan_policy stop): then synchronously, committed before this returns.
         Returns the folder saved, None when the step does not save."""
         if not (stopping or self.due(step)):
             return None
@@ -145,8 +145,7 @@ class Checkpointer:
         counters = self.trainer_state() if trainer_state is None else trainer_state
         self.pending = save_checkpoint(
             folder, rank=self.rank, model=PlainWeights(self.model) if self.plain_weights else self.model,
-            tokenizer=self.tokenizer, stateful=self.states,
-            trainer_state=counters,
+            tokenizer=self.tokenizer, stateful=self.states, trainer_state=counters,
             model_state=strategy.model_state_for_saving() if gather else None, model_files=weights,
             sharded=strategy if getattr(strategy, "shards_state", False) else None, asynchronous=background,
             after_commit=partial(apply_retention, self.output_dir, self.policy.keep, {self.output_dir / BEST, folder}),
@@ -155,9 +154,8 @@ class Checkpointer:
             self.after_save()
             rt.barrier()
         if self.reporter is not None:
-            self.reporter.log(counters.get("global_step"), {"name": name, "async": background,
-                                                    "blocked_s": time.perf_counter() - started,
-                                                    "waited_for_previous_s": waited}, kind="save")
+            self.reporter.log(counters.get("global_step"), {"name": name, "async": background, "waited_for_previous_s": waited,
+                                                            "blocked_s": time.perf_counter() - started}, kind="save")
         return folder
 
     def wait(self) -> None:

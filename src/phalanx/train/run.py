@@ -30,6 +30,7 @@ from phalanx.data.prepare import PreparedData, describe_report, prepare_data
 from phalanx.data.sampler import StatefulDistributedSampler, eval_shard
 from phalanx.models.adapters import apply_finetuning, trainable_parameter_count
 from phalanx.models.attention import enable_varlen_attention, packing_unsupported_reason
+from phalanx.models.compile import compile_decoder_layers
 from phalanx.models.load import cache_root, load_model, load_tokenizer, quantization_config
 from phalanx.observe.memory import peak_memory_mb
 from phalanx.observe.metrics import Reporter
@@ -188,6 +189,7 @@ def build_run(cfg: RunConfig, preemption: Optional[PreemptionFlag] = None) -> Ru
     packing = choose_packing(cfg.data.packing, model, rank)
     model = apply_finetuning(model, cfg.model, cfg.lora)
     install_target_head(model)  # the output head runs at target positions only, in chunks (train/loss.py)
+    model = compile_decoder_layers(model, cfg.training.compile, rank.device, announce=rank.is_main)  # after AC, before wrapping
     strategy = make_strategy(rank, precision, cfg.distributed.ddp_comm_hook, cfg=cfg)
     make = partial(make_optimizer, cfg=cfg.training, fused_on_cuda=cfg.distributed.strategy != "deepspeed")
     model, optimizer = strategy.prepare(model, make)
@@ -288,7 +290,8 @@ def run_info(cfg: RunConfig, state: TrainerState, total_steps: int, world_size: 
 def write_run_record(output_dir: Path, cfg: RunConfig, state: TrainerState, total_steps: int, world_size: int,
                      strategy: str) -> None:
     """training_info.json: written when a run starts and at every save, with the config it trains with."""
-    write_json_atomic(output_dir / RUN_RECORD, {**run_info(cfg, state, total_steps, world_size, strategy), "config": cfg.model_dump()})
+    info = run_info(cfg, state, total_steps, world_size, strategy)
+    write_json_atomic(output_dir / RUN_RECORD, {**info, "config": cfg.model_dump()})
 
 
 def write_info(run: Run, path: Path, extra: Optional[dict] = None) -> None:
