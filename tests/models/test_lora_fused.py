@@ -151,6 +151,26 @@ def test_bf16_saves_far_fewer_activation_bytes(mask_policy):
     assert fused[0.1] < 0.6 * peft[0.1], (fused, peft)
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_compiles_in_one_graph_and_matches_eager(dropout, mask_policy):
+    """Regional torch.compile (training.compile) traces a fused layer without graph breaks, and its forward and
+    backward match eager (aot_eager: no Inductor on CI's two cores). Compiled graphs add the update out of place."""
+    model = lora_model("fused", dropout).train()
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    x = torch.randn(2, 16, TINY["hidden_size"], requires_grad=True)
+    weight = torch.linspace(0, 1, layer.out_features)
+    results = []
+    torch._dynamo.reset()
+    for forward in (torch.compile(layer, backend="aot_eager", fullgraph=True), layer):
+        torch.manual_seed(0)
+        (forward(x) * weight).sum().backward()
+        results.append([x.grad.clone(), *(p.grad.clone() for p in layer.parameters() if p.requires_grad)])
+        x.grad = None
+        model.zero_grad()
+    for compiled, eager in zip(*results):
+        torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=1e-5)
+
+
 def test_save_pretrained_loads_with_peft(tmp_path):
     model = lora_model("fused", 0.1)
     out = run(model, train=False)[0]

@@ -50,10 +50,11 @@ def _default_generator(device: torch.device) -> Optional[torch.Generator]:
 class _LoraUpdate(torch.autograd.Function):
     """out = base_out + alpha * (m ∘ x) @ A^T @ B^T, with m the 0/1 dropout mask (none when p is 0).
 
-    alpha = scale / (1 - p). The matmuls run in `dtype`; A and B are cast to it; gradients return in their dtypes."""
+    alpha = scale / (1 - p). The matmuls run in `dtype`; A and B are cast to it; gradients return in their dtypes.
+    `inplace`: add into base_out (eager) rather than into a new tensor (compiled graphs, where inductor fuses it)."""
 
     @staticmethod
-    def forward(ctx, base_out, x, weight_a, weight_b, alpha: float, p: float, dtype: torch.dtype):
+    def forward(ctx, base_out, x, weight_a, weight_b, alpha: float, p: float, dtype: torch.dtype, inplace: bool):
         flat = x.reshape(-1, x.shape[-1])
         if flat.dtype != dtype:
             flat = flat.to(dtype)
@@ -61,7 +62,7 @@ class _LoraUpdate(torch.autograd.Function):
         b = weight_b.to(dtype)
         state = mask = None
         if p > 0.0:
-            redraw = flat.device.type in REDRAW_MASK_ON
+            redraw = inplace and flat.device.type in REDRAW_MASK_ON  # eager only: compiled graphs keep the mask
             if redraw:
                 state = _default_generator(flat.device).get_state()
             # PEFT's dropout on CPU is exactly this draw (torch's _dropout_impl): same stream, same mask.
@@ -72,11 +73,14 @@ class _LoraUpdate(torch.autograd.Function):
             del kept
         else:
             h = torch.mm(flat, a.t())
-        out_flat_shape = (-1, base_out.shape[-1])
-        if base_out.dtype == dtype:
-            out = base_out
-            out.view(out_flat_shape).addmm_(h, b.t(), alpha=alpha)
-            ctx.mark_dirty(out)
+        if base_out.dtype == dtype and base_out.is_contiguous():
+            out_flat = base_out.view(-1, base_out.shape[-1])
+            if inplace:
+                out = base_out
+                out_flat.addmm_(h, b.t(), alpha=alpha)
+                ctx.mark_dirty(out)
+            else:
+                out = torch.addmm(out_flat, h, b.t(), alpha=alpha).view(base_out.shape)
         else:
             out = base_out + torch.mm(h, b.t()).mul_(alpha).to(base_out.dtype).view(base_out.shape)
         ctx.save_for_backward(x, weight_a, weight_b, h, mask)
@@ -110,7 +114,7 @@ class _LoraUpdate(torch.autograd.Function):
                 if mask is not None:
                     grad_x.mul_(mask)
                 grad_x = grad_x.view(x.shape).to(x.dtype)
-        return grad_out, grad_x, grad_a, grad_b, None, None, None
+        return grad_out, grad_x, grad_a, grad_b, None, None, None, None
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -133,8 +137,11 @@ class FusedLoraLinear(PeftLoraLinear):
         result = self.base_layer(x)
         p = self.lora_dropout[name].p if (self.training and isinstance(self.lora_dropout[name], nn.Dropout)) else 0.0
         alpha = self.scaling[name] / (1.0 - p)
+        # Under torch.compile the update is added out of place (one addmm): AOTAutograd mishandles a custom Function
+        # that marks an input dirty (the base output's gradient is lost; checked with aot_eager, torch 2.13).
+        eager = not torch.compiler.is_compiling()
         return _LoraUpdate.apply(result, x, self.lora_A[name].weight, self.lora_B[name].weight, alpha, p,
-                                 _compute_dtype(x))
+                                 _compute_dtype(x), eager)
 
 
 def fused_applies(module: nn.Module) -> bool:
