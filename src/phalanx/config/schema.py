@@ -135,6 +135,13 @@ class TrainingConfig(Section):
     mixed_precision: Literal["auto", "no", "fp16", "bf16"] = Field(
         "auto", description="'auto' is bf16 on CUDA devices that support it, else fp16 on CUDA, fp32 on CPU."
     )
+    compile: Literal["auto", "true", "false"] = Field(
+        "auto",
+        description="Regional torch.compile: each decoder layer compiled on its own (after activation checkpointing, "
+        "before the strategy wraps the model), fusing the elementwise work between matmuls; on CUDA with liger-kernel "
+        "installed, Liger's RMSNorm/SwiGLU/RoPE kernels are patched into Qwen2/Qwen3/Llama first. 'auto' is on for "
+        "CUDA, off on CPU (slow to warm up there, and no faster for small models). The first steps include compiling.",
+    )
     gradient_checkpointing: Optional[bool] = Field(None, description="Seed 003's place for model.gradient_checkpointing; when set, it sets that field.")
     nan_policy: Literal["skip", "stop"] = Field(
         "skip", description="A step whose global loss is NaN or Inf is skipped and counted, or saves a checkpoint and stops the run."
