@@ -230,7 +230,9 @@ def loss_bytes(m: ModelFacts, s: Setup, compute: int, tokens: int) -> tuple[int,
     Target-only head (model types whose logits are lm_head(hidden), an unadapted head): the hidden states at the
     N target positions are selected (N x hidden, compute dtype) and the loss runs in chunks of R = CHUNK_LOGITS /
     vocab positions: R x vocab fp32 logits turned into probabilities in place, plus their compute-dtype copy for
-    the gradient matmuls (none in fp32). Each chunk's gradient with respect to the hidden states is what backward
+    the gradient matmuls (none in fp32), two chunks' worth when there are several (the loop still holds the last
+    chunk's while it makes the next; measured on the 151,936 vocabulary, benchmarks/plan_accuracy.py). Each
+    chunk's gradient with respect to the hidden states is what backward
     needs (N x hidden fp32, kept), and with respect to the head's weight when it trains (vocab x hidden fp32).
     No [tokens x vocab] tensor exists.
 
@@ -240,7 +242,9 @@ def loss_bytes(m: ModelFacts, s: Setup, compute: int, tokens: int) -> tuple[int,
     if not m.target_head:
         return full_logits_bytes(m, compute, tokens, n), 0
     rows = min(n, chunk_rows(m.vocab, CHUNK_LOGITS))
-    chunk = rows * m.vocab * (FP32 + (compute if compute != FP32 else 0))
+    # A chunk's fp32 logits (probabilities in place) and, below fp32, the compute-dtype gradient copy. From the
+    # second chunk on, the previous chunk's are still referenced while the next one's logits are made: two chunks.
+    chunk = rows * m.vocab * (FP32 + (compute if compute != FP32 else 0)) * (2 if n > rows else 1)
     kept = n * m.hidden * FP32 + (m.vocab * m.hidden * FP32 if m.head_trainable else 0)
     return n * m.hidden * compute + chunk + kept, kept
 
