@@ -26,7 +26,9 @@ What is measured, for each:
 
 phalanx runs as users run it: packed (padding-free) micro-batches by default, the loss at target positions
 only. Trainer pads (its collator is phalanx's `pad_batch`, as users' own would). `--with-unpacked` adds a
-third run, phalanx with `--packing false` (the old path), as the A/B of phalanx's own change. The same rows
+third run, phalanx with `--packing false` (the old path), as the A/B of phalanx's own change. `--with-trl` adds
+TRL's `SFTTrainer` as its docs recommend for speed (padding-free, Liger kernels on CUDA when liger-kernel is
+installed; without Liger on CPU, where it needs triton), on the same rows in the same order, under torchrun. The same rows
 reach both sides, so *seconds per row* (steady seconds per step / rows per step) compares the work each side
 needs for the same data. Both running orders are measured in one call by default (`--orders both`:
 phalanx then Trainer, then Trainer then phalanx) and the time-per-row ratio is reported per order and as
@@ -424,8 +426,15 @@ def run_logged(cmd: list[str], env: dict, log: Path, label: str) -> tuple[float,
 # ----------------------------------------------------------------------------- Trainer worker
 
 
-def hf_worker(spec_path: str) -> None:
-    """One Trainer rank (started by torchrun). Writes hf-rank{R}.json next to the spec."""
+def hf_worker(spec_path: str, kind: str = "hf") -> None:
+    """One Trainer rank (started by torchrun). Writes {kind}-rank{R}.json next to the spec.
+
+    kind "trl": TRL's SFTTrainer instead, as its docs recommend for speed: `padding_free=True` (its collator
+    concatenates the micro-batch's rows, position ids restart per row) and, on CUDA with liger-kernel installed,
+    `use_liger_kernel=True`; flash_attention_2 when importable, else sdpa (transformers derives the per-row causal
+    mask from the position ids). The rows, their order and the labels are the same as Trainer's (the pre-tokenized
+    `labels` column is used as is)."""
+    import importlib.util
     import resource
 
     import datasets
@@ -453,7 +462,11 @@ def hf_worker(spec_path: str) -> None:
     # Same seed before the adapter is created as phalanx (seed_everything, then load, then LoRA).
     transformers.set_seed(spec["seed"])
     dtype = torch.bfloat16 if cuda else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=dtype)
+    trl = kind == "trl"
+    attn = {}
+    if trl:
+        attn = {"attn_implementation": "flash_attention_2" if cuda and importlib.util.find_spec("flash_attn") else "sdpa"}
+    model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=dtype, **attn)
     model = get_peft_model(model, LoraConfig(
         task_type=TaskType.CAUSAL_LM, r=spec["lora_r"], lora_alpha=spec["lora_alpha"],
         lora_dropout=spec["lora_dropout"], target_modules=spec["target_modules"],
@@ -471,8 +484,17 @@ def hf_worker(spec_path: str) -> None:
             self.ends.append(time.time())
 
     clock = StepClock()
-    args = TrainingArguments(
-        output_dir=str(out_dir / "hf-output"),
+    liger = bool(trl and cuda and importlib.util.find_spec("liger_kernel"))
+    if trl:
+        from trl import SFTConfig
+
+        Arguments = SFTConfig
+        extra = {"padding_free": True, "use_liger_kernel": liger, "max_length": None, "packing": False,  # rows fit already
+                 "dataset_num_proc": None}
+    else:
+        Arguments, extra = TrainingArguments, {}
+    args = Arguments(
+        output_dir=str(out_dir / f"{kind}-output"),
         per_device_train_batch_size=spec["batch_size"],
         gradient_accumulation_steps=spec["grad_accum"],
         learning_rate=spec["learning_rate"],
@@ -498,12 +520,27 @@ def hf_worker(spec_path: str) -> None:
         use_cpu=not cuda,
         bf16=cuda,
         **({"optim": spec["hf_optim"]} if spec.get("hf_optim") else {}),
+        **extra,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=collate, callbacks=[clock])
+    if trl:
+        from transformers import AutoTokenizer
+        from trl import SFTTrainer
+
+        trainer = SFTTrainer(model=model, args=args, train_dataset=rows, callbacks=[clock],
+                             processing_class=AutoTokenizer.from_pretrained(spec["model_path"]))
+        trl_collate = trainer.data_collator
+
+        def recorded(examples):  # TRL's own padding-free collator; the lengths are recorded to check the rows
+            seen.append([len(e["input_ids"]) for e in examples])
+            return trl_collate(examples)
+
+        trainer.data_collator = recorded
+    else:
+        trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=collate, callbacks=[clock])
     start = time.time()
     result = trainer.train()
     end = time.time()
-    trainer.save_model(str(out_dir / "hf-output"))  # phalanx writes its final adapter too
+    trainer.save_model(str(out_dir / f"{kind}-output"))  # phalanx writes its final adapter too
     if cuda:
         peak = torch.cuda.max_memory_allocated() / 2**20
     else:
@@ -522,8 +559,10 @@ def hf_worker(spec_path: str) -> None:
         "optimizer": type(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer).__name__,
         "optim_arg": str(args.optim),
         "world_size": args.world_size,
+        "liger": liger,
+        "attn": attn.get("attn_implementation", "sdpa (default)"),
     }
-    (out_dir / f"hf-rank{rank}.json").write_text(json.dumps(record))
+    (out_dir / f"{kind}-rank{rank}.json").write_text(json.dumps(record))
 
 
 # ----------------------------------------------------------------------------- phalanx under torchrun (+ profile)
@@ -545,16 +584,16 @@ def phalanx_worker(flags: list[str], profile_dir: Optional[str]) -> None:
     sys.exit(code)
 
 
-def hf_worker_profiled(spec_path: str, profile_dir: Optional[str]) -> None:
+def hf_worker_profiled(spec_path: str, profile_dir: Optional[str], kind: str = "hf") -> None:
     rank = int(os.environ.get("RANK", 0))
     if profile_dir and rank == 0:
         import cProfile
 
         prof = cProfile.Profile()
-        prof.runcall(hf_worker, spec_path)
-        prof.dump_stats(str(Path(profile_dir) / "hf-rank0.prof"))
+        prof.runcall(hf_worker, spec_path, kind)
+        prof.dump_stats(str(Path(profile_dir) / f"{kind}-rank0.prof"))
     else:
-        hf_worker(spec_path)
+        hf_worker(spec_path, kind)
 
 
 # ----------------------------------------------------------------------------- results
@@ -635,7 +674,9 @@ def parse_args(argv=None):
                    help="before each run, wait up to SECONDS for the CPUs to be idle (other people's jobs)")
     p.add_argument("--no-results", dest="no_results", action="store_true", help="do not append to benchmarks/RESULTS.md")
     p.add_argument("--note", default="", help="free text added to the RESULTS.md entry")
-    p.add_argument("--_worker", choices=["hf", "phalanx"], default=None, help=argparse.SUPPRESS)
+    p.add_argument("--with-trl", dest="with_trl", action="store_true",
+                   help="add TRL SFTTrainer with padding_free (and Liger kernels on CUDA when installed), same rows")
+    p.add_argument("--_worker", choices=["hf", "trl", "phalanx"], default=None, help=argparse.SUPPRESS)
     p.add_argument("--_spec", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_profile", default=None, help=argparse.SUPPRESS)
     args, rest = p.parse_known_args(argv)
@@ -647,8 +688,8 @@ def main(argv=None) -> None:
     raw_argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(raw_argv)
     sys.path.insert(0, str(SRC))
-    if args._worker == "hf":
-        return hf_worker_profiled(args._spec, args._profile)
+    if args._worker in ("hf", "trl"):
+        return hf_worker_profiled(args._spec, args._profile, args._worker)
     if args._worker == "phalanx":
         return phalanx_worker([a for a in args.rest if a != "--"], args._profile)
 
@@ -796,6 +837,7 @@ def main(argv=None) -> None:
         "batch_size": batch, "grad_accum": args.grad_accum, "learning_rate": args.learning_rate,
         "steps": args.steps, "log_steps": args.log_steps, "lora_r": args.lora_r, "lora_alpha": args.lora_alpha,
         "lora_dropout": args.lora_dropout, "target_modules": "all-linear", "hf_optim": args.hf_optim,
+        "max_length": max_length,
     }
     spec_path.write_text(json.dumps(spec))
 
@@ -807,32 +849,37 @@ def main(argv=None) -> None:
         log = work / f"{label.replace(' ', '-')}.log"
         return read_phalanx(out, plan, args, run_logged(cmd, env, log, label), data.report.cache_dir, log, label)
 
-    def run_hf():
+    def run_hf(kind="hf"):
         if args.wait_idle:
             wait_until_idle(args.wait_idle)
-        for old in work.glob("hf-rank*.json"):
+        for old in work.glob(f"{kind}-rank*.json"):
             old.unlink()
-        return read_hf(work, plan, args, run_logged(hf_cmd, env, work / "hf.log", "HF Trainer"), nproc)
+        label = "HF Trainer" if kind == "hf" else TRL
+        cmd = hf_cmd if kind == "hf" else [*hf_cmd[:hf_cmd.index("--_worker") + 1], "trl",
+                                           *hf_cmd[hf_cmd.index("--_worker") + 2:]]
+        return read_hf(work, plan, args, run_logged(cmd, env, work / f"{kind}.log", label), nproc, kind)
 
     pairs, entries = [], []
     for order in orders:
         sides = [s for s in (("phalanx", run_phalanx), ("hf", run_hf)) if args.only in ("both", s[0])]
         if args.with_unpacked and args.only in ("both", "phalanx"):
             sides.insert(1, ("unpacked", lambda: run_phalanx(UNPACKED, ("--packing", "false"))))
+        if args.with_trl and args.only in ("both", "hf"):
+            sides.append(("trl", lambda: run_hf("trl")))
         if order == "hf-first":
             sides.reverse()
         results, loads_between = {}, []
         for name, fn in sides:
             results[name] = fn()
             loads_between.append(load_average())
-        px, hf, unpacked = results.get("phalanx"), results.get("hf"), results.get("unpacked")
+        px, hf, unpacked, trl = results.get("phalanx"), results.get("hf"), results.get("unpacked"), results.get("trl")
         loads = (load_before, loads_between[0], load_average())
         load_before = loads[2]
         if px and hf:
-            pairs.append((order, px, hf, unpacked))
+            pairs.append((order, px, hf, unpacked, trl))
             entries.append(report(args, px, hf, unpacked, plan, nproc, batch, max_length, order, loads, flops_note,
-                                  n_params, gpu, cuda, torch))
-        for name, res in (("phalanx", px), (UNPACKED, unpacked), ("HF Trainer", hf)):
+                                  n_params, gpu, cuda, torch, trl))
+        for name, res in (("phalanx", px), (UNPACKED, unpacked), ("HF Trainer", hf), (TRL, trl)):
             if res:
                 print(f"{name}: steady {res['steady_tps']:,.0f} tok/s, {seconds_per_row(res, nproc, batch):.4f} s/row, "
                       f"wall {res['wall']:.1f}s, peak {res['peak']} MB/rank, first loss {res['first_loss']}")
@@ -846,6 +893,7 @@ def main(argv=None) -> None:
 
 
 UNPACKED = "phalanx --packing false"
+TRL = "TRL SFTTrainer"
 
 
 def seconds_per_row(res: dict, nproc: int, batch: int) -> float:
@@ -856,8 +904,8 @@ def seconds_per_row(res: dict, nproc: int, batch: int) -> float:
 
 def order_summary(pairs: list, nproc: int, batch: int) -> list[str]:
     """Time per row, phalanx / Trainer, per order and as the geometric mean of the orders."""
-    lines, ratios, unpacked_ratios = [], [], []
-    for order, px, hf, unpacked in pairs:
+    lines, ratios, unpacked_ratios, trl_ratios = [], [], [], []
+    for order, px, hf, unpacked, trl in pairs:
         r = seconds_per_row(px, nproc, batch) / seconds_per_row(hf, nproc, batch)
         ratios.append(r)
         line = (f"- {order}: time per row phalanx {seconds_per_row(px, nproc, batch) * 1e3:.2f} ms, Trainer "
@@ -866,11 +914,21 @@ def order_summary(pairs: list, nproc: int, batch: int) -> list[str]:
             u = seconds_per_row(unpacked, nproc, batch) / seconds_per_row(hf, nproc, batch)
             unpacked_ratios.append(u)
             line += f"; {UNPACKED} {seconds_per_row(unpacked, nproc, batch) * 1e3:.2f} ms ({u:.2f}x Trainer)"
+        if trl:
+            t = seconds_per_row(trl, nproc, batch) / seconds_per_row(hf, nproc, batch)
+            trl_ratios.append(seconds_per_row(px, nproc, batch) / seconds_per_row(trl, nproc, batch))
+            line += (f"; {TRL} ({trl_arm(trl)}) {seconds_per_row(trl, nproc, batch) * 1e3:.2f} ms ({t:.2f}x Trainer, "
+                     f"phalanx / TRL {trl_ratios[-1]:.2f}x)")
         lines.append(line)
     geo = lambda xs: math.exp(sum(math.log(x) for x in xs) / len(xs))  # noqa: E731
     lines.append(f"- time per row, phalanx / Trainer+PEFT, geometric mean of {len(ratios)} order(s): **{geo(ratios):.2f}x**"
-                 + (f"; {UNPACKED} / Trainer: {geo(unpacked_ratios):.2f}x" if unpacked_ratios else ""))
+                 + (f"; {UNPACKED} / Trainer: {geo(unpacked_ratios):.2f}x" if unpacked_ratios else "")
+                 + (f"; phalanx / {TRL}: **{geo(trl_ratios):.2f}x**" if trl_ratios else ""))
     return lines
+
+
+def trl_arm(res: dict) -> str:
+    return f"padding-free, {'Liger kernels' if res.get('liger') else 'no Liger (CUDA only; not installed or no GPU)'}, {res.get('attn')}"
 
 
 def read_phalanx(out: Path, plan: Plan, args, run: tuple, cache_dir: str, log: Path, label: str = "phalanx") -> dict:
@@ -897,9 +955,10 @@ def read_phalanx(out: Path, plan: Plan, args, run: tuple, cache_dir: str, log: P
     }
 
 
-def read_hf(work: Path, plan: Plan, args, run: tuple, nproc: int) -> dict:
+def read_hf(work: Path, plan: Plan, args, run: tuple, nproc: int, kind: str = "hf") -> dict:
     wall, launched, exited = run
-    ranks = [json.loads((work / f"hf-rank{r}.json").read_text()) for r in range(nproc)]
+    label = "HF Trainer" if kind == "hf" else TRL
+    ranks = [json.loads((work / f"{kind}-rank{r}.json").read_text()) for r in range(nproc)]
     r0 = ranks[0]
     ends = {i + 1: t for i, t in enumerate(r0["step_ends"])}
     logs = [h for h in r0["log_history"] if "loss" in h]
@@ -921,8 +980,9 @@ def read_hf(work: Path, plan: Plan, args, run: tuple, nproc: int) -> dict:
         "data_check": same, "threads": r0["threads"], "optimizer": f"{r0['optimizer']} ({r0['optim_arg']})",
         "steps": len(r0["step_ends"]),
         "startup": ends[min(args.log_steps, last)] - launched, "teardown": exited - ends[last],
-        "cpu_steady": cpu_between("HF Trainer", ends[first], ends[last]), "grad_accum": args.grad_accum,
-        "spawn": SPAWNED.get("HF Trainer", launched) - launched, "after_ranks": exited - LAST_SEEN.get("HF Trainer", exited),
+        "cpu_steady": cpu_between(label, ends[first], ends[last]), "grad_accum": args.grad_accum,
+        "spawn": SPAWNED.get(label, launched) - launched, "after_ranks": exited - LAST_SEEN.get(label, exited),
+        "liger": r0.get("liger"), "attn": r0.get("attn"),
     }
 
 
@@ -935,7 +995,8 @@ def tokens_per_cpu(res: dict) -> Optional[float]:
     return res["steady_tokens"] / res["cpu_steady"] if res.get("cpu_steady") else None
 
 
-def report(args, px, hf, unpacked, plan, nproc, batch, max_length, order, loads, flops_note, n_params, gpu, cuda, torch) -> list[str]:
+def report(args, px, hf, unpacked, plan, nproc, batch, max_length, order, loads, flops_note, n_params, gpu, cuda, torch,
+           trl=None) -> list[str]:
     """Print one order's table; return its part of the RESULTS.md entry."""
     all_tokens = sum(plan.step_tokens(s) for s in range(args.steps))
     mem_label = "peak CUDA memory / rank, max (MB)" if gpu else "peak RSS / rank, max (MB)"
@@ -970,7 +1031,9 @@ def report(args, px, hf, unpacked, plan, nproc, batch, max_length, order, loads,
     if gpu:
         peak_t = args.peak_tflops or (peak_tflops_for(torch.cuda.get_device_name(0)) if cuda else None)
         values = dict(GPU_SHAPES[args.gpu_shape], **({"num_hidden_layers": args.gpu_shape_layers} if args.gpu_shape_layers else {}))
-        for name, res in (("phalanx", px), ("HF", hf)):
+        for name, res in (("phalanx", px), ("HF", hf), ("TRL", trl), ("unpacked", unpacked)):
+            if res is None:
+                continue
             a, b = res["steady_steps"]
             toks = sum(plan.step_tokens(s - 1) for s in range(a, b + 1))
             sq = sum(plan.step_sq_lengths(s - 1) for s in range(a, b + 1))
@@ -1004,6 +1067,13 @@ def report(args, px, hf, unpacked, plan, nproc, batch, max_length, order, loads,
         u, p_ = seconds_per_row(unpacked, nproc, batch), seconds_per_row(px, nproc, batch)
         entry.append(f"- {UNPACKED}: {u * 1e3:.2f} ms per row ({unpacked['steady_tps']:,.0f} tokens/s steady, first loss "
                      f"{unpacked['first_loss']:.6f}); packed / unpacked time per row {p_ / u:.2f}")
+    if trl:
+        t, p_, h = (seconds_per_row(r, nproc, batch) for r in (trl, px, hf))
+        mfu = f", MFU {trl['mfu']:.1%}" if trl.get("mfu") is not None else ""
+        entry.append(f"- {TRL} ({trl_arm(trl)}): {t * 1e3:.2f} ms per row ({trl['steady_tps']:,.0f} tokens/s steady{mfu}, "
+                     f"peak {trl['peak']} MB/rank, first loss {trl['first_loss']}, rows = plan: "
+                     f"{'yes' if trl['data_check'] else 'NO'}); TRL / Trainer time per row {t / h:.2f}, phalanx / TRL "
+                     f"{p_ / t:.2f}")
     return [*entry, *(f"- {line}" for line in mfu_lines), "", text, ""]
 
 
