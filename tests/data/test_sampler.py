@@ -1,6 +1,10 @@
 """The distributed sampler: disjoint, equal shards that interleave into the single-process order; resumable."""
 
-from phalanx.data.sampler import StatefulDistributedSampler, eval_shard
+import random
+
+import pytest
+
+from phalanx.data.sampler import StatefulDistributedSampler, TokenBudgetBatchSampler, eval_shard
 
 
 def test_two_ranks_read_what_one_process_reads_per_global_batch():
@@ -49,3 +53,59 @@ def test_position_is_global_so_a_different_world_size_reads_the_remaining_rows()
     one.load_state_dict(state)
     rest = list(one)
     assert sorted(read + rest) == list(range(10)) and len(rest) == 6
+
+
+# Token-budget micro-batches (training.batch_tokens)
+
+
+def _lengths(n: int = 200, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randint(20, 500) for _ in range(n)]
+
+
+def test_every_bin_fits_the_budget_and_each_row_is_read_once_per_epoch():
+    lengths = _lengths()
+    sampler = TokenBudgetBatchSampler(lengths, budget=1024, seed=3)
+    bins = list(sampler)
+    assert all(sum(lengths[i] for i in b) <= 1024 for b in bins)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    # First fit over a window fills the budget well: rows of 20-500 tokens, bins at least 90% full on average.
+    fill = sum(lengths) / (len(bins) * 1024)
+    assert fill > 0.9, fill
+
+
+def test_ranks_together_read_the_bins_one_process_reads_with_more_accumulation():
+    lengths = _lengths(101)
+    one = list(TokenBudgetBatchSampler(lengths, 1024, seed=7))
+    ranks = [list(TokenBudgetBatchSampler(lengths, 1024, rank=r, world_size=3, seed=7)) for r in range(3)]
+    assert len({len(r) for r in ranks}) == 1  # the same micro-batch count on every rank
+    for step in range(len(ranks[0])):
+        together = [ranks[r][step] for r in range(3)]
+        assert together == [one[(3 * step + r) % len(one)] for r in range(3)]  # the last step wraps around
+
+
+def test_resume_continues_at_the_saved_bin_with_another_world_size():
+    lengths = _lengths(80)
+    two = [TokenBudgetBatchSampler(lengths, 900, rank=r, world_size=2, seed=5) for r in range(2)]
+    two[0].set_epoch(1), two[1].set_epoch(1)
+    iters = [iter(s) for s in two]
+    read = [next(iters[r]) for _ in range(3) for r in range(2)]
+    state = two[0].state_dict()
+    assert state["position"] == 6 and state["epoch"] == 1
+    one = TokenBudgetBatchSampler(lengths, 900, seed=5)
+    one.load_state_dict(state)
+    rest = list(one)
+    assert read + rest == TokenBudgetBatchSampler(lengths, 900, seed=5).bins(1)[: len(read) + len(rest)]
+    assert one.exhausted
+    assert TokenBudgetBatchSampler(lengths, 900, seed=5).bins(0) != one.bins(1)  # epochs reshuffle
+
+
+def test_a_position_saved_under_another_budget_or_by_rows_is_refused():
+    lengths = _lengths(30)
+    state = TokenBudgetBatchSampler(lengths, 900).state_dict()
+    with pytest.raises(ValueError, match="batch_tokens = 900, this run packs 1000"):
+        TokenBudgetBatchSampler(lengths, 1000).load_state_dict(state)
+    with pytest.raises(ValueError, match="this run reads batch_size rows"):
+        StatefulDistributedSampler(30).load_state_dict(state)
+    with pytest.raises(ValueError, match="batch_tokens = None"):
+        TokenBudgetBatchSampler(lengths, 900).load_state_dict(StatefulDistributedSampler(30).state_dict())

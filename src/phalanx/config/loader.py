@@ -47,6 +47,7 @@ FLAT_FLAGS: dict[str, str] = {
     "num_epochs": "training.num_epochs",
     "max_steps": "training.max_steps",
     "batch_size": "training.batch_size",
+    "batch_tokens": "training.batch_tokens",
     "gradient_accumulation_steps": "training.gradient_accumulation_steps",
     "learning_rate": "training.learning_rate",
     "weight_decay": "training.weight_decay",

@@ -125,6 +125,12 @@ class TrainingConfig(Section):
     num_epochs: float = Field(3, gt=0, description="Passes over the training data (ignored when max_steps is set).")
     max_steps: Optional[int] = Field(None, gt=0, description="Stop after this many optimizer steps.")
     batch_size: int = Field(1, gt=0, description="Sequences per micro-batch per rank (global batch = batch_size x world_size x accumulation).")
+    batch_tokens: Optional[int] = Field(
+        None, gt=0, description="Token budget per packed micro-batch per rank, in place of batch_size: rows are packed "
+        "(first fit, in the shuffled order) into micro-batches of at most this many tokens, so every micro-batch does "
+        "about the same work however long its rows are. At least data.max_length; needs data.packing. A checkpoint "
+        "resumes only with the same value.",
+    )
     gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
     learning_rate: float = Field(5e-5, gt=0, description="Peak AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
@@ -268,6 +274,14 @@ class RunConfig(Section):
             raise ValueError(f"distributed.deepspeed_config is set but the strategy is '{d.strategy}'; add --strategy deepspeed")
         if d.strategy != "fsdp" and d.fsdp_config:
             raise ValueError(f"distributed.fsdp_config is set but the strategy is '{d.strategy}'; add --strategy fsdp")
+        if t.batch_tokens is not None:
+            if not self.data.packing:
+                raise ValueError(f"training.batch_tokens = {t.batch_tokens} packs rows into token-budget micro-batches "
+                                 "and needs data.packing true; drop --batch_tokens to pad batch_size rows instead")
+            if t.batch_tokens < self.data.max_length:
+                raise ValueError(f"training.batch_tokens = {t.batch_tokens} is less than data.max_length = "
+                                 f"{self.data.max_length}: the longest row would not fit; raise batch_tokens to at least "
+                                 f"{self.data.max_length} or lower max_length")
         self._check_4bit()
         return self
 

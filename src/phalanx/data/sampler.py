@@ -12,7 +12,7 @@ a run saved with W ranks resumes with a different W on the same remaining rows.
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 from torch.utils.data import Sampler
@@ -37,11 +37,7 @@ class StatefulDistributedSampler(Sampler[int]):
             self.position = 0
 
     def _epoch_order(self) -> list[int]:
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.num_rows, generator=generator).tolist()
-        else:
-            order = list(range(self.num_rows))
+        order = epoch_order(self.num_rows, self.seed + self.epoch, self.shuffle)
         while len(order) < self.total:  # wrap around so every rank gets the same count
             order += order[: self.total - len(order)]
         return order
@@ -67,6 +63,9 @@ class StatefulDistributedSampler(Sampler[int]):
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "world_size": self.world_size}
 
     def load_state_dict(self, state: dict) -> None:
+        if state.get("batch_tokens") is not None:
+            raise ValueError(f"the checkpoint's data position counts micro-batches of training.batch_tokens = "
+                             f"{state['batch_tokens']}, this run reads batch_size rows: resume with the same batch_tokens")
         self.epoch = int(state["epoch"])
         self.position = min(int(state["position"]), self.total)
 
@@ -74,3 +73,101 @@ class StatefulDistributedSampler(Sampler[int]):
 def eval_shard(num_rows: int, rank: int, world_size: int) -> list[int]:
     """Evaluation rows of this rank: a strided shard with no padding, so no row counts twice."""
     return list(range(rank, num_rows, world_size))
+
+
+class TokenBudgetBatchSampler(Sampler[list[int]]):
+    """Micro-batches by a token budget (`training.batch_tokens`): each yields the row indices of one packed
+    micro-batch holding at most `budget` tokens, however many rows that is.
+
+    The epoch's shuffled order (the same permutation StatefulDistributedSampler draws) is cut into bins by
+    first fit over a window of `lookahead` open bins: a row goes into the oldest open bin it fits in, and the
+    oldest bin is closed when the window is full. The bins depend on the rows, the budget, the seed and the
+    epoch only, never on the world size; rank r takes bins p+r, p+r+W, ... (p = bins handed out over all
+    ranks). So W ranks with gradient accumulation a train the same bins per optimizer step as one process
+    with accumulation W*a, and a run resumes exactly, with any W, from the bin position it saved. The last
+    bins wrap around to the first so every rank gets the same count.
+    """
+
+    def __init__(self, lengths: Sequence[int], budget: int, rank: int = 0, world_size: int = 1, seed: int = 0,
+                 shuffle: bool = True, lookahead: int = 64):
+        if not lengths:
+            raise ValueError("the sampler needs at least one row")
+        if budget <= 0:
+            raise ValueError(f"the token budget must be positive, got {budget}")
+        self.lengths = list(lengths)
+        self.budget = budget
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.lookahead = lookahead
+        self.epoch = 0
+        self.position = 0  # bins of this epoch handed out over all ranks
+        self._bins_of: dict[int, list[list[int]]] = {}
+
+    def bins(self, epoch: int) -> list[list[int]]:
+        """The epoch's micro-batches (row indices), padded by wrapping to a multiple of the world size."""
+        if epoch not in self._bins_of:
+            self._bins_of = {epoch: self._pack(epoch_order(len(self.lengths), self.seed + epoch, self.shuffle))}
+        return self._bins_of[epoch]
+
+    def _pack(self, order: list[int]) -> list[list[int]]:
+        closed: list[list[int]] = []
+        open_bins: list[tuple[list[int], list[int]]] = []  # (rows, [tokens]) in the order they were opened
+        for index in order:
+            n = self.lengths[index]
+            for rows, used in open_bins:
+                if used[0] + n <= self.budget:
+                    rows.append(index)
+                    used[0] += n
+                    break
+            else:  # a row longer than the budget gets a bin of its own (max_length <= budget is checked in config)
+                open_bins.append(([index], [n]))
+                if len(open_bins) > self.lookahead:
+                    closed.append(open_bins.pop(0)[0])
+        closed.extend(rows for rows, _ in open_bins)
+        total = math.ceil(len(closed) / self.world_size) * self.world_size
+        return closed + closed[: total - len(closed)]
+
+    def micro_batches_per_rank(self, epoch: int) -> int:
+        return len(self.bins(epoch)) // self.world_size
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self.position = 0
+
+    def __iter__(self) -> Iterator[list[int]]:
+        bins = self.bins(self.epoch)
+        while self.position + self.rank < len(bins):
+            batch = bins[self.position + self.rank]
+            self.position += self.world_size  # every rank advances in lockstep
+            yield batch
+        self.position = max(self.position, len(bins))
+
+    def __len__(self) -> int:
+        return max(0, math.ceil((len(self.bins(self.epoch)) - self.position - self.rank) / self.world_size))
+
+    @property
+    def exhausted(self) -> bool:
+        return self.position >= len(self.bins(self.epoch))
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "world_size": self.world_size,
+                "batch_tokens": self.budget}
+
+    def load_state_dict(self, state: dict) -> None:
+        # A position counts bins of one budget: under another budget it would point at other rows.
+        saved_budget = state.get("batch_tokens")
+        if saved_budget != self.budget:
+            raise ValueError(f"the checkpoint's data position counts micro-batches of training.batch_tokens = "
+                             f"{saved_budget}, this run packs {self.budget}: resume with the same batch_tokens")
+        self.epoch = int(state["epoch"])
+        self.position = min(int(state["position"]), len(self.bins(self.epoch)))
+
+
+def epoch_order(num_rows: int, seed: int, shuffle: bool) -> list[int]:
+    """The rows of one epoch in training order: a seeded permutation (seed + epoch), or in place."""
+    if not shuffle:
+        return list(range(num_rows))
+    return torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed)).tolist()

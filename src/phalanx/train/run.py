@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 import torch
 from torch.utils.data import DataLoader, Subset
@@ -25,9 +25,10 @@ from phalanx.checkpoint.layout import staging_dir
 from phalanx.checkpoint.resume import (CRASH_LEFTOVERS, RUN_RECORD, existing_run_artifacts, last_logged_step, resume_point,
                                        set_aside_crashed_run)
 from phalanx.config.schema import RunConfig
+from phalanx.errors import ConfigError
 from phalanx.data.collate import collate as collate_rows
 from phalanx.data.prepare import PreparedData, describe_report, prepare_data
-from phalanx.data.sampler import StatefulDistributedSampler, eval_shard
+from phalanx.data.sampler import StatefulDistributedSampler, TokenBudgetBatchSampler, eval_shard
 from phalanx.models.adapters import apply_finetuning, trainable_parameter_count
 from phalanx.models.attention import enable_varlen_attention, packing_unsupported_reason
 from phalanx.models.compile import compile_decoder_layers
@@ -47,6 +48,10 @@ from phalanx.train.schedule import make_optimizer, make_scheduler
 from phalanx.train.state import TrainerState
 
 
+# Where a rank is in its epoch: rows one by one (batch_size per micro-batch) or whole token-budget micro-batches.
+TrainSampler = Union[StatefulDistributedSampler, TokenBudgetBatchSampler]
+
+
 @dataclass
 class Run:
     cfg: RunConfig
@@ -56,7 +61,7 @@ class Run:
     strategy: Strategy
     optimizer: torch.optim.Optimizer
     scheduler: Any
-    sampler: StatefulDistributedSampler
+    sampler: TrainSampler
     train_loader: DataLoader
     eval_batches: Optional[DataLoader]
     reporter: Reporter
@@ -92,7 +97,7 @@ def stateful_objects(strategy: Strategy, optimizer: Any, scheduler: Any) -> dict
 
 
 def make_checkpointer(cfg: RunConfig, rank: rt.RankInfo, output_dir: Path, state: TrainerState, strategy: Strategy,
-                      optimizer: Any, scheduler: Any, sampler: StatefulDistributedSampler, tokenizer: Any,
+                      optimizer: Any, scheduler: Any, sampler: TrainSampler, tokenizer: Any,
                       total_steps: int) -> Checkpointer:
     """The run's Checkpointer: the unwrapped model or adapter, the stateful objects, and trainer_state.json holding
     the counters, the sampler's position and the config. Each save also rewrites training_info.json (rank 0)."""
@@ -144,12 +149,38 @@ def load_data(cfg: RunConfig) -> tuple[Any, PreparedData]:
     return tokenizer, data
 
 
-def count_total_steps(cfg: RunConfig, train_rows: int, world_size: int) -> int:
-    micro_per_epoch = math.ceil(math.ceil(train_rows / world_size) / cfg.training.batch_size)
-    steps_per_epoch = math.ceil(micro_per_epoch / cfg.training.gradient_accumulation_steps)
-    if cfg.training.max_steps:
-        return cfg.training.max_steps
-    return max(1, math.ceil(cfg.training.num_epochs * steps_per_epoch))
+def count_total_steps(cfg: RunConfig, sampler: TrainSampler) -> int:
+    """max_steps, else the optimizer steps of num_epochs epochs (token-budget epochs differ by a micro-batch or so:
+    each is counted, so the last epoch ends where its rows do)."""
+    t = cfg.training
+    if t.max_steps:
+        return t.max_steps
+
+    def steps_of(epoch: int) -> int:
+        return math.ceil(micro_batches_per_rank(sampler, epoch, t.batch_size) / t.gradient_accumulation_steps)
+
+    whole, part = int(t.num_epochs), t.num_epochs - int(t.num_epochs)
+    steps = sum(steps_of(epoch) for epoch in range(whole)) + (math.ceil(part * steps_of(whole)) if part else 0)
+    return max(1, steps)
+
+
+def micro_batches_per_rank(sampler: TrainSampler, epoch: int, batch_size: int) -> int:
+    if isinstance(sampler, TokenBudgetBatchSampler):
+        return sampler.micro_batches_per_rank(epoch)
+    return math.ceil(sampler.total // sampler.world_size / batch_size)
+
+
+def make_train_loader(cfg: RunConfig, rows: Any, rank: rt.RankInfo, collate: Any) -> tuple[TrainSampler, DataLoader]:
+    """Micro-batches of batch_size rows, or of at most training.batch_tokens tokens, with a resumable position."""
+    t = cfg.training
+    # The loader gets its own generator: drawing its base seed from the global RNG would shift dropout after a resume.
+    common = dict(collate_fn=collate, pin_memory=rank.device.type == "cuda", generator=torch.Generator().manual_seed(t.seed))
+    if t.batch_tokens:
+        budget = TokenBudgetBatchSampler([len(ids) for ids in rows["input_ids"]], t.batch_tokens, rank.rank,
+                                         rank.world_size, seed=t.seed)
+        return budget, DataLoader(rows, batch_sampler=budget, **common)
+    sampler = StatefulDistributedSampler(len(rows), rank.rank, rank.world_size, seed=t.seed)
+    return sampler, DataLoader(rows, batch_size=t.batch_size, sampler=sampler, **common)
 
 
 def choose_packing(wanted: bool, model: torch.nn.Module, rank: rt.RankInfo) -> bool:
@@ -195,15 +226,12 @@ def build_run(cfg: RunConfig, preemption: Optional[PreemptionFlag] = None) -> Ru
     model, optimizer = strategy.prepare(model, make)
 
     collate = partial(collate_rows, pad_token_id=tokenizer.pad_token_id, packing=packing)
-    sampler = StatefulDistributedSampler(len(data.train), rank.rank, rank.world_size, seed=cfg.training.seed)
-    # The loader gets its own generator: drawing its base seed from the global RNG would shift dropout after a resume.
-    train_loader = DataLoader(data.train, batch_size=cfg.training.batch_size, sampler=sampler, collate_fn=collate,
-                              pin_memory=rank.device.type == "cuda", generator=torch.Generator().manual_seed(cfg.training.seed))
+    sampler, train_loader = make_train_loader(cfg, data.train, rank, collate)
     eval_batches = None
     if data.eval is not None and len(data.eval) > 0:
         shard = Subset(data.eval, eval_shard(len(data.eval), rank.rank, rank.world_size))
         eval_batches = DataLoader(shard, batch_size=cfg.eval.eval_batch_size or cfg.training.batch_size, collate_fn=collate)
-    total_steps = count_total_steps(cfg, len(data.train), rank.world_size)
+    total_steps = count_total_steps(cfg, sampler)
     scheduler = make_scheduler(optimizer, cfg.training, total_steps)
 
     output_dir = Path(cfg.output_dir)
@@ -213,7 +241,10 @@ def build_run(cfg: RunConfig, preemption: Optional[PreemptionFlag] = None) -> Ru
     if resume_from is not None:
         saved = checkpointer.load(resume_from)
         state.load_state_dict(saved)
-        sampler.load_state_dict(saved["sampler"])
+        try:
+            sampler.load_state_dict(saved["sampler"])
+        except ValueError as exc:  # the data position was counted in other units (batch_tokens changed under --force)
+            raise ConfigError(f"{resume_from}: {exc}") from None
     elif rank.is_main:
         start_over(cfg, output_dir)  # a fresh start: overwriting was allowed, nothing was there, or a crashed run
     if rank.is_main:
@@ -245,8 +276,14 @@ def announce(run: Run) -> None:
     say(f"   - Dataset: {cfg.data.dataset_name or cfg.data.dataset_path or 'bundled health-agent chats'}")
     say(f"   - World Size: {run.rank.world_size} ({run.strategy.name}, {run.rank.device.type}, "
         f"{run.strategy.precision.dtype or 'fp32'})")
-    say(f"   - Batch Size per GPU: {cfg.training.batch_size}")
-    say(f"   - Effective Batch Size: {effective}")
+    if cfg.training.batch_tokens:
+        per_rank = micro_batches_per_rank(run.sampler, run.sampler.epoch, cfg.training.batch_size)
+        say(f"   - Tokens per Micro-batch per GPU: at most {cfg.training.batch_tokens:,} "
+            f"({len(run.data.train) / max(1, per_rank * run.rank.world_size):.1f} rows on average)")
+        say(f"   - Micro-batches per Optimizer Step: {run.rank.world_size * cfg.training.gradient_accumulation_steps}")
+    else:
+        say(f"   - Batch Size per GPU: {cfg.training.batch_size}")
+        say(f"   - Effective Batch Size: {effective}")
     say(f"   - Learning Rate: {cfg.training.learning_rate}")
     say(f"   - Epochs: {cfg.training.num_epochs} ({run.total_steps} optimizer steps)")
     say(f"   - Gradient Accumulation: {cfg.training.gradient_accumulation_steps}")
@@ -278,6 +315,7 @@ def run_info(cfg: RunConfig, state: TrainerState, total_steps: int, world_size: 
         "last_eval_loss": state.last_eval_loss,
         "world_size": world_size,
         "batch_size": cfg.training.batch_size,
+        "batch_tokens": cfg.training.batch_tokens,
         "gradient_accumulation_steps": cfg.training.gradient_accumulation_steps,
         "effective_batch_size": cfg.training.batch_size * world_size * cfg.training.gradient_accumulation_steps,
         "learning_rate": cfg.training.learning_rate,
