@@ -11,7 +11,8 @@ Here the update is one autograd Function per layer,
 computed in the activation dtype (the autocast dtype, else x's): A and B stay the fp32 (or whatever dtype the
 strategy gives them) parameters PEFT made; they are cast to the activation dtype for the matmuls, and their
 gradients come back in their own dtype. Backward needs only x (which the base linear keeps anyway) and the r-wide
-intermediate x @ A^T. The update is added into the base output in place (`addmm_`), with the scale as its alpha.
+intermediate x @ A^T. The update is added into the base output in place (`addmm_`), with the scale as its alpha
+(under torch.compile: one out-of-place addmm, and dropout masks are kept, not redrawn).
 
 Dropout keeps PEFT's semantics exactly: every adapter draws its own mask, from the same default generator, with the
 same call PEFT's dropout makes on CPU (`bernoulli_(1 - p)` on a tensor of the input's shape), so on CPU in fp32
