@@ -1,25 +1,50 @@
 #!/usr/bin/env bash
-# Every GPU figure the issues ask for, in one call on a CUDA machine (run from the repository root).
-#   benchmarks/gpu_suite.sh smoke|speed|strategies|memory ...   (default: all parts, in that order)
-# Wheels the GPU image lacks travel in .whl/ (see benchmarks/RESULTS.md); OUT (optional) collects the logs.
+# Every GPU figure the issues ask for, on a CUDA machine (run from the repository root).
+#   benchmarks/gpu_suite.sh                 # `arms`: every arm of issue 15 in one call of at most 600 s
+#   benchmarks/gpu_suite.sh smoke|speed|speed-hf-first|profile|qlora|strategies|strategies-full|arms ...
+# Wheels the GPU image lacks travel in .whl/ (trl, liger-kernel, and pydantic/datasets where missing; see
+# benchmarks/RESULTS.md); OUT (optional) collects the logs, and RESULTS-append.md: the entries the scripts appended
+# to benchmarks/RESULTS.md there, to append here (the device's copy of the tree does not come back).
 set -u
 OUT=${OUT:-/tmp/phalanx-gpu}
 mkdir -p "$OUT"
-if [ -d .whl ] && ! python3 -c "import pydantic, datasets" 2>/dev/null; then
+if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export PHALANX_CACHE=${PHALANX_CACHE:-/tmp/phalanx-cache}
-parts=${*:-smoke speed speed-hf-first strategies strategies-full qlora}
-step() {  # step NAME SECONDS CMD...: one part, time-boxed so a hang cannot take the whole call
+parts=${*:-arms}
+results_before=$(wc -l < benchmarks/RESULTS.md)
+deadline=$((SECONDS + ${SUITE_SECONDS:-570}))  # the device's per-call limit is 600 s
+step() {  # step NAME SECONDS CMD...: one part, time-boxed (and never past the call's deadline)
   local name=$1 limit=$2; shift 2
-  echo "=== $name ($(date +%T)): $*"
+  local left=$((deadline - SECONDS))
+  if [ "$left" -lt 20 ]; then echo "=== $name skipped: the call's time is spent"; return; fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  echo "=== $name ($(date +%T), at most ${limit}s): $*"
   timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v -E "^\s*$|Warning|warn\(" | tail -n 40
   echo "=== $name exit ${PIPESTATUS[0]}"
 }
 for part in $parts; do
   case $part in
+    arms)  # issue 15 item 5, most important first. LoRA default, Trainer+PEFT and TRL (padding-free + Liger) on
+           # the same rows; then QLoRA and full fine-tuning; then generation; Unsloth only where it imports.
+      nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+      python3 -c "import torch, transformers, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
+      python3 -c "import trl; print('trl', trl.__version__)" || echo "trl missing: the TRL arm will fail (carry .whl/trl-*.whl)"
+      python3 -c "import liger_kernel; print('liger-kernel importable')" || echo "liger-kernel missing: TRL runs without Liger"
+      step lora-trainer-trl 250 python3 benchmarks/train_vs_hf.py --gpu-shape qwen2.5-1.5b --steps 20 --warmup 5 \
+        --orders phalanx-first --with-trl --note "gpu_suite arms"
+      step qlora-full 200 python3 benchmarks/phalanx_arms.py --gpu-shape qwen2.5-1.5b --arms qlora,full --steps 12 \
+        --warmup 4 --arm-timeout 95 --work_dir /tmp/phalanx-bench --note "gpu_suite arms"
+      step generate 90 python3 benchmarks/generate_vs_loop.py --device cuda --dtype bfloat16 \
+        --model_name /tmp/phalanx-bench/qwen2.5-1.5b-random --num_questions 8 --repeats 1 --skip-k-loop --note "gpu_suite arms"
+      if python3 -c "import unsloth" 2>/dev/null; then
+        echo "=== unsloth imports, but benchmarks/ has no Unsloth arm yet: not measured"
+      else
+        echo "=== unsloth: not importable here (its wheels pin torch/transformers; not carried): not measured"
+      fi ;;
     smoke)
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
       python3 -c "import torch, transformers, peft; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'peft', peft.__version__)"
@@ -53,3 +78,5 @@ for part in $parts; do
     *) echo "unknown part $part"; exit 2 ;;
   esac
 done
+tail -n +$((results_before + 1)) benchmarks/RESULTS.md > "$OUT/RESULTS-append.md"
+echo "=== $(wc -l < "$OUT/RESULTS-append.md") lines appended to benchmarks/RESULTS.md: $OUT/RESULTS-append.md"
