@@ -192,6 +192,11 @@ def test_packing_false_and_the_bound_without_data(llama_7b):
     rows = {k: strategy_rows(facts, s, device_memory=2**40)[0] for k, s in (("packed", bound), ("padded", unpacked))}
     # Same tokens either way here; padding adds the additive mask and the repeated K/V heads per layer.
     assert rows["packed"].activations < rows["padded"].activations
+    # A token budget (training.batch_tokens) bounds a packed micro-batch instead of batch_size x max_length.
+    budget = load_config(None, {"model.model_name": llama_7b, "training.batch_tokens": 4096, "data.max_length": 2048})
+    setup = with_data_lengths(budget, setup_from_config(budget, "cuda"))
+    assert setup.packed_tokens == 4096 and "batch_tokens" in setup.data_note
+    assert strategy_rows(facts, setup, device_memory=2**40)[0].activations < rows["packed"].activations
 
 
 # ---------------------------------------------------------------------------------------------------- the command

@@ -275,11 +275,13 @@ def main(args: Sequence[str]) -> int:
     if "-h" in args or "--help" in args:
         print(USAGE)
         return 0
-    from phalanx.config.loader import config_from_args
-    from phalanx.runtime.quiet import quiet_libraries
+    from phalanx.cli import quiet_libraries
+    from phalanx.config.flags import split_flags
+    from phalanx.config.loader import load_config, overrides_from_flags
 
-    cfg, _, pairs = config_from_args(args, own_flags=OWN_FLAGS)
+    config_path, pairs = split_flags(args)
     own = dict((name, value) for name, value in pairs if name in OWN_FLAGS)
+    cfg = load_config(config_path, overrides_from_flags([(n, v) for n, v in pairs if n not in OWN_FLAGS]))
     quiet_libraries()
     import torch
 

@@ -83,6 +83,7 @@ class Setup:
     data_tokens: Optional[int] = None
     data_targets: Optional[int] = None
     data_note: str = ""  # where the figures above come from, or why the data was not read
+    token_budget: Optional[int] = None  # training.batch_tokens: packed micro-batches of at most this many tokens
 
     @property
     def tokens(self) -> int:
@@ -91,7 +92,10 @@ class Setup:
 
     @property
     def packed_tokens(self) -> int:
-        """Tokens of the largest packed micro-batch: the sum of its rows' lengths (the data's, else the bound)."""
+        """Tokens of the largest packed micro-batch: the sum of its rows' lengths (the data's, else the bound), at
+        most the token budget when micro-batches are filled to one."""
+        if self.token_budget is not None:
+            return self.token_budget
         return min(self.data_tokens, self.tokens) if self.data_tokens is not None else self.tokens
 
     def targets(self, tokens: int) -> int:
@@ -113,7 +117,7 @@ def setup_from_config(cfg: RunConfig, device: str) -> Setup:
     return Setup(device=device, compute_bytes=compute, batch=cfg.training.batch_size, seq=cfg.data.max_length,
                  accumulation=cfg.training.gradient_accumulation_steps, world=cfg.distributed.world_size,
                  finetune=cfg.model.finetune, lora_dropout=cfg.lora.dropout, base_4bit_bytes=four_bit,
-                 packing=cfg.data.packing)
+                 packing=cfg.data.packing, token_budget=getattr(cfg.training, "batch_tokens", None))
 
 
 # ------------------------------------------------------------------------------------------------ activations
