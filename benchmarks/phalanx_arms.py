@@ -85,6 +85,9 @@ def run_arm(name: str, flags: list[str], out: Path, timeout: float, nproc: int) 
     log = out.with_suffix(".log")
     print(f"\n== {name}: {shlex.join(cmd)}", flush=True)
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{os.environ.get('PYTHONPATH', '')}", "PYTHONUNBUFFERED": "1"}
+    # One thread per rank unless told otherwise: on a shared CPU, OpenMP's spinning threads multiply a busy
+    # machine's slowdown (a tiny LoRA step took 20 s with torch's default threads at load 7 on 2 cores).
+    env.setdefault("OMP_NUM_THREADS", "1")
     start = time.perf_counter()
     try:
         with log.open("w") as f:
