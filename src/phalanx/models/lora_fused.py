@@ -132,7 +132,7 @@ class FusedLoraLinear(PeftLoraLinear):
         adapters = self.active_adapters
         if (self.disable_adapters or self.merged or args or kwargs or len(adapters) != 1
                 or adapters[0] not in self.lora_A or adapters[0] in self.lora_variant
-                or _default_generator(x.device) is None):
+                or _default_generator(x.device) is None or hasattr(self.lora_A[adapters[0]].weight, "ds_id")):
             return super().forward(x, *args, **kwargs)
         name = adapters[0]
         result = self.base_layer(x)
@@ -157,16 +157,15 @@ def fused_applies(module: nn.Module) -> bool:
 def install_fused_lora(model: nn.Module) -> tuple[int, dict[str, int]]:
     """Swap the class of every LoRA linear the fused path covers; returns (fused count, {other LoRA layer type: count}).
 
-    Each fused layer is also marked a ZeRO-3 leaf module (`_z3_leaf`): its forward reads lora_A/lora_B's weights
-    without calling those submodules, so DeepSpeed must gather the whole layer's parameters at the layer's own
-    forward (and backward) hooks, as it does for MoE blocks. DDP and FSDP2 see the same parameters as before."""
+    Under ZeRO-3 (parameters partitioned by DeepSpeed, `ds_id`) the forward is PEFT's: DeepSpeed gathers lora_A/B's
+    weights only at those submodules' own hooks, which the fused forward never calls (marking the layer a ZeRO-3
+    leaf instead failed in backward, DeepSpeed 0.19, torch 2.13). DDP and FSDP2 see the same parameters as before."""
     from peft.tuners.lora.layer import LoraLayer
 
     fused, others = 0, {}
     for module in model.modules():
         if fused_applies(module):
             module.__class__ = FusedLoraLinear
-            module._z3_leaf = True
             fused += 1
         elif isinstance(module, LoraLayer) and not isinstance(module, FusedLoraLinear):
             kind = type(module).__module__.rsplit(".", 1)[-1] + "." + type(module).__name__
