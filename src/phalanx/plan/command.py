@@ -60,6 +60,9 @@ def with_data_lengths(cfg: RunConfig, setup: Setup, read: bool = True) -> Setup:
     stays and the note says so."""
     if not setup.packing:
         return setup
+    if setup.token_budget is not None:
+        return replace(setup, data_note=f"training.batch_tokens = {setup.token_budget:,}: each micro-batch is filled up "
+                                        "to that many tokens")
     bound = f"batch_size x max_length = {setup.tokens:,} tokens, an upper bound"
     if not read:
         return replace(setup, data_note=f"{bound} (--read_data false)")
@@ -169,7 +172,9 @@ def _human(n: float) -> str:
 def render(plan: Plan) -> str:
     m, s = plan.facts, plan.setup
     dtype = "fp32" if s.compute_bytes == 4 else "bf16/fp16 mixed precision"
-    if s.packing and m.packable:
+    if s.packing and m.packable and s.token_budget is not None:
+        batch = f"a packed micro-batch of up to {s.packed_tokens:,} tokens ({s.data_note})"
+    elif s.packing and m.packable:
         batch = f"a packed micro-batch of {s.batch} rows, {s.packed_tokens:,} tokens ({s.data_note})"
     else:
         why = "" if not s.packing else f" (packing off: {m.model_type or 'this model'} is not checked for packing)"
@@ -275,13 +280,11 @@ def main(args: Sequence[str]) -> int:
     if "-h" in args or "--help" in args:
         print(USAGE)
         return 0
-    from phalanx.cli import quiet_libraries
-    from phalanx.config.flags import split_flags
-    from phalanx.config.loader import load_config, overrides_from_flags
+    from phalanx.config.loader import config_from_args
+    from phalanx.runtime.quiet import quiet_libraries
 
-    config_path, pairs = split_flags(args)
+    cfg, _, pairs = config_from_args(args, own_flags=OWN_FLAGS)
     own = dict((name, value) for name, value in pairs if name in OWN_FLAGS)
-    cfg = load_config(config_path, overrides_from_flags([(n, v) for n, v in pairs if n not in OWN_FLAGS]))
     quiet_libraries()
     import torch
 
