@@ -5,6 +5,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from equivalence import train
 from helpers import write_chat_jsonl
 

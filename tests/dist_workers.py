@@ -2,7 +2,6 @@
 
 import os
 import socket
-import sys
 import traceback
 
 import torch

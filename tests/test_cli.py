@@ -1,10 +1,10 @@
 """`phalanx train` end to end with the seeds' flags, on 2 real gloo ranks: what it prints and what it leaves behind."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
+
 from helpers import read_metrics, run_phalanx, write_chat_jsonl
 
 pytestmark = pytest.mark.system

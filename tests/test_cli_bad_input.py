@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import chat_row, run_phalanx, shared_template, write_chat_jsonl
 
+from helpers import chat_row, run_phalanx, shared_template, write_chat_jsonl
 from phalanx.cli import main
 
 

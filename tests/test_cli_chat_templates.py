@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from helpers import read_metrics, run_phalanx, shared_template, write_chat_jsonl
 
 TINY_RUN = ("--max_steps", "2", "--batch_size", "2", "--max_length", "1024", "--test_size", "0", "--save_steps", "2",

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import read_metrics, run_phalanx, write_chat_jsonl
 from safetensors.torch import load_file
+
+from helpers import read_metrics, run_phalanx, write_chat_jsonl
 
 pytestmark = pytest.mark.distributed
 

@@ -5,6 +5,7 @@ import re
 import subprocess
 
 import pytest
+
 from helpers import ROOT
 
 pytestmark = pytest.mark.system

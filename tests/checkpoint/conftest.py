@@ -3,9 +3,9 @@
 from pathlib import Path
 
 import pytest
-from helpers import run_phalanx, write_chat_jsonl
 
 from checkpoint.resume_ranks import FLAGS, shape
+from helpers import run_phalanx, write_chat_jsonl
 
 
 @pytest.fixture(scope="session")

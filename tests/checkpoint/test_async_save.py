@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import read_metrics, run_phalanx
 
 from checkpoint.resume_ranks import FLAGS, shape
+from helpers import read_metrics, run_phalanx
 from phalanx.checkpoint.commit import MARKER, committed_step_checkpoints
 
 pytestmark = pytest.mark.distributed

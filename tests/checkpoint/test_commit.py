@@ -3,7 +3,14 @@
 import os
 from pathlib import Path
 
-from phalanx.checkpoint.commit import MARKER, apply_retention, commit, committed_step_checkpoints, fresh_staging_dir, is_committed
+from phalanx.checkpoint.commit import (
+    MARKER,
+    apply_retention,
+    commit,
+    committed_step_checkpoints,
+    fresh_staging_dir,
+    is_committed,
+)
 
 
 def make_checkpoint(out: Path, name: str) -> Path:

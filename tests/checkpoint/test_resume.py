@@ -5,6 +5,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+
 from helpers import read_metrics, run_phalanx, write_chat_jsonl
 
 pytestmark = pytest.mark.distributed

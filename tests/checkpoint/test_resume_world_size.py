@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_workers import run_ranks
-from helpers import read_metrics, run_phalanx
 
 from checkpoint import resume_ranks
 from checkpoint.resume_ranks import FLAGS, ROWS_PER_STEP, shape
+from dist_workers import run_ranks
+from helpers import read_metrics, run_phalanx
 
 pytestmark = pytest.mark.distributed
 # 1 rank vs 2 ranks in fp32 (see above). For scale: a resume that lost the optimizer state (AdamW restarting from
@@ -40,7 +40,7 @@ def test_resume_on_another_number_of_ranks(resume_data, reference, tmp_path, str
     proc = run_phalanx("train", "--dataset_path", str(resume_data), "--output_dir", str(out), "--strategy", strategy,
                        *shape(resumed_on), *FLAGS, "--resume_from_checkpoint", str(checkpoint), "--force")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"checkpoint-4 at step 4" in proc.stdout and f"World Size: {resumed_on} ({strategy}" in proc.stdout
+    assert "checkpoint-4 at step 4" in proc.stdout and f"World Size: {resumed_on} ({strategy}" in proc.stdout
     resumed = losses(out)
     assert sorted(resumed) == [5, 6], "continues at step 5, not from the start"
     # The run it came from, and an FSDP2 run on the new rank count (DDP and FSDP2 agree to 1e-5: tests/parallel).

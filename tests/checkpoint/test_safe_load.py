@@ -10,10 +10,15 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import run_phalanx, write_payload
 
 from checkpoint.resume_ranks import FLAGS, shape
-from phalanx.checkpoint.safe_load import UnsafeCheckpointError, check_dcp_metadata, check_deepspeed_checkpoint, load_state_file
+from helpers import run_phalanx, write_payload
+from phalanx.checkpoint.safe_load import (
+    UnsafeCheckpointError,
+    check_dcp_metadata,
+    check_deepspeed_checkpoint,
+    load_state_file,
+)
 
 pytestmark = pytest.mark.distributed
 

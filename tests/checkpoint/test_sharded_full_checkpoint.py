@@ -6,10 +6,10 @@ import shutil
 
 import pytest
 import torch
-from helpers import read_metrics, run_phalanx, write_payload
 from safetensors.torch import load_file
 
 from checkpoint.resume_ranks import FLAGS, shape
+from helpers import read_metrics, run_phalanx, write_payload
 from phalanx.checkpoint.export import export_checkpoint
 from phalanx.checkpoint.io import load_model_weights
 from phalanx.checkpoint.safe_load import UnsafeCheckpointError

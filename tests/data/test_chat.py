@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from helpers import trained_runs
 
+from helpers import trained_runs
 from phalanx.data.chat import IGNORE_INDEX, tokenize_conversation
 from phalanx.data.collate import pad_batch
 from phalanx.data.formats import to_conversation

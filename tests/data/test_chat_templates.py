@@ -3,12 +3,12 @@ real run that saves the template it trained with."""
 
 
 import pytest
-from helpers import ROOT, run_phalanx, shared_template, trained_runs, write_chat_jsonl
 from transformers.utils.chat_template_utils import render_jinja_template
 
+from helpers import ROOT, run_phalanx, shared_template, trained_runs, write_chat_jsonl
 from phalanx.config.loader import load_config
-from phalanx.data.chat_templates import resolve_chat_template, shipped_templates
 from phalanx.data.chat import tokenize_conversation
+from phalanx.data.chat_templates import resolve_chat_template, shipped_templates
 from phalanx.data.formats import to_conversation
 from phalanx.errors import ConfigError
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 from helpers import chat_row, run_phalanx
-
 from phalanx.config.loader import load_config, overrides_from_flags
 from phalanx.data.command import GREEN, RESET, preview
 

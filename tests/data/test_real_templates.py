@@ -17,7 +17,7 @@ import functools
 import re
 
 import pytest
-from helpers import trained_runs
+
 from data.templates import (
     CASE,
     CASES,
@@ -37,7 +37,7 @@ from data.templates import (
     turns_render_alike,
     with_text_arguments,
 )
-
+from helpers import trained_runs
 from phalanx.data.chat import tokenize_conversation
 from phalanx.data.formats import to_conversation
 from phalanx.errors import DataError

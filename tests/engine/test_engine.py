@@ -5,12 +5,12 @@ import warnings
 
 import pytest
 import torch
-from engine import engine_ranks
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import phalanx
+from engine import engine_ranks
 from phalanx.engine.checkpoint import load_weights
 from phalanx.engine.ema import ModelEMA
 from phalanx.engine.engine import DistributedFallbackWarning, TrainingEngine

@@ -10,10 +10,10 @@ import math
 
 import pytest
 import torch
-from dist_workers import run_ranks
-from engine import engine_ranks
 from torch import nn
 
+from dist_workers import run_ranks
+from engine import engine_ranks
 from phalanx import distributed_train_worker, launch_distributed_training
 from phalanx.engine.checkpoint import load_weights
 from phalanx.errors import PhalanxError

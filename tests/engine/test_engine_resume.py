@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine import engine_ranks
 
+from engine import engine_ranks
 from phalanx import distributed_train_worker, launch_distributed_training
 from phalanx.engine.checkpoint import load_weights
 from phalanx.errors import PhalanxError

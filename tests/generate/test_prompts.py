@@ -3,8 +3,8 @@
 import json
 
 import pytest
-from helpers import chat_row
 
+from helpers import chat_row
 from phalanx.errors import DataError
 from phalanx.generate.prompts import plain_transcript, prompts_digest, read_prompts
 from phalanx.models.load import load_tokenizer

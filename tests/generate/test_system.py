@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, chat_row, run_phalanx
 
+from helpers import ROOT, chat_row, run_phalanx
 from phalanx.cli import main as phalanx_main
 from phalanx.data.chat import IGNORE_INDEX, tokenize_conversation
 from phalanx.data.formats import to_conversation

@@ -18,11 +18,11 @@ import time
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass, field
 from pathlib import Path
-
 from types import SimpleNamespace
 
 import pytest
 import yaml
+
 from helpers import descendants, write_chat_jsonl
 
 # One config for every run of the tier, so each can be compared with the same uninterrupted run.

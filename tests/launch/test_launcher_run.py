@@ -29,7 +29,7 @@ def test_single_node_script_trains_on_two_ranks(reference_run, project, support)
     info = support.read_info(project / "runs" / "reference")
     assert info["world_size"] == 2 and info["global_step"] == support.MAX_STEPS and info["effective_batch_size"] == 4
     losses = [reference_run[s] for s in sorted(reference_run)]
-    assert all(l == l and l < 20 for l in losses) and losses[-1] < losses[0], losses
+    assert all(loss == loss and loss < 20 for loss in losses) and losses[-1] < losses[0], losses
     assert (project / "runs" / "reference" / "adapter_model.safetensors").is_file()
     # The Windows twin was written next to it (it cannot run here; test_generate.py checks its lines).
     assert (project / "scripts" / "run_training.bat").is_file()

@@ -34,8 +34,8 @@ def test_two_nodes_train_like_one(project, generate, reference_run, node_pair, s
     try:
         codes = [p.wait(timeout=240) for p in procs]
     except subprocess.TimeoutExpired:
-        pytest.fail("the two nodes did not finish within 240 s:\n" + "\n".join(l.read_text()[-2000:] for l in logs))
-    assert codes == [0, 0], "\n".join(l.read_text()[-3000:] for l in logs)
+        pytest.fail("the two nodes did not finish within 240 s:\n" + "\n".join(log.read_text()[-2000:] for log in logs))
+    assert codes == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
     # Each node found the veth interface towards the master; gloo advertises it (the host name resolves to loopback).
     for rank in (0, 1):
         assert f"reached from {node_pair.addresses[rank]} ({node_pair.ifname})" in logs[rank].read_text()

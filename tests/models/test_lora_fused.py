@@ -13,8 +13,8 @@ from peft import PeftModel, get_peft_model
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from phalanx.config.schema import LoraConfig, ModelConfig
-from phalanx.models.adapters import apply_finetuning
 from phalanx.models import lora_fused
+from phalanx.models.adapters import apply_finetuning
 from phalanx.models.lora_fused import FusedLoraLinear, install_fused_lora
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
@@ -227,8 +227,9 @@ def test_cli_training_with_dropout_matches_the_peft_kernel(equivalence_data, tmp
     runs agree to rounding. The first two steps' gradient norms agree to 1e-7 (different masks would move them by
     percents); after that the order of fp32 roundings differs (the 1/(1-p) rescale sits in another place) and Adam at
     lr 1e-2 with clipping grows it: measured 3e-5 relative in the step-5 loss."""
-    from equivalence import grad_norms, train
     from safetensors.torch import load_file
+
+    from equivalence import grad_norms, train
 
     runs = {kernel: train(equivalence_data, tmp_path / kernel, 1, 4, "lora", "--lora_dropout", "0.1",
                           "--lora.kernel", kernel) for kernel in ("fused", "peft")}

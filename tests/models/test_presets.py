@@ -67,7 +67,7 @@ def test_concurrent_materialization_is_safe_and_deterministic(embedded_dir, tmp_
         for _ in range(2)
     ]
     results = [p.communicate(timeout=300) for p in procs]
-    for p, (out, err) in zip(procs, results):
+    for p, (_, err) in zip(procs, results):
         assert p.returncode == 0, err
     paths = {out.strip().splitlines()[-1] for out, _ in results}
     assert paths == {str(root / embedded_dir.name)}

@@ -5,6 +5,7 @@ LoRA case per strategy trains with --gradient_checkpointing (DDP with accumulati
 """
 
 import pytest
+
 from equivalence import train
 
 pytestmark = pytest.mark.distributed

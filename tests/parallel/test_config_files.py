@@ -3,12 +3,12 @@
 import json
 
 import pytest
-from helpers import read_metrics, run_phalanx
 
-from phalanx.config.schema import RunConfig
-from phalanx.parallel.config_files import config_main, read_fsdp_config
-from phalanx.parallel.base import Precision
 from equivalence import COMMON
+from helpers import read_metrics, run_phalanx
+from phalanx.config.schema import RunConfig
+from phalanx.parallel.base import Precision
+from phalanx.parallel.config_files import config_main, read_fsdp_config
 
 
 def test_deepspeed_file_has_seed_003_shape(tmp_path):

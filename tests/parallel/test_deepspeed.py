@@ -9,12 +9,12 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import read_metrics, run_phalanx, write_chat_jsonl
 
 from equivalence import COMMON, assert_adapter_loads_with_peft, assert_saved_weights_match, grad_norms, train
+from helpers import read_metrics, run_phalanx, write_chat_jsonl
 
 pytestmark = pytest.mark.distributed
-import deepspeed  # noqa: E402  (installed by the Makefile; a missing engine is a failure, not a skip)
+import deepspeed  # noqa: E402, F401  (installed by the Makefile; a missing engine is a failure, not a skip)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

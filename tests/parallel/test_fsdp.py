@@ -10,9 +10,10 @@ sqrt(v), which amplifies those rounding differences in the weights themselves).
 import json
 
 import pytest
+from safetensors.torch import load_file
+
 from equivalence import COMMON, assert_adapter_loads_with_peft, assert_saved_weights_match, grad_norms, train
 from helpers import read_metrics, run_phalanx, write_chat_jsonl
-from safetensors.torch import load_file
 
 pytestmark = pytest.mark.distributed
 
@@ -76,7 +77,6 @@ def test_fsdp_keeps_a_frozen_bf16_lora_base_in_bf16():
     losses equal DDP's bf16 autocast path to one bf16 rounding (measured: equal to the last digit on CPU)."""
     from dist_workers import run_ranks
     from parallel import fsdp_ranks
-
     from phalanx.config.schema import EMBEDDED_MODEL
     from phalanx.models.load import resolve_model_path
 

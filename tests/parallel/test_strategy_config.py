@@ -2,8 +2,8 @@
 
 import pytest
 import yaml
-from helpers import run_phalanx
 
+from helpers import run_phalanx
 from phalanx.config.loader import load_config
 from phalanx.errors import ConfigError
 from phalanx.parallel.base import Precision

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, descendants, read_metrics, run_phalanx, write_chat_jsonl
 
+from helpers import ROOT, descendants, read_metrics, run_phalanx, write_chat_jsonl
 from phalanx.checkpoint.commit import committed_step_checkpoints
 
 pytestmark = pytest.mark.distributed

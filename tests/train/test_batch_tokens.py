@@ -5,7 +5,6 @@ import pytest
 
 from equivalence import COMMON, grad_norms
 from helpers import read_metrics, run_phalanx
-
 from phalanx.config.loader import load_config, overrides_from_flags
 from phalanx.errors import ConfigError
 

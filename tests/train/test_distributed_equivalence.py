@@ -7,6 +7,7 @@ The ranks pack their micro-batches (the default), the reference pads: packed equ
 """
 
 import pytest
+
 from equivalence import assert_saved_weights_match, train
 
 pytestmark = pytest.mark.distributed

@@ -4,8 +4,8 @@ import contextlib
 
 import pytest
 import torch
-from dist_workers import TinyLM, eval_batches_for, evaluate_on_rank, run_ranks
 
+from dist_workers import TinyLM, eval_batches_for, evaluate_on_rank, run_ranks
 from phalanx.train.evaluate import evaluate
 
 

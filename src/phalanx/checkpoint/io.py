@@ -31,7 +31,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from phalanx.checkpoint.commit import commit, committed_copy, committed_step_checkpoints, fresh_staging_dir, is_committed
+from phalanx.checkpoint.commit import (
+    commit,
+    committed_copy,
+    committed_step_checkpoints,
+    fresh_staging_dir,
+    is_committed,
+)
 from phalanx.checkpoint.layout import ADAPTER_WEIGHTS, TRAINER_STATE, WEIGHTS, rng_file, staging_dir, state_file
 from phalanx.checkpoint.safe_load import load_state_file
 from phalanx.errors import PhalanxError

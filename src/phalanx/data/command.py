@@ -69,7 +69,7 @@ def _preview(args: list[str]) -> int:
 
 def preview(cfg: Any, tokenizer: Any, rows: int, color: bool, say: Callable[[str], None]) -> int:
     """Print the first ``rows`` rows marked, every refusal, and the summary; 1 when no row would train."""
-    from phalanx.data.prepare import DataReport, RowCounts, DataSource, describe_report, iter_outcomes
+    from phalanx.data.prepare import DataReport, DataSource, RowCounts, describe_report, iter_outcomes
 
     counts, shown = RowCounts(), [0]
     refusals = 0

@@ -45,8 +45,8 @@ from phalanx.data.sources import (
     iter_rows,
     load_named_dataset,
 )
-from phalanx.runtime.durable import fsync_tree
 from phalanx.errors import DataError
+from phalanx.runtime.durable import fsync_tree
 
 log = logging.getLogger(__name__)
 

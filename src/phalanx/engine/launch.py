@@ -77,7 +77,7 @@ def _rank_entry(rank: int, world_size: int, port: int, backend: str, train_fn: C
             payload = pickle.dumps(result)
         except Exception as exc:  # noqa: BLE001 - the training itself succeeded
             warnings.warn(f"rank 0's result ({type(result).__name__}) cannot be returned to the launcher: {exc}",
-                          RuntimeWarning)
+                          RuntimeWarning, stacklevel=2)
             return
         Path(result_file).write_bytes(payload)
 

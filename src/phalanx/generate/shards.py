@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
 
-from phalanx.runtime.durable import write_json_atomic
 from phalanx.errors import ConfigError, DataError, PhalanxError
+from phalanx.runtime.durable import write_json_atomic
 
 MANIFEST = "manifest.json"
 FORMAT = 1

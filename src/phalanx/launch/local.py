@@ -16,8 +16,8 @@ import socket
 import sys
 import tempfile
 import time
-from pathlib import Path
 import uuid
+from pathlib import Path
 from typing import Optional, Sequence
 
 from phalanx.errors import PhalanxError
@@ -49,10 +49,11 @@ def launch_local(module_args: Sequence[str], nproc: int, master_port: Optional[i
     finish before it kills them; a preempted rank saves in that time. torch's own default is 30 s."""
     import signal
 
-    from phalanx.runtime.signals import PREEMPTED_EXIT_CODE
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from phalanx.runtime.signals import PREEMPTED_EXIT_CODE
 
     if master_port:
         from phalanx.launch.preflight import check_port_free

@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from phalanx.runtime.durable import fsync_path, fsync_tree
 from phalanx.errors import ConfigError, PhalanxError
+from phalanx.runtime.durable import fsync_path, fsync_tree
 
 EMBEDDED_PREFIX = "embedded:"
 

@@ -32,6 +32,7 @@ def main(args: Sequence[str]) -> int:
 
     from phalanx.config.loader import config_from_args
     from phalanx.runtime.quiet import quiet_libraries
+
     # Only `signal`: installed before the model stack is imported (seconds), so no preemption signal is lost.
     from phalanx.runtime.signals import PreemptionFlag
 

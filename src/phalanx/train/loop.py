@@ -7,16 +7,15 @@ import time
 
 import torch
 
+from phalanx.data.collate import batch_counts, to_device
 from phalanx.errors import PhalanxError
 from phalanx.runtime.dist import all_reduce_sum
 from phalanx.runtime.faults import kill_self
 from phalanx.runtime.signals import Preempted
 from phalanx.runtime.watch import set_collective_timeout, set_phase
 from phalanx.train.evaluate import evaluate
-from phalanx.data.collate import batch_counts, to_device
 from phalanx.train.loss import token_loss_sum
 from phalanx.train.run import Run
-
 
 # Skipping cannot rescue a run whose loss is NaN step after step (diverged weights): stop instead of looping.
 MAX_CONSECUTIVE_SKIPS = 10
@@ -124,7 +123,9 @@ def train(run: Run) -> None:
             state.global_step += 1
             state.tokens_seen += metrics["target_tokens"]
             state.add_epoch_loss(metrics["loss"])
-            window["loss"] += metrics["loss"]; window["steps"] += 1; window["tokens"] += metrics["input_tokens"]
+            window["loss"] += metrics["loss"]
+            window["steps"] += 1
+            window["tokens"] += metrics["input_tokens"]
             tokens_per_s = window["tokens"] / max(time.perf_counter() - window["start"], 1e-9)
             reporter.advance(1, {"loss": f"{metrics['loss']:.4f}", "lr": f"{metrics['lr']:.2e}", "tok/s": f"{tokens_per_s:.0f}"})
             step, last = state.global_step, state.global_step >= run.total_steps

@@ -22,13 +22,19 @@ from torch.utils.data import DataLoader, Subset
 from phalanx.checkpoint.checkpointer import BestMetric, Checkpointer, CheckpointPolicy
 from phalanx.checkpoint.io import save_model_files
 from phalanx.checkpoint.layout import staging_dir
-from phalanx.checkpoint.resume import (CRASH_LEFTOVERS, RUN_RECORD, existing_run_artifacts, last_logged_step, resume_point,
-                                       set_aside_crashed_run)
+from phalanx.checkpoint.resume import (
+    CRASH_LEFTOVERS,
+    RUN_RECORD,
+    existing_run_artifacts,
+    last_logged_step,
+    resume_point,
+    set_aside_crashed_run,
+)
 from phalanx.config.schema import RunConfig
-from phalanx.errors import ConfigError
 from phalanx.data.collate import collate as collate_rows
 from phalanx.data.prepare import PreparedData, describe_report, prepare_data
 from phalanx.data.sampler import StatefulDistributedSampler, TokenBudgetBatchSampler, eval_shard
+from phalanx.errors import ConfigError
 from phalanx.models.adapters import apply_finetuning, trainable_parameter_count
 from phalanx.models.attention import enable_varlen_attention, packing_unsupported_reason
 from phalanx.models.compile import compile_decoder_layers
@@ -38,15 +44,14 @@ from phalanx.observe.metrics import Reporter
 from phalanx.observe.plot import plot_loss_curve
 from phalanx.parallel import Precision, Strategy, make_strategy
 from phalanx.runtime import dist as rt
+from phalanx.runtime.durable import fsync_tree, write_json_atomic
 from phalanx.runtime.faults import Fault, planned_fault
 from phalanx.runtime.seed import seed_everything
-from phalanx.runtime.durable import fsync_tree, write_json_atomic
 from phalanx.runtime.signals import PreemptionFlag
 from phalanx.runtime.watch import set_phase
 from phalanx.train.loss import install_target_head
 from phalanx.train.schedule import make_optimizer, make_scheduler
 from phalanx.train.state import TrainerState
-
 
 # Where a rank is in its epoch: rows one by one (batch_size per micro-batch) or whole token-budget micro-batches.
 TrainSampler = Union[StatefulDistributedSampler, TokenBudgetBatchSampler]
