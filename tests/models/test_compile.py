@@ -12,7 +12,9 @@ import shutil
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
+from helpers import read_metrics, run_phalanx, write_chat_jsonl
 from phalanx.config.schema import LoraConfig, ModelConfig
 from phalanx.data.collate import collate
 from phalanx.models.adapters import apply_finetuning
@@ -21,7 +23,6 @@ from phalanx.models.compile import compile_decoder_layers, compile_wanted
 from phalanx.models.load import load_model
 from phalanx.parallel.fsdp import decoder_layers
 from phalanx.train.loss import install_target_head, token_loss_sum
-from helpers import read_metrics, run_phalanx, write_chat_jsonl
 
 CPU = torch.device("cpu")
 
@@ -69,7 +70,10 @@ def test_compiled_layers_match_eager_loss_and_gradients():
     assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in eager.named_parameters()]
     batch = packed_batch()
     loss_e, grads_e = step(eager, batch)
+    torch._dynamo.reset()
+    counters.clear()
     loss_c, grads_c = step(compiled, batch)
+    assert counters["stats"]["unique_graphs"] >= 1  # dynamo traced and compiled the layers, not a silent eager run
     torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
     assert grads_e.keys() == grads_c.keys() and any("lora_A" in n for n in grads_e)
     for name in grads_e:

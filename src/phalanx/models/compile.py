@@ -58,9 +58,10 @@ def compile_decoder_layers(model: nn.Module, setting: str, device: torch.device,
     backend = backend or os.environ.get(BACKEND_ENV) or "inductor"
     for layer in layers:
         # Not fullgraph: a layer whose code dynamo cannot trace in one graph (a 4-bit base, an adapter variant)
-        # still runs, in pieces. Packed micro-batches change length every step: after the second length the
-        # token dimension is traced as dynamic, so lengths do not each recompile.
-        layer.compile(backend=backend)
+        # still runs, in pieces. dynamic: micro-batches change length every step (packed: the sum of their rows;
+        # padded: the longest row), so the token dimension is traced as symbolic from the first step instead of
+        # compiling a static graph first and recompiling at the second length.
+        layer.compile(backend=backend, dynamic=True)
     if announce:
         kind = type(layers[0]).__name__
         extra = f"; Liger RMSNorm/SwiGLU/RoPE for {liger}" if liger else ""
