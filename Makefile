@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 # The CPU wheel this machine kind ships; a GPU box keeps the torch it already has.
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: install demo test clean
+.PHONY: install demo lint format test test-unit clean
 
 install: $(VENV)/.installed
 
@@ -24,8 +24,21 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(PY) -m phalanx train configs/demo.yaml $(DEMO_FLAGS)
 
-test: install
+# Lint and format are checked before the tests (CI runs `make test`); `make format` rewrites in place.
+lint: install
+	$(PY) -m ruff check src tests benchmarks scripts
+	$(PY) -m ruff format --check src tests benchmarks scripts
+
+format: install
+	$(PY) -m ruff check --fix src tests benchmarks scripts
+	$(PY) -m ruff format src tests benchmarks scripts
+
+test: lint
 	$(PY) -m pytest -q
+
+# The fast tier: one process, no launched ranks, no generated scripts run (a few minutes on 2 cores).
+test-unit: install
+	$(PY) -m pytest -q -m "not distributed and not system"
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

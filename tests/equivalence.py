@@ -8,11 +8,9 @@ tests/train and tests/parallel).
 import json
 from pathlib import Path
 
-from helpers import read_metrics, run_phalanx
+from helpers import read_metrics, run_phalanx, tiny_run
 
-COMMON = ["--max_steps", "5", "--log_steps", "1", "--eval_steps", "100", "--save_steps", "100", "--test_size", "0",
-          "--lora_dropout", "0", "--learning_rate", "1e-2", "--max_length", "768", "--lora_r", "4",
-          "--logging.progress_bar", "false", "--logging.tensorboard", "false"]
+COMMON = tiny_run()
 
 
 def grad_norms(out: Path) -> list[float]:

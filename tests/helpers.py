@@ -17,6 +17,24 @@ def run_phalanx(*args: str, cwd: Path | None = None, timeout: float = 300, env: 
                           capture_output=True, text=True, timeout=timeout)
 
 
+# A short training run on the embedded model: few steps, small rows, nothing logged but metrics.jsonl, no eval or save
+# unless a test asks. Tests state only what they change (tiny_run), so what a test is about stays visible.
+TINY_RUN: dict[str, object] = {
+    "max_steps": 5, "log_steps": 1, "eval_steps": 100, "save_steps": 100, "test_size": 0, "lora_dropout": 0,
+    "learning_rate": 1e-2, "max_length": 768, "lora_r": 4, "logging.progress_bar": False, "logging.tensorboard": False,
+}
+
+
+def tiny_run(changes: dict[str, object] | None = None) -> list[str]:
+    """`phalanx train` flags of a tiny run: TINY_RUN with `changes` applied (a value of None leaves that flag out)."""
+    fields = {**TINY_RUN, **(changes or {})}
+    flags = []
+    for name, value in fields.items():
+        if value is not None:
+            flags += [f"--{name}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return flags
+
+
 def trained_runs(tok, example: dict) -> list[str]:
     """Each contiguous run of trained tokens of a tokenized row, decoded (labels are the ids, or -100)."""
     runs, current = [], []

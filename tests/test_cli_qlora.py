@@ -11,15 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import read_metrics, run_phalanx, write_chat_jsonl
+from helpers import read_metrics, run_phalanx, tiny_run, write_chat_jsonl
 
 pytestmark = pytest.mark.distributed
 
 QLORA = ["--load_in_4bit", "--bnb_4bit_quant_type", "nf4", "--bnb_4bit_use_double_quant", "true"]
 # 24 rows -> 18 train, 6 eval; 2 ranks x batch 2 -> 4 steps fit in one epoch.
-COMMON = ["--world_size", "2", "--batch_size", "2", "--max_steps", "4", "--save_steps", "2", "--eval_steps", "2",
-          "--log_steps", "1", "--test_size", "0.25", "--lora_r", "4", "--lora_dropout", "0", "--learning_rate", "1e-2",
-          "--max_length", "768", "--logging.progress_bar", "false", "--logging.tensorboard", "false", *QLORA]
+COMMON = tiny_run({"world_size": 2, "batch_size": 2, "max_steps": 4, "save_steps": 2, "eval_steps": 2, "test_size": 0.25}) + QLORA
 
 
 @pytest.fixture(scope="module")

@@ -2,10 +2,10 @@
 
 import torch
 
+from helpers import tiny_run
+
 # 24 train rows (test_size 0.2), global batch 4: one epoch of 6 steps; checkpoints at steps 2, 4 and 6.
-FLAGS = ["--max_steps", "6", "--save_steps", "2", "--log_steps", "1", "--eval_steps", "100", "--test_size", "0.2",
-         "--lora_dropout", "0", "--learning_rate", "1e-2", "--max_length", "768", "--lora_r", "4",
-         "--checkpoint.save_best", "false", "--logging.progress_bar", "false", "--logging.tensorboard", "false"]
+FLAGS = tiny_run({"max_steps": 6, "save_steps": 2, "test_size": 0.2, "checkpoint.save_best": False})
 ROWS_PER_STEP = 4
 
 

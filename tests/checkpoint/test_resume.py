@@ -6,14 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from helpers import read_metrics, run_phalanx, write_chat_jsonl
+from helpers import read_metrics, run_phalanx, tiny_run, write_chat_jsonl
 
 pytestmark = pytest.mark.distributed
 
 # lora dropout stays on: identical losses after a resume prove the RNG state came back too.
-COMMON = ["--max_steps", "8", "--save_steps", "2", "--log_steps", "1", "--eval_steps", "4", "--test_size", "0.2",
-          "--lora_dropout", "0.1", "--learning_rate", "1e-2", "--max_length", "768", "--lora_r", "4", "--batch_size", "2",
-          "--logging.progress_bar", "false"]
+COMMON = tiny_run({"max_steps": 8, "save_steps": 2, "eval_steps": 4, "test_size": 0.2, "lora_dropout": 0.1, "batch_size": 2, "logging.tensorboard": None})
 
 
 @pytest.fixture(scope="module")

@@ -14,14 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, descendants, read_metrics, run_phalanx, write_chat_jsonl
+from helpers import ROOT, descendants, read_metrics, run_phalanx, tiny_run, write_chat_jsonl
 from phalanx.checkpoint.commit import committed_step_checkpoints
 
 pytestmark = pytest.mark.distributed
 
-COMMON = ["--world_size", "2", "--save_steps", "2", "--log_steps", "1", "--eval_steps", "100", "--test_size", "0",
-          "--lora_dropout", "0", "--learning_rate", "1e-2", "--max_length", "768", "--lora_r", "4", "--batch_size", "2",
-          "--logging.progress_bar", "false"]
+COMMON = tiny_run({"max_steps": None, "world_size": 2, "save_steps": 2, "batch_size": 2, "logging.tensorboard": None})
 
 
 @pytest.fixture(scope="module")
