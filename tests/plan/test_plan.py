@@ -13,8 +13,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from helpers import run_phalanx
 
+from helpers import run_phalanx
 from phalanx.cli import main as phalanx_main
 from phalanx.config.loader import load_config
 from phalanx.plan import model_facts, setup_from_config, strategy_rows
@@ -197,6 +197,14 @@ def test_packing_false_and_the_bound_without_data(llama_7b):
     setup = with_data_lengths(budget, setup_from_config(budget, "cuda"))
     assert setup.packed_tokens == 4096 and "batch_tokens" in setup.data_note
     assert strategy_rows(facts, setup, device_memory=2**40)[0].activations < rows["packed"].activations
+    # Compiled layers (training.compile, auto on CUDA) keep the fused LoRA's dropout masks as bools; eager CUDA
+    # layers redraw them in backward.
+    dropout = load_config(None, {"model.model_name": llama_7b, "lora.dropout": 0.05, "training.compile": "false"})
+    eager = setup_from_config(dropout, "cuda")
+    assert not eager.compiled and setup_from_config(dropout, "cpu").compiled is False
+    compiled = replace(eager, compiled=True)
+    eager_act, compiled_act = (strategy_rows(facts, x, device_memory=2**40)[0].activations for x in (eager, compiled))
+    assert compiled_act - eager_act == 1024 * (3 * 4096 + 4096 + 2 * 4096 + 11008) * 32  # 1 B per adapter input
 
 
 # ---------------------------------------------------------------------------------------------------- the command

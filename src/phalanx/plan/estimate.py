@@ -11,10 +11,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+import torch
+
 from phalanx.config.schema import RunConfig
 from phalanx.errors import ConfigError
-from phalanx.plan.model import ModelFacts
+from phalanx.models.compile import compile_wanted
 from phalanx.models.lora_fused import REDRAW_MASK_ON
+from phalanx.plan.model import ModelFacts
 from phalanx.train.loss import CHUNK_LOGITS, chunk_rows
 
 GiB = 2**30
@@ -84,6 +87,7 @@ class Setup:
     data_targets: Optional[int] = None
     data_note: str = ""  # where the figures above come from, or why the data was not read
     token_budget: Optional[int] = None  # training.batch_tokens: packed micro-batches of at most this many tokens
+    compiled: bool = False  # training.compile applies on this device (models/compile.py)
 
     @property
     def tokens(self) -> int:
@@ -117,7 +121,8 @@ def setup_from_config(cfg: RunConfig, device: str) -> Setup:
     return Setup(device=device, compute_bytes=compute, batch=cfg.training.batch_size, seq=cfg.data.max_length,
                  accumulation=cfg.training.gradient_accumulation_steps, world=cfg.distributed.world_size,
                  finetune=cfg.model.finetune, lora_dropout=cfg.lora.dropout, base_4bit_bytes=four_bit,
-                 packing=cfg.data.packing, token_budget=getattr(cfg.training, "batch_tokens", None))
+                 packing=cfg.data.packing, token_budget=getattr(cfg.training, "batch_tokens", None),
+                 compiled=compile_wanted(cfg.training.compile, torch.device(device)))
 
 
 # ------------------------------------------------------------------------------------------------ activations
@@ -170,8 +175,8 @@ def activation_bytes(m: ModelFacts, s: Setup, stream: int, compute: int) -> Acti
     mask_bytes = 1 if s.device == "cuda" else stream  # fused CUDA dropout keeps a bool mask, CPU a scaled noise tensor
     trains, lora = m.trainable_linears, m.lora_ranks
     # phalanx's fused LoRA forward (models/lora_fused.py; not on a 4-bit base) keeps the shared input once, in its
-    # own dtype, and each adapter's r-wide x @ A^T; a dropout mask per adapter as bools on CPU, none on CUDA
-    # (redrawn in backward).
+    # own dtype, and each adapter's r-wide x @ A^T; a dropout mask per adapter as bools on CPU and in compiled
+    # layers, none in eager CUDA layers (redrawn in backward).
     fused = m.lora_fused and not s.base_4bit_bytes
 
     def rms_norm(dim: int, rows: int = 1) -> int:
@@ -185,8 +190,9 @@ def activation_bytes(m: ModelFacts, s: Setup, stream: int, compute: int) -> Acti
             if not kept_anyway:
                 out += dim * x_bytes  # x itself, one tensor for every adapter that reads it
             adapters = [r for r in roles if r in lora]
-            if dropout and s.device not in REDRAW_MASK_ON:
-                out += dim * len(adapters)  # each adapter's dropout mask, as bools (redrawn in backward on CUDA)
+            if dropout and (s.device not in REDRAW_MASK_ON or s.compiled):
+                # each adapter's dropout mask, as bools (redrawn in backward on CUDA, unless the layers are compiled)
+                out += dim * len(adapters)
             return out + sum(lora[r] for r in adapters) * compute
         readers = [r for r in roles if r in trains or (r in lora and not dropout)]
         if readers and not kept_anyway:
