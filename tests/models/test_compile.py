@@ -19,9 +19,9 @@ from phalanx.config.schema import LoraConfig, ModelConfig
 from phalanx.data.collate import collate
 from phalanx.models.adapters import apply_finetuning
 from phalanx.models.attention import enable_varlen_attention
+from phalanx.models.blocks import decoder_layers
 from phalanx.models.compile import compile_decoder_layers, compile_wanted
 from phalanx.models.load import load_model
-from phalanx.parallel.fsdp import decoder_layers
 from phalanx.train.loss import install_target_head, token_loss_sum
 
 CPU = torch.device("cpu")

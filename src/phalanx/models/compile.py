@@ -46,7 +46,7 @@ def compile_decoder_layers(model: nn.Module, setting: str, device: torch.device,
     main rank."""
     if not compile_wanted(setting, device):
         return model
-    from phalanx.parallel.fsdp import decoder_layers  # the same units FSDP wraps
+    from phalanx.models.blocks import decoder_layers  # the same units FSDP wraps
 
     liger = apply_liger_kernels(model, device)
     layers = decoder_layers(model)

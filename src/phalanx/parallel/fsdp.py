@@ -36,6 +36,7 @@ from phalanx.checkpoint.dcp import load_state, save_state
 from phalanx.checkpoint.layout import SHARDED_DIR
 from phalanx.config.schema import SHARDING_STRATEGIES
 from phalanx.errors import ConfigError
+from phalanx.models.blocks import decoder_layers
 from phalanx.parallel.base import Precision, Strategy
 from phalanx.parallel.config_files import read_fsdp_config
 from phalanx.runtime.dist import RankInfo
@@ -54,17 +55,6 @@ def fsdp_allows_frozen_dtypes() -> bool:
         return "requires_grad" in inspect.getsource(FSDPParamGroup._init_mp_dtypes)
     except (OSError, TypeError, AttributeError):  # no source shipped: assume the old rule
         return False
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks to shard one by one: the classes the model lists as unsplittable, else *DecoderLayer/*Block."""
-    names: set[str] = set()
-    for module in model.modules():
-        names.update(getattr(module, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in names]
-    if not layers:
-        layers = [m for m in model.modules() if type(m).__name__.endswith(("DecoderLayer", "Block"))]
-    return layers
 
 
 class FSDPStrategy(Strategy):

@@ -75,7 +75,7 @@ def build_meta_model(cfg: RunConfig):
 
 def model_facts(cfg: RunConfig) -> ModelFacts:
     from phalanx.models.attention import packing_unsupported_reason
-    from phalanx.parallel.fsdp import decoder_layers  # the same units FSDP wraps
+    from phalanx.models.blocks import decoder_layers  # the same units FSDP wraps
     from phalanx.train.loss import TARGET_HEAD_MODEL_TYPES
 
     model, config = build_meta_model(cfg)
