@@ -32,8 +32,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "src"))
 
-from train_vs_hf import (GPU_SHAPES, HUGE, RESULTS, build_gpu_shape_folder, cpu_model, load_average,  # noqa: E402
-                         make_plan, peak_tflops_for, sh)
+from train_vs_hf import (  # noqa: E402
+    GPU_SHAPES,
+    HUGE,
+    RESULTS,
+    build_gpu_shape_folder,
+    cpu_model,
+    load_average,
+    make_plan,
+    peak_tflops_for,
+    sh,
+)
 
 ARMS = {  # flags on top of the shared ones; FLOPs factor per token (4N frozen base, 6N everything trains)
     "lora": ([], 4),

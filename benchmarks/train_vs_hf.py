@@ -1031,7 +1031,7 @@ def report(args, px, hf, unpacked, plan, nproc, batch, max_length, order, loads,
     if gpu:
         peak_t = args.peak_tflops or (peak_tflops_for(torch.cuda.get_device_name(0)) if cuda else None)
         values = dict(GPU_SHAPES[args.gpu_shape], **({"num_hidden_layers": args.gpu_shape_layers} if args.gpu_shape_layers else {}))
-        for name, res in (("phalanx", px), ("HF", hf), ("TRL", trl), ("unpacked", unpacked)):
+        for res in (px, hf, trl, unpacked):
             if res is None:
                 continue
             a, b = res["steady_steps"]

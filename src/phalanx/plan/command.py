@@ -10,8 +10,16 @@ from typing import Optional, Sequence
 
 from phalanx.config.schema import RunConfig
 from phalanx.errors import ConfigError
-from phalanx.plan.estimate import (ALLOCATOR_SLACK, GiB, OVERHEAD_BYTES, STRATEGIES, Row, Setup, setup_from_config,
-                                   strategy_rows)
+from phalanx.plan.estimate import (
+    ALLOCATOR_SLACK,
+    OVERHEAD_BYTES,
+    STRATEGIES,
+    GiB,
+    Row,
+    Setup,
+    setup_from_config,
+    strategy_rows,
+)
 from phalanx.plan.model import ModelFacts, model_facts
 
 ORDER = {s.label: k for k, s in enumerate(STRATEGIES)}
