@@ -37,13 +37,21 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 
-
 def write_short_chats(path: Path, rows: int) -> Path:
     """Short two-turn chats (about 100 byte-tokens): the benchmark is about saving, so steps are kept cheap."""
     with open(path, "w", encoding="utf-8") as f:
         for i in range(rows):
-            f.write(json.dumps({"messages": [{"role": "user", "content": f"What is {i} plus {i % 7}?"},
-                                             {"role": "assistant", "content": f"{i} plus {i % 7} is {i + i % 7}."}]}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "messages": [
+                            {"role": "user", "content": f"What is {i} plus {i % 7}?"},
+                            {"role": "assistant", "content": f"{i} plus {i % 7} is {i + i % 7}."},
+                        ]
+                    }
+                )
+                + "\n"
+            )
     return path
 
 
@@ -58,11 +66,29 @@ def build_model(folder: Path, hidden: int, layers: int) -> int:
     tokenizer = AutoTokenizer.from_pretrained(tiny)
     base = json.loads((tiny / "config.json").read_text())
     heads = max(hidden // 128, 1)
-    config = Qwen3Config(**{**{k: base[k] for k in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id",
-                                                      "rms_norm_eps", "tie_word_embeddings") if k in base},
-                            "hidden_size": hidden, "intermediate_size": hidden * 11 // 4 // 64 * 64,
-                            "num_hidden_layers": layers, "num_attention_heads": heads,
-                            "num_key_value_heads": max(heads // 2, 1), "head_dim": 128, "max_position_embeddings": 4096})
+    config = Qwen3Config(
+        **{
+            **{
+                k: base[k]
+                for k in (
+                    "vocab_size",
+                    "bos_token_id",
+                    "eos_token_id",
+                    "pad_token_id",
+                    "rms_norm_eps",
+                    "tie_word_embeddings",
+                )
+                if k in base
+            },
+            "hidden_size": hidden,
+            "intermediate_size": hidden * 11 // 4 // 64 * 64,
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": max(heads // 2, 1),
+            "head_dim": 128,
+            "max_position_embeddings": 4096,
+        }
+    )
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(config)
     model.save_pretrained(folder)
@@ -71,13 +97,49 @@ def build_model(folder: Path, hidden: int, layers: int) -> int:
 
 
 def train(name: str, flags: list[str], model: Path, data: Path, out: Path, args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, "-m", "phalanx", "train", "--model_name", str(model), "--finetune", "full",
-           "--dataset_path", str(data), "--output_dir", str(out), "--overwrite_output_dir", "true",
-           "--strategy", "fsdp", "--sharding_strategy", "FULL_SHARD", "--world_size", str(args.world_size),
-           "--batch_size", "1", "--max_length", str(args.max_length), "--max_steps", str(args.steps),
-           "--save_steps", str(args.save_steps), "--test_size", "0", "--eval_steps", "1000000", "--log_steps", "1",
-           "--checkpoint.save_best", "false", "--logging.tensorboard", "false", "--logging.progress_bar", "false",
-           *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "phalanx",
+        "train",
+        "--model_name",
+        str(model),
+        "--finetune",
+        "full",
+        "--dataset_path",
+        str(data),
+        "--output_dir",
+        str(out),
+        "--overwrite_output_dir",
+        "true",
+        "--strategy",
+        "fsdp",
+        "--sharding_strategy",
+        "FULL_SHARD",
+        "--world_size",
+        str(args.world_size),
+        "--batch_size",
+        "1",
+        "--max_length",
+        str(args.max_length),
+        "--max_steps",
+        str(args.steps),
+        "--save_steps",
+        str(args.save_steps),
+        "--test_size",
+        "0",
+        "--eval_steps",
+        "1000000",
+        "--log_steps",
+        "1",
+        "--checkpoint.save_best",
+        "false",
+        "--logging.tensorboard",
+        "false",
+        "--logging.progress_bar",
+        "false",
+        *flags,
+    ]
     started = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - started
@@ -97,32 +159,59 @@ def train(name: str, flags: list[str], model: Path, data: Path, out: Path, args:
     waited = [r["waited_for_previous_s"] for r in saves]
     checkpoint = out / f"checkpoint-{args.save_steps}"
     size = sum(p.stat().st_size for p in checkpoint.rglob("*") if p.is_file())
-    contents = "sharded state + the gathered HF model" if (checkpoint / "model.safetensors").is_file() else \
-        "sharded state only: no gathered HF model in checkpoint-{step}"
+    contents = (
+        "sharded state + the gathered HF model"
+        if (checkpoint / "model.safetensors").is_file()
+        else "sharded state only: no gathered HF model in checkpoint-{step}"
+    )
     info = json.loads((out / "final_training_info.json").read_text())
-    return {"name": name, "blocked": blocked, "blocked_median": statistics.median(blocked), "waited": waited,
-            "after_save": after_save, "others": others, "train_s": info["train_seconds"], "wall_s": wall,
-            "checkpoint_mb": size / 2**20, "contents": contents, "losses": [r["loss"] for r in steps], "device": _device(proc.stdout)}
+    return {
+        "name": name,
+        "blocked": blocked,
+        "blocked_median": statistics.median(blocked),
+        "waited": waited,
+        "after_save": after_save,
+        "others": others,
+        "train_s": info["train_seconds"],
+        "wall_s": wall,
+        "checkpoint_mb": size / 2**20,
+        "contents": contents,
+        "losses": [r["loss"] for r in steps],
+        "device": _device(proc.stdout),
+    }
 
 
 def _device(stdout: str) -> str:
-    line = next((l for l in stdout.splitlines() if "World Size:" in l), "")
+    line = next((text for text in stdout.splitlines() if "World Size:" in text), "")
     return line.split("World Size:", 1)[-1].strip()
 
 
 def machine() -> str:
     import torch
 
-    cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
-                if l.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+    cpu = (
+        next(
+            (
+                text.split(":", 1)[1].strip()
+                for text in Path("/proc/cpuinfo").read_text().splitlines()
+                if text.startswith("model name")
+            ),
+            platform.processor(),
+        )
+        if Path("/proc/cpuinfo").exists()
+        else platform.processor()
+    )
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return f"nproc {os.cpu_count()}, {cpu}, {gpu}; torch {torch.__version__}"
 
 
 def commit() -> str:
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "src", "benchmarks"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--", "src", "benchmarks"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
     return head + (" (with uncommitted changes)" if dirty else "")
 
 
@@ -146,8 +235,10 @@ def main() -> int:
         tmp = Path(tmp)
         params = build_model(tmp / "model", args.hidden, args.layers)
         data = write_short_chats(tmp / "train.jsonl", 64)
-        arms = [train("sync", [], tmp / "model", data, tmp / "sync", args),
-                train("async", ["--checkpoint.async_save", "true"], tmp / "model", data, tmp / "async", args)]
+        arms = [
+            train("sync", [], tmp / "model", data, tmp / "sync", args),
+            train("async", ["--checkpoint.async_save", "true"], tmp / "model", data, tmp / "async", args),
+        ]
         shutil.rmtree(tmp / "model")
     load_after = os.getloadavg()
     sync, asyn = arms

@@ -100,8 +100,14 @@ def parse_args(argv):
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--repeats", type=int, default=3, help="rounds over all arms; the median round is reported")
-    p.add_argument("--wait-idle", dest="wait_idle", type=float, default=0, metavar="SECONDS",
-                   help="before each arm, wait up to SECONDS for the machine to be idle (shared machines)")
+    p.add_argument(
+        "--wait-idle",
+        dest="wait_idle",
+        type=float,
+        default=0,
+        metavar="SECONDS",
+        help="before each arm, wait up to SECONDS for the machine to be idle (shared machines)",
+    )
     p.add_argument("--skip-k-loop", dest="skip_k_loop", action="store_true", help="leave out arm (c)")
     p.add_argument("--no-results", dest="no_results", action="store_true", help="do not append to RESULTS.md")
     p.add_argument("--note", default="", help="free text for the RESULTS.md entry")
@@ -129,15 +135,18 @@ def main(argv=None) -> None:
     model = load_model(args.model_name, DTYPES[dtype]).to(device).eval()
     prompts = read_prompts(args.prompts, tok, args.num_questions, warn=print)
     k = args.num_sequences_per_question
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=0)
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=0
+    )
     stops = generation_stop_ids(tok, args.model_name)
     vocab = len(tok)
     beyond = list(range(vocab, model.config.vocab_size))
     lengths = [len(p.input_ids) for p in prompts]
-    print(f"model {args.model_name} ({dtype}, {device}, {args.threads} thread(s)); {len(prompts)} prompts "
-          f"({min(lengths)}-{max(lengths)} tokens, mean {sum(lengths) / len(lengths):.0f}) x {k} sequences; "
-          f"max_new_tokens {args.max_new_tokens}, temperature {args.temperature}, top_p {args.top_p}, top_k {args.top_k}")
+    print(
+        f"model {args.model_name} ({dtype}, {device}, {args.threads} thread(s)); {len(prompts)} prompts "
+        f"({min(lengths)}-{max(lengths)} tokens, mean {sum(lengths) / len(lengths):.0f}) x {k} sequences; "
+        f"max_new_tokens {args.max_new_tokens}, temperature {args.temperature}, top_p {args.top_p}, top_k {args.top_k}"
+    )
 
     def sync():
         if device.type == "cuda":
@@ -147,14 +156,20 @@ def main(argv=None) -> None:
         tokens = 0
         ids = {p.id: list(p.input_ids) for p in prompts}
         for pairs in pairs_batches:
-            finished, _ = generate_with_fallback(model, ids, pairs, params, stops, tok.pad_token_id, args.batch_size,
-                                                 vocab_limit=vocab)
+            finished, _ = generate_with_fallback(
+                model, ids, pairs, params, stops, tok.pad_token_id, args.batch_size, vocab_limit=vocab
+            )
             tokens += sum(f.computed_tokens for f in finished)
         sync()
         return tokens
 
-    hf_kwargs = dict(do_sample=args.temperature > 0, max_new_tokens=args.max_new_tokens, eos_token_id=stops,
-                     pad_token_id=tok.pad_token_id, suppress_tokens=beyond or None)
+    hf_kwargs = dict(
+        do_sample=args.temperature > 0,
+        max_new_tokens=args.max_new_tokens,
+        eos_token_id=stops,
+        pad_token_id=tok.pad_token_id,
+        suppress_tokens=beyond or None,
+    )
     if args.temperature > 0:
         hf_kwargs.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
 
@@ -177,23 +192,34 @@ def main(argv=None) -> None:
                 ids = torch.tensor([p.input_ids], device=device)
                 for call in range(k // per_call):
                     torch.manual_seed(p.id * 1000 + call)
-                    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                         num_return_sequences=per_call, **hf_kwargs)
+                    out = model.generate(
+                        input_ids=ids, attention_mask=torch.ones_like(ids), num_return_sequences=per_call, **hf_kwargs
+                    )
                     tokens += new_tokens(out, ids.shape[1])
         sync()
         return tokens
 
     # Warm-up: one small call of each kind (allocator, kernels, lazy imports).
     warm = prompts[:1]
-    generate_with_fallback(model, {warm[0].id: list(warm[0].input_ids)}, [(warm[0].id, 0)], params, stops,
-                           tok.pad_token_id, 1, vocab_limit=vocab)
+    generate_with_fallback(
+        model,
+        {warm[0].id: list(warm[0].input_ids)},
+        [(warm[0].id, 0)],
+        params,
+        stops,
+        tok.pad_token_id,
+        1,
+        vocab_limit=vocab,
+    )
     with torch.inference_mode():
         w = torch.tensor([warm[0].input_ids], device=device)
         model.generate(input_ids=w, attention_mask=torch.ones_like(w), **{**hf_kwargs, "max_new_tokens": 4})
 
     batches = plan_batches(prompts, k, args.batch_size)
-    runs = [(f"phalanx batched (batch_size {args.batch_size}, {len(batches)} batches)", lambda: phalanx_arm(batches)),
-            ("loop: model.generate, one prompt, one sequence per call", lambda: loop_arm(1))]
+    runs = [
+        (f"phalanx batched (batch_size {args.batch_size}, {len(batches)} batches)", lambda: phalanx_arm(batches)),
+        ("loop: model.generate, one prompt, one sequence per call", lambda: loop_arm(1)),
+    ]
     if not args.skip_k_loop and k > 1:
         runs.append((f"loop: model.generate, one prompt, num_return_sequences={k}", lambda: loop_arm(k)))
     # Rounds interleave the arms, so load from other processes falls on all of them alike; the median counts.
@@ -218,10 +244,15 @@ def main(argv=None) -> None:
         wall, tokens, others = median(label)
         rate = tokens / wall
         spread = ", ".join(f"{w:.2f}" for w, _, _ in timings[label])
-        lines.append(f"| {label} | {len(prompts) * k} | {tokens} | {wall:.2f} ({spread}) | {rate:.1f} | "
-                     f"{rate / base_rate:.2f}x | {'n/a' if others is None else f'{others:.1f}'} |")
-    header = ["| arm | sequences | generated tokens | seconds, median (all rounds) | tokens/s | vs one-at-a-time loop "
-              "| other processes' core-s (median round) |", "|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {label} | {len(prompts) * k} | {tokens} | {wall:.2f} ({spread}) | {rate:.1f} | "
+            f"{rate / base_rate:.2f}x | {'n/a' if others is None else f'{others:.1f}'} |"
+        )
+    header = [
+        "| arm | sequences | generated tokens | seconds, median (all rounds) | tokens/s | vs one-at-a-time loop "
+        "| other processes' core-s (median round) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     print("\n".join(header + lines))
     wall, tokens, _ = median(runs[0][0])
     ratio = (tokens / wall) / base_rate

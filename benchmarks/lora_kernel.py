@@ -27,10 +27,16 @@ from phalanx.models.adapters import apply_finetuning
 
 def build(args, kernel: str, dropout: float, dtype: torch.dtype):
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 3,
-                      num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
-                      num_key_value_heads=max(1, args.hidden // 256), max_position_embeddings=args.seq,
-                      tie_word_embeddings=False)
+    cfg = Qwen2Config(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 3,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=max(1, args.hidden // 256),
+        max_position_embeddings=args.seq,
+        tie_word_embeddings=False,
+    )
     model = Qwen2ForCausalLM(cfg).to(dtype)
     model = apply_finetuning(model, ModelConfig(), LoraConfig(r=16, alpha=32, dropout=dropout, kernel=kernel))
     with torch.no_grad():  # B starts at zero in PEFT; the work is the same either way, but keep the numbers honest
@@ -70,8 +76,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dropouts", default="0.05,0")
     parser.add_argument("--dtypes", default="fp32,bf16")
-    parser.add_argument("--redraw-mask", action="store_true",
-                        help="redraw dropout masks in backward on CPU too (CUDA's policy) instead of keeping bools")
+    parser.add_argument(
+        "--redraw-mask",
+        action="store_true",
+        help="redraw dropout masks in backward on CPU too (CUDA's policy) instead of keeping bools",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.redraw_mask:
@@ -89,7 +98,11 @@ def main() -> None:
                     start = time.perf_counter()
                     step(model, ids, dtype != torch.float32)
                     times[kernel].append(time.perf_counter() - start)
-            row = {"dtype": dtype_name, "dropout": dropout, "mask": "redraw" if args.redraw_mask and dropout else "keep"}
+            row = {
+                "dtype": dtype_name,
+                "dropout": dropout,
+                "mask": "redraw" if args.redraw_mask and dropout else "keep",
+            }
             for kernel in models:
                 row[f"{kernel}_s_per_step"] = round(statistics.median(times[kernel]), 3)
                 row[f"{kernel}_saved_MiB"] = round(saved[kernel] / 2**20, 1)

@@ -54,8 +54,13 @@ ARMS = {  # flags on top of the shared ones; FLOPs factor per token (4N frozen b
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arms", default="lora,qlora,full", help=f"comma-separated, in this order: {', '.join(ARMS)}")
-    p.add_argument("--gpu-shape", dest="gpu_shape", choices=sorted(GPU_SHAPES), default=None,
-                   help="random-weight model of this shape, bf16 on CUDA (default: the embedded tiny model on CPU)")
+    p.add_argument(
+        "--gpu-shape",
+        dest="gpu_shape",
+        choices=sorted(GPU_SHAPES),
+        default=None,
+        help="random-weight model of this shape, bf16 on CUDA (default: the embedded tiny model on CPU)",
+    )
     p.add_argument("--model", default="embedded:tiny-qwen3")
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--steps", type=int, default=12)
@@ -63,7 +68,9 @@ def parse_args(argv=None):
     p.add_argument("--batch_size", type=int, default=4)
     p.add_argument("--max_length", type=int, default=2048)
     p.add_argument("--lora_dropout", type=float, default=0.05)
-    p.add_argument("--arm-timeout", dest="arm_timeout", type=float, default=300, help="seconds per arm before it is killed")
+    p.add_argument(
+        "--arm-timeout", dest="arm_timeout", type=float, default=300, help="seconds per arm before it is killed"
+    )
     p.add_argument("--peak-tflops", dest="peak_tflops", type=float, default=None)
     p.add_argument("--extra", default="", help="more `phalanx train` flags for every arm (one shell-quoted string)")
     p.add_argument("--work_dir", default="/tmp/phalanx-bench")
@@ -85,7 +92,9 @@ def flops_n(model_path: str) -> tuple[int, int, int]:
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is embed
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    width = int(text.num_attention_heads) * int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+    width = int(text.num_attention_heads) * int(
+        getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    )
     return (total if tied else total - embed.numel()), int(text.num_hidden_layers), width
 
 
@@ -100,7 +109,9 @@ def run_arm(name: str, flags: list[str], out: Path, timeout: float, nproc: int) 
     start = time.perf_counter()
     try:
         with log.open("w") as f:
-            code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            code = subprocess.run(
+                cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout
+            ).returncode
     except subprocess.TimeoutExpired:
         code = "timeout"
     wall = time.perf_counter() - start
@@ -111,8 +122,14 @@ def run_arm(name: str, flags: list[str], out: Path, timeout: float, nproc: int) 
     info = json.loads((out / "final_training_info.json").read_text())
     train = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in train if r["kind"] == "train"]
-    return {"wall": wall, "ends": {r["step"]: r["time"] for r in train}, "first_loss": train[0]["loss"],
-            "last_loss": train[-1]["loss"], "peak": max(info["peak_memory_mb_per_rank"]), "log": str(log)}
+    return {
+        "wall": wall,
+        "ends": {r["step"]: r["time"] for r in train},
+        "first_loss": train[0]["loss"],
+        "last_loss": train[-1]["loss"],
+        "peak": max(info["peak_memory_mb_per_rank"]),
+        "log": str(log),
+    }
 
 
 def main(argv=None) -> None:
@@ -125,12 +142,42 @@ def main(argv=None) -> None:
         sys.exit("--gpu-shape needs a CUDA device; leave it out for the CPU mode")
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    model = str(build_gpu_shape_folder(args.gpu_shape, work / f"{args.gpu_shape}-random", device="cuda")) if gpu else args.model
-    shared = ["--model_name", model, "--max_steps", str(args.steps), "--batch_size", str(args.batch_size),
-              "--max_length", str(args.max_length), "--lora_dropout", repr(args.lora_dropout), "--test_size", "0",
-              "--log_steps", "1", "--eval_steps", str(HUGE), "--save_steps", str(HUGE), "--checkpoint.save_best", "false",
-              "--logging.tensorboard", "false", "--logging.progress_bar", "false", "--overwrite_output_dir", "true",
-              "--mixed_precision", "bf16" if gpu else "auto", *shlex.split(args.extra)]
+    model = (
+        str(build_gpu_shape_folder(args.gpu_shape, work / f"{args.gpu_shape}-random", device="cuda"))
+        if gpu
+        else args.model
+    )
+    shared = [
+        "--model_name",
+        model,
+        "--max_steps",
+        str(args.steps),
+        "--batch_size",
+        str(args.batch_size),
+        "--max_length",
+        str(args.max_length),
+        "--lora_dropout",
+        repr(args.lora_dropout),
+        "--test_size",
+        "0",
+        "--log_steps",
+        "1",
+        "--eval_steps",
+        str(HUGE),
+        "--save_steps",
+        str(HUGE),
+        "--checkpoint.save_best",
+        "false",
+        "--logging.tensorboard",
+        "false",
+        "--logging.progress_bar",
+        "false",
+        "--overwrite_output_dir",
+        "true",
+        "--mixed_precision",
+        "bf16" if gpu else "auto",
+        *shlex.split(args.extra),
+    ]
 
     from phalanx.config.flags import split_flags
     from phalanx.config.loader import load_config, overrides_from_flags
@@ -162,10 +209,12 @@ def main(argv=None) -> None:
         flops = factor * n * tokens + 12.0 * layers * width * sq
         tflops = flops / seconds / args.nproc / 1e12
         mfu = f"{tflops / peak_t:.1%}" if peak_t else "n/a (CPU)"
-        line = (f"{tokens / seconds:,.0f} tokens/s steady (steps {first + 1}-{last}), {seconds / len(steps):.3f} s/step, "
-                f"{tflops:.2f} model TFLOP/s per {'GPU' if gpu else 'process'}, MFU {mfu}, peak {res['peak']:.0f} MB/rank "
-                f"({'CUDA allocated' if gpu else 'RSS'}), loss {res['first_loss']:.4f} -> {res['last_loss']:.4f}, "
-                f"wall {res['wall']:.0f}s")
+        line = (
+            f"{tokens / seconds:,.0f} tokens/s steady (steps {first + 1}-{last}), {seconds / len(steps):.3f} s/step, "
+            f"{tflops:.2f} model TFLOP/s per {'GPU' if gpu else 'process'}, MFU {mfu}, peak {res['peak']:.0f} MB/rank "
+            f"({'CUDA allocated' if gpu else 'RSS'}), loss {res['first_loss']:.4f} -> {res['last_loss']:.4f}, "
+            f"wall {res['wall']:.0f}s"
+        )
         print(f"   {name}: {line}", flush=True)
         rows.append((name, line))
     if args.no_results:

@@ -31,12 +31,20 @@ from plan.workers import write_rows  # noqa: E402  (the accuracy tests' padded r
 
 CASES = {
     "lora": {"model.finetune": "lora", "training.batch_size": 4, "data.max_length": 1024},
-    "lora-ckpt": {"model.finetune": "lora", "training.batch_size": 4, "data.max_length": 1024,
-                  "model.gradient_checkpointing": True},
+    "lora-ckpt": {
+        "model.finetune": "lora",
+        "training.batch_size": 4,
+        "data.max_length": 1024,
+        "model.gradient_checkpointing": True,
+    },
     "lora-b1-2048": {"model.finetune": "lora", "training.batch_size": 1, "data.max_length": 2048},
     "full": {"model.finetune": "full", "training.batch_size": 2, "data.max_length": 1024},
-    "full-ckpt": {"model.finetune": "full", "training.batch_size": 2, "data.max_length": 1024,
-                  "model.gradient_checkpointing": True},
+    "full-ckpt": {
+        "model.finetune": "full",
+        "training.batch_size": 2,
+        "data.max_length": 1024,
+        "model.gradient_checkpointing": True,
+    },
 }
 
 
@@ -84,8 +92,14 @@ def measure_one(overrides: dict) -> dict:
         peak, outside, slack = tracker.peak, None, None
     del run
     shutdown()
-    return {"estimate": estimate, "measured": peak, "ratio": estimate / peak, "outside_torch": outside,
-            "reserved_over_allocated": slack, "detail": row.detail}
+    return {
+        "estimate": estimate,
+        "measured": peak,
+        "ratio": estimate / peak,
+        "outside_torch": outside,
+        "reserved_over_allocated": slack,
+        "detail": row.detail,
+    }
 
 
 def main() -> None:
@@ -106,20 +120,38 @@ def main() -> None:
     work = Path(os.environ.get("PHALANX_BENCH", tempfile.gettempdir())) / "phalanx-plan-accuracy"
     work.mkdir(parents=True, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = build_gpu_shape_folder(args.shape, work / f"{args.shape}-{args.layers or 'all'}", args.layers, device=device)
-    print(f"device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, torch {torch.__version__}, "
-          f"model {args.shape} ({args.layers or 'all'} layers)")
+    model = build_gpu_shape_folder(
+        args.shape, work / f"{args.shape}-{args.layers or 'all'}", args.layers, device=device
+    )
+    print(
+        f"device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, torch {torch.__version__}, "
+        f"model {args.shape} ({args.layers or 'all'} layers)"
+    )
     print(f"{'case':<14} {'estimate':>16} {'measured':>16} {'ratio':>6} {'outside torch':>14} {'reserved/alloc':>14}")
     for name in args.cases.split(","):
         case = dict(CASES[name])
         # 8 tokens of margin (room for the tokenizer's special tokens around a text row).
         data = write_rows(work / f"{name}.jsonl", 16, case["data.max_length"], margin=8)
-        overrides = {"model.model_name": str(model), "data.dataset_path": str(data), "output_dir": str(work / name),
-                     "overwrite_output_dir": True, "data.test_size": 0.0, "training.max_steps": args.steps,
-                     "checkpoint.save_steps": 10**9, "eval.eval_steps": 10**9, "logging.tensorboard": False,
-                     "logging.progress_bar": False, "lora.dropout": 0.0, **case}
-        proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(overrides)], capture_output=True, text=True,
-                              env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{os.environ.get('PYTHONPATH', '')}"})
+        overrides = {
+            "model.model_name": str(model),
+            "data.dataset_path": str(data),
+            "output_dir": str(work / name),
+            "overwrite_output_dir": True,
+            "data.test_size": 0.0,
+            "training.max_steps": args.steps,
+            "checkpoint.save_steps": 10**9,
+            "eval.eval_steps": 10**9,
+            "logging.tensorboard": False,
+            "logging.progress_bar": False,
+            "lora.dropout": 0.0,
+            **case,
+        }
+        proc = subprocess.run(
+            [sys.executable, __file__, "--one", json.dumps(overrides)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{os.environ.get('PYTHONPATH', '')}"},
+        )
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         if line is None:
             print(f"{name:<14} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")

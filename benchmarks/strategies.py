@@ -42,19 +42,62 @@ STRATEGIES = {
 OFFLOAD = {
     "fsdp FULL_SHARD + offload": ["--strategy", "fsdp", "--sharding_strategy", "FULL_SHARD", "--offload_param", "true"],
     "ZeRO-2 + optimizer offload": ["--strategy", "deepspeed", "--zero_stage", "2", "--offload_optimizer", "true"],
-    "ZeRO-3 + param/optimizer offload": ["--strategy", "deepspeed", "--zero_stage", "3", "--offload_param", "true",
-                                         "--offload_optimizer", "true"],
+    "ZeRO-3 + param/optimizer offload": [
+        "--strategy",
+        "deepspeed",
+        "--zero_stage",
+        "3",
+        "--offload_param",
+        "true",
+        "--offload_optimizer",
+        "true",
+    ],
 }
 
 
 def run(name: str, flags: list[str], model: str, data: Path, out: Path, args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, "-m", "phalanx", "train", "--model_name", model, "--dataset_path", str(data),
-           "--output_dir", str(out), "--world_size", str(args.world_size), "--batch_size", str(args.batch_size),
-           "--max_steps", str(args.steps), "--finetune", args.finetune, "--max_length", str(args.max_length),
-           "--mixed_precision", args.mixed_precision, "--test_size", "0", "--log_steps", "1",
-           "--eval_steps", "1000000", "--save_steps", "1000000", "--checkpoint.save_best", "false",
-           "--logging.tensorboard", "false", "--logging.progress_bar", "false", "--overwrite_output_dir", "true",
-           *(["--gradient_checkpointing", "true"] if args.gradient_checkpointing else []), *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "phalanx",
+        "train",
+        "--model_name",
+        model,
+        "--dataset_path",
+        str(data),
+        "--output_dir",
+        str(out),
+        "--world_size",
+        str(args.world_size),
+        "--batch_size",
+        str(args.batch_size),
+        "--max_steps",
+        str(args.steps),
+        "--finetune",
+        args.finetune,
+        "--max_length",
+        str(args.max_length),
+        "--mixed_precision",
+        args.mixed_precision,
+        "--test_size",
+        "0",
+        "--log_steps",
+        "1",
+        "--eval_steps",
+        "1000000",
+        "--save_steps",
+        "1000000",
+        "--checkpoint.save_best",
+        "false",
+        "--logging.tensorboard",
+        "false",
+        "--logging.progress_bar",
+        "false",
+        "--overwrite_output_dir",
+        "true",
+        *(["--gradient_checkpointing", "true"] if args.gradient_checkpointing else []),
+        *flags,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
@@ -62,13 +105,17 @@ def run(name: str, flags: list[str], model: str, data: Path, out: Path, args: ar
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["kind"] == "train"]
     times = [r["time"] for r in train]
-    steps = [b - a for a, b in zip(times[args.warmup:], times[args.warmup + 1:])]
-    tokens = [r["tokens_per_s"] for r in train[args.warmup + 1:]]
+    steps = [b - a for a, b in zip(times[args.warmup :], times[args.warmup + 1 :])]
+    tokens = [r["tokens_per_s"] for r in train[args.warmup + 1 :]]
     info = json.loads((out / "final_training_info.json").read_text())
-    return {"name": name, "step_s": statistics.median(steps) if steps else float("nan"),
-            "tokens_s": statistics.median(tokens) if tokens else float("nan"),
-            "train_s": info["train_seconds"], "peak_mb": info["peak_memory_mb_per_rank"],
-            "final_loss": train[-1]["loss"]}
+    return {
+        "name": name,
+        "step_s": statistics.median(steps) if steps else float("nan"),
+        "tokens_s": statistics.median(tokens) if tokens else float("nan"),
+        "train_s": info["train_seconds"],
+        "peak_mb": info["peak_memory_mb_per_rank"],
+        "final_loss": train[-1]["loss"],
+    }
 
 
 def main() -> int:
@@ -82,8 +129,12 @@ def main() -> int:
     parser.add_argument("--mixed_precision", default=None, help="default auto; bf16 with --gpu-shape")
     parser.add_argument("--gradient_checkpointing", action="store_true")
     parser.add_argument("--model", default="embedded:tiny-qwen3")
-    parser.add_argument("--gpu-shape", dest="gpu_shape", default=None,
-                        help="random-weight model of a published shape (see train_vs_hf.py), written once under --work_dir")
+    parser.add_argument(
+        "--gpu-shape",
+        dest="gpu_shape",
+        default=None,
+        help="random-weight model of a published shape (see train_vs_hf.py), written once under --work_dir",
+    )
     parser.add_argument("--work_dir", default="/tmp/phalanx-bench")
     parser.add_argument("--offload", action="store_true", help="add the CPU-offload variants")
     parser.add_argument("--only", nargs="*", default=None, help="variant names to run (default: all)")
@@ -94,7 +145,9 @@ def main() -> int:
     if args.gpu_shape:
         from train_vs_hf import build_gpu_shape_folder
 
-        model = str(build_gpu_shape_folder(args.gpu_shape, Path(args.work_dir) / f"{args.gpu_shape}-random", device="cuda"))
+        model = str(
+            build_gpu_shape_folder(args.gpu_shape, Path(args.work_dir) / f"{args.gpu_shape}-random", device="cuda")
+        )
     variants = {**STRATEGIES, **(OFFLOAD if args.offload else {})}
     with tempfile.TemporaryDirectory() as tmp:
         data = write_chat_jsonl(Path(tmp) / "train.jsonl", 96 * max(args.world_size, 1) * max(args.batch_size // 2, 1))
@@ -104,13 +157,19 @@ def main() -> int:
                 continue
             results.append(run(name, flags, model, data, Path(tmp) / f"out{i}", args))
             r = results[-1]
-            print(f"   {name}: " + (r["error"] if "error" in r else f"{r['step_s']:.3f} s/step, peak {r['peak_mb']} MB"),
-                  flush=True)
-    print(f"\n{args.world_size} rank(s), {args.finetune}, {args.model if not args.gpu_shape else args.gpu_shape}, "
-          f"{args.mixed_precision}, batch {args.batch_size}/rank, max_length {args.max_length}, {args.steps} steps"
-          f"{', activation checkpointing' if args.gradient_checkpointing else ''}\n")
+            print(
+                f"   {name}: " + (r["error"] if "error" in r else f"{r['step_s']:.3f} s/step, peak {r['peak_mb']} MB"),
+                flush=True,
+            )
+    print(
+        f"\n{args.world_size} rank(s), {args.finetune}, {args.model if not args.gpu_shape else args.gpu_shape}, "
+        f"{args.mixed_precision}, batch {args.batch_size}/rank, max_length {args.max_length}, {args.steps} steps"
+        f"{', activation checkpointing' if args.gradient_checkpointing else ''}\n"
+    )
     base = next((r for r in results if "error" not in r), None)
-    print("| strategy | median step (s) | tokens/s | step vs first | train (s) | peak memory per rank (MB) | memory vs first | final loss |")
+    print(
+        "| strategy | median step (s) | tokens/s | step vs first | train (s) | peak memory per rank (MB) | memory vs first | final loss |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
@@ -118,8 +177,10 @@ def main() -> int:
             continue
         step_ratio = r["step_s"] / base["step_s"] if base else float("nan")
         mem_ratio = max(r["peak_mb"]) / max(base["peak_mb"]) if base else float("nan")
-        print(f"| {r['name']} | {r['step_s']:.3f} | {r['tokens_s']:.0f} | {step_ratio:.2f}x | {r['train_s']:.1f} "
-              f"| {', '.join(f'{m:.0f}' for m in r['peak_mb'])} | {mem_ratio:.2f}x | {r['final_loss']:.4f} |")
+        print(
+            f"| {r['name']} | {r['step_s']:.3f} | {r['tokens_s']:.0f} | {step_ratio:.2f}x | {r['train_s']:.1f} "
+            f"| {', '.join(f'{m:.0f}' for m in r['peak_mb'])} | {mem_ratio:.2f}x | {r['final_loss']:.4f} |"
+        )
     return 0
 
 

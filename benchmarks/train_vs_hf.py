@@ -172,8 +172,9 @@ def byte_level_qwen2_tokenizer():
     from phalanx.models.presets import CHAT_TEMPLATE
 
     vocab = {ch: i for i, ch in enumerate(sorted(ByteLevel.alphabet(), key=ord))}
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, bos_token=None,
-                               eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab, merges=[], unk_token=None, bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
@@ -192,8 +193,13 @@ def build_gpu_shape_folder(shape: str, folder: Path, layers: Optional[int] = Non
     if marker.is_file() and json.loads(marker.read_text()) == stamp:
         return folder
     tokenizer = byte_level_qwen2_tokenizer()
-    config = Qwen2Config(**values, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=None, dtype="bfloat16")
+    config = Qwen2Config(
+        **values,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        dtype="bfloat16",
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         with torch.device(device):
@@ -220,8 +226,10 @@ def construct_gpu_shape_on_cpu(shape: str, layers: Optional[int]) -> tuple[int, 
     start = time.perf_counter()
     model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     n = sum(p.numel() for p in model.parameters())
-    print(f"   built {type(model).__name__} on CPU in {time.perf_counter() - start:.1f}s: {n:,} parameters "
-          f"({n * 2 / 2**30:.2f} GiB in bf16)")
+    print(
+        f"   built {type(model).__name__} on CPU in {time.perf_counter() - start:.1f}s: {n:,} parameters "
+        f"({n * 2 / 2**30:.2f} GiB in bf16)"
+    )
     del model
     return n, values
 
@@ -348,7 +356,9 @@ def thread_census(pid: int, stop, census: dict, label: str) -> None:
                     rank = int(env.get("RANK", 0))
                     census[rank] = {t.id: t.user_time + t.system_time for t in kid.threads()}
                     times = kid.cpu_times()
-                    CPU_SERIES.setdefault(label, {}).setdefault(rank, []).append((time.time(), times.user + times.system))
+                    CPU_SERIES.setdefault(label, {}).setdefault(rank, []).append(
+                        (time.time(), times.user + times.system)
+                    )
             except psutil.Error:
                 pass
         stop.wait(0.5)
@@ -364,7 +374,7 @@ def cpu_between(label: str, start: float, end: float) -> Optional[float]:
         if len(series) < 2 or series[0][0] > start or series[-1][0] < end:
             return None
 
-        def at(t):
+        def at(t, series=series):
             for (t0, c0), (t1, c1) in zip(series, series[1:]):
                 if t0 <= t <= t1:
                     return c0 + (c1 - c0) * (t - t0) / max(t1 - t0, 1e-9)
@@ -392,7 +402,13 @@ def run_logged(cmd: list[str], env: dict, log: Path, label: str) -> tuple[float,
     print(f"\n$ {shlex.join(cmd)}", flush=True)
     import threading
 
-    for facts in (THREADS, SPAWNED, CPU_SERIES, LAST_SEEN, OTHERS):  # a label measured again (both orders) starts afresh
+    for facts in (
+        THREADS,
+        SPAWNED,
+        CPU_SERIES,
+        LAST_SEEN,
+        OTHERS,
+    ):  # a label measured again (both orders) starts afresh
         facts.pop(label, None)
 
     busy0, ours0 = cpu_busy_seconds(), children_cpu_seconds()
@@ -417,9 +433,15 @@ def run_logged(cmd: list[str], env: dict, log: Path, label: str) -> tuple[float,
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
         sys.exit(f"{label} failed (exit {proc.returncode}); last lines of {log}:\n{tail}")
     others = OTHERS.get(label)
-    print(f"   {label}: finished in {wall:.1f}s (log: {log}); busy threads per rank {THREADS[label]}"
-          + (f"; other processes used {others[0]:.1f} core-s ({others[0] / (wall * (os.cpu_count() or 1)):.0%} of the machine)"
-             if others else ""), flush=True)
+    print(
+        f"   {label}: finished in {wall:.1f}s (log: {log}); busy threads per rank {THREADS[label]}"
+        + (
+            f"; other processes used {others[0]:.1f} core-s ({others[0] / (wall * (os.cpu_count() or 1)):.0%} of the machine)"
+            if others
+            else ""
+        ),
+        flush=True,
+    )
     return wall, launched, exited
 
 
@@ -465,12 +487,20 @@ def hf_worker(spec_path: str, kind: str = "hf") -> None:
     trl = kind == "trl"
     attn = {}
     if trl:
-        attn = {"attn_implementation": "flash_attention_2" if cuda and importlib.util.find_spec("flash_attn") else "sdpa"}
+        attn = {
+            "attn_implementation": "flash_attention_2" if cuda and importlib.util.find_spec("flash_attn") else "sdpa"
+        }
     model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=dtype, **attn)
-    model = get_peft_model(model, LoraConfig(
-        task_type=TaskType.CAUSAL_LM, r=spec["lora_r"], lora_alpha=spec["lora_alpha"],
-        lora_dropout=spec["lora_dropout"], target_modules=spec["target_modules"],
-    ))
+    model = get_peft_model(
+        model,
+        LoraConfig(
+            task_type=TaskType.CAUSAL_LM,
+            r=spec["lora_r"],
+            lora_alpha=spec["lora_alpha"],
+            lora_dropout=spec["lora_dropout"],
+            target_modules=spec["target_modules"],
+        ),
+    )
 
     class StepClock(TrainerCallback):
         def __init__(self):
@@ -489,8 +519,13 @@ def hf_worker(spec_path: str, kind: str = "hf") -> None:
         from trl import SFTConfig
 
         Arguments = SFTConfig
-        extra = {"padding_free": True, "use_liger_kernel": liger, "max_length": None, "packing": False,  # rows fit already
-                 "dataset_num_proc": None}
+        extra = {
+            "padding_free": True,
+            "use_liger_kernel": liger,
+            "max_length": None,
+            "packing": False,  # rows fit already
+            "dataset_num_proc": None,
+        }
     else:
         Arguments, extra = TrainingArguments, {}
     args = Arguments(
@@ -526,8 +561,13 @@ def hf_worker(spec_path: str, kind: str = "hf") -> None:
         from transformers import AutoTokenizer
         from trl import SFTTrainer
 
-        trainer = SFTTrainer(model=model, args=args, train_dataset=rows, callbacks=[clock],
-                             processing_class=AutoTokenizer.from_pretrained(spec["model_path"]))
+        trainer = SFTTrainer(
+            model=model,
+            args=args,
+            train_dataset=rows,
+            callbacks=[clock],
+            processing_class=AutoTokenizer.from_pretrained(spec["model_path"]),
+        )
         trl_collate = trainer.data_collator
 
         def recorded(examples):  # TRL's own padding-free collator; the lengths are recorded to check the rows
@@ -556,7 +596,9 @@ def hf_worker(spec_path: str, kind: str = "hf") -> None:
         "micro_lengths": seen,
         "log_history": trainer.state.log_history,
         "train_runtime": result.metrics.get("train_runtime"),
-        "optimizer": type(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer).__name__,
+        "optimizer": type(
+            trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
+        ).__name__,
         "optim_arg": str(args.optim),
         "world_size": args.world_size,
         "liger": liger,
@@ -617,7 +659,10 @@ def fmt(x, nd=1):
 def table(rows: list[tuple[str, str, str, str]]) -> str:
     head = ("", "phalanx", "HF Trainer", "phalanx/HF")
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(4)]
-    line = lambda r: "| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) + " |"  # noqa: E731
+
+    def line(r):
+        return "| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) + " |"
+
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(head), sep, *map(line, rows)])
 
@@ -630,16 +675,28 @@ def ratio(a, b, nd=2):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", type=int, default=None, help="ranks for both runs (default 2 on CPU, the GPU count in gpu-shape mode)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="ranks for both runs (default 2 on CPU, the GPU count in gpu-shape mode)",
+    )
     p.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
     p.add_argument("--batch_size", type=int, default=None, help="per-rank micro-batch (default 4)")
     p.add_argument("--grad_accum", type=int, default=1, help="gradient accumulation steps (default 1)")
-    p.add_argument("--max_length", type=int, default=None,
-                   help="sequence cap in tokens (default 2048: the bundled rows whole, mean 944 tokens, max 1956)")
+    p.add_argument(
+        "--max_length",
+        type=int,
+        default=None,
+        help="sequence cap in tokens (default 2048: the bundled rows whole, mean 944 tokens, max 1956)",
+    )
     p.add_argument("--model", default="embedded:tiny-qwen3", help="model for both runs (phalanx model_name syntax)")
-    p.add_argument("--dataset_path", default=None, help="jsonl for both runs (default: phalanx's bundled health-agent chats)")
+    p.add_argument(
+        "--dataset_path", default=None, help="jsonl for both runs (default: phalanx's bundled health-agent chats)"
+    )
     p.add_argument("--learning_rate", type=float, default=5e-5)
     p.add_argument("--lora_r", type=int, default=16)
     p.add_argument("--lora_alpha", type=int, default=32)
@@ -647,35 +704,98 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--log_steps", type=int, default=1, help="both log every this many steps (default 1)")
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the steady timing (default 2)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="OMP_NUM_THREADS for both runs (default: unset, i.e. each launcher's own default)")
-    p.add_argument("--phalanx-launcher", dest="phalanx_launcher", choices=["native", "torchrun"], default="native",
-                   help="native: `python -m phalanx train --world_size N` (what users run); torchrun: `torchrun -m phalanx`")
-    p.add_argument("--only", choices=["both", "phalanx", "hf"], default="both", help="run one side only (for profiling)")
-    p.add_argument("--hf-first", dest="hf_first", action="store_true",
-                   help="run Trainer first, one order only (same as --orders hf-first)")
-    p.add_argument("--orders", choices=["both", "phalanx-first", "hf-first"], default=None,
-                   help="both (default): phalanx then Trainer, then Trainer then phalanx, reported per order and together")
-    p.add_argument("--with-unpacked", dest="with_unpacked", action="store_true",
-                   help="also run phalanx with --packing false (its padded path) in each order, after phalanx")
-    p.add_argument("--hf-optim", dest="hf_optim", default=None,
-                   help="Trainer's optim (default: Trainer's own default; phalanx uses torch.optim.AdamW)")
-    p.add_argument("--profile", default=None, metavar="DIR",
-                   help="cProfile rank 0 of both runs into DIR (phalanx then runs under torchrun); timings are perturbed")
-    p.add_argument("--gpu-shape", dest="gpu_shape", choices=sorted(GPU_SHAPES), default=None,
-                   help="random-weight model with this published shape, seq 2048, bf16 on CUDA, with MFU")
-    p.add_argument("--gpu-shape-layers", dest="gpu_shape_layers", type=int, default=None,
-                   help="override the layer count of --gpu-shape (smoke tests, small GPUs)")
-    p.add_argument("--peak-tflops", dest="peak_tflops", type=float, default=None,
-                   help="peak dense bf16 TFLOP/s per GPU for MFU (default: looked up from the GPU's name)")
-    p.add_argument("--dry-run", dest="dry_run", action="store_true", help="print the plan (build the gpu-shape model on CPU) and stop")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="OMP_NUM_THREADS for both runs (default: unset, i.e. each launcher's own default)",
+    )
+    p.add_argument(
+        "--phalanx-launcher",
+        dest="phalanx_launcher",
+        choices=["native", "torchrun"],
+        default="native",
+        help="native: `python -m phalanx train --world_size N` (what users run); torchrun: `torchrun -m phalanx`",
+    )
+    p.add_argument(
+        "--only", choices=["both", "phalanx", "hf"], default="both", help="run one side only (for profiling)"
+    )
+    p.add_argument(
+        "--hf-first",
+        dest="hf_first",
+        action="store_true",
+        help="run Trainer first, one order only (same as --orders hf-first)",
+    )
+    p.add_argument(
+        "--orders",
+        choices=["both", "phalanx-first", "hf-first"],
+        default=None,
+        help="both (default): phalanx then Trainer, then Trainer then phalanx, reported per order and together",
+    )
+    p.add_argument(
+        "--with-unpacked",
+        dest="with_unpacked",
+        action="store_true",
+        help="also run phalanx with --packing false (its padded path) in each order, after phalanx",
+    )
+    p.add_argument(
+        "--hf-optim",
+        dest="hf_optim",
+        default=None,
+        help="Trainer's optim (default: Trainer's own default; phalanx uses torch.optim.AdamW)",
+    )
+    p.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="cProfile rank 0 of both runs into DIR (phalanx then runs under torchrun); timings are perturbed",
+    )
+    p.add_argument(
+        "--gpu-shape",
+        dest="gpu_shape",
+        choices=sorted(GPU_SHAPES),
+        default=None,
+        help="random-weight model with this published shape, seq 2048, bf16 on CUDA, with MFU",
+    )
+    p.add_argument(
+        "--gpu-shape-layers",
+        dest="gpu_shape_layers",
+        type=int,
+        default=None,
+        help="override the layer count of --gpu-shape (smoke tests, small GPUs)",
+    )
+    p.add_argument(
+        "--peak-tflops",
+        dest="peak_tflops",
+        type=float,
+        default=None,
+        help="peak dense bf16 TFLOP/s per GPU for MFU (default: looked up from the GPU's name)",
+    )
+    p.add_argument(
+        "--dry-run",
+        dest="dry_run",
+        action="store_true",
+        help="print the plan (build the gpu-shape model on CPU) and stop",
+    )
     p.add_argument("--work_dir", default="/tmp/phalanx-bench", help="scratch folder for outputs and logs")
-    p.add_argument("--wait-idle", dest="wait_idle", type=float, default=0, metavar="SECONDS",
-                   help="before each run, wait up to SECONDS for the CPUs to be idle (other people's jobs)")
-    p.add_argument("--no-results", dest="no_results", action="store_true", help="do not append to benchmarks/RESULTS.md")
+    p.add_argument(
+        "--wait-idle",
+        dest="wait_idle",
+        type=float,
+        default=0,
+        metavar="SECONDS",
+        help="before each run, wait up to SECONDS for the CPUs to be idle (other people's jobs)",
+    )
+    p.add_argument(
+        "--no-results", dest="no_results", action="store_true", help="do not append to benchmarks/RESULTS.md"
+    )
     p.add_argument("--note", default="", help="free text added to the RESULTS.md entry")
-    p.add_argument("--with-trl", dest="with_trl", action="store_true",
-                   help="add TRL SFTTrainer with padding_free (and Liger kernels on CUDA when installed), same rows")
+    p.add_argument(
+        "--with-trl",
+        dest="with_trl",
+        action="store_true",
+        help="add TRL SFTTrainer with padding_free (and Liger kernels on CUDA when installed), same rows",
+    )
     p.add_argument("--_worker", choices=["hf", "trl", "phalanx"], default=None, help=argparse.SUPPRESS)
     p.add_argument("--_spec", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_profile", default=None, help=argparse.SUPPRESS)
@@ -698,12 +818,17 @@ def main(argv=None) -> None:
     gpu = args.gpu_shape is not None
     cuda = torch.cuda.is_available()
     if gpu and not cuda and not args.dry_run:
-        sys.exit("--gpu-shape needs a CUDA device (bf16 on GPU); add --dry-run to check the plan on a machine without one.")
+        sys.exit(
+            "--gpu-shape needs a CUDA device (bf16 on GPU); add --dry-run to check the plan on a machine without one."
+        )
     nproc = args.nproc or ((max(torch.cuda.device_count(), 1) if cuda else 1) if gpu else 2)
     batch = args.batch_size or 4
     max_length = args.max_length or 2048
-    orders = ["hf-first"] if args.hf_first and not args.orders else \
-        (["phalanx-first", "hf-first"] if (args.orders or "both") == "both" else [args.orders])
+    orders = (
+        ["hf-first"]
+        if args.hf_first and not args.orders
+        else (["phalanx-first", "hf-first"] if (args.orders or "both") == "both" else [args.orders])
+    )
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     load_before = load_average()
@@ -711,11 +836,15 @@ def main(argv=None) -> None:
     dirty = bool(sh(f"git -C {ROOT} status --porcelain -- src"))
     command = "python benchmarks/train_vs_hf.py" + ("" if not raw_argv else " " + shlex.join(raw_argv))
 
-    print(f"== phalanx vs HF Trainer: {nproc} rank(s), {args.steps} steps, batch {batch}/rank, accumulation "
-          f"{args.grad_accum}, max_length {max_length}, {'CUDA bf16' if gpu else 'CPU fp32'}")
-    print(f"   machine: nproc {os.cpu_count()}, {cpu_model()}, "
-          f"{torch.cuda.get_device_name(0) if cuda else 'no GPU'}; commit {commit}{' (src/ modified)' if dirty else ''}; "
-          f"load average {load_before}")
+    print(
+        f"== phalanx vs HF Trainer: {nproc} rank(s), {args.steps} steps, batch {batch}/rank, accumulation "
+        f"{args.grad_accum}, max_length {max_length}, {'CUDA bf16' if gpu else 'CPU fp32'}"
+    )
+    print(
+        f"   machine: nproc {os.cpu_count()}, {cpu_model()}, "
+        f"{torch.cuda.get_device_name(0) if cuda else 'no GPU'}; commit {commit}{' (src/ modified)' if dirty else ''}; "
+        f"load average {load_before}"
+    )
 
     # -- model
     n_params, shape_values = None, None
@@ -726,8 +855,11 @@ def main(argv=None) -> None:
             model_path = str(work / f"{args.gpu_shape}-random")
         else:
             print(f"-- gpu-shape {args.gpu_shape}: writing a random-weight model folder (once)")
-            model_path = str(build_gpu_shape_folder(args.gpu_shape, work / f"{args.gpu_shape}-random",
-                                                    args.gpu_shape_layers, device="cuda"))
+            model_path = str(
+                build_gpu_shape_folder(
+                    args.gpu_shape, work / f"{args.gpu_shape}-random", args.gpu_shape_layers, device="cuda"
+                )
+            )
     else:
         from phalanx.models.load import resolve_model_path
 
@@ -736,30 +868,54 @@ def main(argv=None) -> None:
 
     # -- phalanx flags, and the same config phalanx will build from them
     flags = [
-        "--model_name", model_flag,
-        "--max_steps", str(args.steps),
-        "--batch_size", str(batch),
-        "--gradient_accumulation_steps", str(args.grad_accum),
-        "--max_length", str(max_length),
-        "--learning_rate", repr(args.learning_rate),
-        "--lora_r", str(args.lora_r),
-        "--lora_alpha", str(args.lora_alpha),
-        "--lora_dropout", repr(args.lora_dropout),
-        "--lora.target_modules", "all-linear",
-        "--seed", str(args.seed),
-        "--lr_scheduler", "linear",
-        "--warmup_ratio", "0",
-        "--weight_decay", "0",
-        "--max_grad_norm", "1.0",
-        "--test_size", "0",
-        "--log_steps", str(args.log_steps),
-        "--eval_steps", str(HUGE),
-        "--save_steps", str(HUGE),
-        "--checkpoint.save_best", "false",
-        "--logging.tensorboard", "false",
-        "--logging.progress_bar", "false",
-        "--mixed_precision", "bf16" if gpu else "auto",  # auto = fp32 on CPU
-        "--overwrite_output_dir", "true",
+        "--model_name",
+        model_flag,
+        "--max_steps",
+        str(args.steps),
+        "--batch_size",
+        str(batch),
+        "--gradient_accumulation_steps",
+        str(args.grad_accum),
+        "--max_length",
+        str(max_length),
+        "--learning_rate",
+        repr(args.learning_rate),
+        "--lora_r",
+        str(args.lora_r),
+        "--lora_alpha",
+        str(args.lora_alpha),
+        "--lora_dropout",
+        repr(args.lora_dropout),
+        "--lora.target_modules",
+        "all-linear",
+        "--seed",
+        str(args.seed),
+        "--lr_scheduler",
+        "linear",
+        "--warmup_ratio",
+        "0",
+        "--weight_decay",
+        "0",
+        "--max_grad_norm",
+        "1.0",
+        "--test_size",
+        "0",
+        "--log_steps",
+        str(args.log_steps),
+        "--eval_steps",
+        str(HUGE),
+        "--save_steps",
+        str(HUGE),
+        "--checkpoint.save_best",
+        "false",
+        "--logging.tensorboard",
+        "false",
+        "--logging.progress_bar",
+        "false",
+        "--mixed_precision",
+        "bf16" if gpu else "auto",  # auto = fp32 on CPU
+        "--overwrite_output_dir",
+        "true",
     ]
     if args.dataset_path:
         flags += ["--dataset_path", args.dataset_path]
@@ -774,23 +930,30 @@ def main(argv=None) -> None:
     cfg = load_config(None, overrides_from_flags(split_flags(flags)[1]))
     if args.dry_run and gpu and not Path(model_path).is_dir():
         # The folder is written only for a real run; plan the data with the same (embedded byte-level) tokenizer.
-        cfg_data = load_config(None, overrides_from_flags(split_flags(
-            [*flags[:1], "embedded:tiny-qwen3", *flags[2:]])[1]))
+        cfg_data = load_config(
+            None, overrides_from_flags(split_flags([*flags[:1], "embedded:tiny-qwen3", *flags[2:]])[1])
+        )
         tokenizer, data = load_data(cfg_data)
     else:
         tokenizer, data = load_data(cfg)  # tokenize once, into phalanx's cache; both runs read these rows
     plan = make_plan(data.train, nproc, batch, args.grad_accum, args.steps, args.seed)
     if plan.short_groups or plan.uneven_micro:
-        print("   WARNING: the run crosses an epoch end with a short accumulation group or a short micro-batch; "
-              "Trainer's batches then drift from phalanx's. Use fewer steps to compare identical data.")
+        print(
+            "   WARNING: the run crosses an epoch end with a short accumulation group or a short micro-batch; "
+            "Trainer's batches then drift from phalanx's. Use fewer steps to compare identical data."
+        )
     total_tokens = sum(plan.step_tokens(s) for s in range(args.steps))
     rows_used = sum(len(mb) for step in plan.steps for rank in step for mb in rank)
     if total_tokens / max(rows_used, 1) < 64:
-        sys.exit(f"the rows average {total_tokens / max(rows_used, 1):.0f} tokens: the tokenizer in {model_path} does not "
-                 "encode the chats (check which tokenizer class AutoTokenizer loads there); timings would be meaningless.")
-    print(f"-- data: {len(data.train)} rows tokenized once ({data.report.cache_dir}); {total_tokens:,} input tokens "
-          f"({total_tokens / rows_used:.0f} per row on average) over the {args.steps} steps on all ranks, "
-          f"{sum(plan.step_targets(s) for s in range(args.steps)):,} target tokens")
+        sys.exit(
+            f"the rows average {total_tokens / max(rows_used, 1):.0f} tokens: the tokenizer in {model_path} does not "
+            "encode the chats (check which tokenizer class AutoTokenizer loads there); timings would be meaningless."
+        )
+    print(
+        f"-- data: {len(data.train)} rows tokenized once ({data.report.cache_dir}); {total_tokens:,} input tokens "
+        f"({total_tokens / rows_used:.0f} per row on average) over the {args.steps} steps on all ranks, "
+        f"{sum(plan.step_targets(s) for s in range(args.steps)):,} target tokens"
+    )
 
     env = child_env(args.threads)
     if args.profile:
@@ -801,42 +964,82 @@ def main(argv=None) -> None:
     elif not args.profile:
         phalanx_cmd = [*torchrun(nproc), "-m", "phalanx", "train", *flags]
     else:
-        phalanx_cmd = [*torchrun(nproc), str(Path(__file__)), "--_worker", "phalanx", "--_profile", args.profile, "--", *flags]
+        phalanx_cmd = [
+            *torchrun(nproc),
+            str(Path(__file__)),
+            "--_worker",
+            "phalanx",
+            "--_profile",
+            args.profile,
+            "--",
+            *flags,
+        ]
     spec_path = work / "hf-spec.json"
-    hf_cmd = [*torchrun(nproc), str(Path(__file__)), "--_worker", "hf", "--_spec", str(spec_path),
-              *(["--_profile", args.profile] if args.profile else [])]
+    hf_cmd = [
+        *torchrun(nproc),
+        str(Path(__file__)),
+        "--_worker",
+        "hf",
+        "--_spec",
+        str(spec_path),
+        *(["--_profile", args.profile] if args.profile else []),
+    ]
 
     flops_note = None
     if gpu:
-        values = shape_values or dict(GPU_SHAPES[args.gpu_shape], **({"num_hidden_layers": args.gpu_shape_layers} if args.gpu_shape_layers else {}))
+        values = shape_values or dict(
+            GPU_SHAPES[args.gpu_shape],
+            **({"num_hidden_layers": args.gpu_shape_layers} if args.gpu_shape_layers else {}),
+        )
         if n_params is None:
             from transformers import AutoConfig, AutoModelForCausalLM
 
             with torch.device("meta"):
-                n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path)).parameters())
+                n_params = sum(
+                    p.numel()
+                    for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path)).parameters()
+                )
         layers = values["num_hidden_layers"]
         attn_width = values["hidden_size"]  # heads * head_dim = 12 * 128
         peak = args.peak_tflops or (peak_tflops_for(torch.cuda.get_device_name(0)) if cuda else None)
-        flops_note = (f"MFU = model FLOPs / (seconds x ranks x peak). LoRA FLOPs per sequence of t tokens = "
-                      f"4*N*t + 12*L*(heads*head_dim)*t^2 with N = {n_params:,} base parameters (tied embedding "
-                      f"counted once: it is the LM-head matmul), L = {layers}, heads*head_dim = {attn_width}; "
-                      f"peak assumed: {f'{peak:g} TFLOP/s dense bf16 per GPU' if peak else 'unknown (pass --peak-tflops)'}")
+        flops_note = (
+            f"MFU = model FLOPs / (seconds x ranks x peak). LoRA FLOPs per sequence of t tokens = "
+            f"4*N*t + 12*L*(heads*head_dim)*t^2 with N = {n_params:,} base parameters (tied embedding "
+            f"counted once: it is the LM-head matmul), L = {layers}, heads*head_dim = {attn_width}; "
+            f"peak assumed: {f'{peak:g} TFLOP/s dense bf16 per GPU' if peak else 'unknown (pass --peak-tflops)'}"
+        )
         print("-- " + flops_note)
 
     print("-- plan:")
-    omp = lambda by_torchrun: env.get("OMP_NUM_THREADS") or ("1 (torchrun's default)" if by_torchrun and nproc > 1 else "unset")  # noqa: E731
-    print(f"   phalanx ({'native launcher' if native else 'torchrun'}, OMP_NUM_THREADS {omp(not native)}): {shlex.join(phalanx_cmd)}")
+
+    def omp(by_torchrun):
+        return env.get("OMP_NUM_THREADS") or ("1 (torchrun's default)" if by_torchrun and nproc > 1 else "unset")
+
+    print(
+        f"   phalanx ({'native launcher' if native else 'torchrun'}, OMP_NUM_THREADS {omp(not native)}): {shlex.join(phalanx_cmd)}"
+    )
     print(f"   Trainer (torchrun, OMP_NUM_THREADS {omp(True)}): {shlex.join(hf_cmd)}")
     if args.dry_run:
         print("-- dry run: nothing trained.")
         return
 
     spec = {
-        "cuda": gpu, "model_path": model_path, "train_dir": str(Path(data.report.cache_dir) / "train"),
-        "global_order": plan.global_order(), "pad_token_id": tokenizer.pad_token_id, "seed": args.seed,
-        "batch_size": batch, "grad_accum": args.grad_accum, "learning_rate": args.learning_rate,
-        "steps": args.steps, "log_steps": args.log_steps, "lora_r": args.lora_r, "lora_alpha": args.lora_alpha,
-        "lora_dropout": args.lora_dropout, "target_modules": "all-linear", "hf_optim": args.hf_optim,
+        "cuda": gpu,
+        "model_path": model_path,
+        "train_dir": str(Path(data.report.cache_dir) / "train"),
+        "global_order": plan.global_order(),
+        "pad_token_id": tokenizer.pad_token_id,
+        "seed": args.seed,
+        "batch_size": batch,
+        "grad_accum": args.grad_accum,
+        "learning_rate": args.learning_rate,
+        "steps": args.steps,
+        "log_steps": args.log_steps,
+        "lora_r": args.lora_r,
+        "lora_alpha": args.lora_alpha,
+        "lora_dropout": args.lora_dropout,
+        "target_modules": "all-linear",
+        "hf_optim": args.hf_optim,
         "max_length": max_length,
     }
     spec_path.write_text(json.dumps(spec))
@@ -855,8 +1058,11 @@ def main(argv=None) -> None:
         for old in work.glob(f"{kind}-rank*.json"):
             old.unlink()
         label = "HF Trainer" if kind == "hf" else TRL
-        cmd = hf_cmd if kind == "hf" else [*hf_cmd[:hf_cmd.index("--_worker") + 1], "trl",
-                                           *hf_cmd[hf_cmd.index("--_worker") + 2:]]
+        cmd = (
+            hf_cmd
+            if kind == "hf"
+            else [*hf_cmd[: hf_cmd.index("--_worker") + 1], "trl", *hf_cmd[hf_cmd.index("--_worker") + 2 :]]
+        )
         return read_hf(work, plan, args, run_logged(cmd, env, work / f"{kind}.log", label), nproc, kind)
 
     pairs, entries = [], []
@@ -877,12 +1083,32 @@ def main(argv=None) -> None:
         load_before = loads[2]
         if px and hf:
             pairs.append((order, px, hf, unpacked, trl))
-            entries.append(report(args, px, hf, unpacked, plan, nproc, batch, max_length, order, loads, flops_note,
-                                  n_params, gpu, cuda, torch, trl))
+            entries.append(
+                report(
+                    args,
+                    px,
+                    hf,
+                    unpacked,
+                    plan,
+                    nproc,
+                    batch,
+                    max_length,
+                    order,
+                    loads,
+                    flops_note,
+                    n_params,
+                    gpu,
+                    cuda,
+                    torch,
+                    trl,
+                )
+            )
         for name, res in (("phalanx", px), (UNPACKED, unpacked), ("HF Trainer", hf), (TRL, trl)):
             if res:
-                print(f"{name}: steady {res['steady_tps']:,.0f} tok/s, {seconds_per_row(res, nproc, batch):.4f} s/row, "
-                      f"wall {res['wall']:.1f}s, peak {res['peak']} MB/rank, first loss {res['first_loss']}")
+                print(
+                    f"{name}: steady {res['steady_tps']:,.0f} tok/s, {seconds_per_row(res, nproc, batch):.4f} s/row, "
+                    f"wall {res['wall']:.1f}s, peak {res['peak']} MB/rank, first loss {res['first_loss']}"
+                )
     if pairs:
         summary = order_summary(pairs, nproc, batch)
         print("\n" + "\n".join(summary))
@@ -908,8 +1134,10 @@ def order_summary(pairs: list, nproc: int, batch: int) -> list[str]:
     for order, px, hf, unpacked, trl in pairs:
         r = seconds_per_row(px, nproc, batch) / seconds_per_row(hf, nproc, batch)
         ratios.append(r)
-        line = (f"- {order}: time per row phalanx {seconds_per_row(px, nproc, batch) * 1e3:.2f} ms, Trainer "
-                f"{seconds_per_row(hf, nproc, batch) * 1e3:.2f} ms: **{r:.2f}x**")
+        line = (
+            f"- {order}: time per row phalanx {seconds_per_row(px, nproc, batch) * 1e3:.2f} ms, Trainer "
+            f"{seconds_per_row(hf, nproc, batch) * 1e3:.2f} ms: **{r:.2f}x**"
+        )
         if unpacked:
             u = seconds_per_row(unpacked, nproc, batch) / seconds_per_row(hf, nproc, batch)
             unpacked_ratios.append(u)
@@ -917,13 +1145,17 @@ def order_summary(pairs: list, nproc: int, batch: int) -> list[str]:
         if trl:
             t = seconds_per_row(trl, nproc, batch) / seconds_per_row(hf, nproc, batch)
             trl_ratios.append(seconds_per_row(px, nproc, batch) / seconds_per_row(trl, nproc, batch))
-            line += (f"; {TRL} ({trl_arm(trl)}) {seconds_per_row(trl, nproc, batch) * 1e3:.2f} ms ({t:.2f}x Trainer, "
-                     f"phalanx / TRL {trl_ratios[-1]:.2f}x)")
+            line += (
+                f"; {TRL} ({trl_arm(trl)}) {seconds_per_row(trl, nproc, batch) * 1e3:.2f} ms ({t:.2f}x Trainer, "
+                f"phalanx / TRL {trl_ratios[-1]:.2f}x)"
+            )
         lines.append(line)
     geo = lambda xs: math.exp(sum(math.log(x) for x in xs) / len(xs))  # noqa: E731
-    lines.append(f"- time per row, phalanx / Trainer+PEFT, geometric mean of {len(ratios)} order(s): **{geo(ratios):.2f}x**"
-                 + (f"; {UNPACKED} / Trainer: {geo(unpacked_ratios):.2f}x" if unpacked_ratios else "")
-                 + (f"; phalanx / {TRL}: **{geo(trl_ratios):.2f}x**" if trl_ratios else ""))
+    lines.append(
+        f"- time per row, phalanx / Trainer+PEFT, geometric mean of {len(ratios)} order(s): **{geo(ratios):.2f}x**"
+        + (f"; {UNPACKED} / Trainer: {geo(unpacked_ratios):.2f}x" if unpacked_ratios else "")
+        + (f"; phalanx / {TRL}: **{geo(trl_ratios):.2f}x**" if trl_ratios else "")
+    )
     return lines
 
 
@@ -934,7 +1166,7 @@ def trl_arm(res: dict) -> str:
 def read_phalanx(out: Path, plan: Plan, args, run: tuple, cache_dir: str, log: Path, label: str = "phalanx") -> dict:
     wall, launched, exited = run
     info = json.loads((out / "final_training_info.json").read_text())
-    records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
     ends = {r["step"]: r["time"] for r in train}
     last = max(ends)
@@ -944,14 +1176,25 @@ def read_phalanx(out: Path, plan: Plan, args, run: tuple, cache_dir: str, log: P
     expected_seen = sum(plan.step_targets(s) for s in range(last))
     same_rows = info["tokens_seen"] == expected_seen and cache_dir in log.read_text()
     return {
-        "steady_tps": tps, "steady_tokens": tokens, "steady_seconds": seconds, "steady_steps": (first + 1, last),
-        "wall": wall, "train_seconds": info["train_seconds"],
-        "peak_list": info["peak_memory_mb_per_rank"], "peak": max(info["peak_memory_mb_per_rank"]),
-        "first_loss": train[0]["loss"], "first_loss_steps": train[0]["step"], "last_loss": train[-1]["loss"],
-        "data_check": same_rows, "steps": info["global_step"],
-        "startup": ends[min(ends)] - launched, "teardown": exited - ends[last],
-        "cpu_steady": cpu_between(label, ends[first], ends[last]), "grad_accum": args.grad_accum,
-        "spawn": SPAWNED.get(label, launched) - launched, "after_ranks": exited - LAST_SEEN.get(label, exited),
+        "steady_tps": tps,
+        "steady_tokens": tokens,
+        "steady_seconds": seconds,
+        "steady_steps": (first + 1, last),
+        "wall": wall,
+        "train_seconds": info["train_seconds"],
+        "peak_list": info["peak_memory_mb_per_rank"],
+        "peak": max(info["peak_memory_mb_per_rank"]),
+        "first_loss": train[0]["loss"],
+        "first_loss_steps": train[0]["step"],
+        "last_loss": train[-1]["loss"],
+        "data_check": same_rows,
+        "steps": info["global_step"],
+        "startup": ends[min(ends)] - launched,
+        "teardown": exited - ends[last],
+        "cpu_steady": cpu_between(label, ends[first], ends[last]),
+        "grad_accum": args.grad_accum,
+        "spawn": SPAWNED.get(label, launched) - launched,
+        "after_ranks": exited - LAST_SEEN.get(label, exited),
     }
 
 
@@ -972,17 +1215,29 @@ def read_hf(work: Path, plan: Plan, args, run: tuple, nproc: int, kind: str = "h
         want = [[plan.lengths[i] for i in mb] for step in plan.steps for mb in step[r]]
         same &= rec["micro_lengths"][: len(want)] == want
     return {
-        "steady_tps": tps, "steady_tokens": tokens, "steady_seconds": seconds, "steady_steps": (first + 1, last),
-        "wall": wall, "train_seconds": r0["train_runtime"],
-        "peak_list": [round(r["peak_memory_mb"], 1) for r in ranks], "peak": round(max(r["peak_memory_mb"] for r in ranks), 1),
-        "first_loss": logs[0]["loss"] if logs else None, "first_loss_steps": logs[0]["step"] if logs else None,
+        "steady_tps": tps,
+        "steady_tokens": tokens,
+        "steady_seconds": seconds,
+        "steady_steps": (first + 1, last),
+        "wall": wall,
+        "train_seconds": r0["train_runtime"],
+        "peak_list": [round(r["peak_memory_mb"], 1) for r in ranks],
+        "peak": round(max(r["peak_memory_mb"] for r in ranks), 1),
+        "first_loss": logs[0]["loss"] if logs else None,
+        "first_loss_steps": logs[0]["step"] if logs else None,
         "last_loss": logs[-1]["loss"] if logs else None,
-        "data_check": same, "threads": r0["threads"], "optimizer": f"{r0['optimizer']} ({r0['optim_arg']})",
+        "data_check": same,
+        "threads": r0["threads"],
+        "optimizer": f"{r0['optimizer']} ({r0['optim_arg']})",
         "steps": len(r0["step_ends"]),
-        "startup": ends[min(args.log_steps, last)] - launched, "teardown": exited - ends[last],
-        "cpu_steady": cpu_between(label, ends[first], ends[last]), "grad_accum": args.grad_accum,
-        "spawn": SPAWNED.get(label, launched) - launched, "after_ranks": exited - LAST_SEEN.get(label, exited),
-        "liger": r0.get("liger"), "attn": r0.get("attn"),
+        "startup": ends[min(args.log_steps, last)] - launched,
+        "teardown": exited - ends[last],
+        "cpu_steady": cpu_between(label, ends[first], ends[last]),
+        "grad_accum": args.grad_accum,
+        "spawn": SPAWNED.get(label, launched) - launched,
+        "after_ranks": exited - LAST_SEEN.get(label, exited),
+        "liger": r0.get("liger"),
+        "attn": r0.get("attn"),
     }
 
 
@@ -995,42 +1250,128 @@ def tokens_per_cpu(res: dict) -> Optional[float]:
     return res["steady_tokens"] / res["cpu_steady"] if res.get("cpu_steady") else None
 
 
-def report(args, px, hf, unpacked, plan, nproc, batch, max_length, order, loads, flops_note, n_params, gpu, cuda, torch,
-           trl=None) -> list[str]:
+def report(
+    args,
+    px,
+    hf,
+    unpacked,
+    plan,
+    nproc,
+    batch,
+    max_length,
+    order,
+    loads,
+    flops_note,
+    n_params,
+    gpu,
+    cuda,
+    torch,
+    trl=None,
+) -> list[str]:
     """Print one order's table; return its part of the RESULTS.md entry."""
     all_tokens = sum(plan.step_tokens(s) for s in range(args.steps))
     mem_label = "peak CUDA memory / rank, max (MB)" if gpu else "peak RSS / rank, max (MB)"
     s0, s1 = px["steady_steps"]
     rows = [
-        ("seconds / row, steady (ms)", fmt(seconds_per_row(px, nproc, batch) * 1e3, 2), fmt(seconds_per_row(hf, nproc, batch) * 1e3, 2),
-         ratio(seconds_per_row(px, nproc, batch), seconds_per_row(hf, nproc, batch))),
-        (f"tokens/s, steady (steps {s0}-{s1})", fmt(px["steady_tps"], 0), fmt(hf["steady_tps"], 0), ratio(px["steady_tps"], hf["steady_tps"])),
-        ("  seconds / step, steady", fmt(px["steady_seconds"] / (s1 - s0 + 1), 3), fmt(hf["steady_seconds"] / (hf["steady_steps"][1] - hf["steady_steps"][0] + 1), 3),
-         ratio(px["steady_seconds"] / (s1 - s0 + 1), hf["steady_seconds"] / (hf["steady_steps"][1] - hf["steady_steps"][0] + 1))),
-        ("  CPU seconds / step, all ranks, steady", fmt(cpu_per_step(px), 3), fmt(cpu_per_step(hf), 3),
-         ratio(cpu_per_step(px), cpu_per_step(hf))),
-        ("  tokens / CPU second, steady", fmt(tokens_per_cpu(px), 0), fmt(tokens_per_cpu(hf), 0),
-         ratio(tokens_per_cpu(px), tokens_per_cpu(hf))),
-        ("tokens/s, whole run (launch to exit)", fmt(all_tokens / px["wall"], 0), fmt(all_tokens / hf["wall"], 0), ratio(hf["wall"], px["wall"])),
+        (
+            "seconds / row, steady (ms)",
+            fmt(seconds_per_row(px, nproc, batch) * 1e3, 2),
+            fmt(seconds_per_row(hf, nproc, batch) * 1e3, 2),
+            ratio(seconds_per_row(px, nproc, batch), seconds_per_row(hf, nproc, batch)),
+        ),
+        (
+            f"tokens/s, steady (steps {s0}-{s1})",
+            fmt(px["steady_tps"], 0),
+            fmt(hf["steady_tps"], 0),
+            ratio(px["steady_tps"], hf["steady_tps"]),
+        ),
+        (
+            "  seconds / step, steady",
+            fmt(px["steady_seconds"] / (s1 - s0 + 1), 3),
+            fmt(hf["steady_seconds"] / (hf["steady_steps"][1] - hf["steady_steps"][0] + 1), 3),
+            ratio(
+                px["steady_seconds"] / (s1 - s0 + 1),
+                hf["steady_seconds"] / (hf["steady_steps"][1] - hf["steady_steps"][0] + 1),
+            ),
+        ),
+        (
+            "  CPU seconds / step, all ranks, steady",
+            fmt(cpu_per_step(px), 3),
+            fmt(cpu_per_step(hf), 3),
+            ratio(cpu_per_step(px), cpu_per_step(hf)),
+        ),
+        (
+            "  tokens / CPU second, steady",
+            fmt(tokens_per_cpu(px), 0),
+            fmt(tokens_per_cpu(hf), 0),
+            ratio(tokens_per_cpu(px), tokens_per_cpu(hf)),
+        ),
+        (
+            "tokens/s, whole run (launch to exit)",
+            fmt(all_tokens / px["wall"], 0),
+            fmt(all_tokens / hf["wall"], 0),
+            ratio(hf["wall"], px["wall"]),
+        ),
         ("  wall clock, whole run (s)", fmt(px["wall"]), fmt(hf["wall"]), ratio(px["wall"], hf["wall"])),
-        ("  launch -> end of first logged step (s)", fmt(px["startup"]), fmt(hf["startup"]), ratio(px["startup"], hf["startup"])),
-        ("    of which launch -> rank processes created (s)", fmt(px["spawn"]), fmt(hf["spawn"]), ratio(px["spawn"], hf["spawn"])),
-        ("  end of last step -> exit (s)", fmt(px["teardown"]), fmt(hf["teardown"]), ratio(px["teardown"], hf["teardown"])),
+        (
+            "  launch -> end of first logged step (s)",
+            fmt(px["startup"]),
+            fmt(hf["startup"]),
+            ratio(px["startup"], hf["startup"]),
+        ),
+        (
+            "    of which launch -> rank processes created (s)",
+            fmt(px["spawn"]),
+            fmt(hf["spawn"]),
+            ratio(px["spawn"], hf["spawn"]),
+        ),
+        (
+            "  end of last step -> exit (s)",
+            fmt(px["teardown"]),
+            fmt(hf["teardown"]),
+            ratio(px["teardown"], hf["teardown"]),
+        ),
         ("    of which last sight of a rank -> exit (s, +-0.5)", fmt(px["after_ranks"]), fmt(hf["after_ranks"]), ""),
-        ("  train loop (s; phalanx train_seconds, HF train_runtime)", fmt(px["train_seconds"]), fmt(hf["train_seconds"]), ratio(px["train_seconds"], hf["train_seconds"])),
+        (
+            "  train loop (s; phalanx train_seconds, HF train_runtime)",
+            fmt(px["train_seconds"]),
+            fmt(hf["train_seconds"]),
+            ratio(px["train_seconds"], hf["train_seconds"]),
+        ),
         (mem_label, fmt(px["peak"]), fmt(hf["peak"]), ratio(px["peak"], hf["peak"])),
-        ("  per rank", " / ".join(fmt(float(x)) for x in px["peak_list"]), " / ".join(fmt(float(x)) for x in hf["peak_list"]), ""),
-        (f"loss, first log (step {px['first_loss_steps']})", f"{px['first_loss']:.5f}", f"{hf['first_loss']:.5f}" if hf["first_loss"] is not None else "n/a",
-         ratio(px["first_loss"], hf["first_loss"], 4)),
-        (f"loss, last log (step {args.steps})", f"{px['last_loss']:.5f}", f"{hf['last_loss']:.5f}" if hf["last_loss"] is not None else "n/a", ""),
-        ("busy OS threads / rank (measured)", "/".join(map(str, THREADS.get("phalanx", []))) or "n/a",
-         "/".join(map(str, THREADS.get("HF Trainer", []))) or "n/a", ""),
+        (
+            "  per rank",
+            " / ".join(fmt(float(x)) for x in px["peak_list"]),
+            " / ".join(fmt(float(x)) for x in hf["peak_list"]),
+            "",
+        ),
+        (
+            f"loss, first log (step {px['first_loss_steps']})",
+            f"{px['first_loss']:.5f}",
+            f"{hf['first_loss']:.5f}" if hf["first_loss"] is not None else "n/a",
+            ratio(px["first_loss"], hf["first_loss"], 4),
+        ),
+        (
+            f"loss, last log (step {args.steps})",
+            f"{px['last_loss']:.5f}",
+            f"{hf['last_loss']:.5f}" if hf["last_loss"] is not None else "n/a",
+            "",
+        ),
+        (
+            "busy OS threads / rank (measured)",
+            "/".join(map(str, THREADS.get("phalanx", []))) or "n/a",
+            "/".join(map(str, THREADS.get("HF Trainer", []))) or "n/a",
+            "",
+        ),
         ("rows = plan (checked)", "yes" if px["data_check"] else "NO", "yes" if hf["data_check"] else "NO", ""),
     ]
     mfu_lines = []
     if gpu:
         peak_t = args.peak_tflops or (peak_tflops_for(torch.cuda.get_device_name(0)) if cuda else None)
-        values = dict(GPU_SHAPES[args.gpu_shape], **({"num_hidden_layers": args.gpu_shape_layers} if args.gpu_shape_layers else {}))
+        values = dict(
+            GPU_SHAPES[args.gpu_shape],
+            **({"num_hidden_layers": args.gpu_shape_layers} if args.gpu_shape_layers else {}),
+        )
         for res in (px, hf, trl, unpacked):
             if res is None:
                 continue
@@ -1040,15 +1381,37 @@ def report(args, px, hf, unpacked, plan, nproc, batch, max_length, order, loads,
             flops = lora_flops(n_params, values["num_hidden_layers"], values["hidden_size"], toks, sq)
             res["tflops_per_gpu"] = flops / res["steady_seconds"] / nproc / 1e12
             res["mfu"] = res["tflops_per_gpu"] / peak_t if peak_t else None
-        rows.insert(2, ("model TFLOP/s per GPU, steady", fmt(px["tflops_per_gpu"]), fmt(hf["tflops_per_gpu"]), ratio(px["tflops_per_gpu"], hf["tflops_per_gpu"])))
-        rows.insert(3, ("MFU, steady", f"{px['mfu']:.1%}" if px["mfu"] is not None else "n/a",
-                        f"{hf['mfu']:.1%}" if hf["mfu"] is not None else "n/a", ratio(px["mfu"], hf["mfu"])))
+        rows.insert(
+            2,
+            (
+                "model TFLOP/s per GPU, steady",
+                fmt(px["tflops_per_gpu"]),
+                fmt(hf["tflops_per_gpu"]),
+                ratio(px["tflops_per_gpu"], hf["tflops_per_gpu"]),
+            ),
+        )
+        rows.insert(
+            3,
+            (
+                "MFU, steady",
+                f"{px['mfu']:.1%}" if px["mfu"] is not None else "n/a",
+                f"{hf['mfu']:.1%}" if hf["mfu"] is not None else "n/a",
+                ratio(px["mfu"], hf["mfu"]),
+            ),
+        )
         mfu_lines.append(flops_note)
     text = table(rows)
-    loss_gap = abs(px["first_loss"] - hf["first_loss"]) / max(abs(hf["first_loss"]), 1e-12) if hf["first_loss"] is not None else None
-    sanity = (f"first-step losses: phalanx {px['first_loss']:.6f}, Trainer {hf['first_loss']:.6f} "
-              f"(relative gap {loss_gap:.2e}: {'agree' if loss_gap < 1e-3 else 'DISAGREE - the runs do not train the same thing'})"
-              if loss_gap is not None else "first-step loss: Trainer logged none")
+    loss_gap = (
+        abs(px["first_loss"] - hf["first_loss"]) / max(abs(hf["first_loss"]), 1e-12)
+        if hf["first_loss"] is not None
+        else None
+    )
+    sanity = (
+        f"first-step losses: phalanx {px['first_loss']:.6f}, Trainer {hf['first_loss']:.6f} "
+        f"(relative gap {loss_gap:.2e}: {'agree' if loss_gap < 1e-3 else 'DISAGREE - the runs do not train the same thing'})"
+        if loss_gap is not None
+        else "first-step loss: Trainer logged none"
+    )
     print("\n" + text)
     print(f"\nratios are phalanx / HF (for whole-run tokens/s, HF wall / phalanx wall); {sanity}")
     print(f"Trainer optimizer: {hf['optimizer']}; phalanx: torch.optim.AdamW (default, non-fused on CPU)")
@@ -1065,15 +1428,19 @@ def report(args, px, hf, unpacked, plan, nproc, batch, max_length, order, loads,
     ]
     if unpacked:
         u, p_ = seconds_per_row(unpacked, nproc, batch), seconds_per_row(px, nproc, batch)
-        entry.append(f"- {UNPACKED}: {u * 1e3:.2f} ms per row ({unpacked['steady_tps']:,.0f} tokens/s steady, first loss "
-                     f"{unpacked['first_loss']:.6f}); packed / unpacked time per row {p_ / u:.2f}")
+        entry.append(
+            f"- {UNPACKED}: {u * 1e3:.2f} ms per row ({unpacked['steady_tps']:,.0f} tokens/s steady, first loss "
+            f"{unpacked['first_loss']:.6f}); packed / unpacked time per row {p_ / u:.2f}"
+        )
     if trl:
         t, p_, h = (seconds_per_row(r, nproc, batch) for r in (trl, px, hf))
         mfu = f", MFU {trl['mfu']:.1%}" if trl.get("mfu") is not None else ""
-        entry.append(f"- {TRL} ({trl_arm(trl)}): {t * 1e3:.2f} ms per row ({trl['steady_tps']:,.0f} tokens/s steady{mfu}, "
-                     f"peak {trl['peak']} MB/rank, first loss {trl['first_loss']}, rows = plan: "
-                     f"{'yes' if trl['data_check'] else 'NO'}); TRL / Trainer time per row {t / h:.2f}, phalanx / TRL "
-                     f"{p_ / t:.2f}")
+        entry.append(
+            f"- {TRL} ({trl_arm(trl)}): {t * 1e3:.2f} ms per row ({trl['steady_tps']:,.0f} tokens/s steady{mfu}, "
+            f"peak {trl['peak']} MB/rank, first loss {trl['first_loss']}, rows = plan: "
+            f"{'yes' if trl['data_check'] else 'NO'}); TRL / Trainer time per row {t / h:.2f}, phalanx / TRL "
+            f"{p_ / t:.2f}"
+        )
     return [*entry, *(f"- {line}" for line in mfu_lines), "", text, ""]
 
 
@@ -1095,8 +1462,10 @@ def write_entry(args, entries, summary, nproc, batch, max_length, command, commi
     ]
     with RESULTS.open("a") as f:
         if f.tell() == 0:
-            f.write("# Benchmark results\n\nEach script in `benchmarks/` appends dated entries here, newest last. "
-                    "Timings are reported, never asserted.\n")
+            f.write(
+                "# Benchmark results\n\nEach script in `benchmarks/` appends dated entries here, newest last. "
+                "Timings are reported, never asserted.\n"
+            )
         f.write("\n".join(head + [line for entry in entries for line in entry]))
     print(f"appended to {RESULTS}")
 
@@ -1105,8 +1474,10 @@ def others_text() -> str:
     if not OTHERS:
         return "n/a"
     cores = os.cpu_count() or 1
-    return ", ".join(f"{label} run {sec:.1f} core-s ({sec / (wall * cores):.0%} of the machine)"
-                     for label, (sec, wall) in OTHERS.items())
+    return ", ".join(
+        f"{label} run {sec:.1f} core-s ({sec / (wall * cores):.0%} of the machine)"
+        for label, (sec, wall) in OTHERS.items()
+    )
 
 
 def summarize_profiles(folder: Path, top: int = 25) -> None:

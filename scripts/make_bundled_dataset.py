@@ -35,35 +35,69 @@ def dumps(obj) -> str:
 
 
 def _spec(name, description, properties, required):
-    return {"type": "function", "function": {
-        "name": name, "description": description,
-        "parameters": {"type": "object", "properties": properties, "required": required}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {"type": "object", "properties": properties, "required": required},
+        },
+    }
 
 
 NUM, INT, STR = {"type": "number"}, {"type": "integer"}, {"type": "string"}
 
-TOOLS = {t["function"]["name"]: t for t in [
-    _spec("lookup_medication", "Facts and adult dosing for a drug.", {"name": STR}, ["name"]),
-    _spec("check_drug_interaction", "Interaction between two drugs.",
-          {"drug_a": STR, "drug_b": STR}, ["drug_a", "drug_b"]),
-    _spec("find_nearby_clinic", "Clinics in a city.",
-          {"city": STR, "specialty": STR}, ["city"]),
-    _spec("schedule_appointment", "Book a clinic visit.",
-          {"clinic": STR, "date": STR, "time": STR, "reason": STR}, ["clinic", "date", "time"]),
-    _spec("log_symptom", "Add a symptom to the diary.",
-          {"symptom": STR, "severity": INT, "notes": STR}, ["symptom", "severity"]),
-    _spec("get_bmi", "Body-mass index.", {"weight_kg": NUM, "height_cm": NUM}, ["weight_kg", "height_cm"]),
-    _spec("get_vaccination_schedule", "Vaccines due at an age.",
-          {"age": NUM, "unit": {"type": "string", "enum": ["months", "years"]}}, ["age", "unit"]),
-    _spec("convert_units", "Convert lb/kg, in/cm, F/C, mg/dL/mmol/L.",
-          {"value": NUM, "from_unit": STR, "to_unit": STR}, ["value", "from_unit", "to_unit"]),
-    _spec("daily_water_intake", "Daily water target.",
-          {"weight_kg": NUM, "exercise_min": INT}, ["weight_kg"]),
-    _spec("daily_calories", "Calorie needs (Mifflin-St Jeor).",
-          {"sex": {"type": "string", "enum": ["female", "male"]}, "age": INT, "weight_kg": NUM,
-           "height_cm": NUM, "activity": {"type": "string", "enum": ["low", "moderate", "high"]}},
-          ["sex", "age", "weight_kg", "height_cm", "activity"]),
-]}
+TOOLS = {
+    t["function"]["name"]: t
+    for t in [
+        _spec("lookup_medication", "Facts and adult dosing for a drug.", {"name": STR}, ["name"]),
+        _spec(
+            "check_drug_interaction",
+            "Interaction between two drugs.",
+            {"drug_a": STR, "drug_b": STR},
+            ["drug_a", "drug_b"],
+        ),
+        _spec("find_nearby_clinic", "Clinics in a city.", {"city": STR, "specialty": STR}, ["city"]),
+        _spec(
+            "schedule_appointment",
+            "Book a clinic visit.",
+            {"clinic": STR, "date": STR, "time": STR, "reason": STR},
+            ["clinic", "date", "time"],
+        ),
+        _spec(
+            "log_symptom",
+            "Add a symptom to the diary.",
+            {"symptom": STR, "severity": INT, "notes": STR},
+            ["symptom", "severity"],
+        ),
+        _spec("get_bmi", "Body-mass index.", {"weight_kg": NUM, "height_cm": NUM}, ["weight_kg", "height_cm"]),
+        _spec(
+            "get_vaccination_schedule",
+            "Vaccines due at an age.",
+            {"age": NUM, "unit": {"type": "string", "enum": ["months", "years"]}},
+            ["age", "unit"],
+        ),
+        _spec(
+            "convert_units",
+            "Convert lb/kg, in/cm, F/C, mg/dL/mmol/L.",
+            {"value": NUM, "from_unit": STR, "to_unit": STR},
+            ["value", "from_unit", "to_unit"],
+        ),
+        _spec("daily_water_intake", "Daily water target.", {"weight_kg": NUM, "exercise_min": INT}, ["weight_kg"]),
+        _spec(
+            "daily_calories",
+            "Calorie needs (Mifflin-St Jeor).",
+            {
+                "sex": {"type": "string", "enum": ["female", "male"]},
+                "age": INT,
+                "weight_kg": NUM,
+                "height_cm": NUM,
+                "activity": {"type": "string", "enum": ["low", "moderate", "high"]},
+            },
+            ["sex", "age", "weight_kg", "height_cm", "activity"],
+        ),
+    ]
+}
 
 # --------------------------------------------------------------------------------------------
 # Facts the tools answer from. Plausible adult label values for a demo, not medical advice.
@@ -111,11 +145,37 @@ VACCINES = [  # (from age in months, vaccines)
     (780, ["pneumococcal", "shingles (2 doses)", "flu (yearly)"]),
 ]
 
-CITIES = ["Austin", "Denver", "Leeds", "Toronto", "Dublin", "Melbourne", "Portland", "Madison",
-          "Bristol", "Ottawa", "Raleigh", "Tucson", "Glasgow", "Auckland", "Boise", "Halifax",
-          "Malmö", "Cork", "Perth", "Calgary"]
-SPECIALTIES = ["family medicine", "pediatrics", "dermatology", "urgent care", "physiotherapy",
-               "cardiology", "women's health"]
+CITIES = [
+    "Austin",
+    "Denver",
+    "Leeds",
+    "Toronto",
+    "Dublin",
+    "Melbourne",
+    "Portland",
+    "Madison",
+    "Bristol",
+    "Ottawa",
+    "Raleigh",
+    "Tucson",
+    "Glasgow",
+    "Auckland",
+    "Boise",
+    "Halifax",
+    "Malmö",
+    "Cork",
+    "Perth",
+    "Calgary",
+]
+SPECIALTIES = [
+    "family medicine",
+    "pediatrics",
+    "dermatology",
+    "urgent care",
+    "physiotherapy",
+    "cardiology",
+    "women's health",
+]
 REASONS = {
     "family medicine": ["a check-up", "a follow-up", "a sinus infection"],
     "pediatrics": ["a check-up", "vaccinations", "an ear infection"],
@@ -125,13 +185,60 @@ REASONS = {
     "cardiology": ["palpitations", "a follow-up", "a blood pressure review"],
     "women's health": ["a check-up", "a contraception review", "a follow-up"],
 }
-CLINIC_WORDS = ["Riverside", "Northgate", "Maple", "Harbor", "Cedar", "Lakeside", "Summit", "Oak Park",
-                "Westview", "Elm Street", "Hillcrest", "Bayview"]
+CLINIC_WORDS = [
+    "Riverside",
+    "Northgate",
+    "Maple",
+    "Harbor",
+    "Cedar",
+    "Lakeside",
+    "Summit",
+    "Oak Park",
+    "Westview",
+    "Elm Street",
+    "Hillcrest",
+    "Bayview",
+]
 STREETS = ["Main St", "King St", "Park Ave", "Mill Rd", "High St", "Elm St", "Queen St", "Lake Rd"]
-NAMES = ["Amara", "Ben", "Chloé", "Dev", "Elena", "Farid", "Grace", "Hiro", "Ines", "Jonas", "Kemi",
-         "Liam", "Mei", "Noah", "Olga", "Priya", "Rafael", "Sara", "Tomás", "Uma", "Viktor", "Yara", "Zoë"]
-MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September",
-          "October", "November", "December"]
+NAMES = [
+    "Amara",
+    "Ben",
+    "Chloé",
+    "Dev",
+    "Elena",
+    "Farid",
+    "Grace",
+    "Hiro",
+    "Ines",
+    "Jonas",
+    "Kemi",
+    "Liam",
+    "Mei",
+    "Noah",
+    "Olga",
+    "Priya",
+    "Rafael",
+    "Sara",
+    "Tomás",
+    "Uma",
+    "Viktor",
+    "Yara",
+    "Zoë",
+]
+MONTHS = [
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+]
 
 
 def article(drug_class: str) -> str:
@@ -149,10 +256,14 @@ def bmi_category(bmi: float) -> str:
 
 
 CONVERSIONS = {
-    ("lb", "kg"): lambda v: v * 0.45359237, ("kg", "lb"): lambda v: v / 0.45359237,
-    ("in", "cm"): lambda v: v * 2.54, ("cm", "in"): lambda v: v / 2.54,
-    ("F", "C"): lambda v: (v - 32) * 5 / 9, ("C", "F"): lambda v: v * 9 / 5 + 32,
-    ("mg/dL", "mmol/L"): lambda v: v / 18.0, ("mmol/L", "mg/dL"): lambda v: v * 18.0,
+    ("lb", "kg"): lambda v: v * 0.45359237,
+    ("kg", "lb"): lambda v: v / 0.45359237,
+    ("in", "cm"): lambda v: v * 2.54,
+    ("cm", "in"): lambda v: v / 2.54,
+    ("F", "C"): lambda v: (v - 32) * 5 / 9,
+    ("C", "F"): lambda v: v * 9 / 5 + 32,
+    ("mg/dL", "mmol/L"): lambda v: v / 18.0,
+    ("mmol/L", "mg/dL"): lambda v: v * 18.0,
 }
 
 
@@ -170,10 +281,19 @@ def run_tool(rng: random.Random, name: str, a: dict) -> dict:
         return {"severity": severity, "note": note}
     if name == "find_nearby_clinic":
         words = rng.sample(CLINIC_WORDS, 2)
-        kind = {"urgent care": "Urgent Care", "pediatrics": "Children's Clinic", "dermatology": "Skin Clinic",
-                "physiotherapy": "Physio", "cardiology": "Heart Centre"}.get(a.get("specialty"), "Health Centre")
-        return {"clinics": [{"name": f"{w} {kind}", "address": f"{rng.randint(2, 480)} {rng.choice(STREETS)}"}
-                            for w in words], "open_until": f"{rng.choice([17, 18, 19, 20])}:00"}
+        kind = {
+            "urgent care": "Urgent Care",
+            "pediatrics": "Children's Clinic",
+            "dermatology": "Skin Clinic",
+            "physiotherapy": "Physio",
+            "cardiology": "Heart Centre",
+        }.get(a.get("specialty"), "Health Centre")
+        return {
+            "clinics": [
+                {"name": f"{w} {kind}", "address": f"{rng.randint(2, 480)} {rng.choice(STREETS)}"} for w in words
+            ],
+            "open_until": f"{rng.choice([17, 18, 19, 20])}:00",
+        }
     if name == "schedule_appointment":
         return {"status": "confirmed", "confirmation": f"APT-{rng.randint(10000, 99999)}"}
     if name == "log_symptom":
@@ -217,9 +337,16 @@ class Chat:
     def call(self, *calls: tuple[str, dict], content: str | None = None) -> list[dict]:
         """One assistant turn with one or more (parallel) calls; returns the results in order."""
         ids = ["call_" + "".join(self.rng.choices(string.ascii_lowercase + string.digits, k=8)) for _ in calls]
-        self.messages.append({"role": "assistant", "content": content, "tool_calls": [
-            {"id": i, "type": "function", "function": {"name": n, "arguments": dumps(a)}}
-            for i, (n, a) in zip(ids, calls)]})
+        self.messages.append(
+            {
+                "role": "assistant",
+                "content": content,
+                "tool_calls": [
+                    {"id": i, "type": "function", "function": {"name": n, "arguments": dumps(a)}}
+                    for i, (n, a) in zip(ids, calls)
+                ],
+            }
+        )
         results = []
         for i, (n, a) in zip(ids, calls):
             result = run_tool(self.rng, n, a)
@@ -236,8 +363,18 @@ def pick(rng: random.Random, *options: str) -> str:
 
 def greet(rng: random.Random, text: str, question: bool = True) -> str:
     """`text`, sometimes after a greeting."""
-    hello = pick(rng, "", "", "", "", "Hi! ", "Hello. ", "Hey! ", f"Hi, I'm {rng.choice(NAMES)}. ",
-                 "Quick question: " if question else "")
+    hello = pick(
+        rng,
+        "",
+        "",
+        "",
+        "",
+        "Hi! ",
+        "Hello. ",
+        "Hey! ",
+        f"Hi, I'm {rng.choice(NAMES)}. ",
+        "Quick question: " if question else "",
+    )
     return hello + (text[0].upper() + text[1:] if hello else text)
 
 
@@ -262,15 +399,25 @@ def bmi(c: Chat) -> None:
     r = c.rng
     w, h = round(r.uniform(48, 115), r.choice([0, 1])), r.randint(150, 196)
     w = int(w) if w == int(w) else w
-    c.user(greet(r, pick(r, f"I'm {h} cm and {w} kg. What's my BMI?",
-                           f"Can you check my BMI? Weight {w} kg, height {h} cm.",
-                           f"BMI for {w}kg {h}cm pls",
-                           f"My doctor mentioned BMI. I weigh {w} kg and I'm {h} cm tall, where do I stand?")))
+    c.user(
+        greet(
+            r,
+            pick(
+                r,
+                f"I'm {h} cm and {w} kg. What's my BMI?",
+                f"Can you check my BMI? Weight {w} kg, height {h} cm.",
+                f"BMI for {w}kg {h}cm pls",
+                f"My doctor mentioned BMI. I weigh {w} kg and I'm {h} cm tall, where do I stand?",
+            ),
+        )
+    )
     res = c.call(("get_bmi", {"weight_kg": w, "height_cm": h}))[0]
-    tail = {"underweight": "A dietitian can help with healthy weight gain.",
-            "healthy": "Healthy is 18.5-24.9, so you're in range.",
-            "overweight": "Regular activity and balanced meals help.",
-            "obese": "A GP can help you plan steps that suit you."}[res["category"]]
+    tail = {
+        "underweight": "A dietitian can help with healthy weight gain.",
+        "healthy": "Healthy is 18.5-24.9, so you're in range.",
+        "overweight": "Regular activity and balanced meals help.",
+        "obese": "A GP can help you plan steps that suit you.",
+    }[res["category"]]
     c.say(f"Your BMI is {res['bmi']} ({res['category']}). {tail}")
 
 
@@ -280,10 +427,18 @@ def bmi_imperial(c: Chat) -> None:
     if ft == 6:
         inch = min(inch, 4)
     total_in = ft * 12 + inch
-    c.user(greet(r, pick(r, f"I'm {ft}'{inch}\" and {lb} lb. BMI?",
-                           f"What's the BMI for someone {ft} ft {inch} in, {lb} pounds?")))
-    kg, cm = c.call(("convert_units", {"value": lb, "from_unit": "lb", "to_unit": "kg"}),
-                    ("convert_units", {"value": total_in, "from_unit": "in", "to_unit": "cm"}))
+    c.user(
+        greet(
+            r,
+            pick(
+                r, f"I'm {ft}'{inch}\" and {lb} lb. BMI?", f"What's the BMI for someone {ft} ft {inch} in, {lb} pounds?"
+            ),
+        )
+    )
+    kg, cm = c.call(
+        ("convert_units", {"value": lb, "from_unit": "lb", "to_unit": "kg"}),
+        ("convert_units", {"value": total_in, "from_unit": "in", "to_unit": "cm"}),
+    )
     res = c.call(("get_bmi", {"weight_kg": kg["value"], "height_cm": cm["value"]}))[0]
     c.say(f"That's {kg['value']:g} kg and {cm['value']:g} cm, which gives a BMI of {res['bmi']} ({res['category']}).")
 
@@ -291,14 +446,26 @@ def bmi_imperial(c: Chat) -> None:
 def med_lookup(c: Chat) -> None:
     r = c.rng
     drug = r.choice(sorted(MEDS))
-    c.user(greet(r, pick(r, f"What is {drug} used for?", f"How much {drug} can an adult take?",
-                           f"tell me about {drug}", f"Is {drug} prescription only?",
-                           f"My pharmacist gave me {drug}. What's the usual dose?")))
+    c.user(
+        greet(
+            r,
+            pick(
+                r,
+                f"What is {drug} used for?",
+                f"How much {drug} can an adult take?",
+                f"tell me about {drug}",
+                f"Is {drug} prescription only?",
+                f"My pharmacist gave me {drug}. What's the usual dose?",
+            ),
+        )
+    )
     res = c.call(("lookup_medication", {"name": drug}))[0]
     limit = f", max {res['max_daily_mg']} mg a day" if "max_daily_mg" in res else ""
     rx = "Prescription only." if res["prescription"] else "Sold over the counter."
-    c.say(f"{drug.capitalize()} is {article(res['class'])} {res['class']} for {res['uses']}. "
-          f"Adult dose: {res['adult_dose']}{limit}. {rx}")
+    c.say(
+        f"{drug.capitalize()} is {article(res['class'])} {res['class']} for {res['uses']}. "
+        f"Adult dose: {res['adult_dose']}{limit}. {rx}"
+    )
 
 
 def interaction(c: Chat) -> None:
@@ -308,25 +475,49 @@ def interaction(c: Chat) -> None:
     else:
         a, b = r.sample(sorted(MEDS), 2)
     who = pick(r, "I", "my mom", "my dad", "my partner", "my grandmother")
-    c.user(greet(r, pick(r, f"Can {who} take {a} with {b}?", f"Is it safe to mix {a} and {b}?",
-                           f"{a} + {b}, any problem?", f"Does {a} interact with {b}?")))
+    c.user(
+        greet(
+            r,
+            pick(
+                r,
+                f"Can {who} take {a} with {b}?",
+                f"Is it safe to mix {a} and {b}?",
+                f"{a} + {b}, any problem?",
+                f"Does {a} interact with {b}?",
+            ),
+        )
+    )
     res = c.call(("check_drug_interaction", {"drug_a": a, "drug_b": b}))[0]
     if res["severity"] == "none":
         c.say(f"No known interaction between {a} and {b}; they're generally fine together.")
         return
-    advice = {"major": "Avoid it unless a doctor approves.", "moderate": "Check with a pharmacist first.",
-              "minor": "Usually fine, just be aware."}[res["severity"]]
+    advice = {
+        "major": "Avoid it unless a doctor approves.",
+        "moderate": "Check with a pharmacist first.",
+        "minor": "Usually fine, just be aware.",
+    }[res["severity"]]
     c.say(f"It's a {res['severity']} interaction: {res['note']}. {advice}")
 
 
 def two_meds(c: Chat) -> None:
     r = c.rng
     a, b = r.sample(sorted(MEDS), 2)
-    c.user(greet(r, pick(r, f"What's the difference between {a} and {b}?", f"Compare {a} and {b} for me.",
-                           f"I have {a} and {b} at home. What is each for?")))
+    c.user(
+        greet(
+            r,
+            pick(
+                r,
+                f"What's the difference between {a} and {b}?",
+                f"Compare {a} and {b} for me.",
+                f"I have {a} and {b} at home. What is each for?",
+            ),
+        )
+    )
     ra, rb = c.call(("lookup_medication", {"name": a}), ("lookup_medication", {"name": b}))
-    c.say(f"{a.capitalize()} is {article(ra['class'])} {ra['class']} for {ra['uses']} ({ra['adult_dose']}). "
-          f"{b.capitalize()} is {article(rb['class'])} {rb['class']} for {rb['uses']} ({rb['adult_dose']}).")
+    c.say(
+        f"{a.capitalize()} is {article(ra['class'])} {ra['class']} for {ra['uses']} ({ra['adult_dose']}). "
+        f"{b.capitalize()} is {article(rb['class'])} {rb['class']} for {rb['uses']} ({rb['adult_dose']})."
+    )
 
 
 def safe_painkiller(c: Chat) -> None:
@@ -334,10 +525,14 @@ def safe_painkiller(c: Chat) -> None:
     current = r.choice(["warfarin", "lisinopril", "sertraline"])
     who = pick(r, "I take", "My dad takes", "My mother is on", "I'm on")
     c.user(greet(r, f"{who} {current}. Which is safer for a headache, ibuprofen or acetaminophen?"))
-    ri, ra = c.call(("check_drug_interaction", {"drug_a": current, "drug_b": "ibuprofen"}),
-                    ("check_drug_interaction", {"drug_a": current, "drug_b": "acetaminophen"}))
-    c.say(f"With {current}: ibuprofen {ri['severity']} ({ri['note']}); acetaminophen {ra['severity']} "
-          f"({ra['note']}). Acetaminophen is the safer pick.")
+    ri, ra = c.call(
+        ("check_drug_interaction", {"drug_a": current, "drug_b": "ibuprofen"}),
+        ("check_drug_interaction", {"drug_a": current, "drug_b": "acetaminophen"}),
+    )
+    c.say(
+        f"With {current}: ibuprofen {ri['severity']} ({ri['note']}); acetaminophen {ra['severity']} "
+        f"({ra['note']}). Acetaminophen is the safer pick."
+    )
 
 
 def clinic_and_book(c: Chat) -> None:
@@ -347,12 +542,22 @@ def clinic_and_book(c: Chat) -> None:
     t_spoken, t_iso = clock(r)
     reason = r.choice(REASONS[spec])
     a_spec = ("an " if spec[0] in "aeiou" else "a ") + spec
-    c.user(greet(r, pick(r, f"Find me {a_spec} clinic in {city} and book {spoken} at {t_spoken} for {reason}.",
-                           f"I need {a_spec} appointment in {city} on {spoken}, {t_spoken} if possible ({reason}).")))
+    c.user(
+        greet(
+            r,
+            pick(
+                r,
+                f"Find me {a_spec} clinic in {city} and book {spoken} at {t_spoken} for {reason}.",
+                f"I need {a_spec} appointment in {city} on {spoken}, {t_spoken} if possible ({reason}).",
+            ),
+        )
+    )
     res = c.call(("find_nearby_clinic", {"city": city, "specialty": spec}))[0]
     clinic = res["clinics"][0]
-    conf = c.call(("schedule_appointment", {"clinic": clinic["name"], "date": iso, "time": t_iso, "reason": reason}),
-                  content=f"{clinic['name']} looks good. Booking it." if r.random() < 0.3 else None)[0]
+    conf = c.call(
+        ("schedule_appointment", {"clinic": clinic["name"], "date": iso, "time": t_iso, "reason": reason}),
+        content=f"{clinic['name']} looks good. Booking it." if r.random() < 0.3 else None,
+    )[0]
     c.say(f"Booked {clinic['name']} ({clinic['address']}) on {iso} at {t_iso}, ref {conf['confirmation']}.")
 
 
@@ -363,8 +568,17 @@ def clinic_then_followup(c: Chat) -> None:
     args = {"city": city} | ({"specialty": spec} if spec else {})
     what = f"{spec} clinic" if spec else "clinic"
     a_what = ("an " if what[0] in "aeiou" else "a ") + what
-    c.user(greet(r, pick(r, f"Is there {a_what} near me in {city}?", f"Any {what} in {city} open late?",
-                           f"I just moved to {city}. Where's {a_what}?")))
+    c.user(
+        greet(
+            r,
+            pick(
+                r,
+                f"Is there {a_what} near me in {city}?",
+                f"Any {what} in {city} open late?",
+                f"I just moved to {city}. Where's {a_what}?",
+            ),
+        )
+    )
     res = c.call(("find_nearby_clinic", args))[0]
     a, b = res["clinics"]
     c.say(f"Try {a['name']} ({a['address']}) or {b['name']} ({b['address']}), open until {res['open_until']}.")
@@ -372,22 +586,46 @@ def clinic_then_followup(c: Chat) -> None:
         spoken, iso = when(r)
         t_spoken, t_iso = clock(r)
         choice = r.choice([a, b])
-        c.user(pick(r, f"Book {choice['name']} for {spoken} at {t_spoken}.",
-                    f"Great, can I get {spoken} at {t_spoken} at {choice['name']}?"))
+        c.user(
+            pick(
+                r,
+                f"Book {choice['name']} for {spoken} at {t_spoken}.",
+                f"Great, can I get {spoken} at {t_spoken} at {choice['name']}?",
+            )
+        )
         conf = c.call(("schedule_appointment", {"clinic": choice["name"], "date": iso, "time": t_iso}))[0]
         c.say(f"Done: {iso} at {t_iso}, ref {conf['confirmation']}.")
 
 
-SYMPTOMS = ["headache", "sore throat", "lower back pain", "nausea", "dizziness", "cough", "migraine",
-            "fatigue", "ankle pain", "itchy rash"]
+SYMPTOMS = [
+    "headache",
+    "sore throat",
+    "lower back pain",
+    "nausea",
+    "dizziness",
+    "cough",
+    "migraine",
+    "fatigue",
+    "ankle pain",
+    "itchy rash",
+]
 
 
 def symptom(c: Chat) -> None:
     r = c.rng
     s, sev = r.choice(SYMPTOMS), r.randint(2, 8)
     since = pick(r, "since this morning", "for two days", "after my run", "since last night", "on and off all week")
-    c.user(greet(r, pick(r, f"Please log {s}, {sev}/10, {since}.", f"Log a symptom: {s}, severity {sev}, {since}.",
-                           f"I've had {s} {since}. I'd rate it {sev} out of 10, can you note it?")))
+    c.user(
+        greet(
+            r,
+            pick(
+                r,
+                f"Please log {s}, {sev}/10, {since}.",
+                f"Log a symptom: {s}, severity {sev}, {since}.",
+                f"I've had {s} {since}. I'd rate it {sev} out of 10, can you note it?",
+            ),
+        )
+    )
     res = c.call(("log_symptom", {"symptom": s, "severity": sev, "notes": since}))[0]
     c.say(f"Logged {s} at {sev}/10 (entry {res['entry_id']}).")
     if r.random() < 0.5:
@@ -406,8 +644,9 @@ def vaccines(c: Chat) -> None:
         c.user(greet(r, f"{who} is {age} months old. Which vaccines are due?"))
     else:
         age, unit = r.choice([4, 5, 11, 12, 30, 45, 52, 60, 67, 72]), "years"
-        c.user(greet(r, pick(r, f"I'm {age}. Which vaccines should I have?",
-                             f"What shots does a {age}-year-old need?")))
+        c.user(
+            greet(r, pick(r, f"I'm {age}. Which vaccines should I have?", f"What shots does a {age}-year-old need?"))
+        )
     res = c.call(("get_vaccination_schedule", {"age": age, "unit": unit}))[0]
     at = f"{age} months" if unit == "months" else f"{age}"
     c.say(f"At {at} the usual schedule lists {', '.join(res['due'])}. Your clinic can check your records.")
@@ -420,13 +659,19 @@ def conversion(c: Chat) -> None:
         f = round(r.uniform(97.0, 103.5), 1)
         c.user(greet(r, pick(r, f"My thermometer says {f} F. What's that in Celsius?", f"{f}°F in °C?")))
         res = c.call(("convert_units", {"value": f, "from_unit": "F", "to_unit": "C"}))[0]
-        note = "That's a fever; see a doctor if it passes 39.5 C or lasts 3 days." \
-            if res["value"] >= 38 else "That's not a fever."
+        note = (
+            "That's a fever; see a doctor if it passes 39.5 C or lasts 3 days."
+            if res["value"] >= 38
+            else "That's not a fever."
+        )
         c.say(f"{f} F is {res['value']} C. {note}")
     elif kind == "glucose":
         g = r.randint(70, 240)
-        c.user(greet(r, pick(r, f"My meter reads {g} mg/dL. What is that in mmol/L?",
-                             f"Convert glucose {g} mg/dL to mmol/L")))
+        c.user(
+            greet(
+                r, pick(r, f"My meter reads {g} mg/dL. What is that in mmol/L?", f"Convert glucose {g} mg/dL to mmol/L")
+            )
+        )
         res = c.call(("convert_units", {"value": g, "from_unit": "mg/dL", "to_unit": "mmol/L"}))[0]
         high = " If that was fasting, mention it to your doctor." if g >= 126 else ""
         c.say(f"{g} mg/dL is {res['value']} mmol/L.{high}")
@@ -441,8 +686,11 @@ def water(c: Chat) -> None:
     r = c.rng
     w, mins = r.randint(50, 110), r.choice([0, 20, 30, 45, 60, 90])
     act = "I don't exercise much" if mins == 0 else f"I work out {mins} minutes a day"
-    c.user(greet(r, pick(r, f"How much water should I drink? I'm {w} kg and {act}.",
-                           f"{w} kg, {act}. Daily water target?")))
+    c.user(
+        greet(
+            r, pick(r, f"How much water should I drink? I'm {w} kg and {act}.", f"{w} kg, {act}. Daily water target?")
+        )
+    )
     args = {"weight_kg": w} | ({"exercise_min": mins} if mins else {})
     res = c.call(("daily_water_intake", args))[0]
     c.say(f"Aim for about {res['litres']} L a day, more in hot weather.")
@@ -456,8 +704,13 @@ def calories(c: Chat) -> None:
     word = {"low": "mostly sitting", "moderate": "moderately active", "high": "very active"}[act]
     person = {"female": pick(r, "woman", "female"), "male": pick(r, "man", "male")}[sex]
     with_bmi = r.random() < 0.5
-    c.user(greet(r, f"I'm a {age}-year-old {person}, {w} kg, {h} cm, {word}. How many calories do I need"
-           + (", and what's my BMI?" if with_bmi else "?")))
+    c.user(
+        greet(
+            r,
+            f"I'm a {age}-year-old {person}, {w} kg, {h} cm, {word}. How many calories do I need"
+            + (", and what's my BMI?" if with_bmi else "?"),
+        )
+    )
     args = {"sex": sex, "age": age, "weight_kg": w, "height_cm": h, "activity": act}
     if with_bmi:
         cal, b = c.call(("daily_calories", args), ("get_bmi", {"weight_kg": w, "height_cm": h}))
@@ -488,30 +741,50 @@ def ask_first(c: Chat) -> None:
 
 
 GENERAL = [
-    ("How many hours of sleep do adults need?",
-     "Most adults do best with 7-9 hours. A steady bedtime, a dark cool room and no screens late help."),
-    ("What's a normal resting heart rate?",
-     "For adults it's usually 60-100 beats per minute; fit people sit lower. "
-     "See a doctor if it's often above 100 at rest."),
-    ("Any tips for lower back pain from sitting all day?",
-     "Stand up every 30-45 minutes, set your screen at eye level, and try gentle stretches. "
-     "Pain lasting weeks needs a check."),
-    ("How much exercise should I get each week?",
-     "Aim for 150 minutes of moderate activity, like brisk walking, plus two days of strength work."),
-    ("Is it bad to skip breakfast?",
-     "Not for most healthy adults; total diet quality matters more. People with diabetes should follow their plan."),
-    ("How can I tell a cold from the flu?",
-     "Flu tends to start suddenly with fever, aches and exhaustion; "
-     "colds are milder and mostly in the nose and throat."),
-    ("What helps with stress?",
-     "Regular exercise, sleep, time outdoors, and talking to someone help. "
-     "If it's affecting daily life, a GP can point you to support."),
-    ("How often should I replace my toothbrush?",
-     "Every 3-4 months, or sooner if the bristles fray or after you've been ill."),
-    ("Is coffee dehydrating?",
-     "Not in normal amounts; a few cups count toward your fluids. Keep it under about 400 mg caffeine a day."),
-    ("How long should I wash my hands?",
-     "At least 20 seconds with soap, covering backs, thumbs and between the fingers."),
+    (
+        "How many hours of sleep do adults need?",
+        "Most adults do best with 7-9 hours. A steady bedtime, a dark cool room and no screens late help.",
+    ),
+    (
+        "What's a normal resting heart rate?",
+        "For adults it's usually 60-100 beats per minute; fit people sit lower. "
+        "See a doctor if it's often above 100 at rest.",
+    ),
+    (
+        "Any tips for lower back pain from sitting all day?",
+        "Stand up every 30-45 minutes, set your screen at eye level, and try gentle stretches. "
+        "Pain lasting weeks needs a check.",
+    ),
+    (
+        "How much exercise should I get each week?",
+        "Aim for 150 minutes of moderate activity, like brisk walking, plus two days of strength work.",
+    ),
+    (
+        "Is it bad to skip breakfast?",
+        "Not for most healthy adults; total diet quality matters more. People with diabetes should follow their plan.",
+    ),
+    (
+        "How can I tell a cold from the flu?",
+        "Flu tends to start suddenly with fever, aches and exhaustion; "
+        "colds are milder and mostly in the nose and throat.",
+    ),
+    (
+        "What helps with stress?",
+        "Regular exercise, sleep, time outdoors, and talking to someone help. "
+        "If it's affecting daily life, a GP can point you to support.",
+    ),
+    (
+        "How often should I replace my toothbrush?",
+        "Every 3-4 months, or sooner if the bristles fray or after you've been ill.",
+    ),
+    (
+        "Is coffee dehydrating?",
+        "Not in normal amounts; a few cups count toward your fluids. Keep it under about 400 mg caffeine a day.",
+    ),
+    (
+        "How long should I wash my hands?",
+        "At least 20 seconds with soap, covering backs, thumbs and between the fingers.",
+    ),
 ]
 
 URGENT = [
@@ -526,8 +799,10 @@ def no_tool(c: Chat) -> None:
     r = c.rng
     if r.random() < 0.25:
         c.user(r.choice(URGENT))
-        c.say("This could be an emergency. Call your local emergency number (911, 999 or 112) right now. "
-              "Don't wait to see if it passes.")
+        c.say(
+            "This could be an emergency. Call your local emergency number (911, 999 or 112) right now. "
+            "Don't wait to see if it passes."
+        )
         return
     q, a = r.choice(GENERAL)
     c.user(greet(r, q))
@@ -555,9 +830,22 @@ def followup_mix(c: Chat) -> None:
 
 
 SCENARIOS = [  # (builder, weight): short single-call chats dominate to keep byte sequences short
-    (bmi, 9), (bmi_imperial, 3), (med_lookup, 10), (interaction, 10), (two_meds, 4), (safe_painkiller, 3),
-    (clinic_and_book, 4), (clinic_then_followup, 5), (symptom, 8), (vaccines, 7), (conversion, 8),
-    (water, 5), (calories, 4), (ask_first, 6), (no_tool, 15), (followup_mix, 3),
+    (bmi, 9),
+    (bmi_imperial, 3),
+    (med_lookup, 10),
+    (interaction, 10),
+    (two_meds, 4),
+    (safe_painkiller, 3),
+    (clinic_and_book, 4),
+    (clinic_then_followup, 5),
+    (symptom, 8),
+    (vaccines, 7),
+    (conversion, 8),
+    (water, 5),
+    (calories, 4),
+    (ask_first, 6),
+    (no_tool, 15),
+    (followup_mix, 3),
 ]
 
 SYSTEM_PROMPTS = [
@@ -592,16 +880,21 @@ def print_stats(text: str) -> None:
 
     tok = build_embedded_tokenizer()
     rows = [json.loads(line) for line in text.splitlines()]
-    lengths = sorted(len(tok.apply_chat_template(r["messages"], tools=r["tools"] or None, tokenize=False).encode())
-                     for r in rows)
+    lengths = sorted(
+        len(tok.apply_chat_template(r["messages"], tools=r["tools"] or None, tokenize=False).encode()) for r in rows
+    )
     n = len(lengths)
-    tokens = sorted(len(tok.apply_chat_template(r["messages"], tools=r["tools"] or None, return_dict=True)["input_ids"])
-                    for r in rows)
+    tokens = sorted(
+        len(tok.apply_chat_template(r["messages"], tools=r["tools"] or None, return_dict=True)["input_ids"])
+        for r in rows
+    )
     q = lambda p: lengths[min(n - 1, int(p * n))]  # noqa: E731
-    print(f"rows={n} file_bytes={len(text.encode())} rendered bytes: mean={sum(lengths) / n:.0f} "
-          f"min={lengths[0]} p25={q(.25)} p50={q(.5)} p75={q(.75)} p90={q(.9)} max={lengths[-1]} "
-          f"under_1024={sum(x < 1024 for x in lengths) / n:.0%}; tokens: mean={sum(tokens) / n:.0f} "
-          f"p50={tokens[n // 2]} max={tokens[-1]} under_1024={sum(x < 1024 for x in tokens) / n:.0%}")
+    print(
+        f"rows={n} file_bytes={len(text.encode())} rendered bytes: mean={sum(lengths) / n:.0f} "
+        f"min={lengths[0]} p25={q(0.25)} p50={q(0.5)} p75={q(0.75)} p90={q(0.9)} max={lengths[-1]} "
+        f"under_1024={sum(x < 1024 for x in lengths) / n:.0%}; tokens: mean={sum(tokens) / n:.0f} "
+        f"p50={tokens[n // 2]} max={tokens[-1]} under_1024={sum(x < 1024 for x in tokens) / n:.0%}"
+    )
 
 
 def main() -> None:

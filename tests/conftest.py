@@ -22,8 +22,6 @@ def phalanx_cache(tmp_path_factory):
         os.environ["PHALANX_CACHE"] = old
 
 
-
-
 @pytest.fixture(scope="session")
 def equivalence_data(tmp_path_factory) -> Path:
     """48 tool-call chats: 5 steps of a global batch of 4 with rows to spare."""

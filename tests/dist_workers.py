@@ -16,8 +16,14 @@ def _free_port() -> int:
 
 
 def _entry(rank: int, world: int, port: int, fn, args, results) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         results[rank] = fn(rank, world, *args)
@@ -55,8 +61,14 @@ def eval_batches_for(rank: int) -> list[dict]:
     g = torch.Generator().manual_seed(100 + rank)
     rows, length = (3, 12) if rank == 0 else (1, 4)
     ids = torch.randint(0, 13, (rows, length), generator=g)
-    return [{"input_ids": ids[i:i + 1], "attention_mask": torch.ones(1, length, dtype=torch.long), "labels": ids[i:i + 1]}
-            for i in range(rows)]
+    return [
+        {
+            "input_ids": ids[i : i + 1],
+            "attention_mask": torch.ones(1, length, dtype=torch.long),
+            "labels": ids[i : i + 1],
+        }
+        for i in range(rows)
+    ]
 
 
 def evaluate_on_rank(rank: int, world: int) -> dict:

@@ -19,8 +19,21 @@ def grad_norms(out: Path) -> list[float]:
 
 
 def train(dataset: Path, out: Path, world: int, batch: int, finetune: str, *extra: str) -> list[float]:
-    proc = run_phalanx("train", "--dataset_path", str(dataset), "--output_dir", str(out), "--world_size", str(world),
-                       "--batch_size", str(batch), "--finetune", finetune, *COMMON, *extra)
+    proc = run_phalanx(
+        "train",
+        "--dataset_path",
+        str(dataset),
+        "--output_dir",
+        str(out),
+        "--world_size",
+        str(world),
+        "--batch_size",
+        str(batch),
+        "--finetune",
+        finetune,
+        *COMMON,
+        *extra,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [r["loss"] for r in read_metrics(out)]
 

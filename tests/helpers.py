@@ -10,18 +10,35 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_phalanx(*args: str, cwd: Path | None = None, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_phalanx(
+    *args: str, cwd: Path | None = None, timeout: float = 300, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """Run `python -m phalanx ARGS` as a user would; returns the completed process (never raises on failure)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "phalanx", *args], cwd=cwd or ROOT, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "phalanx", *args],
+        cwd=cwd or ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 # A short training run on the embedded model: few steps, small rows, nothing logged but metrics.jsonl, no eval or save
 # unless a test asks. Tests state only what they change (tiny_run), so what a test is about stays visible.
 TINY_RUN: dict[str, object] = {
-    "max_steps": 5, "log_steps": 1, "eval_steps": 100, "save_steps": 100, "test_size": 0, "lora_dropout": 0,
-    "learning_rate": 1e-2, "max_length": 768, "lora_r": 4, "logging.progress_bar": False, "logging.tensorboard": False,
+    "max_steps": 5,
+    "log_steps": 1,
+    "eval_steps": 100,
+    "save_steps": 100,
+    "test_size": 0,
+    "lora_dropout": 0,
+    "learning_rate": 1e-2,
+    "max_length": 768,
+    "lora_r": 4,
+    "logging.progress_bar": False,
+    "logging.tensorboard": False,
 }
 
 
@@ -56,8 +73,10 @@ def shared_template(name: str) -> Path:
     from data.templates import SHARED_ENV, shared_templates_dir
 
     path = shared_templates_dir() / f"{name}.jinja"
-    assert path.is_file(), f"{path} is missing: the real chat templates live in shared/templates beside the " \
-                           f"repository (set {SHARED_ENV} to their folder)"
+    assert path.is_file(), (
+        f"{path} is missing: the real chat templates live in shared/templates beside the "
+        f"repository (set {SHARED_ENV} to their folder)"
+    )
     return path
 
 
@@ -70,18 +89,38 @@ def chat_row(i: int) -> dict:
     """A small tool-calling conversation whose numbers vary with i (so rows differ in length)."""
     weight, height = 50 + i % 40, 150 + i % 35
     bmi = round(weight / (height / 100) ** 2, 1)
-    call = {"id": f"call_{i}", "type": "function",
-            "function": {"name": "get_bmi", "arguments": json.dumps({"weight_kg": weight, "height_cm": height})}}
+    call = {
+        "id": f"call_{i}",
+        "type": "function",
+        "function": {"name": "get_bmi", "arguments": json.dumps({"weight_kg": weight, "height_cm": height})},
+    }
     return {
-        "tools": [{"type": "function", "function": {"name": "get_bmi", "description": "Body-mass index",
-                   "parameters": {"type": "object", "properties": {"weight_kg": {"type": "number"}, "height_cm": {"type": "number"}},
-                                  "required": ["weight_kg", "height_cm"]}}}],
+        "tools": [
+            {
+                "type": "function",
+                "function": {
+                    "name": "get_bmi",
+                    "description": "Body-mass index",
+                    "parameters": {
+                        "type": "object",
+                        "properties": {"weight_kg": {"type": "number"}, "height_cm": {"type": "number"}},
+                        "required": ["weight_kg", "height_cm"],
+                    },
+                },
+            }
+        ],
         "messages": [
             {"role": "system", "content": "You are a careful health assistant."},
-            {"role": "user", "content": f"I weigh {weight} kg and I am {height} cm tall. What is my BMI?" + " Thanks!" * (i % 3)},
+            {
+                "role": "user",
+                "content": f"I weigh {weight} kg and I am {height} cm tall. What is my BMI?" + " Thanks!" * (i % 3),
+            },
             {"role": "assistant", "content": None, "tool_calls": [call]},
             {"role": "tool", "tool_call_id": f"call_{i}", "content": json.dumps({"bmi": bmi})},
-            {"role": "assistant", "content": f"Your BMI is {bmi}." + (" That is in the healthy range." if 18.5 <= bmi < 25 else "")},
+            {
+                "role": "assistant",
+                "content": f"Your BMI is {bmi}." + (" That is in the healthy range." if 18.5 <= bmi < 25 else ""),
+            },
         ],
     }
 

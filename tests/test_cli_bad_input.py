@@ -13,7 +13,11 @@ from phalanx.cli import main
 
 
 def tree_digest(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture
@@ -59,8 +63,19 @@ def test_bad_rows_are_named(case, tmp_path, earlier_run, capsys):
     data = tmp_path / "train.jsonl"
     data.write_text(content)
     before = tree_digest(earlier_run)
-    code, out = run_main(["train", "--dataset_path", str(data), "--output_dir", str(earlier_run), "--overwrite_output_dir",
-                          "--max_length", "768"], capsys)
+    code, out = run_main(
+        [
+            "train",
+            "--dataset_path",
+            str(data),
+            "--output_dir",
+            str(earlier_run),
+            "--overwrite_output_dir",
+            "--max_length",
+            "768",
+        ],
+        capsys,
+    )
     assert code == 2
     for needle in needles:
         assert needle in out, (needle, out)
@@ -75,8 +90,19 @@ def test_bad_row_found_by_the_ranks_is_reported_once(tmp_path, earlier_run):
     data.write_text(lines(GOOD, GOOD, BAD_ROLE))
     before = tree_digest(earlier_run)
     start = time.monotonic()
-    proc = run_phalanx("train", "--dataset_path", str(data), "--output_dir", str(earlier_run), "--overwrite_output_dir",
-                       "--world_size", "2", "--max_length", "768", timeout=120)
+    proc = run_phalanx(
+        "train",
+        "--dataset_path",
+        str(data),
+        "--output_dir",
+        str(earlier_run),
+        "--overwrite_output_dir",
+        "--world_size",
+        "2",
+        "--max_length",
+        "768",
+        timeout=120,
+    )
     elapsed = time.monotonic() - start
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out
@@ -91,7 +117,9 @@ def test_bad_row_found_by_the_ranks_is_reported_once(tmp_path, earlier_run):
 def test_non_utf8_bytes_are_named(tmp_path, earlier_run, capsys):
     data = tmp_path / "train.jsonl"
     data.write_bytes(json.dumps(GOOD).encode() + b"\n" + b'{"text": "caf\xe9"}\n')
-    code, out = run_main(["train", "--dataset_path", str(data), "--output_dir", str(earlier_run), "--overwrite_output_dir"], capsys)
+    code, out = run_main(
+        ["train", "--dataset_path", str(data), "--output_dir", str(earlier_run), "--overwrite_output_dir"], capsys
+    )
     assert code == 2 and "train.jsonl line 2" in out and "UTF-8" in out
 
 
@@ -100,18 +128,41 @@ def test_bad_rows_can_be_skipped_and_counted(tmp_path, capsys):
     write_chat_jsonl(data, 6)
     with open(data, "a") as f:
         f.write(lines(BAD_ROLE, '{"broken'))
-    code, out = run_main(["train", "--dataset_path", str(data), "--output_dir", str(tmp_path / "o"), "--on_bad_row", "skip",
-                          "--max_steps", "1", "--max_length", "768", "--test_size", "0", "--logging.progress_bar", "false"], capsys)
+    code, out = run_main(
+        [
+            "train",
+            "--dataset_path",
+            str(data),
+            "--output_dir",
+            str(tmp_path / "o"),
+            "--on_bad_row",
+            "skip",
+            "--max_steps",
+            "1",
+            "--max_length",
+            "768",
+            "--test_size",
+            "0",
+            "--logging.progress_bar",
+            "false",
+        ],
+        capsys,
+    )
     assert code == 0, out
     assert "2 refused" in out and "line 7" in out and "line 8" in out
 
 
-@pytest.mark.parametrize("make_path,needle", [
-    (lambda tmp: tmp / "missing.jsonl", "missing.jsonl"),
-    (lambda tmp: (tmp / "empty.jsonl").write_text("") and None or tmp / "empty.jsonl", "empty.jsonl"),
-])
+@pytest.mark.parametrize(
+    "make_path,needle",
+    [
+        (lambda tmp: tmp / "missing.jsonl", "missing.jsonl"),
+        (lambda tmp: (tmp / "empty.jsonl").write_text("") and None or tmp / "empty.jsonl", "empty.jsonl"),
+    ],
+)
 def test_missing_or_empty_dataset(make_path, needle, tmp_path, capsys):
-    code, out = run_main(["train", "--dataset_path", str(make_path(tmp_path)), "--output_dir", str(tmp_path / "o")], capsys)
+    code, out = run_main(
+        ["train", "--dataset_path", str(make_path(tmp_path)), "--output_dir", str(tmp_path / "o")], capsys
+    )
     assert code == 2 and needle in out
 
 
@@ -125,7 +176,9 @@ def test_config_with_unknown_and_mistyped_keys(tmp_path, capsys):
 
 
 def test_model_path_that_does_not_exist(tmp_path, capsys):
-    code, out = run_main(["train", "--model_name", str(tmp_path / "no-model"), "--output_dir", str(tmp_path / "o")], capsys)
+    code, out = run_main(
+        ["train", "--model_name", str(tmp_path / "no-model"), "--output_dir", str(tmp_path / "o")], capsys
+    )
     assert code == 2 and "no-model" in out and "no such folder" in out
 
 
@@ -145,7 +198,12 @@ def test_batch_size_zero(tmp_path, capsys):
 def test_existing_run_is_not_overwritten_silently(earlier_run, capsys):
     before = tree_digest(earlier_run)
     code, out = run_main(["train", "--output_dir", str(earlier_run)], capsys)
-    assert code == 2 and "already holds a run" in out and "no committed checkpoint" in out and "--overwrite_output_dir" in out
+    assert (
+        code == 2
+        and "already holds a run" in out
+        and "no committed checkpoint" in out
+        and "--overwrite_output_dir" in out
+    )
     assert tree_digest(earlier_run) == before
 
 
@@ -158,9 +216,28 @@ def test_every_rank_exits_under_torchrun(tmp_path, earlier_run):
     start = time.monotonic()
     import subprocess
 
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0",
-                           "-m", "phalanx", "train", "--dataset_path", str(data), "--output_dir", str(earlier_run),
-                           "--overwrite_output_dir"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            "0",
+            "-m",
+            "phalanx",
+            "train",
+            "--dataset_path",
+            str(data),
+            "--output_dir",
+            str(earlier_run),
+            "--overwrite_output_dir",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     elapsed = time.monotonic() - start
     assert proc.returncode != 0
     assert "error: " in proc.stderr and "train.jsonl line 2" in proc.stderr
@@ -180,8 +257,22 @@ def test_master_port_already_taken(tmp_path, capsys):
         port = holder.getsockname()[1]
         data = write_chat_jsonl(tmp_path / "train.jsonl", 4)
         start = time.monotonic()
-        code, out = run_main(["train", "--dataset_path", str(data), "--output_dir", str(tmp_path / "o"), "--world_size", "2",
-                              "--master_port", str(port), "--max_length", "768"], capsys)
+        code, out = run_main(
+            [
+                "train",
+                "--dataset_path",
+                str(data),
+                "--output_dir",
+                str(tmp_path / "o"),
+                "--world_size",
+                "2",
+                "--master_port",
+                str(port),
+                "--max_length",
+                "768",
+            ],
+            capsys,
+        )
     assert code == 2 and str(port) in out and time.monotonic() - start < 60
 
 
@@ -189,12 +280,25 @@ def test_hybrid_shard_on_one_node_is_refused_before_any_rank_starts(tmp_path, ca
     """HYBRID_SHARD needs several nodes; `--world_size N` is one node, so the launcher refuses it and starts nothing."""
     out = tmp_path / "out"
     started = time.perf_counter()
-    code, output = run_main(["train", "--strategy", "fsdp", "--sharding_strategy", "HYBRID_SHARD", "--world_size", "2",
-                             "--output_dir", str(out), "--max_steps", "1"], capsys)
+    code, output = run_main(
+        [
+            "train",
+            "--strategy",
+            "fsdp",
+            "--sharding_strategy",
+            "HYBRID_SHARD",
+            "--world_size",
+            "2",
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "1",
+        ],
+        capsys,
+    )
     assert code == 2 and "HYBRID_SHARD" in output and "Use FULL_SHARD" in output, output
     assert time.perf_counter() - started < 10, "refused by the config check, not by ranks timing out"
     assert not out.exists(), "nothing is written"
-
 
 
 def test_rows_dropped_by_max_length_are_explained(tmp_path, earlier_run, capsys):
@@ -202,12 +306,27 @@ def test_rows_dropped_by_max_length_are_explained(tmp_path, earlier_run, capsys)
     data = tmp_path / "train.jsonl"
     write_chat_jsonl(data, 4)
     before = tree_digest(earlier_run)
-    code, out = run_main(["train", "--dataset_path", str(data), "--output_dir", str(earlier_run), "--overwrite_output_dir",
-                          "--max_length", "64", "--test_size", "0"], capsys)
+    code, out = run_main(
+        [
+            "train",
+            "--dataset_path",
+            str(data),
+            "--output_dir",
+            str(earlier_run),
+            "--overwrite_output_dir",
+            "--max_length",
+            "64",
+            "--test_size",
+            "0",
+        ],
+        capsys,
+    )
     assert code == 2, out
     assert "no usable training rows (4 read, 0 skipped, 4 dropped, 0 held out for evaluation)" in out
-    assert "dropped: 4 no assistant token left within max_length (cut at max_length 64 before its first assistant " \
-           "token: raise max_length" in out
+    assert (
+        "dropped: 4 no assistant token left within max_length (cut at max_length 64 before its first assistant "
+        "token: raise max_length" in out
+    )
     assert "; row lengths " in out and " tokens (median " in out
     assert tree_digest(earlier_run) == before
 
@@ -217,9 +336,23 @@ def test_deepseek_r1_distill_template_that_drops_tool_calls_is_refused(tmp_path,
     empty turn, and the error names the call and the corrected template phalanx ships."""
     data = tmp_path / "train.jsonl"
     write_chat_jsonl(data, 2)
-    code, out = run_main(["train", "--dataset_path", str(data), "--output_dir", str(tmp_path / "o"), "--max_length", "768",
-                          "--chat_template", str(shared_template("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B"))], capsys)
+    code, out = run_main(
+        [
+            "train",
+            "--dataset_path",
+            str(data),
+            "--output_dir",
+            str(tmp_path / "o"),
+            "--max_length",
+            "768",
+            "--chat_template",
+            str(shared_template("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B")),
+        ],
+        capsys,
+    )
     assert code == 2, out
-    assert "train.jsonl line 1: messages[2].tool_calls[0]: the chat template dropped the tool call's name 'get_bmi'" in out
+    assert (
+        "train.jsonl line 1: messages[2].tool_calls[0]: the chat template dropped the tool call's name 'get_bmi'" in out
+    )
     assert "--chat_template deepseek-r1-distill" in out
     assert not (tmp_path / "o").exists()

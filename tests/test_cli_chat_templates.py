@@ -8,24 +8,42 @@ import pytest
 
 from helpers import read_metrics, run_phalanx, shared_template, write_chat_jsonl
 
-TINY_RUN = ("--max_steps", "2", "--batch_size", "2", "--max_length", "1024", "--test_size", "0", "--save_steps", "2",
-            "--logging.progress_bar", "false")
+TINY_RUN = (
+    "--max_steps",
+    "2",
+    "--batch_size",
+    "2",
+    "--max_length",
+    "1024",
+    "--test_size",
+    "0",
+    "--save_steps",
+    "2",
+    "--logging.progress_bar",
+    "false",
+)
 
 
 def plain_multi_turn(i: int) -> dict:
-    return {"messages": [
-        {"role": "system", "content": "You are a sleep coach."},
-        {"role": "user", "content": f"I sleep {5 + i % 3} hours. Enough?"},
-        {"role": "assistant", "content": "Adults need 7-9 hours.", "reasoning_content": "Compare with guidance."},
-        {"role": "user", "content": "How do I get there?"},
-        {"role": "assistant", "content": "<think>Routine first.</think>Keep a steady routine and go to bed earlier."},
-    ]}
+    return {
+        "messages": [
+            {"role": "system", "content": "You are a sleep coach."},
+            {"role": "user", "content": f"I sleep {5 + i % 3} hours. Enough?"},
+            {"role": "assistant", "content": "Adults need 7-9 hours.", "reasoning_content": "Compare with guidance."},
+            {"role": "user", "content": "How do I get there?"},
+            {
+                "role": "assistant",
+                "content": "<think>Routine first.</think>Keep a steady routine and go to bed earlier.",
+            },
+        ]
+    }
 
 
 def train(data, out, chat_template: str):
     """A tiny run of `phalanx train` with this template; it must succeed."""
-    proc = run_phalanx("train", "--dataset_path", str(data), "--output_dir", str(out), *TINY_RUN,
-                       "--chat_template", chat_template)
+    proc = run_phalanx(
+        "train", "--dataset_path", str(data), "--output_dir", str(out), *TINY_RUN, "--chat_template", chat_template
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 

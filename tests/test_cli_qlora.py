@@ -17,7 +17,10 @@ pytestmark = pytest.mark.distributed
 
 QLORA = ["--load_in_4bit", "--bnb_4bit_quant_type", "nf4", "--bnb_4bit_use_double_quant", "true"]
 # 24 rows -> 18 train, 6 eval; 2 ranks x batch 2 -> 4 steps fit in one epoch.
-COMMON = tiny_run({"world_size": 2, "batch_size": 2, "max_steps": 4, "save_steps": 2, "eval_steps": 2, "test_size": 0.25}) + QLORA
+COMMON = (
+    tiny_run({"world_size": 2, "batch_size": 2, "max_steps": 4, "save_steps": 2, "eval_steps": 2, "test_size": 0.25})
+    + QLORA
+)
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +107,9 @@ def test_qlora_resume_continues_exactly(ddp_run, dataset, tmp_path):
         assert (a[key] - b[key]).abs().max() < 1e-6, key
 
 
-@pytest.mark.parametrize("strategy", [["--strategy", "fsdp"], ["--strategy", "deepspeed", "--zero_stage", "3"]],
-                         ids=["fsdp2", "zero3"])
+@pytest.mark.parametrize(
+    "strategy", [["--strategy", "fsdp"], ["--strategy", "deepspeed", "--zero_stage", "3"]], ids=["fsdp2", "zero3"]
+)
 def test_sharded_qlora_trains_like_ddp(ddp_run, dataset, tmp_path, strategy):
     """The 4-bit base shards too: FSDP2 all-gathers the packed bytes, ZeRO-3 partitions them; the losses are DDP's."""
     out, _ = ddp_run
@@ -122,8 +126,9 @@ def test_sharded_qlora_trains_like_ddp(ddp_run, dataset, tmp_path, strategy):
 
 def test_4bit_full_finetuning_is_refused_before_any_rank_starts(tmp_path):
     out = tmp_path / "out"
-    proc = run_phalanx("train", "--world_size", "2", "--output_dir", str(out), "--finetune", "full", "--load_in_4bit",
-                       timeout=60)
+    proc = run_phalanx(
+        "train", "--world_size", "2", "--output_dir", str(out), "--finetune", "full", "--load_in_4bit", timeout=60
+    )
     assert proc.returncode != 0
     assert "model.load_in_4bit" in proc.stderr and "--finetune lora" in proc.stderr
     assert "rank" not in proc.stderr.lower() and not out.exists()  # no rank started, nothing written

@@ -14,8 +14,9 @@ pytestmark = pytest.mark.system
 def test_make_demo_runs_and_learns():
     # The README's target and config as they are, for one epoch of the two (33 of 66 steps): the first half
     # already shows the fall (eval 5.07 at step 10 -> 4.65 at step 30 in a full run), at half the suite's time.
-    proc = subprocess.run(["make", "demo", "DEMO_FLAGS=--num_epochs 1"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=900)
+    proc = subprocess.run(
+        ["make", "demo", "DEMO_FLAGS=--num_epochs 1"], cwd=ROOT, capture_output=True, text=True, timeout=900
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     evals = [float(x) for x in re.findall(r"Eval at step \d+ \| loss: ([0-9.]+)", proc.stdout)]
     assert len(evals) >= 3

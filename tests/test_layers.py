@@ -39,9 +39,9 @@ def phalanx_imports(path: Path) -> list[str]:
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("phalanx.") and node.level == 0:
-            found.append(node.module[len("phalanx."):])
+            found.append(node.module[len("phalanx.") :])
         elif isinstance(node, ast.Import):
-            found += [a.name[len("phalanx."):] for a in node.names if a.name.startswith("phalanx.")]
+            found += [a.name[len("phalanx.") :] for a in node.names if a.name.startswith("phalanx.")]
     return found
 
 

@@ -17,22 +17,41 @@ def cmd_config_docs(args: Sequence[str]) -> int:
 
 # Each subcommand lives with its component; "module:function" strings keep `phalanx --help` import-light.
 COMMANDS: dict[str, tuple[Union[str, Callable[[Sequence[str]], int]], str]] = {
-    "train": ("phalanx.train.command:main", "[CONFIG.yaml] [--flag value ...]  fine-tune a causal LM (LoRA or full) on 1..N ranks"),
+    "train": (
+        "phalanx.train.command:main",
+        "[CONFIG.yaml] [--flag value ...]  fine-tune a causal LM (LoRA or full) on 1..N ranks",
+    ),
     "generate": ("phalanx.generate.command:main", "--model_name M --prompts FILE ...  sharded batch generation"),
-    "config": ("phalanx.parallel.config_files:config_main", "deepspeed|fsdp [--flags]  write a DeepSpeed / FSDP config file"),
+    "config": (
+        "phalanx.parallel.config_files:config_main",
+        "deepspeed|fsdp [--flags]  write a DeepSpeed / FSDP config file",
+    ),
     "launcher": ("phalanx.launch.command:launcher_main", "--config C --num_gpus_per_node N  write a launch script"),
     "slurm": ("phalanx.launch.command:slurm_main", "--config C --num_nodes N  write an sbatch script"),
     "env": ("phalanx.launch.command:env_main", "versions, devices and an all-reduce check"),
-    "plan": ("phalanx.plan.command:main", "[CONFIG.yaml] [--world_size N] [--device_memory_gb X]  memory per rank for each strategy"),
-    "export": ("phalanx.checkpoint.export:main", "CHECKPOINT OUT  a from_pretrained folder from a sharded-only checkpoint"),
-    "data": ("phalanx.data.command:main", "preview|templates ...  the rows as the loss sees them; the chat templates phalanx ships"),
+    "plan": (
+        "phalanx.plan.command:main",
+        "[CONFIG.yaml] [--world_size N] [--device_memory_gb X]  memory per rank for each strategy",
+    ),
+    "export": (
+        "phalanx.checkpoint.export:main",
+        "CHECKPOINT OUT  a from_pretrained folder from a sharded-only checkpoint",
+    ),
+    "data": (
+        "phalanx.data.command:main",
+        "preview|templates ...  the rows as the loss sees them; the chat templates phalanx ships",
+    ),
     "config-docs": (cmd_config_docs, "print the config reference (Markdown)"),
 }
 
 
 def usage() -> str:
     lines = [f"  {name:<12} {doc}" for name, (_, doc) in COMMANDS.items()]
-    return "usage: phalanx <command> [args]\n\ncommands:\n" + "\n".join(lines) + "\n\n`phalanx train --help` lists every flag."
+    return (
+        "usage: phalanx <command> [args]\n\ncommands:\n"
+        + "\n".join(lines)
+        + "\n\n`phalanx train --help` lists every flag."
+    )
 
 
 def resolve_command(name: str) -> Callable[[Sequence[str]], int]:

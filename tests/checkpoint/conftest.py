@@ -21,8 +21,17 @@ def reference(resume_data, tmp_path_factory):
     def get(strategy: str, world: int) -> Path:
         if (strategy, world) not in cache:
             out = tmp_path_factory.mktemp(f"{strategy}{world}")
-            proc = run_phalanx("train", "--dataset_path", str(resume_data), "--output_dir", str(out),
-                               "--strategy", strategy, *shape(world), *FLAGS)
+            proc = run_phalanx(
+                "train",
+                "--dataset_path",
+                str(resume_data),
+                "--output_dir",
+                str(out),
+                "--strategy",
+                strategy,
+                *shape(world),
+                *FLAGS,
+            )
             assert proc.returncode == 0, proc.stderr[-3000:]
             cache[strategy, world] = out
         return cache[strategy, world]

@@ -30,6 +30,13 @@ def resumed_state(rank: int, world: int, flags: list[str]) -> dict:
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     model_state, optim_state = get_state_dict(run.strategy.model, run.optimizer, options=options)
     sampler = run.sampler.state_dict()
-    return {"model": model_state, "optimizer": optim_state, "global_step": run.state.global_step,
-            "tokens_seen": run.state.tokens_seen, "sampler": sampler, "rows": list(run.sampler),
-            "num_rows": run.sampler.num_rows, "strategy": run.strategy.name}
+    return {
+        "model": model_state,
+        "optimizer": optim_state,
+        "global_step": run.state.global_step,
+        "tokens_seen": run.state.tokens_seen,
+        "sampler": sampler,
+        "rows": list(run.sampler),
+        "num_rows": run.sampler.num_rows,
+        "strategy": run.strategy.name,
+    }

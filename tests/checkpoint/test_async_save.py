@@ -21,8 +21,15 @@ ASYNC = ["--strategy", "fsdp", *shape(2), *FLAGS, "--checkpoint.async_save", "tr
 
 
 def train(data: Path, out: Path, fault: str | None = None):
-    return run_phalanx("train", "--dataset_path", str(data), "--output_dir", str(out), *ASYNC,
-                       env={"PHALANX_FAULT": fault} if fault else None)
+    return run_phalanx(
+        "train",
+        "--dataset_path",
+        str(data),
+        "--output_dir",
+        str(out),
+        *ASYNC,
+        env={"PHALANX_FAULT": fault} if fault else None,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +69,11 @@ def test_async_checkpoints_equal_sync_ones(reference, async_run, tmp_path):
     sync_run = reference("fsdp", 2)
     assert [r["loss"] for r in read_metrics(async_run)] == [r["loss"] for r in read_metrics(sync_run)]
     saves = read_metrics(async_run, "save")
-    assert [(s["name"], s["async"]) for s in saves] == [("checkpoint-2", True), ("checkpoint-4", True), ("checkpoint-6", True)]
+    assert [(s["name"], s["async"]) for s in saves] == [
+        ("checkpoint-2", True),
+        ("checkpoint-4", True),
+        ("checkpoint-6", True),
+    ]
     assert [s["async"] for s in read_metrics(sync_run, "save")] == [False] * 3
     # The last one too: the end of training waited for it before the run finished.
     assert [step for step, _ in committed_step_checkpoints(async_run)] == [2, 4, 6]
@@ -79,7 +90,9 @@ def test_async_checkpoints_equal_sync_ones(reference, async_run, tmp_path):
                 continue
             assert (a / name).read_bytes() == (s / name).read_bytes(), (step, name)
         state_a, state_s = (json.loads((f / "trainer_state.json").read_text()) for f in (a, s))
-        assert state_a.pop("config")["checkpoint"]["async_save"] and not state_s.pop("config")["checkpoint"]["async_save"]
+        assert (
+            state_a.pop("config")["checkpoint"]["async_save"] and not state_s.pop("config")["checkpoint"]["async_save"]
+        )
         assert state_a == state_s
         assert_same_tree(consolidated(a, tmp_path), consolidated(s, tmp_path), f"checkpoint-{step}")
 

@@ -33,9 +33,16 @@ class Counter:
 def make(tmp_path: Path, step: dict, policy: CheckpointPolicy, model=None, **kwargs) -> Checkpointer:
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2) if model is None else model
-    return Checkpointer(tmp_path, RANK, model=model, plain_weights=isinstance(model, torch.nn.Module),
-                        states={"counter": kwargs.pop("counter", Counter())},
-                        trainer_state=lambda: {"global_step": step["n"]}, policy=policy, **kwargs)
+    return Checkpointer(
+        tmp_path,
+        RANK,
+        model=model,
+        plain_weights=isinstance(model, torch.nn.Module),
+        states={"counter": kwargs.pop("counter", Counter())},
+        trainer_state=lambda: {"global_step": step["n"]},
+        policy=policy,
+        **kwargs,
+    )
 
 
 def committed(tmp_path: Path) -> list[int]:
@@ -145,8 +152,9 @@ def test_load_restores_the_model_the_stateful_objects_and_returns_the_counters(t
 
     torch.manual_seed(1)
     other, fresh = torch.nn.Linear(3, 2), Counter()
-    resumed = Checkpointer(tmp_path, RANK, model=other, plain_weights=True, states={"counter": fresh},
-                           trainer_state=lambda: {})
+    resumed = Checkpointer(
+        tmp_path, RANK, model=other, plain_weights=True, states={"counter": fresh}, trainer_state=lambda: {}
+    )
     assert resumed.load(resumed.latest())["global_step"] == 7
     assert fresh.value == 7
     for name, value in other.state_dict().items():

@@ -47,14 +47,22 @@ def writer(out: Path, start_step: int, ready) -> None:
     model, optimizer = make_model()
     tokenizer = load_tokenizer("embedded:tiny-qwen3")
     if start_step:
-        load_checkpoint(out / f"checkpoint-{start_step}", rank=RANK, model=model, stateful={"optimizer": optimizer}, finetune="lora")
+        load_checkpoint(
+            out / f"checkpoint-{start_step}", rank=RANK, model=model, stateful={"optimizer": optimizer}, finetune="lora"
+        )
     ready.set()
     step = start_step
     while True:
         one_step(model, optimizer)
         step += 1
-        save_checkpoint(out / f"checkpoint-{step}", rank=RANK, model=model, tokenizer=tokenizer,
-                        stateful={"optimizer": optimizer}, trainer_state={"global_step": step, "config": {}})
+        save_checkpoint(
+            out / f"checkpoint-{step}",
+            rank=RANK,
+            model=model,
+            tokenizer=tokenizer,
+            stateful={"optimizer": optimizer},
+            trainer_state={"global_step": step, "config": {}},
+        )
         apply_retention(out, 2, keep=set())
 
 

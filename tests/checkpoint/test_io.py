@@ -13,8 +13,16 @@ RANK = RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=t
 
 def tiny(hidden: int = 32, seed: int = 0) -> Qwen3ForCausalLM:
     torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=64, hidden_size=hidden, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=16, tie_word_embeddings=True)
+    cfg = Qwen3Config(
+        vocab_size=64,
+        hidden_size=hidden,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        tie_word_embeddings=True,
+    )
     return Qwen3ForCausalLM(cfg)
 
 
@@ -24,11 +32,19 @@ def test_full_model_round_trip_with_tied_head(tmp_path):
     ids = torch.randint(0, 64, (2, 8))
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
-    save_checkpoint(tmp_path / "checkpoint-1", rank=RANK, model=model, tokenizer=None,
-                    stateful={"optimizer": optimizer}, trainer_state={"global_step": 1, "config": {}})
+    save_checkpoint(
+        tmp_path / "checkpoint-1",
+        rank=RANK,
+        model=model,
+        tokenizer=None,
+        stateful={"optimizer": optimizer},
+        trainer_state={"global_step": 1, "config": {}},
+    )
     fresh = tiny(seed=1)
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
-    state = load_checkpoint(tmp_path / "checkpoint-1", rank=RANK, model=fresh, stateful={"optimizer": fresh_opt}, finetune="full")
+    state = load_checkpoint(
+        tmp_path / "checkpoint-1", rank=RANK, model=fresh, stateful={"optimizer": fresh_opt}, finetune="full"
+    )
     assert state["global_step"] == 1
     for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a, b), name
@@ -37,8 +53,14 @@ def test_full_model_round_trip_with_tied_head(tmp_path):
 
 
 def test_model_of_another_shape_is_refused_with_names(tmp_path):
-    save_checkpoint(tmp_path / "checkpoint-1", rank=RANK, model=tiny(hidden=32), tokenizer=None, stateful={},
-                    trainer_state={"global_step": 1, "config": {}})
+    save_checkpoint(
+        tmp_path / "checkpoint-1",
+        rank=RANK,
+        model=tiny(hidden=32),
+        tokenizer=None,
+        stateful={},
+        trainer_state={"global_step": 1, "config": {}},
+    )
     with pytest.raises(PhalanxError) as err:
         load_checkpoint(tmp_path / "checkpoint-1", rank=RANK, model=tiny(hidden=48), stateful={}, finetune="full")
     assert "model.embed_tokens.weight: checkpoint [64, 32] vs model [64, 48]" in str(err.value)
@@ -62,8 +84,13 @@ def test_background_save_writes_the_state_of_the_moment_it_was_called(tmp_path):
     ids = torch.randint(0, 64, (2, 8))
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
-    args = dict(rank=RANK, model=model, tokenizer=None, stateful={"optimizer": optimizer},
-                trainer_state={"global_step": 1, "config": {}})
+    args = dict(
+        rank=RANK,
+        model=model,
+        tokenizer=None,
+        stateful={"optimizer": optimizer},
+        trainer_state={"global_step": 1, "config": {}},
+    )
     save_checkpoint(tmp_path / "sync", **args)
     pending = save_checkpoint(tmp_path / "checkpoint-1", asynchronous=True, **args)
     with torch.no_grad():  # the next steps, before the background write is done
@@ -77,4 +104,6 @@ def test_background_save_writes_the_state_of_the_moment_it_was_called(tmp_path):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     a, b = (torch.load(tmp_path / f / "optimizer.pt", weights_only=True) for f in ("sync", "checkpoint-1"))
     assert all(torch.equal(a["state"][i]["exp_avg"], b["state"][i]["exp_avg"]) for i in a["state"])
-    assert (tmp_path / "sync" / "trainer_state.json").read_text() == (tmp_path / "checkpoint-1" / "trainer_state.json").read_text()
+    assert (tmp_path / "sync" / "trainer_state.json").read_text() == (
+        tmp_path / "checkpoint-1" / "trainer_state.json"
+    ).read_text()

@@ -11,7 +11,17 @@ from helpers import read_metrics, run_phalanx, tiny_run, write_chat_jsonl
 pytestmark = pytest.mark.distributed
 
 # lora dropout stays on: identical losses after a resume prove the RNG state came back too.
-COMMON = tiny_run({"max_steps": 8, "save_steps": 2, "eval_steps": 4, "test_size": 0.2, "lora_dropout": 0.1, "batch_size": 2, "logging.tensorboard": None})
+COMMON = tiny_run(
+    {
+        "max_steps": 8,
+        "save_steps": 2,
+        "eval_steps": 4,
+        "test_size": 0.2,
+        "lora_dropout": 0.1,
+        "batch_size": 2,
+        "logging.tensorboard": None,
+    }
+)
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +31,18 @@ def dataset(tmp_path_factory) -> Path:
 
 def train(dataset: Path, out: Path, *extra: str, world: int = 2, fault: str | None = None):
     env = {"PHALANX_FAULT": fault} if fault else None
-    return run_phalanx("train", "--dataset_path", str(dataset), "--output_dir", str(out), "--world_size", str(world),
-                       *COMMON, *extra, env=env)
+    return run_phalanx(
+        "train",
+        "--dataset_path",
+        str(dataset),
+        "--output_dir",
+        str(out),
+        "--world_size",
+        str(world),
+        *COMMON,
+        *extra,
+        env=env,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +75,9 @@ def test_resume_after_sigkill_is_bit_identical(dataset, uninterrupted, killed, t
     assert [r["loss"] for r in read_metrics(out, "eval")] == [r["loss"] for r in read_metrics(uninterrupted, "eval")]
     # 24 train rows / 2 ranks / batch 2 = 6 steps per epoch: the epoch mean at step 6 covers steps 1-6, not 5-6.
     epochs = read_metrics(out, "epoch")
-    assert [(r["step"], r["loss"]) for r in epochs] == [(r["step"], r["loss"]) for r in read_metrics(uninterrupted, "epoch")]
+    assert [(r["step"], r["loss"]) for r in epochs] == [
+        (r["step"], r["loss"]) for r in read_metrics(uninterrupted, "epoch")
+    ]
     assert [r["step"] for r in epochs] == [6]
     final = json.loads((out / "final_training_info.json").read_text())
     ref = json.loads((uninterrupted / "final_training_info.json").read_text())
@@ -80,7 +102,11 @@ def test_changed_config_is_shown_and_refused_unless_forced(dataset, killed, tmp_
     shutil.copytree(killed, out)
     proc = train(dataset, out, "--learning_rate", "3e-2")
     assert proc.returncode == 2
-    assert "different config" in proc.stderr and "training.learning_rate: 0.01 -> 0.03" in proc.stderr and "--force" in proc.stderr
+    assert (
+        "different config" in proc.stderr
+        and "training.learning_rate: 0.01 -> 0.03" in proc.stderr
+        and "--force" in proc.stderr
+    )
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4], "a refused resume touches nothing"
     proc = train(dataset, out, "--learning_rate", "3e-2", "--force")
     assert proc.returncode == 0 and "checkpoint-4 at step 4" in proc.stdout
@@ -110,7 +136,9 @@ def test_checkpoint_of_another_adapter_shape_is_refused_with_names(dataset, kill
     shutil.copytree(killed, out)
     proc = train(dataset, out, "--lora_r", "8", "--force")
     assert proc.returncode != 0
-    assert "lora_A" in proc.stderr and "shape" in proc.stderr and "[4," in proc.stderr and "[8," in proc.stderr, proc.stderr[-2000:]
+    assert "lora_A" in proc.stderr and "shape" in proc.stderr and "[4," in proc.stderr and "[8," in proc.stderr, (
+        proc.stderr[-2000:]
+    )
 
 
 def test_kill_before_the_first_checkpoint_starts_over_and_keeps_the_crashed_logs(dataset, tmp_path, capsys):
@@ -131,8 +159,12 @@ def test_kill_before_the_first_checkpoint_starts_over_and_keeps_the_crashed_logs
     err = capsys.readouterr().err
     assert "stopped before its first checkpoint" in err and "training.learning_rate: 0.01 -> 0.03" in err, err
     assert sorted(p.name for p in out.iterdir()) == before, "a refused start touches nothing"
-    assert resume_point(load_config(None, {"output_dir": str(tmp_path / "empty"),
-                                           "checkpoint.resume_from_checkpoint": "latest"})) is None
+    assert (
+        resume_point(
+            load_config(None, {"output_dir": str(tmp_path / "empty"), "checkpoint.resume_from_checkpoint": "latest"})
+        )
+        is None
+    )
 
     proc = train(dataset, out, *no_saves)  # the same command again
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -141,7 +173,9 @@ def test_kill_before_the_first_checkpoint_starts_over_and_keeps_the_crashed_logs
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
     (aside,) = out.glob("crashed-*")
     assert str(aside) in restarts[0]
-    assert [r["step"] for r in read_metrics(aside)] == [1, 2] and list((aside / "tensorboard").glob("events.out.tfevents.*"))
+    assert [r["step"] for r in read_metrics(aside)] == [1, 2] and list(
+        (aside / "tensorboard").glob("events.out.tfevents.*")
+    )
     assert json.loads((aside / "training_info.json").read_text())["config"]["checkpoint"]["save_steps"] == 100
 
     for extra in ([], ["--resume_from_checkpoint", "latest"]):  # a finished run without checkpoint-N

@@ -37,8 +37,20 @@ def test_resume_on_another_number_of_ranks(resume_data, reference, tmp_path, str
     saved = reference(strategy, saved_on)
     checkpoint = saved / "checkpoint-4"
     out = tmp_path / "resumed"
-    proc = run_phalanx("train", "--dataset_path", str(resume_data), "--output_dir", str(out), "--strategy", strategy,
-                       *shape(resumed_on), *FLAGS, "--resume_from_checkpoint", str(checkpoint), "--force")
+    proc = run_phalanx(
+        "train",
+        "--dataset_path",
+        str(resume_data),
+        "--output_dir",
+        str(out),
+        "--strategy",
+        strategy,
+        *shape(resumed_on),
+        *FLAGS,
+        "--resume_from_checkpoint",
+        str(checkpoint),
+        "--force",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "checkpoint-4 at step 4" in proc.stdout and f"World Size: {resumed_on} ({strategy}" in proc.stdout
     resumed = losses(out)
@@ -66,10 +78,23 @@ def consolidated(checkpoint: Path, tmp_path: Path) -> dict:
 
 
 @pytest.mark.parametrize("saved_on, resumed_on", [(2, 1), (1, 2)])
-def test_resharded_state_equals_the_saved_state_and_rows_continue(resume_data, reference, tmp_path, saved_on, resumed_on):
+def test_resharded_state_equals_the_saved_state_and_rows_continue(
+    resume_data, reference, tmp_path, saved_on, resumed_on
+):
     checkpoint = reference("fsdp", saved_on) / "checkpoint-4"
-    flags = ["--dataset_path", str(resume_data), "--output_dir", str(tmp_path / "out"), "--strategy", "fsdp",
-             *shape(resumed_on), *FLAGS, "--resume_from_checkpoint", str(checkpoint), "--force"]
+    flags = [
+        "--dataset_path",
+        str(resume_data),
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--strategy",
+        "fsdp",
+        *shape(resumed_on),
+        *FLAGS,
+        "--resume_from_checkpoint",
+        str(checkpoint),
+        "--force",
+    ]
     ranks = run_ranks(resume_ranks.resumed_state, resumed_on, flags)
     loaded, saved = ranks[0], consolidated(checkpoint, tmp_path)
     assert loaded["strategy"] == "fsdp" and loaded["global_step"] == 4
@@ -92,6 +117,6 @@ def test_resharded_state_equals_the_saved_state_and_rows_continue(resume_data, r
     assert position == 4 * ROWS_PER_STEP
     order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(42)).tolist()  # epoch 0, seed 42
     for r, result in enumerate(ranks):
-        assert result["rows"] == order[position + r::resumed_on], f"rank {r}"
+        assert result["rows"] == order[position + r :: resumed_on], f"rank {r}"
     seen = order[:position] + [row for result in ranks for row in result["rows"]]
     assert sorted(seen) == list(range(num_rows)), "every row of the epoch exactly once"

@@ -27,7 +27,10 @@ pytestmark = pytest.mark.distributed
 CASES = {
     "ddp": (["--strategy", "ddp"], "scheduler.pt"),
     "fsdp": (["--strategy", "fsdp"], "sharded_state/.metadata"),
-    "zero2": (["--strategy", "deepspeed", "--zero_stage", "2"], "deepspeed/state/zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+    "zero2": (
+        ["--strategy", "deepspeed", "--zero_stage", "2"],
+        "deepspeed/state/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+    ),
 }
 
 
@@ -42,8 +45,19 @@ def test_resume_refuses_a_tampered_state_file_without_running_it(case, resume_da
     target = out / "checkpoint-4" / tampered
     assert target.is_file(), sorted(p.name for p in target.parent.iterdir())
     write_payload(target, marker)
-    proc = run_phalanx("train", "--dataset_path", str(resume_data), "--output_dir", str(out), *flags, *shape(1), *FLAGS,
-                       "--resume_from_checkpoint", str(out / "checkpoint-4"), "--force")
+    proc = run_phalanx(
+        "train",
+        "--dataset_path",
+        str(resume_data),
+        "--output_dir",
+        str(out),
+        *flags,
+        *shape(1),
+        *FLAGS,
+        "--resume_from_checkpoint",
+        str(out / "checkpoint-4"),
+        "--force",
+    )
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert f"{target} holds" in proc.stderr and "never runs code from a checkpoint" in proc.stderr, proc.stderr[-3000:]
     assert not marker.exists(), "the pickle's payload ran"
@@ -51,8 +65,9 @@ def test_resume_refuses_a_tampered_state_file_without_running_it(case, resume_da
 
 def deepspeed_reference(resume_data: Path, tmp_path: Path) -> Path:
     out = tmp_path / "zero2-reference"
-    proc = run_phalanx("train", "--dataset_path", str(resume_data), "--output_dir", str(out), *CASES["zero2"][0],
-                       *shape(1), *FLAGS)
+    proc = run_phalanx(
+        "train", "--dataset_path", str(resume_data), "--output_dir", str(out), *CASES["zero2"][0], *shape(1), *FLAGS
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     check_deepspeed_checkpoint(out / "checkpoint-4" / "deepspeed")  # what DeepSpeed writes passes the allowlist
     return out
@@ -67,6 +82,8 @@ def test_the_restricted_loaders_accept_what_phalanx_writes_and_refuse_the_rest(r
         write_payload(tmp_path / name, marker)
     with pytest.raises(UnsafeCheckpointError, match="scheduler.pt holds objects other than tensors"):
         load_state_file(tmp_path / "scheduler.pt")
-    with pytest.raises(UnsafeCheckpointError, match=r"\.metadata holds a pickle that is not DCP metadata .*posix.system"):
+    with pytest.raises(
+        UnsafeCheckpointError, match=r"\.metadata holds a pickle that is not DCP metadata .*posix.system"
+    ):
         check_dcp_metadata(tmp_path)
     assert not marker.exists()

@@ -1,7 +1,6 @@
 """FSDP2 and ZeRO-3 full fine-tuning: checkpoint-{step} holds the weights only in its sharded state (nothing is
 gathered to rank 0), resumes exactly from it, and `phalanx export` turns it into a from_pretrained folder."""
 
-
 import shutil
 
 import pytest
@@ -19,15 +18,33 @@ pytestmark = pytest.mark.distributed
 
 
 # Where each strategy's shards land, and how many files its two ranks write there.
-SHARDS = {"fsdp": (["--strategy", "fsdp"], "sharded_state", "*.distcp"),
-          "zero3": (["--strategy", "deepspeed", "--zero_stage", "3"], "deepspeed/state", "*optim_states.pt")}
+SHARDS = {
+    "fsdp": (["--strategy", "fsdp"], "sharded_state", "*.distcp"),
+    "zero3": (["--strategy", "deepspeed", "--zero_stage", "3"], "deepspeed/state", "*optim_states.pt"),
+}
 
 
 @pytest.mark.parametrize("name", list(SHARDS))
 def test_full_finetune_checkpoints_are_sharded_only_and_export(name, resume_data, tmp_path):
     strategy, shard_dir, shard_glob = SHARDS[name]
-    base = ["train", "--dataset_path", str(resume_data), *strategy, "--finetune", "full", *shape(2), *FLAGS,
-            "--max_steps", "4", "--learning_rate", "1e-3", "--checkpoint.save_best", "true", "--eval_steps", "2"]
+    base = [
+        "train",
+        "--dataset_path",
+        str(resume_data),
+        *strategy,
+        "--finetune",
+        "full",
+        *shape(2),
+        *FLAGS,
+        "--max_steps",
+        "4",
+        "--learning_rate",
+        "1e-3",
+        "--checkpoint.save_best",
+        "true",
+        "--eval_steps",
+        "2",
+    ]
     whole = tmp_path / "whole"
     proc = run_phalanx(*base, "--output_dir", str(whole))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -51,7 +68,9 @@ def test_full_finetune_checkpoints_are_sharded_only_and_export(name, resume_data
     # A shard file replaced by a pickle that runs code is refused before anything unpickles it for real.
     tampered = tmp_path / "tampered"
     shutil.copytree(whole / "checkpoint-4", tampered)
-    victim = (tampered / shard_dir / ".metadata") if name == "fsdp" else sorted((tampered / shard_dir).glob(shard_glob))[0]
+    victim = (
+        (tampered / shard_dir / ".metadata") if name == "fsdp" else sorted((tampered / shard_dir).glob(shard_glob))[0]
+    )
     marker = tmp_path / "payload-ran"
     write_payload(victim, marker)
     with pytest.raises(UnsafeCheckpointError, match=victim.name):

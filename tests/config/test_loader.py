@@ -8,10 +8,31 @@ from phalanx.config.loader import FLAT_FLAGS, all_dotted_fields, load_config, ov
 from phalanx.errors import ConfigError
 
 SEED_FLAGS = [
-    "model_name", "dataset_path", "dataset_name", "output_dir", "num_epochs", "batch_size", "learning_rate",
-    "gradient_accumulation_steps", "max_grad_norm", "lora_r", "lora_alpha", "lora_dropout", "eval_steps",
-    "save_steps", "log_steps", "world_size", "max_length", "r", "max_steps", "seed", "warmup_ratio",
-    "lr_scheduler", "finetune", "test_size", "eval_dataset_path",
+    "model_name",
+    "dataset_path",
+    "dataset_name",
+    "output_dir",
+    "num_epochs",
+    "batch_size",
+    "learning_rate",
+    "gradient_accumulation_steps",
+    "max_grad_norm",
+    "lora_r",
+    "lora_alpha",
+    "lora_dropout",
+    "eval_steps",
+    "save_steps",
+    "log_steps",
+    "world_size",
+    "max_length",
+    "r",
+    "max_steps",
+    "seed",
+    "warmup_ratio",
+    "lr_scheduler",
+    "finetune",
+    "test_size",
+    "eval_dataset_path",
 ]
 
 
@@ -25,7 +46,9 @@ def test_every_seed_flag_maps_to_a_real_field():
 def test_flags_override_yaml(tmp_path: Path):
     cfg_file = tmp_path / "run.yaml"
     cfg_file.write_text("training:\n  learning_rate: 1.0e-4\n  batch_size: 2\nlora:\n  r: 8\n")
-    cfg = load_config(str(cfg_file), overrides_from_flags([("learning_rate", "5e-5"), ("r", "32"), ("training.seed", "7")]))
+    cfg = load_config(
+        str(cfg_file), overrides_from_flags([("learning_rate", "5e-5"), ("r", "32"), ("training.seed", "7")])
+    )
     assert cfg.training.learning_rate == 5e-5
     assert cfg.training.batch_size == 2
     assert cfg.lora.r == 32
@@ -61,7 +84,11 @@ def test_wrong_type_names_field_and_value(tmp_path: Path):
 def test_batch_size_zero_is_refused_from_the_command_line():
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides_from_flags([("batch_size", "0")]))
-    assert "command line" in str(err.value) and "training.batch_size" in str(err.value) and "greater than 0" in str(err.value)
+    assert (
+        "command line" in str(err.value)
+        and "training.batch_size" in str(err.value)
+        and "greater than 0" in str(err.value)
+    )
 
 
 def test_retention_below_two_checkpoints_is_refused_with_the_reason(tmp_path: Path):
@@ -95,9 +122,17 @@ def test_both_dataset_sources_refused():
 
 def test_text_fields_get_the_text_typed_and_bool_fields_keep_yes_no(tmp_path: Path):
     """YAML 1.1 reads no/off/yes/on as booleans: a string or choice field gets the characters, from flags and files."""
-    flags = overrides_from_flags([("mixed_precision", "no"), ("output_dir", "on"), ("logging.tensorboard", "off"),
-                                  ("overwrite_output_dir", "yes"), ("target_modules", "[q_proj, no]"),
-                                  ("model_name", "1.10"), ("resume_from_checkpoint", "null")])
+    flags = overrides_from_flags(
+        [
+            ("mixed_precision", "no"),
+            ("output_dir", "on"),
+            ("logging.tensorboard", "off"),
+            ("overwrite_output_dir", "yes"),
+            ("target_modules", "[q_proj, no]"),
+            ("model_name", "1.10"),
+            ("resume_from_checkpoint", "null"),
+        ]
+    )
     cfg = load_config(None, flags)
     assert (cfg.training.mixed_precision, cfg.output_dir, cfg.model.model_name) == ("no", "on", "1.10")
     assert cfg.logging.tensorboard is False and cfg.overwrite_output_dir is True

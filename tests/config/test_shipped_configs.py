@@ -22,4 +22,5 @@ def test_configs_exist():
 def test_readme_config_reference_is_current():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert f"<!-- config-reference:start -->\n{config_reference()}\n<!-- config-reference:end -->" in readme, (
-        "README's config reference is stale: run `python -m phalanx.config.docs --update README.md`")
+        "README's config reference is stale: run `python -m phalanx.config.docs --update README.md`"
+    )

@@ -19,8 +19,8 @@ CHATML = (
     "{% for m in messages %}"
     "{% if m.role == 'system' and loop.first %}"
     "{% elif m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}"
-    "{% for tc in m.tool_calls or [] %}<tool_call>{\"name\": \"{{ tc.function.name }}\", "
-    "\"arguments\": {{ tc.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n"
+    '{% for tc in m.tool_calls or [] %}<tool_call>{"name": "{{ tc.function.name }}", '
+    '"arguments": {{ tc.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n'
     "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
     "{% endif %}"
     "{% endfor %}"
@@ -46,7 +46,7 @@ TOOL_ROW = {
         {
             "role": "assistant",
             "content": None,
-            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}],
+            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}],
         },
         {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": "TOOL-RESULT 18C"},
         {"role": "assistant", "content": "ASSISTANT-ONE It is 18C."},
@@ -58,7 +58,9 @@ TOOL_ROW = {
 
 
 def _chat_row(i: int, answer: str = "fine") -> dict:
-    return {"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"{answer} {i}"}]}
+    return {
+        "messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"{answer} {i}"}]
+    }
 
 
 def _make_tokenizer(template: str | None = CHATML) -> ByT5Tokenizer:

@@ -54,7 +54,7 @@ CHATML_TARGETS = [
 
 
 def _assert_only_assistant(text: str):
-    for other in ("SYSTEM-TEXT", "USER-ONE", "USER-TWO", "TOOL-RESULT", "get_weather\", \"description"):
+    for other in ("SYSTEM-TEXT", "USER-ONE", "USER-TWO", "TOOL-RESULT", 'get_weather", "description'):
         assert other not in text
 
 
@@ -66,7 +66,7 @@ def test_chatml_multi_turn_tool_calls_mask_exactly_the_assistant_turns(tokenizer
     # The input is exactly the template's text: tools rendered, no special token added (no BOS/EOS twice).
     rendered = tokenizer.apply_chat_template(conv["messages"], tools=conv["tools"], tokenize=False)
     assert tokenizer.decode(result["input_ids"]) == rendered
-    assert "# Tools\n{\"type\": \"function\"" in rendered
+    assert '# Tools\n{"type": "function"' in rendered
     assert tokenizer.eos_token_id not in result["input_ids"]
     assert not tokenize_conversation(tokenizer, conv, WHERE).tools_dropped
 
@@ -79,16 +79,22 @@ def test_a_different_template_masks_correctly_too(make_tokenizer, tool_row):
         "ASSISTANT-ONE It is 18C.<|eot_id|>",
         "ASSISTANT-TWO You're welcome.<|eot_id|>",
     ]
-    assert tok.decode(result["input_ids"]).startswith("<|start_header_id|>system<|end_header_id|>\n\nFunctions: get_weather")
+    assert tok.decode(result["input_ids"]).startswith(
+        "<|start_header_id|>system<|end_header_id|>\n\nFunctions: get_weather"
+    )
 
 
 def test_inst_template_without_generation_prompt_trains_on_answer_and_eos(make_tokenizer):
     tok = make_tokenizer(INST)
-    row = {"conversations": [
-        {"from": "system", "value": "SYSTEM-TEXT"},
-        {"from": "human", "value": "USER-ONE"}, {"from": "gpt", "value": "ASSISTANT-ONE"},
-        {"from": "human", "value": "USER-TWO"}, {"from": "gpt", "value": "ASSISTANT-TWO"},
-    ]}
+    row = {
+        "conversations": [
+            {"from": "system", "value": "SYSTEM-TEXT"},
+            {"from": "human", "value": "USER-ONE"},
+            {"from": "gpt", "value": "ASSISTANT-ONE"},
+            {"from": "human", "value": "USER-TWO"},
+            {"from": "gpt", "value": "ASSISTANT-TWO"},
+        ]
+    }
     result = one(tokenize_conversation(tok, to_conversation(row, WHERE), WHERE))
     assert target_runs(tok, result) == [" ASSISTANT-ONE</s>", " ASSISTANT-TWO</s>"]
     assert result["labels"][-1] == tok.eos_token_id  # EOS is a real special token here, and a target
@@ -146,11 +152,17 @@ def test_template_that_rewrites_other_text_trains_on_the_whole_rendering(make_to
 
 
 def test_generation_prompt_that_does_not_match_assistant_turns_is_refused(make_tokenizer, chatml, tool_row):
-    tok = make_tokenizer(chatml.replace("{% if add_generation_prompt %}<|im_start|>assistant", "{% if add_generation_prompt %}<|im_start|>model"))
+    tok = make_tokenizer(
+        chatml.replace(
+            "{% if add_generation_prompt %}<|im_start|>assistant", "{% if add_generation_prompt %}<|im_start|>model"
+        )
+    )
     with pytest.raises(DataError) as info:
         tokenize_conversation(tok, to_conversation(tool_row, WHERE), WHERE)
     msg = str(info.value)
-    assert msg.startswith(f"{WHERE}: messages[2] (assistant): the chat template's generation prompt (add_generation_prompt=True)")
+    assert msg.startswith(
+        f"{WHERE}: messages[2] (assistant): the chat template's generation prompt (add_generation_prompt=True)"
+    )
     assert "<|im_start|>model" in msg and "<|im_start|>assistant" in msg  # where the renderings part
 
 
@@ -194,10 +206,14 @@ REWRITES_PAST_TURNS = (
     "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-REASONING_ROW = {"messages": [
-    {"role": "user", "content": "USER-ONE"}, {"role": "assistant", "content": "ANSWER-ONE", "reasoning_content": "WHY-ONE"},
-    {"role": "user", "content": "USER-TWO"}, {"role": "assistant", "content": "ANSWER-TWO", "reasoning_content": "WHY-TWO"},
-]}
+REASONING_ROW = {
+    "messages": [
+        {"role": "user", "content": "USER-ONE"},
+        {"role": "assistant", "content": "ANSWER-ONE", "reasoning_content": "WHY-ONE"},
+        {"role": "user", "content": "USER-TWO"},
+        {"role": "assistant", "content": "ANSWER-TWO", "reasoning_content": "WHY-TWO"},
+    ]
+}
 
 
 def test_template_that_rewrites_past_turns_trains_one_row_per_turn(make_tokenizer):
@@ -211,7 +227,8 @@ def test_template_that_rewrites_past_turns_trains_one_row_per_turn(make_tokenize
     assert target_runs(tok, second) == ["<think>\nWHY-TWO\n</think>\n\nANSWER-TWO<|im_end|>\n"]
     # The second row's context is the first turn as the template renders it later: reasoning gone, not trained.
     assert tok.decode(second["input_ids"]).startswith(
-        "<|im_start|>user\nUSER-ONE<|im_end|>\n<|im_start|>assistant\nANSWER-ONE<|im_end|>\n<|im_start|>user\nUSER-TWO")
+        "<|im_start|>user\nUSER-ONE<|im_end|>\n<|im_start|>assistant\nANSWER-ONE<|im_end|>\n<|im_start|>user\nUSER-TWO"
+    )
     assert tokenize_conversation(tok, conv, WHERE, "per_turn").examples == result.examples
     with pytest.raises(DataError) as info:
         tokenize_conversation(tok, conv, WHERE, "full")
@@ -237,10 +254,14 @@ PREFILLS_THINK = (
 
 def test_generation_prompt_that_prefills_the_answer_trains_from_the_header(make_tokenizer):
     tok = make_tokenizer(PREFILLS_THINK)
-    row = {"messages": [
-        {"role": "user", "content": "Q1"}, {"role": "assistant", "content": "<think>\nhmm</think>A1"},
-        {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "<think>\nunclosed"},
-    ]}
+    row = {
+        "messages": [
+            {"role": "user", "content": "Q1"},
+            {"role": "assistant", "content": "<think>\nhmm</think>A1"},
+            {"role": "user", "content": "Q2"},
+            {"role": "assistant", "content": "<think>\nunclosed"},
+        ]
+    }
     result = tokenize_conversation(tok, to_conversation(row, WHERE), WHERE)
     assert result.policy == "full" and result.reasoning_dropped == 1
     # "<think>\n" at the start of the second answer is the answer's own text, though the prompt pre-fills the same.
@@ -257,7 +278,10 @@ TRAILER = (
 
 def test_conversation_trailer_is_not_trained(make_tokenizer, chat_row):
     tok = make_tokenizer(TRAILER)
-    row = {"messages": chat_row(1)["messages"] + [{"role": "user", "content": "again"}, {"role": "assistant", "content": "B"}]}
+    row = {
+        "messages": chat_row(1)["messages"]
+        + [{"role": "user", "content": "again"}, {"role": "assistant", "content": "B"}]
+    }
     result = tokenize_conversation(tok, to_conversation(row, WHERE), WHERE)
     example = result.examples[0]
     assert target_runs(tok, example) == ["fine 1<|end|>\n", "B<|end|>\n"]
@@ -275,10 +299,16 @@ SYSTEM_IN_LAST_USER = (
 
 def test_system_prompt_moved_or_dropped_by_the_template(make_tokenizer, tools):
     tok = make_tokenizer(SYSTEM_IN_LAST_USER)
-    row = {"tools": tools, "messages": [
-        {"role": "system", "content": "SYSTEM-TEXT"}, {"role": "user", "content": "U1"}, {"role": "assistant", "content": "OK"},
-        {"role": "user", "content": "U2"}, {"role": "assistant", "content": "OK"},
-    ]}
+    row = {
+        "tools": tools,
+        "messages": [
+            {"role": "system", "content": "SYSTEM-TEXT"},
+            {"role": "user", "content": "U1"},
+            {"role": "assistant", "content": "OK"},
+            {"role": "user", "content": "U2"},
+            {"role": "assistant", "content": "OK"},
+        ],
+    }
     result = tokenize_conversation(tok, to_conversation(row, WHERE), WHERE)
     assert result.policy == "full" and result.system_dropped and result.tools_dropped  # this template writes no tools
     assert tok.decode(result.examples[0]["input_ids"]) == "[INST]U1[/INST]OK</s>[INST]U2[/INST]OK</s>"
@@ -288,13 +318,21 @@ def test_system_prompt_moved_or_dropped_by_the_template(make_tokenizer, tools):
 def test_identical_answers_are_located_at_their_own_turns(make_tokenizer, chatml):
     """The views differ from the whole rendering, and the same output occurs twice: each turn gets its own."""
     tok = make_tokenizer(NUMBERED + chatml)
-    row = {"messages": [{"role": "user", "content": "U1"}, {"role": "assistant", "content": "OK"},
-                        {"role": "user", "content": "OK"}, {"role": "assistant", "content": "OK"}]}
+    row = {
+        "messages": [
+            {"role": "user", "content": "U1"},
+            {"role": "assistant", "content": "OK"},
+            {"role": "user", "content": "OK"},
+            {"role": "assistant", "content": "OK"},
+        ]
+    }
     example = one(tokenize_conversation(tok, to_conversation(row, WHERE), WHERE))
     text = tok.decode(example["input_ids"])
     trained = "".join("^" if label != IGNORE_INDEX else "." for label in example["labels"])
-    assert text == ("<conversation of 4 messages>\n<|im_start|>user\nU1<|im_end|>\n<|im_start|>assistant\nOK<|im_end|>\n"
-                    "<|im_start|>user\nOK<|im_end|>\n<|im_start|>assistant\nOK<|im_end|>\n")
+    assert text == (
+        "<conversation of 4 messages>\n<|im_start|>user\nU1<|im_end|>\n<|im_start|>assistant\nOK<|im_end|>\n"
+        "<|im_start|>user\nOK<|im_end|>\n<|im_start|>assistant\nOK<|im_end|>\n"
+    )
     first = text.index("assistant\nOK") + len("assistant\n")
     second = text.rindex("assistant\nOK") + len("assistant\n")
     expected = ["."] * len(text)
@@ -305,14 +343,19 @@ def test_identical_answers_are_located_at_their_own_turns(make_tokenizer, chatml
 
 def test_template_that_drops_tool_calls_or_arguments_is_refused(make_tokenizer, chatml, tool_row):
     no_calls = chatml.replace("{% for tc in m.tool_calls or [] %}", "{% for tc in [] %}")
-    with pytest.raises(DataError, match=r"^train.jsonl line 3: messages\[2\]\.tool_calls\[0\]: the chat template dropped "
-                                        r"the tool call's name 'get_weather'"):
+    with pytest.raises(
+        DataError,
+        match=r"^train.jsonl line 3: messages\[2\]\.tool_calls\[0\]: the chat template dropped "
+        r"the tool call's name 'get_weather'",
+    ):
         tokenize_conversation(make_tokenizer(no_calls), to_conversation(tool_row, WHERE), WHERE)
     no_arguments = chatml.replace("{{ tc.function.arguments | tojson }}", "{}")
     with pytest.raises(DataError, match=r"dropped the tool call's argument 'city'"):
         tokenize_conversation(make_tokenizer(no_arguments), to_conversation(tool_row, WHERE), WHERE)
     no_content = chatml.replace("<|im_start|>assistant\n{{ m.content }}", "<|im_start|>assistant\n")
-    with pytest.raises(DataError, match=r"messages\[4\] \(assistant\): the chat template dropped its content \('ASSISTANT-ONE"):
+    with pytest.raises(
+        DataError, match=r"messages\[4\] \(assistant\): the chat template dropped its content \('ASSISTANT-ONE"
+    ):
         tokenize_conversation(make_tokenizer(no_content), to_conversation(tool_row, WHERE), WHERE)
 
 
@@ -323,48 +366,62 @@ FINAL_ONLY_MARKER = (
     "{% if add_generation_prompt %}<|start|>assistant<|message|>{% endif %}"
 )
 # Command R's habit: the assistant header is written after the last message whether or not a prompt is asked for.
-ALWAYS_WRITES_HEADER = (
-    "{% for m in messages %}<SOT><{{ m.role }}>{{ m.content }}<EOT>{% endfor %}<SOT><assistant>"
-)
+ALWAYS_WRITES_HEADER = "{% for m in messages %}<SOT><{{ m.role }}>{{ m.content }}<EOT>{% endfor %}<SOT><assistant>"
 # GLM's habit: no end-of-turn marker; the next header is the model's stop.
 NO_END_MARKER = "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 
 
 def test_text_written_only_after_a_final_answer_is_its_own(make_tokenizer, chat_row):
     tok = make_tokenizer(FINAL_ONLY_MARKER)
-    row = {"messages": chat_row(1)["messages"] + [{"role": "user", "content": "more"}, {"role": "assistant", "content": "B"}]}
+    row = {
+        "messages": chat_row(1)["messages"]
+        + [{"role": "user", "content": "more"}, {"role": "assistant", "content": "B"}]
+    }
     result = tokenize_conversation(tok, to_conversation(row, WHERE), WHERE)
     assert result.policy == "per_turn"  # "fine 1<|return|>" is not in the whole rendering, which has "<|end|>" there
     assert [target_runs(tok, ex) for ex in result.examples] == [["fine 1<|return|>"], ["B<|return|>"]]
 
 
 def test_a_template_that_always_writes_the_next_header_is_refused(make_tokenizer, chat_row):
-    with pytest.raises(DataError, match=r"messages\[1\] \(assistant\): where this turn ends is ambiguous: the template "
-                                        r"writes '<EOT><SOT><assistant>' after the message's text when it ends the conversation, and a "
-                                        r"following message's rendering keeps only '<EOT><SOT><' of that"):
+    with pytest.raises(
+        DataError,
+        match=r"messages\[1\] \(assistant\): where this turn ends is ambiguous: the template "
+        r"writes '<EOT><SOT><assistant>' after the message's text when it ends the conversation, and a "
+        r"following message's rendering keeps only '<EOT><SOT><' of that",
+    ):
         tokenize_conversation(make_tokenizer(ALWAYS_WRITES_HEADER), to_conversation(chat_row(1), WHERE), WHERE)
 
 
 def test_turns_the_template_ends_with_nothing_are_counted(make_tokenizer, chat_row):
-    row = {"messages": chat_row(1)["messages"] + [{"role": "user", "content": "more"}, {"role": "assistant", "content": "B"}]}
+    row = {
+        "messages": chat_row(1)["messages"]
+        + [{"role": "user", "content": "more"}, {"role": "assistant", "content": "B"}]
+    }
     result = tokenize_conversation(make_tokenizer(NO_END_MARKER), to_conversation(row, WHERE), WHERE)
     assert result.policy == "full" and result.unterminated == 2
     assert target_runs(make_tokenizer(NO_END_MARKER), result.examples[0]) == ["fine 1", "B"]
 
 
-@pytest.mark.parametrize("writes", ["' + tc.function.arguments + '", "{{ tc.function.arguments | string }}"],
-                         ids=["concatenates-text", "prints-the-value"])
+@pytest.mark.parametrize(
+    "writes",
+    ["' + tc.function.arguments + '", "{{ tc.function.arguments | string }}"],
+    ids=["concatenates-text", "prints-the-value"],
+)
 def test_arguments_go_as_json_text_to_templates_that_cannot_take_a_mapping(make_tokenizer, chatml, tool_row, writes):
-    template = chatml.replace("\"arguments\": {{ tc.function.arguments | tojson }}",
-                              "\"arguments\": " + ("{{ '" + writes + "' }}" if writes.startswith("'") else writes))
+    template = chatml.replace(
+        '"arguments": {{ tc.function.arguments | tojson }}',
+        '"arguments": ' + ("{{ '" + writes + "' }}" if writes.startswith("'") else writes),
+    )
     result = tokenize_conversation(make_tokenizer(template), to_conversation(tool_row, WHERE), WHERE)
     assert target_runs(make_tokenizer(template), result.examples[0])[0] == CHATML_TARGETS[0]  # {"city": "Paris"}
 
 
 def test_a_tool_calling_message_whose_content_the_template_ignores_is_located(make_tokenizer, chatml, tool_row):
     """Mistral writes only the calls of a tool-calling message: the sentinel goes into the call's name too."""
-    ignores_content = NUMBERED + chatml.replace("<|im_start|>assistant\n{{ m.content }}",
-                                                "<|im_start|>assistant\n{% if not m.tool_calls %}{{ m.content }}{% endif %}")
+    ignores_content = NUMBERED + chatml.replace(
+        "<|im_start|>assistant\n{{ m.content }}",
+        "<|im_start|>assistant\n{% if not m.tool_calls %}{{ m.content }}{% endif %}",
+    )
     tool_row["messages"][2]["content"] = "<think>checking the weather</think>"  # reasoning only: not trained, counted
     tok = make_tokenizer(ignores_content)
     result = tokenize_conversation(tok, to_conversation(tool_row, WHERE), WHERE)
@@ -383,18 +440,25 @@ WRITES_THINK_AROUND_REASONING = (
 def test_a_prefill_the_template_writes_around_reasoning_is_not_trained(make_tokenizer):
     tok = make_tokenizer(WRITES_THINK_AROUND_REASONING)
     result = tokenize_conversation(tok, to_conversation(REASONING_ROW, WHERE), WHERE, "per_turn")
-    assert [target_runs(tok, ex) for ex in result.examples] == [["WHY-ONE\n</think>\n\nANSWER-ONE</s>"],
-                                                                ["WHY-TWO\n</think>\n\nANSWER-TWO</s>"]]
+    assert [target_runs(tok, ex) for ex in result.examples] == [
+        ["WHY-ONE\n</think>\n\nANSWER-ONE</s>"],
+        ["WHY-TWO\n</think>\n\nANSWER-TWO</s>"],
+    ]
 
 
 def test_an_end_of_sequence_token_inside_a_turn_is_refused(make_tokenizer, tool_row):
     """Nemotron writes content and tool calls as two assistant blocks, each closed by the end-of-sequence token."""
-    template = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% if m.tool_calls %}</s><|assistant|>"
-                "{% for tc in m.tool_calls %}{{ tc.function.name }}{{ tc.function.arguments | tojson }}{% endfor %}"
-                "{% endif %}</s>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    template = (
+        "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% if m.tool_calls %}</s><|assistant|>"
+        "{% for tc in m.tool_calls %}{{ tc.function.name }}{{ tc.function.arguments | tojson }}{% endfor %}"
+        "{% endif %}</s>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
     tool_row["messages"][2]["content"] = "Let me check."
-    with pytest.raises(DataError, match=r"messages\[2\] \(assistant\): the chat template writes the end-of-sequence "
-                                        r"token '</s>' inside this turn"):
+    with pytest.raises(
+        DataError,
+        match=r"messages\[2\] \(assistant\): the chat template writes the end-of-sequence "
+        r"token '</s>' inside this turn",
+    ):
         tokenize_conversation(make_tokenizer(template), to_conversation(tool_row, WHERE), WHERE)
 
 
@@ -403,10 +467,14 @@ def test_consecutive_assistant_messages(make_tokenizer, chat_row):
     header with the turn): each message still trains exactly its own output."""
     row = {"messages": chat_row(1)["messages"] + [{"role": "assistant", "content": "B"}]}
     tok = make_tokenizer(FINAL_ONLY_MARKER)
-    assert [target_runs(tok, ex) for ex in tokenize_conversation(tok, to_conversation(row, WHERE), WHERE).examples] == \
-        [["fine 1<|return|>"], ["B<|return|>"]]
-    header_with_turn = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}<|end|>\n{% endfor %}"
-                        "{% if add_generation_prompt and messages[-1].role != 'assistant' %}<|assistant|>\n{% endif %}")
+    assert [target_runs(tok, ex) for ex in tokenize_conversation(tok, to_conversation(row, WHERE), WHERE).examples] == [
+        ["fine 1<|return|>"],
+        ["B<|return|>"],
+    ]
+    header_with_turn = (
+        "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}<|end|>\n{% endfor %}"
+        "{% if add_generation_prompt and messages[-1].role != 'assistant' %}<|assistant|>\n{% endif %}"
+    )
     tok = make_tokenizer(header_with_turn)
     result = tokenize_conversation(tok, to_conversation(row, WHERE), WHERE)
     assert result.policy == "full" and target_runs(tok, result.examples[0]) == ["fine 1<|end|>\n", "B<|end|>\n"]

@@ -1,7 +1,6 @@
 """data.chat_template: phalanx's DeepSeek-R1-Distill template against the models' own, resolving the value, and a
 real run that saves the template it trained with."""
 
-
 import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -15,13 +14,14 @@ from phalanx.errors import ConfigError
 ORIGINAL = shared_template("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B").read_text()
 OURS = resolve_chat_template("deepseek-r1-distill")
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
-CALL_BMI = "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_bmi\n```json\n{\"weight_kg\": 70}\n```<｜tool▁call▁end｜>"
-CALL_TIME = "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{\"tz\": \"UTC\"}\n```<｜tool▁call▁end｜>"
+CALL_BMI = '<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_bmi\n```json\n{"weight_kg": 70}\n```<｜tool▁call▁end｜>'
+CALL_TIME = '<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{"tz": "UTC"}\n```<｜tool▁call▁end｜>'
 
 
 def render(template: str, messages: list[dict], generation_prompt: bool = False) -> str:
-    return render_jinja_template([messages], chat_template=template, add_generation_prompt=generation_prompt,
-                                 bos_token=BOS, eos_token=EOS)[0][0]
+    return render_jinja_template(
+        [messages], chat_template=template, add_generation_prompt=generation_prompt, bos_token=BOS, eos_token=EOS
+    )[0][0]
 
 
 def call(name: str, arguments) -> dict:
@@ -72,16 +72,21 @@ def test_calls_render_whatever_the_content(content):
     if content != "missing":
         turn["content"] = content
     text = "Let me check." if content == "Let me check." else ""
-    expected = (f"{BOS}<｜User｜>q<｜Assistant｜>{text}<｜tool▁calls▁begin｜>{CALL_BMI}\n{CALL_TIME}"
-                f"<｜tool▁calls▁end｜>{EOS}")
+    expected = (
+        f"{BOS}<｜User｜>q<｜Assistant｜>{text}<｜tool▁calls▁begin｜>{CALL_BMI}\n{CALL_TIME}<｜tool▁calls▁end｜>{EOS}"
+    )
     assert render(OURS, [{"role": "user", "content": "q"}, turn]) == expected
     if content != "missing":  # the original writes the text (or nothing) and drops the calls
-        assert render(ORIGINAL, [{"role": "user", "content": "q"}, turn]) == f"{BOS}<｜User｜>q<｜Assistant｜>{text}{EOS}"
+        assert (
+            render(ORIGINAL, [{"role": "user", "content": "q"}, turn]) == f"{BOS}<｜User｜>q<｜Assistant｜>{text}{EOS}"
+        )
 
 
 def test_arguments_as_a_mapping_are_written_as_json():
-    messages = [{"role": "user", "content": "q"},
-                {"role": "assistant", "content": None, "tool_calls": [call("get_bmi", {"weight_kg": 70})]}]
+    messages = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": None, "tool_calls": [call("get_bmi", {"weight_kg": 70})]},
+    ]
     assert CALL_BMI in render(OURS, messages)
     with pytest.raises(TypeError):  # the original concatenates: str + dict
         render(ORIGINAL, messages)
@@ -182,9 +187,23 @@ def test_the_template_is_saved_in_checkpoints_and_output_and_used_by_generate(tm
     template = tmp_path / "mine.jinja"
     template.write_text("{#- the tiny model's template under another name -#}\n" + CHAT_TEMPLATE)
     out = tmp_path / "out"
-    proc = run_phalanx("train", "--dataset_path", str(data.parent), "--output_dir", str(out), "--max_steps", "1",
-                       "--save_steps", "1", "--test_size", "0", "--max_length", "512",
-                       "--chat_template", str(template))
+    proc = run_phalanx(
+        "train",
+        "--dataset_path",
+        str(data.parent),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "1",
+        "--save_steps",
+        "1",
+        "--test_size",
+        "0",
+        "--max_length",
+        "512",
+        "--chat_template",
+        str(template),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for folder in (out, out / "checkpoint-1"):
         assert (folder / "chat_template.jinja").read_text() == template.read_text()
@@ -207,8 +226,11 @@ def test_tool_rows_train_with_exact_masks_under_the_corrected_template():
     from data.templates import build_tokenizer
 
     tok = build_tokenizer(OURS, bos_token=BOS, eos_token=EOS)
-    messages = TWO_CALLS[:6] + [{"role": "assistant", "content": "", "tool_calls": [call("get_bmi", {"weight_kg": 70})]},
-                                {"role": "tool", "content": '{"bmi": 22.9}'}, {"role": "assistant", "content": "same"}]
+    messages = TWO_CALLS[:6] + [
+        {"role": "assistant", "content": "", "tool_calls": [call("get_bmi", {"weight_kg": 70})]},
+        {"role": "tool", "content": '{"bmi": 22.9}'},
+        {"role": "assistant", "content": "same"},
+    ]
     result = tokenize_conversation(tok, to_conversation({"messages": messages}, "row 1"), "row 1")
     assert result.policy == "full"
     runs = trained_runs(tok, result.examples[0])

@@ -17,8 +17,9 @@ def test_preview_marks_trained_tokens_and_lists_every_refused_row(tmp_path):
     data = tmp_path / "chats.jsonl"
     data.write_text("\n".join(rows) + "\n")
     # on_bad_row is 'error' (the default): a run would stop at line 4; the preview reads on and lists both.
-    proc = run_phalanx("data", "preview", "--dataset_path", str(data), "--rows", "2", "--max_length", "4096",
-                       "--test_size", "0")
+    proc = run_phalanx(
+        "data", "preview", "--dataset_path", str(data), "--rows", "2", "--max_length", "4096", "--test_size", "0"
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     headers = [line for line in out.splitlines() if line.startswith("── ")]
@@ -37,16 +38,61 @@ def test_preview_marks_trained_tokens_and_lists_every_refused_row(tmp_path):
 
 
 def test_preview_colours_on_a_terminal_and_fails_when_nothing_trains(tmp_path, tokenizer, write_jsonl):
-    cfg = load_config(None, overrides_from_flags([("dataset_path", str(write_jsonl(tmp_path / "a.jsonl", [
-        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "HELLO"}]}])))]))
+    cfg = load_config(
+        None,
+        overrides_from_flags(
+            [
+                (
+                    "dataset_path",
+                    str(
+                        write_jsonl(
+                            tmp_path / "a.jsonl",
+                            [
+                                {
+                                    "messages": [
+                                        {"role": "user", "content": "hi"},
+                                        {"role": "assistant", "content": "HELLO"},
+                                    ]
+                                }
+                            ],
+                        )
+                    ),
+                )
+            ]
+        ),
+    )
     lines: list[str] = []
     assert preview(cfg, tokenizer, 1, True, lines.append) == 0
     assert f"{GREEN}HELLO<|im_end|>\n{RESET}" in lines[1]
 
-    cfg = load_config(None, overrides_from_flags([("dataset_path", str(write_jsonl(tmp_path / "b.jsonl", [
-        {"messages": [{"role": "user", "content": "x" * 50}, {"role": "assistant", "content": "late"}]}]))),
-        ("max_length", "20")]))
+    cfg = load_config(
+        None,
+        overrides_from_flags(
+            [
+                (
+                    "dataset_path",
+                    str(
+                        write_jsonl(
+                            tmp_path / "b.jsonl",
+                            [
+                                {
+                                    "messages": [
+                                        {"role": "user", "content": "x" * 50},
+                                        {"role": "assistant", "content": "late"},
+                                    ]
+                                }
+                            ],
+                        )
+                    ),
+                ),
+                ("max_length", "20"),
+            ]
+        ),
+    )
     lines.clear()
     assert preview(cfg, tokenizer, 3, False, lines.append) == 1
     assert lines[-2].startswith("Data: 1 rows read -> 0 train rows") and "1 dropped" in lines[-2]
-    assert "1 no assistant token left within max_length (cut at max_length 20 before its first assistant token" in lines[-1]
+    assert (
+        "1 no assistant token left within max_length (cut at max_length 20 before its first assistant token"
+        in lines[-1]
+    )

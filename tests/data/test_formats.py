@@ -27,7 +27,11 @@ def test_flat_tool_calls_flat_tools_text_parts_and_null_keys():
     row = {
         "messages": [
             {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": None},
-            {"role": "assistant", "tool_calls": [{"name": "f", "arguments": {"x": 1}, "id": "c9"}], "tool_call_id": None},
+            {
+                "role": "assistant",
+                "tool_calls": [{"name": "f", "arguments": {"x": 1}, "id": "c9"}],
+                "tool_call_id": None,
+            },
             {"role": "tool", "content": "r"},
             {"role": "assistant", "content": "done", "tool_calls": None},
         ],
@@ -35,7 +39,9 @@ def test_flat_tool_calls_flat_tools_text_parts_and_null_keys():
     }
     conv = to_conversation(row, WHERE, "messages")
     assert conv["messages"][0] == {"role": "user", "content": "ab"}
-    assert conv["messages"][1]["tool_calls"] == [{"type": "function", "function": {"name": "f", "arguments": {"x": 1}}, "id": "c9"}]
+    assert conv["messages"][1]["tool_calls"] == [
+        {"type": "function", "function": {"name": "f", "arguments": {"x": 1}}, "id": "c9"}
+    ]
     assert "tool_call_id" not in conv["messages"][1]
     assert conv["messages"][3] == {"role": "assistant", "content": "done"}
     assert conv["tools"] == [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
@@ -71,7 +77,11 @@ def test_alpaca_with_and_without_input():
 
 
 def test_plain_text():
-    assert to_conversation({"text": "once upon a time"}, WHERE) == {"messages": None, "tools": None, "text": "once upon a time"}
+    assert to_conversation({"text": "once upon a time"}, WHERE) == {
+        "messages": None,
+        "tools": None,
+        "text": "once upon a time",
+    }
 
 
 @pytest.mark.parametrize(
@@ -117,7 +127,9 @@ def test_unknown_shape_lists_accepted_shapes():
 def test_content_of_wrong_type():
     msg = _error({"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "b"}]})
     assert "messages[0].content" in msg and "a number" in msg and "expected a string" in msg
-    msg = _error({"messages": [{"role": "user", "content": [{"type": "image_url"}]}, {"role": "assistant", "content": "b"}]})
+    msg = _error(
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}, {"role": "assistant", "content": "b"}]}
+    )
     assert "messages[0].content[0]" in msg and "text" in msg
     assert "output: expected a string" in _error({"instruction": "a", "output": ["b"]})
     assert "conversations[0].value" in _error({"conversations": [{"from": "human", "value": 3}]})
@@ -141,9 +153,16 @@ def test_other_message_errors():
     assert "messages[0]: expected an object" in _error({"messages": ["hi", {"role": "assistant", "content": "b"}]})
     assert "messages[1].role: missing" in _error({"messages": [{"role": "user", "content": "a"}, {"content": "b"}]})
     assert "messages[0].tool_calls: only assistant" in _error(
-        {"messages": [{"role": "user", "content": "a", "tool_calls": [{"name": "f"}]}, {"role": "assistant", "content": "b"}]}
+        {
+            "messages": [
+                {"role": "user", "content": "a", "tool_calls": [{"name": "f"}]},
+                {"role": "assistant", "content": "b"},
+            ]
+        }
     )
-    assert "messages[1].content: missing" in _error({"messages": [{"role": "user", "content": "a"}, {"role": "assistant"}]})
+    assert "messages[1].content: missing" in _error(
+        {"messages": [{"role": "user", "content": "a"}, {"role": "assistant"}]}
+    )
     assert "conversations[1].from: unknown speaker 'robot'" in _error(
         {"conversations": [{"from": "human", "value": "a"}, {"from": "robot", "value": "b"}]}
     )
@@ -157,8 +176,17 @@ def test_reasoning_under_any_common_name_reaches_every_name_templates_read():
         message = to_conversation(row, "row 1")["messages"][1]
         assert (message["reasoning_content"], message["reasoning"], message["thinking"]) == ("because",) * 3
     with pytest.raises(DataError, match=r"^row 1: messages\[0\]: only assistant messages may carry reasoning"):
-        to_conversation({"messages": [{"role": "user", "content": "q", "thinking": "x"},
-                                      {"role": "assistant", "content": "a"}]}, "row 1")
+        to_conversation(
+            {"messages": [{"role": "user", "content": "q", "thinking": "x"}, {"role": "assistant", "content": "a"}]},
+            "row 1",
+        )
     with pytest.raises(DataError, match=r"^row 1: messages\[1\]\.reasoning_content: expected a string, found a list"):
-        to_conversation({"messages": [{"role": "user", "content": "q"},
-                                      {"role": "assistant", "content": "a", "reasoning_content": ["x"]}]}, "row 1")
+        to_conversation(
+            {
+                "messages": [
+                    {"role": "user", "content": "q"},
+                    {"role": "assistant", "content": "a", "reasoning_content": ["x"]},
+                ]
+            },
+            "row 1",
+        )

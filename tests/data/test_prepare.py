@@ -64,11 +64,15 @@ def test_every_source_kind(tmp_path, tokenizer, write_jsonl, chat_row, tool_row)
     folder = tmp_path / "folder"
     write_jsonl(folder / "a.jsonl", [chat_row(0)])
     write_jsonl(folder / "b.jsonl", [{"instruction": "hi", "output": "fine 1"}])  # first row decides: messages
-    with pytest.raises(DataError, match=r"b.jsonl line 1: messages: missing.*looks like format 'alpaca'.*a.jsonl line 1"):
+    with pytest.raises(
+        DataError, match=r"b.jsonl line 1: messages: missing.*looks like format 'alpaca'.*a.jsonl line 1"
+    ):
         _prepare(_cfg(dataset_path=str(folder)), tokenizer, tmp_path)
     write_jsonl(folder / "b.jsonl", [chat_row(1)])
     assert _answers(_prepare(_cfg(dataset_path=str(folder)), tokenizer, tmp_path).train, tokenizer) == [
-        "fine 0<|im_end|>\n", "fine 1<|im_end|>\n"]
+        "fine 0<|im_end|>\n",
+        "fine 1<|im_end|>\n",
+    ]
 
     datasets.Dataset.from_list([tool_row] * 3).save_to_disk(str(tmp_path / "disk"))
     data = _prepare(_cfg(dataset_path=str(tmp_path / "disk")), tokenizer, tmp_path)
@@ -120,7 +124,9 @@ def test_skip_mode_counts_and_keeps_the_reasons(tmp_path, tokenizer, chat_row):
 def test_skip_mode_with_nothing_usable_left_raises(tmp_path, tokenizer):
     f = tmp_path / "bad.jsonl"
     f.write_text('{"oops"\n{"messages": []}\n')
-    with pytest.raises(DataError, match=r"no usable training rows \(2 read, 2 skipped.*first problem: .*line 1: malformed"):
+    with pytest.raises(
+        DataError, match=r"no usable training rows \(2 read, 2 skipped.*first problem: .*line 1: malformed"
+    ):
         _prepare(_cfg(dataset_path=str(f), on_bad_row="skip"), tokenizer, tmp_path)
 
 
@@ -151,11 +157,19 @@ def test_drop_omits_long_rows(tmp_path, tokenizer, write_jsonl):
 
 def test_keep_recent_leaves_out_the_oldest_exchanges_and_keeps_the_system_prompt(tmp_path, tokenizer, write_jsonl):
     """A long chat keeps its system prompt and latest exchanges; a row of one exchange too long is cut at its end."""
-    exchanges = [m for k in range(6) for m in ({"role": "user", "content": f"QUESTION-{k} " + "x" * 30},
-                                                {"role": "assistant", "content": f"ANSWER-{k}"})]
+    exchanges = [
+        m
+        for k in range(6)
+        for m in (
+            {"role": "user", "content": f"QUESTION-{k} " + "x" * 30},
+            {"role": "assistant", "content": f"ANSWER-{k}"},
+        )
+    ]
     long_chat = {"messages": [{"role": "system", "content": "SYSTEM-TEXT"}] + exchanges}
-    f = write_jsonl(tmp_path / "chats.jsonl", [long_chat, {"messages": [{"role": "user", "content": "q" * 400},
-                                                                        {"role": "assistant", "content": "late"}]}])
+    f = write_jsonl(
+        tmp_path / "chats.jsonl",
+        [long_chat, {"messages": [{"role": "user", "content": "q" * 400}, {"role": "assistant", "content": "late"}]}],
+    )
     data = _prepare(_cfg(dataset_path=str(f), max_length=200, truncation="keep_recent"), tokenizer, tmp_path)
     r = data.report
     assert (r.rows_shortened, r.rows_truncated, r.rows_dropped, r.train_rows) == (1, 1, 1, 1)
@@ -166,8 +180,9 @@ def test_keep_recent_leaves_out_the_oldest_exchanges_and_keeps_the_system_prompt
     assert _answers(data.train, tokenizer) == ["".join(f"ANSWER-{k}<|im_end|>\n" for k in kept)]
     assert r.length_tokens["max"] > 200  # lengths as rendered, before max_length
     # The same conversations under multi_turn per_turn: each turn's row keeps as many earlier exchanges as fit.
-    data = _prepare(_cfg(dataset_path=str(f), max_length=200, truncation="keep_recent", multi_turn="per_turn"),
-                    tokenizer, tmp_path)
+    data = _prepare(
+        _cfg(dataset_path=str(f), max_length=200, truncation="keep_recent", multi_turn="per_turn"), tokenizer, tmp_path
+    )
     assert _answers(data.train, tokenizer) == [f"ANSWER-{k}<|im_end|>\n" for k in range(6)]
     assert all(len(row) <= 200 for row in data.train["input_ids"])
 
@@ -178,7 +193,9 @@ def test_error_names_the_row_and_its_length(tmp_path, tokenizer, write_jsonl):
         _prepare(_cfg(dataset_path=str(f), max_length=100, truncation="error"), tokenizer, tmp_path)
 
 
-def test_cache_is_hit_and_follows_settings_content_and_tokenizer(tmp_path, tokenizer, make_tokenizer, write_jsonl, chat_row):
+def test_cache_is_hit_and_follows_settings_content_and_tokenizer(
+    tmp_path, tokenizer, make_tokenizer, write_jsonl, chat_row
+):
     f = write_jsonl(tmp_path / "train.jsonl", [chat_row(i) for i in range(5)])
     first = _prepare(_cfg(dataset_path=str(f)), tokenizer, tmp_path)
     second = _prepare(_cfg(dataset_path=str(f)), make_tokenizer(), tmp_path)  # an equal tokenizer
@@ -218,7 +235,13 @@ def test_two_processes_prepare_at_once_and_get_identical_data(tmp_path, write_js
     f = write_jsonl(tmp_path / "train.jsonl", [tool_row] * 150)
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(2), ctx.Queue()
-    scope = {"path": str(f), "cache_root": tmp_path / "cache", "template": chatml, "barrier": barrier, "results": results}
+    scope = {
+        "path": str(f),
+        "cache_root": tmp_path / "cache",
+        "template": chatml,
+        "barrier": barrier,
+        "results": results,
+    }
     procs = [ctx.Process(target=exec, args=(CHILD, dict(scope))) for _ in range(2)]
     for p in procs:
         p.start()

@@ -84,9 +84,15 @@ def assert_examples_equal(tok, got: list[dict], want: list[dict]):
     for n, (g, w) in enumerate(zip(got, want)):
         assert set(g) >= {"input_ids", "labels"}, f"example {n}: keys {sorted(g)}"
         g_ids, g_labels = list(g["input_ids"]), list(g["labels"])
-        assert tok.decode(g_ids) == tok.decode(w["input_ids"]), f"example {n}: the input text differs from the template's"
-        assert g_ids == w["input_ids"], f"example {n}: same text, other tokens (tokenized in pieces, or special tokens added?)"
-        assert trained_runs(tok, {"input_ids": g_ids, "labels": g_labels}) == trained_runs(tok, w), f"example {n}: trained text differs"
+        assert tok.decode(g_ids) == tok.decode(w["input_ids"]), (
+            f"example {n}: the input text differs from the template's"
+        )
+        assert g_ids == w["input_ids"], (
+            f"example {n}: same text, other tokens (tokenized in pieces, or special tokens added?)"
+        )
+        assert trained_runs(tok, {"input_ids": g_ids, "labels": g_labels}) == trained_runs(tok, w), (
+            f"example {n}: trained text differs"
+        )
         assert g_labels == w["labels"], f"example {n}: labels differ"
 
 
@@ -185,7 +191,9 @@ def _check_masker(name: str, kind: str, multi_turn: str):
             tokenize_conversation(tok, conv, WHERE, multi_turn=multi_turn)
         message = str(info.value)
         assert message.startswith(WHERE + ": "), message
-        assert re.search(expect.pattern, message, re.S), f"{expect.why}; the refusal should match {expect.pattern!r}: {message}"
+        assert re.search(expect.pattern, message, re.S), (
+            f"{expect.why}; the refusal should match {expect.pattern!r}: {message}"
+        )
         return
     policy = expect.auto if multi_turn == "auto" else multi_turn
     fresh, _ = oracle_conversation(name, kind)  # a copy of its own, so the masker cannot change what the oracle sees

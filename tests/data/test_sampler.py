@@ -12,8 +12,8 @@ def test_two_ranks_read_what_one_process_reads_per_global_batch():
     ranks = [list(StatefulDistributedSampler(20, r, 2, seed=3)) for r in range(2)]
     b = 2
     for step in range(5):
-        global_single = set(single[step * 2 * b:(step + 1) * 2 * b])
-        global_ranks = set(ranks[0][step * b:(step + 1) * b]) | set(ranks[1][step * b:(step + 1) * b])
+        global_single = set(single[step * 2 * b : (step + 1) * 2 * b])
+        global_ranks = set(ranks[0][step * b : (step + 1) * b]) | set(ranks[1][step * b : (step + 1) * b])
         assert global_single == global_ranks
 
 

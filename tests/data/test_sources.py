@@ -61,7 +61,9 @@ def test_load_dataset_on_a_local_dataset_repository(tmp_path, write_jsonl, chat_
 
 def test_load_dataset_failures_name_the_dataset(tmp_path, write_jsonl, chat_row):
     write_jsonl(tmp_path / "repo" / "data" / "train.jsonl", [chat_row(0)])
-    with pytest.raises(DataError, match=r"dataset '.*repo' \(split 'validation'\): datasets.load_dataset failed: .*split"):
+    with pytest.raises(
+        DataError, match=r"dataset '.*repo' \(split 'validation'\): datasets.load_dataset failed: .*split"
+    ):
         rows_of(str(tmp_path / "repo"), kind="name", split="validation")
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match=r"dataset '.*empty' .*load_dataset failed: \w+"):

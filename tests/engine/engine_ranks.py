@@ -22,8 +22,17 @@ def mlp() -> nn.Module:
 def bn_cnn() -> nn.Module:
     """BatchNorm2d and BatchNorm1d: synchronised when distributed."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(2),
-                         nn.Flatten(), nn.Linear(16, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(2),
+        nn.Flatten(),
+        nn.Linear(16, 8),
+        nn.BatchNorm1d(8),
+        nn.ReLU(),
+        nn.Linear(8, 3),
+    )
 
 
 def dataset(kind: str, rows: int, seed: int) -> TensorDataset:
@@ -53,13 +62,28 @@ def train_case(kind: str, rank: int, world: int, out_dir: str, epochs: int = 3) 
     train_loader = DataLoader(train_set, batch_size=batch * 2 // world, sampler=sampler)
     # Validation split without padding: rank 0 holds 7 rows (batches 4+3), rank 1 6 rows (4+2).
     val_loader = DataLoader(Subset(val_set, range(rank, val_rows, world)), batch_size=4)
-    engine = TrainingEngine(model_fn(), "cpu", distributed=world > 1, local_rank=rank, world_size=world,
-                            use_ema=kind == "mlp", ema_decay=0.9, experiment_name=kind, output_dir=out_dir,
-                            progress_bar=False, tensorboard=False)
+    engine = TrainingEngine(
+        model_fn(),
+        "cpu",
+        distributed=world > 1,
+        local_rank=rank,
+        world_size=world,
+        use_ema=kind == "mlp",
+        ema_decay=0.9,
+        experiment_name=kind,
+        output_dir=out_dir,
+        progress_bar=False,
+        tensorboard=False,
+    )
     optimizer = sgd(engine.unwrapped_model.parameters())
     history = engine.train(train_loader, val_loader, optimizer, nn.CrossEntropyLoss(), num_epochs=epochs)
-    out = {"history": history, "weights": {k: v.clone() for k, v in engine.unwrapped_model.state_dict().items()},
-           "bn_layers": sorted({type(m).__name__ for m in engine.unwrapped_model.modules() if "BatchNorm" in type(m).__name__})}
+    out = {
+        "history": history,
+        "weights": {k: v.clone() for k, v in engine.unwrapped_model.state_dict().items()},
+        "bn_layers": sorted(
+            {type(m).__name__ for m in engine.unwrapped_model.modules() if "BatchNorm" in type(m).__name__}
+        ),
+    }
     if engine.ema is not None:
         out["ema"] = {k: v.clone() for k, v in engine.ema.module.state_dict().items()}
     return out
@@ -80,8 +104,12 @@ def uneven_metrics(rank: int, world: int) -> dict:
         rows.append((outputs, targets))
     reduced = totals.reduce()
     per_sample = torch.cat([nn.functional.cross_entropy(o, t, reduction="none") for o, t in rows])
-    return {"reduced": reduced, "outputs": torch.cat([o for o, _ in rows]), "targets": torch.cat([t for _, t in rows]),
-            "weighted_mean": weighted_mean(per_sample.sum(), len(per_sample))}
+    return {
+        "reduced": reduced,
+        "outputs": torch.cat([o for o, _ in rows]),
+        "targets": torch.cat([t for _, t in rows]),
+        "weighted_mean": weighted_mean(per_sample.sum(), len(per_sample)),
+    }
 
 
 def rank_checks(rank: int, world: int, out_dir: str) -> dict:
@@ -91,8 +119,17 @@ def rank_checks(rank: int, world: int, out_dir: str) -> dict:
     torch.set_num_threads(1)  # two ranks on two cores
     results = {kind: train_case(kind, rank, world, out_dir) for kind in CASES}
     results["uneven"] = uneven_metrics(rank, world)
-    engine = TrainingEngine(mlp(), "cpu", distributed=True, local_rank=rank, world_size=world, progress_bar=False,
-                            tensorboard=False, experiment_name="reduce", output_dir=out_dir)
+    engine = TrainingEngine(
+        mlp(),
+        "cpu",
+        distributed=True,
+        local_rank=rank,
+        world_size=world,
+        progress_bar=False,
+        tensorboard=False,
+        experiment_name="reduce",
+        output_dir=out_dir,
+    )
     value = torch.tensor([float(rank + 1), 10.0])
     results["reduce_mean"] = engine._reduce_tensor(value)
     results["reduce_sum"] = engine.reduce_tensor(value, average=False)
@@ -111,8 +148,14 @@ def worker_config(out_dir: str, batch: int) -> dict:
         "optimizer_fn": functools.partial(sgd, lr=0.05),
         "criterion_fn": nn.CrossEntropyLoss,
         "scheduler_fn": functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.5),
-        "engine_kwargs": {"use_ema": True, "ema_decay": 0.9, "experiment_name": "worker", "output_dir": out_dir,
-                          "progress_bar": False, "tensorboard": False},
+        "engine_kwargs": {
+            "use_ema": True,
+            "ema_decay": 0.9,
+            "experiment_name": "worker",
+            "output_dir": out_dir,
+            "progress_bar": False,
+            "tensorboard": False,
+        },
         "train_kwargs": {"num_epochs": 2, "save_best": True, "save_last": True},
     }
 
@@ -162,7 +205,13 @@ def resume_config(out_dir: str, losses: str, **train_kwargs) -> dict:
         "optimizer_fn": functools.partial(torch.optim.AdamW, lr=1e-2),
         "criterion_fn": functools.partial(RecordingLoss, losses),
         "scheduler_fn": functools.partial(torch.optim.lr_scheduler.StepLR, step_size=2, gamma=0.8),
-        "engine_kwargs": {"use_ema": True, "ema_decay": 0.9, "experiment_name": "resume", "output_dir": out_dir,
-                          "progress_bar": False, "tensorboard": False},
+        "engine_kwargs": {
+            "use_ema": True,
+            "ema_decay": 0.9,
+            "experiment_name": "resume",
+            "output_dir": out_dir,
+            "progress_bar": False,
+            "tensorboard": False,
+        },
         "train_kwargs": {"num_epochs": 3, "save_steps": 3, "scheduler_interval": "step", **train_kwargs},
     }

@@ -144,11 +144,20 @@ def resumable_run(out_dir, epochs, resume_from=None) -> TrainingEngine:
     torch.manual_seed(123)
     model = nn.Sequential(engine_ranks.bn_cnn(), nn.Dropout(0.3), nn.Linear(3, 3))
     loader = DataLoader(data, batch_size=8, sampler=DistributedSampler(data, num_replicas=1, rank=0, seed=3))
-    engine = TrainingEngine(model, "cpu", use_ema=True, ema_decay=0.9, experiment_name="resume", output_dir=out_dir, **QUIET)
+    engine = TrainingEngine(
+        model, "cpu", use_ema=True, ema_decay=0.9, experiment_name="resume", output_dir=out_dir, **QUIET
+    )
     optimizer = torch.optim.SGD(engine.unwrapped_model.parameters(), lr=0.1, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
-    engine.train(loader, DataLoader(val, batch_size=4), optimizer, nn.CrossEntropyLoss(), scheduler, num_epochs=epochs,
-                 resume_from=resume_from)
+    engine.train(
+        loader,
+        DataLoader(val, batch_size=4),
+        optimizer,
+        nn.CrossEntropyLoss(),
+        scheduler,
+        num_epochs=epochs,
+        resume_from=resume_from,
+    )
     return engine
 
 
@@ -161,7 +170,10 @@ def test_checkpoint_resume_continues_exactly_and_loads_on_cpu(tmp_path):
     for key, values in straight.history.items():
         if key != "epoch_time":
             assert resumed.history[key] == pytest.approx(values, abs=1e-6), key
-    for mine, theirs in [(resumed.unwrapped_model, straight.unwrapped_model), (resumed.ema.module, straight.ema.module)]:
+    for mine, theirs in [
+        (resumed.unwrapped_model, straight.unwrapped_model),
+        (resumed.ema.module, straight.ema.module),
+    ]:
         for (k, a), b in zip(mine.state_dict().items(), theirs.state_dict().values()):
             assert torch.allclose(a, b, atol=1e-6), k
     assert resumed.scheduler.get_last_lr() == pytest.approx(straight.scheduler.get_last_lr())
@@ -252,7 +264,9 @@ def test_lambdas_cannot_be_spawned_so_the_ranks_fork(monkeypatch):
 def test_bad_batches_and_monitor_get_clear_errors(tmp_path):
     engine = TrainingEngine(nn.Linear(2, 2), "cpu", output_dir=tmp_path, **QUIET)
     optimizer = torch.optim.SGD(engine.unwrapped_model.parameters(), lr=0.1)
-    triples = DataLoader(TensorDataset(torch.zeros(4, 2), torch.zeros(4, dtype=torch.long), torch.zeros(4)), batch_size=2)
+    triples = DataLoader(
+        TensorDataset(torch.zeros(4, 2), torch.zeros(4, dtype=torch.long), torch.zeros(4)), batch_size=2
+    )
     with pytest.raises(ConfigError, match=r"expects batches of \(inputs, targets\); got list of length 3"):
         engine.train(triples, None, optimizer, nn.CrossEntropyLoss(), num_epochs=1)
     pairs = DataLoader(TensorDataset(torch.zeros(4, 2), torch.zeros(4, dtype=torch.long)), batch_size=2)
@@ -270,7 +284,8 @@ def test_the_digits_example_learns_in_one_process(tmp_path):
     spec.loader.exec_module(example)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # --use-amp on CPU warns and trains in fp32
-        history = example.main(["--epochs", "2", "--use-ema", "--use-amp", "--output-dir", str(tmp_path), "--no-progress-bar"])
+        history = example.main(
+            ["--epochs", "2", "--use-ema", "--use-amp", "--output-dir", str(tmp_path), "--no-progress-bar"]
+        )
     assert history["val_acc"][-1] > 0.8
     assert (tmp_path / "digits" / "checkpoint-best" / "ema.pt").is_file()
-

@@ -57,7 +57,10 @@ def test_two_ranks_match_one_process_with_double_batch(ranks, kind, tmp_path):
         plain = engine_ranks.bn_cnn()
         plain.load_state_dict(load_weights(out / "bn" / "checkpoint-last", map_location="cpu"))
         assert_states_match(single["weights"], plain.state_dict())
-        assert {p.name for p in (out / "bn" / "checkpoint-last").glob("rng_state_*.pt")} == {"rng_state_0.pt", "rng_state_1.pt"}
+        assert {p.name for p in (out / "bn" / "checkpoint-last").glob("rng_state_*.pt")} == {
+            "rng_state_0.pt",
+            "rng_state_1.pt",
+        }
     else:
         assert_states_match(single["ema"], r0["ema"])
         assert_states_match(r0["ema"], r1["ema"])
@@ -75,8 +78,10 @@ def test_metrics_are_weighted_by_sample_counts_across_uneven_ranks(ranks):
         assert r["reduced"]["loss"] == pytest.approx(expected_loss, abs=1e-6)
         assert r["reduced"]["accuracy"] == pytest.approx(expected_acc, abs=1e-9)
         assert r["weighted_mean"] == pytest.approx(expected_loss, abs=1e-6)
-    mean_of_means = (nn.functional.cross_entropy(rank0["outputs"], rank0["targets"]).item()
-                     + nn.functional.cross_entropy(rank1["outputs"], rank1["targets"]).item()) / 2
+    mean_of_means = (
+        nn.functional.cross_entropy(rank0["outputs"], rank0["targets"]).item()
+        + nn.functional.cross_entropy(rank1["outputs"], rank1["targets"]).item()
+    ) / 2
     assert not math.isclose(mean_of_means, expected_loss, abs_tol=1e-3), "the data tells the two reductions apart"
 
 
@@ -90,16 +95,21 @@ def test_reduce_tensor_averages_or_sums_a_copy(ranks):
 
 def test_launch_with_the_worker_matches_one_process(tmp_path):
     """Seed 004's Method 2: spawned ranks, phalanx's sampler and shards, SyncBN, EMA, scheduler, checkpoints."""
-    launched = launch_distributed_training(distributed_train_worker, 2, backend="gloo",
-                                           **engine_ranks.worker_config(str(tmp_path / "ddp"), batch=6))
+    launched = launch_distributed_training(
+        distributed_train_worker, 2, backend="gloo", **engine_ranks.worker_config(str(tmp_path / "ddp"), batch=6)
+    )
     single = distributed_train_worker(0, 1, **engine_ranks.worker_config(str(tmp_path / "one"), batch=12))
     assert_histories_match(single, launched)
     assert launched["lr"] == [0.05, 0.025]
     for ema in (False, True):
-        assert_states_match(load_weights(tmp_path / "one" / "worker" / "checkpoint-last", ema=ema),
-                            load_weights(tmp_path / "ddp" / "worker" / "checkpoint-last", ema=ema))
+        assert_states_match(
+            load_weights(tmp_path / "one" / "worker" / "checkpoint-last", ema=ema),
+            load_weights(tmp_path / "ddp" / "worker" / "checkpoint-last", ema=ema),
+        )
 
 
 def test_a_failing_rank_stops_the_others_and_is_named():
-    with pytest.raises(PhalanxError, match=r"rank 1 failed; the other ranks were stopped(.|\n)*rank one fails on purpose"):
+    with pytest.raises(
+        PhalanxError, match=r"rank 1 failed; the other ranks were stopped(.|\n)*rank one fails on purpose"
+    ):
         launch_distributed_training(engine_ranks.fail_on_rank_one, 2)

@@ -30,8 +30,13 @@ def step_losses(prefix: Path, rank: int) -> list[float]:
 
 def launch(out: Path, losses: Path, **train_kwargs):
     # Forked ranks: spawning would import torch again in every rank, several times the training's own time.
-    return launch_distributed_training(distributed_train_worker, 2, backend="gloo", start_method="fork",
-                                       **engine_ranks.resume_config(str(out), str(losses), **train_kwargs))
+    return launch_distributed_training(
+        distributed_train_worker,
+        2,
+        backend="gloo",
+        start_method="fork",
+        **engine_ranks.resume_config(str(out), str(losses), **train_kwargs),
+    )
 
 
 def test_kill_mid_step_then_resume_is_bit_identical(tmp_path, monkeypatch):

@@ -31,16 +31,27 @@ def encode(tokenizer, question: str, system: str | None = None) -> list[int]:
 def prompts(tiny):
     _, tok = tiny
     # Very different lengths, so the short ones sit behind a lot of left padding.
-    return [encode(tok, "Hi?"), encode(tok, "What is a healthy resting heart rate for an adult?" * 3, "Be brief."),
-            encode(tok, "BMI for 70 kg, 175 cm?"), encode(tok, "x" * 200)]
+    return [
+        encode(tok, "Hi?"),
+        encode(tok, "What is a healthy resting heart rate for an adult?" * 3, "Be brief."),
+        encode(tok, "BMI for 70 kg, 175 cm?"),
+        encode(tok, "x" * 200),
+    ]
 
 
 def run(model, tok, prompts, pairs, params, stops=None):
     distinct = sorted({p for p, _ in pairs})
     at = {p: i for i, p in enumerate(distinct)}
-    return generate_rows(model, [prompts[p] for p in distinct], pairs, [at[p] for p, _ in pairs], params,
-                         stop_token_ids(tok, model.generation_config) if stops is None else stops,
-                         tok.pad_token_id, len(tok))
+    return generate_rows(
+        model,
+        [prompts[p] for p in distinct],
+        pairs,
+        [at[p] for p, _ in pairs],
+        params,
+        stop_token_ids(tok, model.generation_config) if stops is None else stops,
+        tok.pad_token_id,
+        len(tok),
+    )
 
 
 def test_row_seed_is_a_pure_function_of_seed_prompt_and_sequence():
@@ -67,8 +78,10 @@ def test_sampling_is_inverse_cdf_over_filtered_rows():
     assert next_tokens(logits, u[:1], SamplingParams(temperature=0)).item() == 3
     # A row's draw does not depend on the rows next to it.
     mixed = torch.cat([logits, torch.randn(3, 6)])
-    assert next_tokens(mixed, torch.tensor([0.5, 0.1, 0.2, 0.3], dtype=torch.float64), params)[0] == \
-        next_tokens(logits, torch.tensor([0.5], dtype=torch.float64), params)[0]
+    assert (
+        next_tokens(mixed, torch.tensor([0.5, 0.1, 0.2, 0.3], dtype=torch.float64), params)[0]
+        == next_tokens(logits, torch.tensor([0.5], dtype=torch.float64), params)[0]
+    )
 
 
 def test_batch_mates_padding_and_shared_prefill_change_nothing(tiny, prompts):
@@ -82,7 +95,9 @@ def test_batch_mates_padding_and_shared_prefill_change_nothing(tiny, prompts):
     # Sequences of one prompt differ (own streams); every row has tokens or stopped.
     assert len({tuple(r.tokens) for r in together[:3]}) == 3
     # A different seed gives different samples.
-    other = run(model, tok, prompts, pairs, SamplingParams(max_new_tokens=24, temperature=1.0, top_p=0.95, top_k=50, seed=6))
+    other = run(
+        model, tok, prompts, pairs, SamplingParams(max_new_tokens=24, temperature=1.0, top_p=0.95, top_k=50, seed=6)
+    )
     assert [r.tokens for r in other] != [r.tokens for r in together]
 
 
@@ -93,8 +108,15 @@ def test_greedy_matches_hf_generate_with_left_padding(tiny, prompts):
     longest = max(len(prompts[i]) for i in (0, 1, 3))
     ids = torch.tensor([[tok.pad_token_id] * (longest - len(prompts[i])) + prompts[i] for i in (0, 1, 3)])
     mask = (torch.arange(longest) >= torch.tensor([longest - len(prompts[i]) for i in (0, 1, 3)])[:, None]).long()
-    ref = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=12, min_new_tokens=12,
-                         pad_token_id=tok.pad_token_id, suppress_tokens=list(range(len(tok), model.config.vocab_size)))
+    ref = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=12,
+        min_new_tokens=12,
+        pad_token_id=tok.pad_token_id,
+        suppress_tokens=list(range(len(tok), model.config.vocab_size)),
+    )
     assert [r.tokens for r in ours] == ref[:, longest:].tolist()
     assert all(r.finish_reason == "length" for r in ours)
 
@@ -139,18 +161,30 @@ def test_out_of_memory_halves_the_batch_and_keeps_the_results(tiny, prompts):
     pairs = [(p, s) for p in range(3) for s in range(3)]
     ids = dict(enumerate(prompts))
     stops = stop_token_ids(tok, model.generation_config)
-    reference, size = generate_with_fallback(model, ids, pairs, params, stops, tok.pad_token_id, 8, vocab_limit=len(tok))
+    reference, size = generate_with_fallback(
+        model, ids, pairs, params, stops, tok.pad_token_id, 8, vocab_limit=len(tok)
+    )
     assert size == 8
     flaky = OomAbove(model, limit=2)
     shrinks = []
-    got, size = generate_with_fallback(flaky, ids, pairs, params, stops, tok.pad_token_id, 8,
-                                       lambda old, new: shrinks.append((old, new)), vocab_limit=len(tok))
+    got, size = generate_with_fallback(
+        flaky,
+        ids,
+        pairs,
+        params,
+        stops,
+        tok.pad_token_id,
+        8,
+        lambda old, new: shrinks.append((old, new)),
+        vocab_limit=len(tok),
+    )
     assert shrinks == [(8, 4), (4, 2)] and size == 2
     assert max(flaky.calls[-3:]) <= 2
     assert [r.tokens for r in got] == [r.tokens for r in reference]  # sampling does not care about the split
     with pytest.raises(PhalanxError, match="out of memory generating a single sequence"):
-        generate_with_fallback(OomAbove(model, limit=0), ids, pairs, params, stops, tok.pad_token_id, 2,
-                               vocab_limit=len(tok))
+        generate_with_fallback(
+            OomAbove(model, limit=0), ids, pairs, params, stops, tok.pad_token_id, 2, vocab_limit=len(tok)
+        )
 
 
 def test_other_errors_are_not_swallowed(tiny, prompts):
@@ -161,5 +195,12 @@ def test_other_errors_are_not_swallowed(tiny, prompts):
             raise RuntimeError("shape mismatch")
 
     with pytest.raises(RuntimeError, match="shape mismatch"):
-        generate_with_fallback(Broken(model, 9), dict(enumerate(prompts)), [(0, 0)], SamplingParams(max_new_tokens=2),
-                               [], tok.pad_token_id, 4)
+        generate_with_fallback(
+            Broken(model, 9),
+            dict(enumerate(prompts)),
+            [(0, 0)],
+            SamplingParams(max_new_tokens=2),
+            [],
+            tok.pad_token_id,
+            4,
+        )

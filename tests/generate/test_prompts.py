@@ -54,14 +54,19 @@ def test_text_rows_are_continued_and_never_mixed_with_chat(tmp_path, tok):
     prompts = read_prompts(str(write(tmp_path / "t.jsonl", {"text": "Once upon a time"}, {"text": "Dear diary,"})), tok)
     assert prompts[0].messages is None and prompts[0].text == "Once upon a time"
     assert tok.decode(prompts[0].input_ids) == "Once upon a time"
-    with pytest.raises(DataError, match=r"m.jsonl line 2: a plain-text row .*m.jsonl line 1 is a chat prompt.*not both"):
+    with pytest.raises(
+        DataError, match=r"m.jsonl line 2: a plain-text row .*m.jsonl line 1 is a chat prompt.*not both"
+    ):
         read_prompts(str(write(tmp_path / "m.jsonl", {"question": "q"}, {"text": "t"})), tok)
 
 
 def test_num_questions_and_txt_files(tmp_path, tok):
     path = tmp_path / "q.txt"
     path.write_text("first question?\n\nsecond question?\nthird\n")
-    assert [p.messages[-1]["content"] for p in read_prompts(str(path), tok, 2)] == ["first question?", "second question?"]
+    assert [p.messages[-1]["content"] for p in read_prompts(str(path), tok, 2)] == [
+        "first question?",
+        "second question?",
+    ]
     warnings = []
     assert len(read_prompts(str(path), tok, 10, warn=warnings.append)) == 3
     assert "--num_questions 10" in warnings[0] and "only 3 prompts" in warnings[0]
@@ -69,12 +74,19 @@ def test_num_questions_and_txt_files(tmp_path, tok):
 
 
 BAD = {
-    "malformed_json": (['{"question": "ok"}', '{"question": "ok"}', '{"question": '], ["p.jsonl line 3", "malformed JSON"]),
+    "malformed_json": (
+        ['{"question": "ok"}', '{"question": "ok"}', '{"question": '],
+        ["p.jsonl line 3", "malformed JSON"],
+    ),
     "unknown_shape": ([{"question": "ok"}, {"query": "what?"}], ["p.jsonl line 2", "'query'", "accepted prompt rows"]),
-    "no_user_turn": ([{"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}]}],
-                     ["p.jsonl line 1", "no user message to answer", "system, assistant"]),
-    "bad_role": ([{"question": "ok"}, {"messages": [{"role": "bot", "content": "x"}]}],
-                 ["p.jsonl line 2", "messages[0].role", "'bot'"]),
+    "no_user_turn": (
+        [{"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}]}],
+        ["p.jsonl line 1", "no user message to answer", "system, assistant"],
+    ),
+    "bad_role": (
+        [{"question": "ok"}, {"messages": [{"role": "bot", "content": "x"}]}],
+        ["p.jsonl line 2", "messages[0].role", "'bot'"],
+    ),
     "empty_question": ([{"question": "  "}], ["p.jsonl line 1", "question", "non-empty"]),
     "not_an_object": (['["a list"]'], ["p.jsonl line 1", "expected a JSON object"]),
 }
@@ -101,8 +113,10 @@ def test_empty_prompt_sets(tmp_path, tok):
 
 
 def test_plain_transcript_without_a_chat_template(tok):
-    text = plain_transcript([{"role": "system", "content": "s"}, {"role": "user", "content": "q?"}],
-                            [{"type": "function", "function": {"name": "f"}}])
+    text = plain_transcript(
+        [{"role": "system", "content": "s"}, {"role": "user", "content": "q?"}],
+        [{"type": "function", "function": {"name": "f"}}],
+    )
     assert text == 'tools: [{"type": "function", "function": {"name": "f"}}]\nsystem: s\nuser: q?\nassistant: '
 
 

@@ -21,8 +21,10 @@ from phalanx.generate.shards import (
 
 
 def rec(p: int, s: int, text: str = "answer") -> dict:
-    return {"messages": [{"role": "user", "content": f"q{p}"}, {"role": "assistant", "content": f"{text} {p}.{s}"}],
-            "metadata": {"prompt_id": p, "sequence_index": s}}
+    return {
+        "messages": [{"role": "user", "content": f"q{p}"}, {"role": "assistant", "content": f"{text} {p}.{s}"}],
+        "metadata": {"prompt_id": p, "sequence_index": s},
+    }
 
 
 def test_commit_scan_and_torn_tail(tmp_path):
@@ -43,7 +45,7 @@ def test_commit_scan_and_torn_tail(tmp_path):
     w.close()
     keys = scan_folder(tmp_path)
     assert sorted(keys) == [(0, 0), (0, 1), (1, 0), (5, 0)]
-    raw = path.read_bytes()[keys[(5, 0)].offset:][: keys[(5, 0)].length]
+    raw = path.read_bytes()[keys[(5, 0)].offset :][: keys[(5, 0)].length]
     assert json.loads(raw)["messages"][1]["content"] == "again 5.0"
 
 
@@ -84,7 +86,12 @@ def test_merge_sorts_splits_by_prompt_and_writes_atomically(tmp_path):
     out, val = tmp_path / "out.jsonl", tmp_path / "val.jsonl"
     assert merge(folder, expected, {1}, out, val) == (4, 2)
     rows = [json.loads(x) for x in out.read_text().splitlines()]
-    assert [(r["metadata"]["prompt_id"], r["metadata"]["sequence_index"]) for r in rows] == [(0, 0), (0, 1), (2, 0), (2, 1)]
+    assert [(r["metadata"]["prompt_id"], r["metadata"]["sequence_index"]) for r in rows] == [
+        (0, 0),
+        (0, 1),
+        (2, 0),
+        (2, 1),
+    ]
     assert rows[0]["messages"][1]["content"] == "answer 0.0"
     assert [json.loads(x)["metadata"]["prompt_id"] for x in val.read_text().splitlines()] == [1, 1]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "out.jsonl.shards", "val.jsonl"]  # no temp files

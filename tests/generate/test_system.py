@@ -22,8 +22,24 @@ pytestmark = pytest.mark.system
 
 PROMPTS = 10
 K = 4
-FLAGS = ["--num_sequences_per_question", str(K), "--batch_size", "6", "--max_new_tokens", "32", "--temperature", "0.9",
-         "--top_p", "0.95", "--top_k", "40", "--seed", "7", "--val_fraction", "0.2"]
+FLAGS = [
+    "--num_sequences_per_question",
+    str(K),
+    "--batch_size",
+    "6",
+    "--max_new_tokens",
+    "32",
+    "--temperature",
+    "0.9",
+    "--top_p",
+    "0.95",
+    "--top_k",
+    "40",
+    "--seed",
+    "7",
+    "--val_fraction",
+    "0.2",
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -44,8 +60,10 @@ def one_thread():
 def write_prompts(path: Path) -> Path:
     rows = [chat_row(i) for i in range(3)]  # full tool-calling conversations: the last answer is regenerated
     rows += [{"question": "How much water should I drink a day?" + " Please be specific." * i} for i in range(5)]
-    rows += [{"conversations": [{"from": "human", "value": "Suggest a stretch for my back."}]},
-             {"instruction": "Give one tip for better sleep."}]
+    rows += [
+        {"conversations": [{"from": "human", "value": "Suggest a stretch for my back."}]},
+        {"instruction": "Give one tip for better sleep."},
+    ]
     assert len(rows) == PROMPTS
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -81,13 +99,16 @@ def test_one_and_two_ranks_write_identical_files(runs):
     root, _, one, two = runs
     for name in ("traj_chat.jsonl", "traj_val.jsonl"):
         assert (root / "w1" / name).read_bytes() == (root / "w2" / name).read_bytes(), name
-    assert sorted(p.name for p in (root / "w2" / "traj_chat.jsonl.shards").iterdir()) == \
-        ["manifest.json", "rank-0.jsonl", "rank-1.jsonl"]
+    assert sorted(p.name for p in (root / "w2" / "traj_chat.jsonl.shards").iterdir()) == [
+        "manifest.json",
+        "rank-0.jsonl",
+        "rank-1.jsonl",
+    ]
     assert "on 2 rank(s)" in two.stdout and "Wrote 32 records" in two.stdout and "and 8 (2 prompts)" in two.stdout
     train, val = read_jsonl(root / "w1" / "traj_chat.jsonl"), read_jsonl(root / "w1" / "traj_val.jsonl")
     keys = [(r["metadata"]["prompt_id"], r["metadata"]["sequence_index"]) for r in train + val]
     assert sorted(keys) == [(p, s) for p in range(PROMPTS) for s in range(K)]  # each pair exactly once
-    assert not {k[0] for k in keys[: len(train)]} & {k[0] for k in keys[len(train):]}  # split by whole prompt
+    assert not {k[0] for k in keys[: len(train)]} & {k[0] for k in keys[len(train) :]}  # split by whole prompt
     meta = train[0]["metadata"]
     assert meta["model"] == "embedded:tiny-qwen3" and meta["adapter"] is None
     assert meta["sampling"] == {"max_new_tokens": 32, "temperature": 0.9, "top_p": 0.95, "top_k": 40, "seed": 7}
@@ -115,7 +136,7 @@ def test_records_train_as_they_are(runs):
         while ids["labels"][last] != IGNORE_INDEX:
             last -= 1
         # The final assistant turn is trained on: the generated text, then the template's end of turn.
-        assert tok.decode(ids["labels"][last + 1:]) == row["messages"][-1]["content"] + "<|im_end|>\n"
+        assert tok.decode(ids["labels"][last + 1 :]) == row["messages"][-1]["content"] + "<|im_end|>\n"
 
 
 def test_finished_rerun_only_merges_again(runs, capsys):
@@ -240,8 +261,10 @@ def test_killed_launcher_then_preempted_launch_then_rerun_completes_without_dupl
     for rank in (0, 1):
         shard = shards / f"rank-{rank}.jsonl"
         assert scan_shard(shard)[1] == shard.stat().st_size, "stopped between batches: no uncommitted tail"
-        batches = [json.loads(line)["commit"]["batch"] for line in shard.read_text().splitlines() if '"commit"' in line[:12]]
-        assert batches == list(range(rank, planned, 2))[:len(batches)], (rank, batches)
+        batches = [
+            json.loads(line)["commit"]["batch"] for line in shard.read_text().splitlines() if '"commit"' in line[:12]
+        ]
+        assert batches == list(range(rank, planned, 2))[: len(batches)], (rank, batches)
     # Rerun the same command, on one rank this time: only what was not committed is generated.
     code, log = run_in_process(generate_args(prompts, out), capsys)
     assert code == 0, log
@@ -255,19 +278,55 @@ def test_killed_launcher_then_preempted_launch_then_rerun_completes_without_dupl
 def test_generate_then_train_then_generate_with_the_adapter(runs, tmp_path, capsys):
     root, prompts, _, _ = runs
     trained = tmp_path / "trained"
-    proc = run_phalanx("train", "--dataset_path", str(root / "w1" / "traj_chat.jsonl"),
-                       "--eval_dataset_path", str(root / "w1" / "traj_val.jsonl"), "--output_dir", str(trained),
-                       "--max_steps", "2", "--batch_size", "2", "--learning_rate", "1e-2", "--max_length", "768",
-                       "--eval_steps", "2", "--save_steps", "100", "--logging.progress_bar", "false",
-                       "--logging.tensorboard", "false")
+    proc = run_phalanx(
+        "train",
+        "--dataset_path",
+        str(root / "w1" / "traj_chat.jsonl"),
+        "--eval_dataset_path",
+        str(root / "w1" / "traj_val.jsonl"),
+        "--output_dir",
+        str(trained),
+        "--max_steps",
+        "2",
+        "--batch_size",
+        "2",
+        "--learning_rate",
+        "1e-2",
+        "--max_length",
+        "768",
+        "--eval_steps",
+        "2",
+        "--save_steps",
+        "100",
+        "--logging.progress_bar",
+        "false",
+        "--logging.tensorboard",
+        "false",
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     info = json.loads((trained / "final_training_info.json").read_text())
     assert info["global_step"] == 2 and info["tokens_seen"] > 0
     assert "32 train rows, 8 eval rows" in proc.stdout
     # The adapter goes back into generation; its base model comes from adapter_config.json.
     out = tmp_path / "adapted" / "answers.jsonl"
-    code, log = run_in_process(["generate", "--adapter", str(trained), "--prompts", str(prompts), "--num_questions", "2",
-                                "--num_sequences_per_question", "2", "--max_new_tokens", "8", "--output", str(out)], capsys)
+    code, log = run_in_process(
+        [
+            "generate",
+            "--adapter",
+            str(trained),
+            "--prompts",
+            str(prompts),
+            "--num_questions",
+            "2",
+            "--num_sequences_per_question",
+            "2",
+            "--max_new_tokens",
+            "8",
+            "--output",
+            str(out),
+        ],
+        capsys,
+    )
     assert code == 0, log
     rows = read_jsonl(out) + read_jsonl(out.with_name("answers_val.jsonl"))
     assert len(rows) == 4
@@ -314,8 +373,22 @@ def test_model_without_chat_template_falls_back_to_plain_prompts(tmp_path, capsy
     prompts = tmp_path / "q.txt"
     prompts.write_text("What is a calorie?\n")
     out = tmp_path / "plain.jsonl"
-    code, log = run_in_process(["generate", "--model_name", str(model), "--prompts", str(prompts), "--max_new_tokens",
-                                "4", "--num_sequences_per_question", "2", "--output", str(out)], capsys)
+    code, log = run_in_process(
+        [
+            "generate",
+            "--model_name",
+            str(model),
+            "--prompts",
+            str(prompts),
+            "--max_new_tokens",
+            "4",
+            "--num_sequences_per_question",
+            "2",
+            "--output",
+            str(out),
+        ],
+        capsys,
+    )
     assert code == 0, log
     assert "warning: the tokenizer of" in log and "has no chat template" in log
     rows = read_jsonl(out)
@@ -354,8 +427,10 @@ def test_text_rows_are_continued_and_written_back_as_text(tmp_path, capsys):
     prompts = tmp_path / "t.jsonl"
     prompts.write_text(json.dumps({"text": "Dear diary,"}) + "\n" + json.dumps({"text": "Step one:"}) + "\n")
     out = tmp_path / "text.jsonl"
-    code, log = run_in_process(["generate", "--prompts", str(prompts), "--max_new_tokens", "6", "--val_fraction", "0",
-                                "--output", str(out)], capsys)
+    code, log = run_in_process(
+        ["generate", "--prompts", str(prompts), "--max_new_tokens", "6", "--val_fraction", "0", "--output", str(out)],
+        capsys,
+    )
     assert code == 0, log
     rows = read_jsonl(out)
     assert rows[0]["text"].startswith("Dear diary,") and rows[1]["text"].startswith("Step one:")

@@ -77,8 +77,14 @@ def project(tmp_path_factory) -> Path:
 
 
 def run_cli(project: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "phalanx", *args], cwd=project, env=local_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "phalanx", *args],
+        cwd=project,
+        env=local_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -98,6 +104,7 @@ def generate(project):
             os.chdir(cwd)
         assert code == 0, out.getvalue() + err.getvalue()
         return out.getvalue()
+
     return _generate
 
 
@@ -136,7 +143,9 @@ def run_bounded(cmd: list[str], cwd: Path, env: dict, timeout: float) -> subproc
     except subprocess.TimeoutExpired:
         kill_tree(proc)
         out, err = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not finish within {timeout:.0f} s:\n{out[-2000:]}\n{err[-3000:]}", pytrace=False)
+        pytest.fail(
+            f"{' '.join(cmd)} did not finish within {timeout:.0f} s:\n{out[-2000:]}\n{err[-3000:]}", pytrace=False
+        )
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
@@ -147,9 +156,22 @@ def reference_run(project, generate) -> dict[int, float]:
     Generated for 1 rank and started as `bash run_training.sh 2` (seed 000's launch_distributed.sh N),
     so the run also proves the process-count argument and the extra train flags reach torchrun.
     """
-    generate("launcher", "--config", "train.yaml", "--num_gpus_per_node", "0", "--nproc_per_node", "1",
-             "--master_port", str(free_port()), "--output", "scripts/run_training.sh")
-    proc = run_bounded(["bash", "scripts/run_training.sh", "2", "--output_dir", "runs/reference"], project, local_env(), 240)
+    generate(
+        "launcher",
+        "--config",
+        "train.yaml",
+        "--num_gpus_per_node",
+        "0",
+        "--nproc_per_node",
+        "1",
+        "--master_port",
+        str(free_port()),
+        "--output",
+        "scripts/run_training.sh",
+    )
+    proc = run_bounded(
+        ["bash", "scripts/run_training.sh", "2", "--output_dir", "runs/reference"], project, local_env(), 240
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     info = read_info(project / "runs" / "reference")
     assert info["world_size"] == 2 and info["global_step"] == MAX_STEPS
@@ -161,9 +183,18 @@ def reference_run(project, generate) -> dict[int, float]:
 @pytest.fixture(scope="session")
 def support():
     """The tier's helpers for test modules (test modules do not import conftest)."""
-    return SimpleNamespace(MAX_STEPS=MAX_STEPS, SAVE_STEPS=SAVE_STEPS, free_port=free_port, local_env=local_env,
-                           losses_by_step=losses_by_step, read_info=read_info, run_cli=run_cli, run_bounded=run_bounded,
-                           kill_tree=kill_tree, system_requirement=system_requirement)
+    return SimpleNamespace(
+        MAX_STEPS=MAX_STEPS,
+        SAVE_STEPS=SAVE_STEPS,
+        free_port=free_port,
+        local_env=local_env,
+        losses_by_step=losses_by_step,
+        read_info=read_info,
+        run_cli=run_cli,
+        run_bounded=run_bounded,
+        kill_tree=kill_tree,
+        system_requirement=system_requirement,
+    )
 
 
 # --- machines as network namespaces ----------------------------------------------------------------
@@ -261,7 +292,9 @@ class SlurmCluster:
     def logs(self) -> str:
         parts = []
         for path in sorted((self.root / "log").glob("*")):
-            parts.append(f"--- {path.name} (last lines)\n" + "\n".join(path.read_text(errors="replace").splitlines()[-15:]))
+            parts.append(
+                f"--- {path.name} (last lines)\n" + "\n".join(path.read_text(errors="replace").splitlines()[-15:])
+            )
         return "\n".join(parts)
 
     def start(self) -> None:
@@ -274,51 +307,70 @@ class SlurmCluster:
         key.write_bytes(os.urandom(1024))
         key.chmod(0o600)
         socket_path = self.root / "munge" / "munge.socket"
-        self.spawn("munged", ["munged", "--foreground", "--force", f"--key-file={key}", f"--socket={socket_path}",
-                              f"--log-file={self.root / 'log' / 'munged.log'}", f"--pid-file={self.root / 'munge' / 'pid'}",
-                              f"--seed-file={self.root / 'munge' / 'seed'}"])
+        self.spawn(
+            "munged",
+            [
+                "munged",
+                "--foreground",
+                "--force",
+                f"--key-file={key}",
+                f"--socket={socket_path}",
+                f"--log-file={self.root / 'log' / 'munged.log'}",
+                f"--pid-file={self.root / 'munge' / 'pid'}",
+                f"--seed-file={self.root / 'munge' / 'seed'}",
+            ],
+        )
         self.wait_for(lambda: socket_path.exists(), 15, "munged did not create its socket")
         hosts = self.root / "hosts"
-        hosts.write_text("127.0.0.1 localhost\n" + "".join(f"{a} {n}\n" for a, n in zip(self.nodes.addresses, self.names)))
+        hosts.write_text(
+            "127.0.0.1 localhost\n" + "".join(f"{a} {n}\n" for a, n in zip(self.nodes.addresses, self.names))
+        )
         # Each namespace has its own ports: both nodes use the same ones.
         ctld_port, d_port = free_port(), free_port()
         cpus = os.cpu_count()
-        self.conf.write_text("\n".join([
-            "ClusterName=phalanxtest",
-            f"SlurmctldHost={self.names[0]}({self.nodes.addresses[0]})",
-            f"SlurmctldPort={ctld_port}",
-            f"SlurmdPort={d_port}",
-            "SlurmUser=root",
-            "SlurmdUser=root",
-            "AuthType=auth/munge",
-            "CredType=cred/munge",
-            # cred_expire also sets how long a requeued job waits before it may start again (default 120 s).
-            f"AuthInfo=socket={socket_path},cred_expire=5",
-            f"StateSaveLocation={self.root / 'state'}",
-            f"SlurmdSpoolDir={self.root / 'spool' / '%n'}",
-            f"SlurmctldPidFile={self.root / 'slurmctld.pid'}",
-            f"SlurmdPidFile={self.root / 'slurmd-%n.pid'}",
-            f"SlurmctldLogFile={self.root / 'log' / 'slurmctld.log'}",
-            f"SlurmdLogFile={self.root / 'log' / 'slurmd-%n.log'}",
-            "ProctrackType=proctrack/linuxproc",
-            "TaskPlugin=task/none",
-            "JobAcctGatherType=jobacct_gather/none",
-            "AccountingStorageType=accounting_storage/none",
-            "JobCompType=jobcomp/none",
-            "MpiDefault=none",
-            "MailProg=/bin/true",
-            "SchedulerType=sched/builtin",
-            "SchedulerParameters=sched_interval=2",  # start a requeued job soon after it becomes eligible
-            "SelectType=select/cons_tres",
-            "SelectTypeParameters=CR_CPU",
-            "ReturnToService=2",
-            "KillWait=10",
-            "SlurmdParameters=config_overrides",
-            # The nodes share this machine's cores: each offers all of them, as a real node would offer its own.
-            *(f"NodeName={n} NodeAddr={a} NodeHostname={n} CPUs={cpus} RealMemory=2000 State=UNKNOWN"
-              for n, a in zip(self.names, self.nodes.addresses)),
-            f"PartitionName=test Nodes={','.join(self.names)} Default=YES MaxTime=INFINITE State=UP",
-        ]) + "\n")
+        self.conf.write_text(
+            "\n".join(
+                [
+                    "ClusterName=phalanxtest",
+                    f"SlurmctldHost={self.names[0]}({self.nodes.addresses[0]})",
+                    f"SlurmctldPort={ctld_port}",
+                    f"SlurmdPort={d_port}",
+                    "SlurmUser=root",
+                    "SlurmdUser=root",
+                    "AuthType=auth/munge",
+                    "CredType=cred/munge",
+                    # cred_expire also sets how long a requeued job waits before it may start again (default 120 s).
+                    f"AuthInfo=socket={socket_path},cred_expire=5",
+                    f"StateSaveLocation={self.root / 'state'}",
+                    f"SlurmdSpoolDir={self.root / 'spool' / '%n'}",
+                    f"SlurmctldPidFile={self.root / 'slurmctld.pid'}",
+                    f"SlurmdPidFile={self.root / 'slurmd-%n.pid'}",
+                    f"SlurmctldLogFile={self.root / 'log' / 'slurmctld.log'}",
+                    f"SlurmdLogFile={self.root / 'log' / 'slurmd-%n.log'}",
+                    "ProctrackType=proctrack/linuxproc",
+                    "TaskPlugin=task/none",
+                    "JobAcctGatherType=jobacct_gather/none",
+                    "AccountingStorageType=accounting_storage/none",
+                    "JobCompType=jobcomp/none",
+                    "MpiDefault=none",
+                    "MailProg=/bin/true",
+                    "SchedulerType=sched/builtin",
+                    "SchedulerParameters=sched_interval=2",  # start a requeued job soon after it becomes eligible
+                    "SelectType=select/cons_tres",
+                    "SelectTypeParameters=CR_CPU",
+                    "ReturnToService=2",
+                    "KillWait=10",
+                    "SlurmdParameters=config_overrides",
+                    # The nodes share this machine's cores: each offers all of them, as a real node would offer its own.
+                    *(
+                        f"NodeName={n} NodeAddr={a} NodeHostname={n} CPUs={cpus} RealMemory=2000 State=UNKNOWN"
+                        for n, a in zip(self.names, self.nodes.addresses)
+                    ),
+                    f"PartitionName=test Nodes={','.join(self.names)} Default=YES MaxTime=INFINITE State=UP",
+                ]
+            )
+            + "\n"
+        )
         self.spawn("slurmctld", self.on_node(0, "slurmctld", "-D", "-f", str(self.conf)))
         for i, name in enumerate(self.names):
             self.spawn(f"slurmd-{name}", self.on_node(i, "slurmd", "-D", "-f", str(self.conf)))
@@ -327,13 +379,24 @@ class SlurmCluster:
     def on_node(self, node: int, *cmd: str) -> list[str]:
         """`cmd` as a process of node `node`: its network, its host name, its hosts file."""
         setup = 'hostname "$0" && mount --bind "$1" /etc/hosts && shift && exec "$@"'
-        return [*self.nodes.enter(node), "unshare", "--uts", "--mount", "sh", "-c", setup,
-                self.names[node], str(self.root / "hosts"), *cmd]
+        return [
+            *self.nodes.enter(node),
+            "unshare",
+            "--uts",
+            "--mount",
+            "sh",
+            "-c",
+            setup,
+            self.names[node],
+            str(self.root / "hosts"),
+            *cmd,
+        ]
 
     def spawn(self, name: str, cmd: list[str]) -> None:
         log = open(self.root / "log" / f"{name}.stdout", "w")
-        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                            start_new_session=True)
+        self.procs[name] = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+        )
 
     def wait_for(self, ready, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
@@ -352,8 +415,9 @@ class SlurmCluster:
 
     def run(self, *cmd: str, timeout: float = 30, cwd: Path | None = None) -> subprocess.CompletedProcess:
         """A SLURM client command (sbatch, scontrol ...) on node 0, where it reaches slurmctld."""
-        return subprocess.run([*self.nodes.enter(0), *cmd], env=self.env, capture_output=True, text=True,
-                              timeout=timeout, cwd=cwd)
+        return subprocess.run(
+            [*self.nodes.enter(0), *cmd], env=self.env, capture_output=True, text=True, timeout=timeout, cwd=cwd
+        )
 
     def job(self, job_id: str) -> dict[str, str]:
         """`scontrol show job` as a dict (JobState, Restarts, ExitCode ...); {} once SLURM forgot the job."""

@@ -27,8 +27,9 @@ def test_one_process_reports_versions_and_skips_the_check(capsys, monkeypatch):
 
 
 def test_two_ranks_all_reduce_and_report_bus_bandwidth(support, project):
-    proc = support.run_cli(project, "env", "--world_size", "2", "--json", "--sizes_mb", "0.25,2", "--iters", "3",
-                           timeout=180)
+    proc = support.run_cli(
+        project, "env", "--world_size", "2", "--json", "--sizes_mb", "0.25,2", "--iters", "3", timeout=180
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     doc = json.loads(proc.stdout)  # only rank 0 prints
     check = doc["check"]
@@ -45,8 +46,14 @@ def test_two_ranks_all_reduce_and_report_bus_bandwidth(support, project):
 def test_a_missing_rank_ends_in_a_message_within_the_timeout(capsys, monkeypatch, support):
     """WORLD_SIZE=2 but only rank 0 ever starts: the check gives up after --timeout, naming the rank."""
     port = support.free_port()
-    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+    for name, value in {
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }.items():
         monkeypatch.setenv(name, value)
     start = time.monotonic()
     assert main(["env", "--backend", "gloo", "--timeout", "3"]) == 2
@@ -57,6 +64,8 @@ def test_a_missing_rank_ends_in_a_message_within_the_timeout(capsys, monkeypatch
 
 def test_bus_factor_and_version_mismatch():
     assert bus_factor(2) == 1.0 and bus_factor(8) == pytest.approx(1.75)
-    ranks = [{"phalanx": "0.1.0", "torch": "2.13.0", "cuda": "12.4", "nccl": "2.21"},
-             {"phalanx": "0.1.0", "torch": "2.12.0", "cuda": "12.4", "nccl": "2.21"}]
+    ranks = [
+        {"phalanx": "0.1.0", "torch": "2.13.0", "cuda": "12.4", "nccl": "2.21"},
+        {"phalanx": "0.1.0", "torch": "2.12.0", "cuda": "12.4", "nccl": "2.21"},
+    ]
     assert mismatches(ranks) == ["torch differs between ranks: 2.13.0 on ranks [0]; 2.12.0 on ranks [1]"]

@@ -31,8 +31,21 @@ def bash_syntax_ok(path: Path) -> None:
 
 
 def test_launcher_single_node_writes_sh_and_bat(in_project, capsys, tmp_path):
-    code, out, err = cli(capsys, "launcher", "--config", "train.yaml", "--num_gpus_per_node", "0", "--nproc_per_node", "2",
-                         "--output", str(tmp_path / "gen" / "run.sh"), "--", "--max_steps", "3")
+    code, out, err = cli(
+        capsys,
+        "launcher",
+        "--config",
+        "train.yaml",
+        "--num_gpus_per_node",
+        "0",
+        "--nproc_per_node",
+        "2",
+        "--output",
+        str(tmp_path / "gen" / "run.sh"),
+        "--",
+        "--max_steps",
+        "3",
+    )
     assert code == 0, err
     sh, bat = tmp_path / "gen" / "run.sh", tmp_path / "gen" / "run.bat"
     assert "bash" in out and str(bat) in out
@@ -61,17 +74,43 @@ def test_launcher_single_node_writes_sh_and_bat(in_project, capsys, tmp_path):
 
 def test_launcher_multi_node_and_deepspeed(in_project, capsys, tmp_path):
     out_sh = tmp_path / "node1.sh"
-    code, out, err = cli(capsys, "launcher", "--config", "train.yaml", "--num_gpus_per_node", "8", "--num_nodes", "4",
-                         "--node_rank", "1", "--master_addr", "192.168.1.100", "--master_port", "29500", "--use_deepspeed",
-                         "--output", str(out_sh))
+    code, out, err = cli(
+        capsys,
+        "launcher",
+        "--config",
+        "train.yaml",
+        "--num_gpus_per_node",
+        "8",
+        "--num_nodes",
+        "4",
+        "--node_rank",
+        "1",
+        "--master_addr",
+        "192.168.1.100",
+        "--master_port",
+        "29500",
+        "--use_deepspeed",
+        "--output",
+        str(out_sh),
+    )
     assert code == 0, err
     assert not out_sh.with_suffix(".bat").exists(), "the .bat is for single-node runs"
     bash_syntax_ok(out_sh)
     text = out_sh.read_text()
-    for expected in ('NUM_NODES="${PHALANX_NUM_NODES:-4}"', 'NODE_RANK="${PHALANX_NODE_RANK:-1}"', 'MASTER_ADDR="${PHALANX_MASTER_ADDR:-192.168.1.100}"',
-                     'NPROC_PER_NODE="${PHALANX_NPROC_PER_NODE:-8}"', "-m deepspeed.launcher.runner", "--no_ssh", "--no_local_rank",
-                     "--module phalanx train train.yaml", "export LOCAL_WORLD_SIZE=$NPROC_PER_NODE",
-                     '--hostfile "$DS_HOSTFILE"', '--node_rank "$NODE_RANK"', 'slots=$NPROC_PER_NODE'):
+    for expected in (
+        'NUM_NODES="${PHALANX_NUM_NODES:-4}"',
+        'NODE_RANK="${PHALANX_NODE_RANK:-1}"',
+        'MASTER_ADDR="${PHALANX_MASTER_ADDR:-192.168.1.100}"',
+        'NPROC_PER_NODE="${PHALANX_NPROC_PER_NODE:-8}"',
+        "-m deepspeed.launcher.runner",
+        "--no_ssh",
+        "--no_local_rank",
+        "--module phalanx train train.yaml",
+        "export LOCAL_WORLD_SIZE=$NPROC_PER_NODE",
+        '--hostfile "$DS_HOSTFILE"',
+        '--node_rank "$NODE_RANK"',
+        "slots=$NPROC_PER_NODE",
+    ):
         assert expected in text, expected
     assert "CUDA_VISIBLE_DEVICES" not in text and "DS_ACCELERATOR" not in text, "GPU nodes: DeepSpeed finds CUDA itself"
     assert "SHUTDOWN_TIMEOUT" not in text, "the DeepSpeed launcher's grace after SIGTERM is its own (30 s)"
@@ -82,54 +121,128 @@ def test_deepspeed_launcher_on_cpu_nodes(in_project, capsys, tmp_path):
     """CPU ranks under the DeepSpeed launcher (executed in test_launcher_run.py and test_slurm.py): its CPU
     accelerator, gloo, and no single quote in the SLURM step (it is one single-quoted string)."""
     sh, job = tmp_path / "ds.sh", tmp_path / "ds_job.sh"
-    code, _, err = cli(capsys, "launcher", "--config", "train.yaml", "--num_gpus_per_node", "0", "--nproc_per_node", "2",
-                       "--use_deepspeed", "--output", str(sh), "--", "--strategy", "deepspeed")
+    code, _, err = cli(
+        capsys,
+        "launcher",
+        "--config",
+        "train.yaml",
+        "--num_gpus_per_node",
+        "0",
+        "--nproc_per_node",
+        "2",
+        "--use_deepspeed",
+        "--output",
+        str(sh),
+        "--",
+        "--strategy",
+        "deepspeed",
+    )
     assert code == 0, err
     assert "note:" not in err, "the config trains with the DeepSpeed engine"
-    code, _, err = cli(capsys, "slurm", "--config", "train.yaml", "--num_gpus_per_node", "0", "--nproc_per_node", "2",
-                       "--num_nodes", "2", "--use_deepspeed", "--output", str(job))
+    code, _, err = cli(
+        capsys,
+        "slurm",
+        "--config",
+        "train.yaml",
+        "--num_gpus_per_node",
+        "0",
+        "--nproc_per_node",
+        "2",
+        "--num_nodes",
+        "2",
+        "--use_deepspeed",
+        "--output",
+        str(job),
+    )
     assert code == 0, err
     for script in (sh, job):
         bash_syntax_ok(script)
         text = script.read_text()
-        for expected in ("export DS_ACCELERATOR=cpu", 'export CUDA_VISIBLE_DEVICES=""', "-m deepspeed.launcher.runner",
-                         "--no_local_rank", "--module phalanx train", "--backend gloo"):
+        for expected in (
+            "export DS_ACCELERATOR=cpu",
+            'export CUDA_VISIBLE_DEVICES=""',
+            "-m deepspeed.launcher.runner",
+            "--no_local_rank",
+            "--module phalanx train",
+            "--backend gloo",
+        ):
             assert expected in text, (script.name, expected)
     step = job.read_text().split("STEP='", 1)[1].split("'\n", 1)[0]
-    assert "exec \"$PYTHON\" -m deepspeed.launcher.runner" in step and "slots=2" in step
+    assert 'exec "$PYTHON" -m deepspeed.launcher.runner' in step and "slots=2" in step
 
 
 def test_launcher_elastic_uses_c10d_with_fresh_stores(in_project, capsys, tmp_path):
-    code, _, err = cli(capsys, "launcher", "--config", "train.yaml", "--num_gpus_per_node", "0", "--nproc_per_node", "2",
-                       "--max_restarts", "3", "--output", str(tmp_path / "e.sh"))
+    code, _, err = cli(
+        capsys,
+        "launcher",
+        "--config",
+        "train.yaml",
+        "--num_gpus_per_node",
+        "0",
+        "--nproc_per_node",
+        "2",
+        "--max_restarts",
+        "3",
+        "--output",
+        str(tmp_path / "e.sh"),
+    )
     assert code == 0, err
     text = (tmp_path / "e.sh").read_text()
     assert 'MAX_RESTARTS="${PHALANX_MAX_RESTARTS:-3}"' in text
-    assert "--rdzv_backend c10d" in text and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text and "is_host=$IS_HOST" in text
+    assert (
+        "--rdzv_backend c10d" in text and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text and "is_host=$IS_HOST" in text
+    )
     # torchrun's grace between SIGTERM and SIGKILL (torch's default 30 s) is distributed.shutdown_timeout_s.
     assert 'SHUTDOWN_TIMEOUT="${PHALANX_SHUTDOWN_TIMEOUT:-300}"' in text
-    assert text.index('export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="$SHUTDOWN_TIMEOUT"') < text.index("-m torch.distributed.run")
+    assert text.index('export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="$SHUTDOWN_TIMEOUT"') < text.index(
+        "-m torch.distributed.run"
+    )
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--num_gpus_per_node", "0", "--num_nodes", "2", "--node_rank", "2", "--master_addr", "10.0.0.1"], "--node_rank 2 is outside 0..1"),
-    (["--num_gpus_per_node", "0", "--num_nodes", "2"], "needs --master_addr"),
-    (["--num_gpus_per_node", "0", "--num_nodes", "2", "--master_addr", "127.0.0.1"], "loopback"),
-    (["--num_gpus_per_node", "4", "--nproc_per_node", "2"], "one rank per GPU"),
-    (["--num_gpus_per_node", "2", "--use_deepspeed", "--max_restarts", "1"], "the DeepSpeed launcher does not restart ranks"),
-    (["--num_gpus_per_node", "-1"], "--num_gpus_per_node -1"),
-    (["--num_gpus_per_node", "0", "--master_port", "70000"], "argument --master_port: 70000 is not a TCP port; give 1..65535"),
-    (["--nproc_per_node", "2"], "--num_gpus_per_node"),
-    (["--num_gpus_per_node", "0", "--config", "missing.yaml"], "missing.yaml: no such file"),
-    (["--num_gpus_per_node", "0", "--", "--max_stepz", "3"], "unknown flag --max_stepz. Did you mean 'max_steps'?"),
-    (["--num_gpus_per_node", "0", "--", "--learning_rate", "-1"], "learning_rate"),
-    (["--num_gpus_per_node", "0", "--bogus", "1"], "unrecognized arguments: --bogus"),
-    # What the ranks would refuse, found while writing the script: precision CPU ranks cannot run, a DeepSpeed
-    # JSON that contradicts the run (its "auto" values are filled; explicit ones must agree).
-    (["--num_gpus_per_node", "0", "--", "--mixed_precision", "bf16"], "'bf16' needs a CUDA device"),
-    (["--num_gpus_per_node", "0", "--use_deepspeed", "--", "--strategy", "deepspeed", "--zero_stage", "2",
-      "--deepspeed_config", "{stage3_json}"], "zero_optimization.stage is 3 in the JSON but 2"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--num_gpus_per_node", "0", "--num_nodes", "2", "--node_rank", "2", "--master_addr", "10.0.0.1"],
+            "--node_rank 2 is outside 0..1",
+        ),
+        (["--num_gpus_per_node", "0", "--num_nodes", "2"], "needs --master_addr"),
+        (["--num_gpus_per_node", "0", "--num_nodes", "2", "--master_addr", "127.0.0.1"], "loopback"),
+        (["--num_gpus_per_node", "4", "--nproc_per_node", "2"], "one rank per GPU"),
+        (
+            ["--num_gpus_per_node", "2", "--use_deepspeed", "--max_restarts", "1"],
+            "the DeepSpeed launcher does not restart ranks",
+        ),
+        (["--num_gpus_per_node", "-1"], "--num_gpus_per_node -1"),
+        (
+            ["--num_gpus_per_node", "0", "--master_port", "70000"],
+            "argument --master_port: 70000 is not a TCP port; give 1..65535",
+        ),
+        (["--nproc_per_node", "2"], "--num_gpus_per_node"),
+        (["--num_gpus_per_node", "0", "--config", "missing.yaml"], "missing.yaml: no such file"),
+        (["--num_gpus_per_node", "0", "--", "--max_stepz", "3"], "unknown flag --max_stepz. Did you mean 'max_steps'?"),
+        (["--num_gpus_per_node", "0", "--", "--learning_rate", "-1"], "learning_rate"),
+        (["--num_gpus_per_node", "0", "--bogus", "1"], "unrecognized arguments: --bogus"),
+        # What the ranks would refuse, found while writing the script: precision CPU ranks cannot run, a DeepSpeed
+        # JSON that contradicts the run (its "auto" values are filled; explicit ones must agree).
+        (["--num_gpus_per_node", "0", "--", "--mixed_precision", "bf16"], "'bf16' needs a CUDA device"),
+        (
+            [
+                "--num_gpus_per_node",
+                "0",
+                "--use_deepspeed",
+                "--",
+                "--strategy",
+                "deepspeed",
+                "--zero_stage",
+                "2",
+                "--deepspeed_config",
+                "{stage3_json}",
+            ],
+            "zero_optimization.stage is 3 in the JSON but 2",
+        ),
+    ],
+)
 def test_launcher_refuses_bad_input_with_a_clear_message(in_project, capsys, tmp_path, args, message):
     stage3 = tmp_path / "ds_stage3.json"
     stage3.write_text('{"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto"}')
@@ -144,24 +257,66 @@ def test_launcher_refuses_bad_input_with_a_clear_message(in_project, capsys, tmp
 def test_slurm_script_like_seed_003(in_project, capsys, tmp_path):
     """The seed's example: 4 nodes x 8 GPUs, DeepSpeed, 48 hours; plus the preemption handling it lacked."""
     script = tmp_path / "slurm_job.sh"
-    code, out, err = cli(capsys, "slurm", "--config", "train.yaml", "--num_nodes", "4", "--num_gpus_per_node", "8",
-                         "--use_deepspeed", "--time_limit", "48:00:00", "--partition", "gpu", "--account", "proj42",
-                         "--cpus_per_task", "8", "--mem_per_gpu", "32G", "--job_name", "llm_finetune",
-                         "--setup", "module load cuda/12.2", "--output", str(script))
+    code, out, err = cli(
+        capsys,
+        "slurm",
+        "--config",
+        "train.yaml",
+        "--num_nodes",
+        "4",
+        "--num_gpus_per_node",
+        "8",
+        "--use_deepspeed",
+        "--time_limit",
+        "48:00:00",
+        "--partition",
+        "gpu",
+        "--account",
+        "proj42",
+        "--cpus_per_task",
+        "8",
+        "--mem_per_gpu",
+        "32G",
+        "--job_name",
+        "llm_finetune",
+        "--setup",
+        "module load cuda/12.2",
+        "--output",
+        str(script),
+    )
     assert code == 0, err
     assert f"sbatch {script}" in out
     bash_syntax_ok(script)
     text = script.read_text()
-    for expected in ("#SBATCH --job-name=llm_finetune", "#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1",
-                     "#SBATCH --gres=gpu:8", "#SBATCH --cpus-per-task=64", "#SBATCH --mem-per-gpu=32G",
-                     "#SBATCH --time=48:00:00", "#SBATCH --partition=gpu", "#SBATCH --account=proj42",
-                     "#SBATCH --signal=B:USR1@360", "#SBATCH --requeue", "#SBATCH --open-mode=append",
-                     f"#SBATCH --chdir={in_project}", "module load cuda/12.2",
-                     'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1',
-                     "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1", 'NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-^lo,docker}"',
-                     "NCCL_IB_DISABLE", "NCCL_DEBUG", "export OMP_NUM_THREADS=8",
-                     "-m deepspeed.launcher.runner", "--no_ssh", '--node_rank "$SLURM_NODEID"', "slots=8", "scontrol requeue",
-                     'scancel --signal=USR1 "$SLURM_JOB_ID"', "srun --ntasks-per-node=1 --kill-on-bad-exit=1"):
+    for expected in (
+        "#SBATCH --job-name=llm_finetune",
+        "#SBATCH --nodes=4",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gres=gpu:8",
+        "#SBATCH --cpus-per-task=64",
+        "#SBATCH --mem-per-gpu=32G",
+        "#SBATCH --time=48:00:00",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --account=proj42",
+        "#SBATCH --signal=B:USR1@360",
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+        f"#SBATCH --chdir={in_project}",
+        "module load cuda/12.2",
+        'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1',
+        "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1",
+        'NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-^lo,docker}"',
+        "NCCL_IB_DISABLE",
+        "NCCL_DEBUG",
+        "export OMP_NUM_THREADS=8",
+        "-m deepspeed.launcher.runner",
+        "--no_ssh",
+        '--node_rank "$SLURM_NODEID"',
+        "slots=8",
+        "scontrol requeue",
+        'scancel --signal=USR1 "$SLURM_JOB_ID"',
+        "srun --ntasks-per-node=1 --kill-on-bad-exit=1",
+    ):
         assert expected in text, expected
     # Every #SBATCH line comes before the first command, or sbatch ignores it.
     lines = text.splitlines()
@@ -171,9 +326,26 @@ def test_slurm_script_like_seed_003(in_project, capsys, tmp_path):
 
 def test_slurm_cpu_nodes_request_no_gpus(in_project, capsys, tmp_path):
     script = tmp_path / "cpu.sh"
-    code, _, err = cli(capsys, "slurm", "--config", "train.yaml", "--num_nodes", "2", "--num_gpus_per_node", "0",
-                       "--nproc_per_node", "4", "--cpus_per_task", "2", "--mem", "16G", "--max_restarts", "2",
-                       "--output", str(script))
+    code, _, err = cli(
+        capsys,
+        "slurm",
+        "--config",
+        "train.yaml",
+        "--num_nodes",
+        "2",
+        "--num_gpus_per_node",
+        "0",
+        "--nproc_per_node",
+        "4",
+        "--cpus_per_task",
+        "2",
+        "--mem",
+        "16G",
+        "--max_restarts",
+        "2",
+        "--output",
+        str(script),
+    )
     assert code == 0, err
     text = script.read_text()
     assert "--gres" not in text and "--mem-per-gpu" not in text
@@ -184,23 +356,60 @@ def test_slurm_cpu_nodes_request_no_gpus(in_project, capsys, tmp_path):
     # gives the ranks distributed.shutdown_timeout_s to save; SLURM warns that long before the limit, plus a margin.
     assert 'scancel --signal=TERM "$SLURM_JOB_ID"' in text
     assert 'SHUTDOWN_TIMEOUT="${PHALANX_SHUTDOWN_TIMEOUT:-300}"' in text and "#SBATCH --signal=B:USR1@360" in text
-    assert text.index('export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="$SHUTDOWN_TIMEOUT"') < text.index("srun --ntasks-per-node=1")
-    code, _, err = cli(capsys, "slurm", "--config", "train.yaml", "--num_nodes", "2", "--num_gpus_per_node", "0",
-                       "--output", str(script), "--", "--shutdown_timeout_s", "900")
-    assert code == 0 and "#SBATCH --signal=B:USR1@960" in script.read_text() and "PHALANX_SHUTDOWN_TIMEOUT:-900" in script.read_text()
-    code, _, err = cli(capsys, "slurm", "--config", "train.yaml", "--num_nodes", "2", "--num_gpus_per_node", "0",
-                       "--signal_time", "120", "--output", str(script))
+    assert text.index('export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="$SHUTDOWN_TIMEOUT"') < text.index(
+        "srun --ntasks-per-node=1"
+    )
+    code, _, err = cli(
+        capsys,
+        "slurm",
+        "--config",
+        "train.yaml",
+        "--num_nodes",
+        "2",
+        "--num_gpus_per_node",
+        "0",
+        "--output",
+        str(script),
+        "--",
+        "--shutdown_timeout_s",
+        "900",
+    )
+    assert (
+        code == 0
+        and "#SBATCH --signal=B:USR1@960" in script.read_text()
+        and "PHALANX_SHUTDOWN_TIMEOUT:-900" in script.read_text()
+    )
+    code, _, err = cli(
+        capsys,
+        "slurm",
+        "--config",
+        "train.yaml",
+        "--num_nodes",
+        "2",
+        "--num_gpus_per_node",
+        "0",
+        "--signal_time",
+        "120",
+        "--output",
+        str(script),
+    )
     assert code == 0 and "#SBATCH --signal=B:USR1@120" in script.read_text()
     assert "warning: --signal_time 120: SLURM ends the job 120 s after its warning, sooner than the 300 s" in err
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--num_gpus_per_node", "8", "--time_limit", "48h"], "--time_limit '48h' is not a SLURM time"),
-    (["--num_gpus_per_node", "8", "--signal_time", "0"], "--signal_time 0"),
-    (["--num_gpus_per_node", "0", "--cpus_per_task", "0"], "--cpus_per_task 0"),
-    (["--num_gpus_per_node", "0", "--master_port", "0"], "argument --master_port: 0 is not a TCP port; give 1..65535"),
-    (["--num_nodes", "2"], "--num_gpus_per_node"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--num_gpus_per_node", "8", "--time_limit", "48h"], "--time_limit '48h' is not a SLURM time"),
+        (["--num_gpus_per_node", "8", "--signal_time", "0"], "--signal_time 0"),
+        (["--num_gpus_per_node", "0", "--cpus_per_task", "0"], "--cpus_per_task 0"),
+        (
+            ["--num_gpus_per_node", "0", "--master_port", "0"],
+            "argument --master_port: 0 is not a TCP port; give 1..65535",
+        ),
+        (["--num_nodes", "2"], "--num_gpus_per_node"),
+    ],
+)
 def test_slurm_refuses_bad_input(in_project, capsys, tmp_path, args, message):
     code, _, err = cli(capsys, "slurm", "--config", "train.yaml", *args, "--output", str(tmp_path / "x.sh"))
     assert code == 2 and message in err
@@ -209,18 +418,42 @@ def test_slurm_refuses_bad_input(in_project, capsys, tmp_path, args, message):
 
 def test_slurm_accepts_every_slurm_time_format(in_project, capsys, tmp_path):
     for value in ("30", "30:00", "48:00:00", "2-12", "2-12:30", "2-12:30:00"):
-        code, _, err = cli(capsys, "slurm", "--num_gpus_per_node", "1", "--time_limit", value, "--output", str(tmp_path / "t.sh"))
+        code, _, err = cli(
+            capsys, "slurm", "--num_gpus_per_node", "1", "--time_limit", value, "--output", str(tmp_path / "t.sh")
+        )
         assert code == 0, (value, err)
         assert f"#SBATCH --time={value}" in (tmp_path / "t.sh").read_text()
 
 
 def test_restarts_that_would_start_over_are_pointed_out(in_project, capsys, tmp_path):
     """configs/demo.yaml sets overwrite_output_dir: a requeued job would train from the start again."""
-    code, _, err = cli(capsys, "slurm", "--config", "train.yaml", "--num_gpus_per_node", "0", "--output",
-                       str(tmp_path / "s.sh"), "--", "--overwrite_output_dir", "true")
+    code, _, err = cli(
+        capsys,
+        "slurm",
+        "--config",
+        "train.yaml",
+        "--num_gpus_per_node",
+        "0",
+        "--output",
+        str(tmp_path / "s.sh"),
+        "--",
+        "--overwrite_output_dir",
+        "true",
+    )
     assert code == 0 and "a restarted or requeued run starts over" in err
-    code, _, err = cli(capsys, "launcher", "--config", "train.yaml", "--num_gpus_per_node", "0", "--output",
-                       str(tmp_path / "l.sh"), "--", "--overwrite_output_dir", "true")
+    code, _, err = cli(
+        capsys,
+        "launcher",
+        "--config",
+        "train.yaml",
+        "--num_gpus_per_node",
+        "0",
+        "--output",
+        str(tmp_path / "l.sh"),
+        "--",
+        "--overwrite_output_dir",
+        "true",
+    )
     assert code == 0 and "starts over" not in err, "no restarts, nothing to warn about"
 
 
@@ -229,11 +462,30 @@ def test_hybrid_shard_needs_several_nodes(command, in_project, capsys, tmp_path)
     """HYBRID_SHARD shards within a node and replicates across nodes: refused for one node, written for two."""
     hybrid = ["--", "--strategy", "fsdp", "--sharding_strategy", "HYBRID_SHARD"]
     nodes2 = ["--num_nodes", "2"] + (["--master_addr", "10.0.0.1"] if command == "launcher" else [])
-    code, _, err = cli(capsys, command, "--config", "train.yaml", "--num_gpus_per_node", "0",
-                       "--output", str(tmp_path / "one.sh"), *hybrid)
+    code, _, err = cli(
+        capsys,
+        command,
+        "--config",
+        "train.yaml",
+        "--num_gpus_per_node",
+        "0",
+        "--output",
+        str(tmp_path / "one.sh"),
+        *hybrid,
+    )
     assert code == 2 and "this job runs on one node. Use FULL_SHARD" in err
     assert not (tmp_path / "one.sh").exists()
-    code, _, err = cli(capsys, command, "--config", "train.yaml", "--num_gpus_per_node", "0", *nodes2,
-                       "--output", str(tmp_path / "two.sh"), *hybrid)
+    code, _, err = cli(
+        capsys,
+        command,
+        "--config",
+        "train.yaml",
+        "--num_gpus_per_node",
+        "0",
+        *nodes2,
+        "--output",
+        str(tmp_path / "two.sh"),
+        *hybrid,
+    )
     assert code == 0, err
     assert "HYBRID_SHARD" in (tmp_path / "two.sh").read_text()

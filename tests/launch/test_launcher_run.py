@@ -18,7 +18,9 @@ from phalanx.checkpoint.commit import is_committed
 pytestmark = pytest.mark.system
 
 
-def run_script(support, project: Path, env: dict, *args: str, timeout: float = 240) -> tuple[subprocess.CompletedProcess, float]:
+def run_script(
+    support, project: Path, env: dict, *args: str, timeout: float = 240
+) -> tuple[subprocess.CompletedProcess, float]:
     start = time.monotonic()
     proc = support.run_bounded(["bash", *args], project, env, timeout)
     return proc, time.monotonic() - start
@@ -36,8 +38,19 @@ def test_single_node_script_trains_on_two_ranks(reference_run, project, support)
 
 
 def test_port_already_taken_fails_fast_with_the_holder(project, generate, support):
-    generate("launcher", "--config", "train.yaml", "--num_gpus_per_node", "0", "--nproc_per_node", "2",
-             "--master_port", str(support.free_port()), "--output", "scripts/taken.sh")
+    generate(
+        "launcher",
+        "--config",
+        "train.yaml",
+        "--num_gpus_per_node",
+        "0",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(support.free_port()),
+        "--output",
+        "scripts/taken.sh",
+    )
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
@@ -53,9 +66,20 @@ def test_port_already_taken_fails_fast_with_the_holder(project, generate, suppor
 
 
 def test_more_gpus_than_the_node_has_fails_fast(project, generate, support):
-    generate("launcher", "--config", "train.yaml", "--num_gpus_per_node", "2", "--master_port", str(support.free_port()),
-             "--output", "scripts/gpus.sh")
-    proc, seconds = run_script(support, project, support.local_env(CUDA_VISIBLE_DEVICES=""), "scripts/gpus.sh", timeout=60)
+    generate(
+        "launcher",
+        "--config",
+        "train.yaml",
+        "--num_gpus_per_node",
+        "2",
+        "--master_port",
+        str(support.free_port()),
+        "--output",
+        "scripts/gpus.sh",
+    )
+    proc, seconds = run_script(
+        support, project, support.local_env(CUDA_VISIBLE_DEVICES=""), "scripts/gpus.sh", timeout=60
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "has 0 CUDA device(s) visible" in proc.stderr and "asks for 2 per node" in proc.stderr
     assert "--num_gpus_per_node 0 --nproc_per_node N" in proc.stderr
@@ -82,13 +106,32 @@ def worker_pids(launcher_pid: int) -> dict[int, int]:
 
 def test_killed_rank_restarts_and_resumes_under_max_restarts(project, generate, reference_run, support):
     """Elastic: SIGKILL rank 1 after the first checkpoint; torchrun restarts both ranks, which resume from it."""
-    generate("launcher", "--config", "train.yaml", "--num_gpus_per_node", "0", "--nproc_per_node", "2",
-             "--max_restarts", "1", "--master_port", str(support.free_port()), "--output", "scripts/elastic.sh")
+    generate(
+        "launcher",
+        "--config",
+        "train.yaml",
+        "--num_gpus_per_node",
+        "0",
+        "--nproc_per_node",
+        "2",
+        "--max_restarts",
+        "1",
+        "--master_port",
+        str(support.free_port()),
+        "--output",
+        "scripts/elastic.sh",
+    )
     out = project / "runs" / "elastic"
     log = project / "elastic.log"
     with open(log, "w") as sink:
-        proc = subprocess.Popen(["bash", "scripts/elastic.sh", "--output_dir", str(out)], cwd=project,
-                                env=support.local_env(), stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            ["bash", "scripts/elastic.sh", "--output_dir", str(out)],
+            cwd=project,
+            env=support.local_env(),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + 180
         killed = None
@@ -112,18 +155,38 @@ def test_killed_rank_restarts_and_resumes_under_max_restarts(project, generate, 
     assert info["world_size"] == 2 and info["global_step"] == support.MAX_STEPS
     resumed = support.losses_by_step(out)
     assert sorted(resumed) == sorted(reference_run)
-    assert [resumed[s] for s in sorted(resumed)] == pytest.approx([reference_run[s] for s in sorted(reference_run)], abs=1e-5)
+    assert [resumed[s] for s in sorted(resumed)] == pytest.approx(
+        [reference_run[s] for s in sorted(reference_run)], abs=1e-5
+    )
 
 
-def test_deepspeed_launcher_script_trains_cpu_ranks_with_the_deepspeed_engine(project, generate, reference_run, support):
+def test_deepspeed_launcher_script_trains_cpu_ranks_with_the_deepspeed_engine(
+    project, generate, reference_run, support
+):
     """`--use_deepspeed` on a CPU node: the script starts the real DeepSpeed launcher (its CPU accelerator over
     gloo), which starts 2 ranks that train with strategy deepspeed, the same losses as the torchrun reference."""
-    out = generate("launcher", "--config", "train.yaml", "--num_gpus_per_node", "0", "--nproc_per_node", "2",
-                   "--use_deepspeed", "--master_port", str(support.free_port()), "--output", "scripts/deepspeed.sh",
-                   "--", "--strategy", "deepspeed")
+    out = generate(
+        "launcher",
+        "--config",
+        "train.yaml",
+        "--num_gpus_per_node",
+        "0",
+        "--nproc_per_node",
+        "2",
+        "--use_deepspeed",
+        "--master_port",
+        str(support.free_port()),
+        "--output",
+        "scripts/deepspeed.sh",
+        "--",
+        "--strategy",
+        "deepspeed",
+    )
     assert "2 rank(s) on this machine" in out
     assert not (project / "scripts" / "deepspeed.bat").exists()
-    proc, _ = run_script(support, project, support.local_env(), "scripts/deepspeed.sh", "--output_dir", "runs/deepspeed")
+    proc, _ = run_script(
+        support, project, support.local_env(), "scripts/deepspeed.sh", "--output_dir", "runs/deepspeed"
+    )
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-5000:]
     # The DeepSpeed launcher (not torchrun) started the ranks, with DeepSpeed's CPU accelerator.
@@ -136,4 +199,6 @@ def test_deepspeed_launcher_script_trains_cpu_ranks_with_the_deepspeed_engine(pr
     assert (out_dir / "adapter_model.safetensors").is_file() and (out_dir / "adapter_config.json").is_file()
     losses = support.losses_by_step(out_dir)
     assert sorted(losses) == sorted(reference_run)
-    assert [losses[s] for s in sorted(losses)] == pytest.approx([reference_run[s] for s in sorted(reference_run)], abs=1e-5)
+    assert [losses[s] for s in sorted(losses)] == pytest.approx(
+        [reference_run[s] for s in sorted(reference_run)], abs=1e-5
+    )

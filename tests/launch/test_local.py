@@ -34,10 +34,37 @@ def test_shutdown_timeout_reaches_the_elastic_agent(agent, project, monkeypatch,
     the seconds between the agent's SIGTERM to the ranks and its SIGKILL (torch's own default is 30)."""
     monkeypatch.chdir(project)
     assert main(["train", "train.yaml", "--world_size", "2", "--output_dir", str(tmp_path / "t")]) == 0
-    assert main(["train", "train.yaml", "--world_size", "2", "--output_dir", str(tmp_path / "t"),
-                 "--shutdown_timeout_s", "1200"]) == 0
-    assert main(["generate", "--world_size", "2", "--num_questions", "2", "--output", str(tmp_path / "g.jsonl"),
-                 "--shutdown_timeout_s", "45"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "train.yaml",
+                "--world_size",
+                "2",
+                "--output_dir",
+                str(tmp_path / "t"),
+                "--shutdown_timeout_s",
+                "1200",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "generate",
+                "--world_size",
+                "2",
+                "--num_questions",
+                "2",
+                "--output",
+                str(tmp_path / "g.jsonl"),
+                "--shutdown_timeout_s",
+                "45",
+            ]
+        )
+        == 0
+    )
     assert [c.shutdown_timeout for c in agent] == [300, 1200, 45], capsys.readouterr().err
 
 
@@ -56,6 +83,9 @@ def test_status_after_sigterm_follows_the_ranks_exit_records(capsys):
     assert after_stop_signal("SIGTERM", {0: 75, 1: None}) == 75  # rank 0 exits 75 only once all work is committed
     assert "rank 1 (killed: no exit status) after that" in capsys.readouterr().err
     assert after_stop_signal("SIGTERM", {0: 0, 1: 0}) == 0  # both had finished
-    with pytest.raises(PhalanxError, match=r"without saving their progress for it: rank 0 \(exit code 1\), "
-                                           r"rank 1 \(killed by SIGKILL\)"):
+    with pytest.raises(
+        PhalanxError,
+        match=r"without saving their progress for it: rank 0 \(exit code 1\), "
+        r"rank 1 \(killed by SIGKILL\)",
+    ):
         after_stop_signal("SIGTERM", {0: 1, 1: -9})

@@ -17,9 +17,25 @@ pytestmark = pytest.mark.system
 def test_two_nodes_train_like_one(project, generate, reference_run, node_pair, support):
     port = 29400 + support.free_port() % 500  # any port: each namespace has its own
     for rank in (0, 1):
-        generate("launcher", "--config", "train.yaml", "--num_gpus_per_node", "0", "--nproc_per_node", "1",
-                 "--num_nodes", "2", "--node_rank", str(rank), "--master_addr", node_pair.addresses[0],
-                 "--master_port", str(port), "--output", f"scripts/node{rank}.sh")
+        generate(
+            "launcher",
+            "--config",
+            "train.yaml",
+            "--num_gpus_per_node",
+            "0",
+            "--nproc_per_node",
+            "1",
+            "--num_nodes",
+            "2",
+            "--node_rank",
+            str(rank),
+            "--master_addr",
+            node_pair.addresses[0],
+            "--master_port",
+            str(port),
+            "--output",
+            f"scripts/node{rank}.sh",
+        )
     # The two 'machines' share this one's cores: one thread per rank keeps them from fighting over them.
     env = {k: v for k, v in support.local_env(OMP_NUM_THREADS="1").items() if k != "GLOO_SOCKET_IFNAME"}
     env["PHALANX_RDZV_TIMEOUT"] = "120"
@@ -28,8 +44,16 @@ def test_two_nodes_train_like_one(project, generate, reference_run, node_pair, s
     procs = []
     for rank in (1, 0):  # the worker node first: it waits for the master, as on a real cluster
         with open(logs[rank], "w") as sink:
-            procs.append(node_pair.popen(rank, ["bash", f"scripts/node{rank}.sh", "--output_dir", str(out)], cwd=project,
-                                         env=env, stdout=sink, stderr=subprocess.STDOUT))
+            procs.append(
+                node_pair.popen(
+                    rank,
+                    ["bash", f"scripts/node{rank}.sh", "--output_dir", str(out)],
+                    cwd=project,
+                    env=env,
+                    stdout=sink,
+                    stderr=subprocess.STDOUT,
+                )
+            )
         time.sleep(0.5)
     try:
         codes = [p.wait(timeout=240) for p in procs]
@@ -43,20 +67,43 @@ def test_two_nodes_train_like_one(project, generate, reference_run, node_pair, s
     assert info["world_size"] == 2 and info["global_step"] == support.MAX_STEPS
     two_nodes = support.losses_by_step(out)
     assert sorted(two_nodes) == sorted(reference_run)
-    assert [two_nodes[s] for s in sorted(two_nodes)] == pytest.approx([reference_run[s] for s in sorted(reference_run)], abs=1e-5)
+    assert [two_nodes[s] for s in sorted(two_nodes)] == pytest.approx(
+        [reference_run[s] for s in sorted(reference_run)], abs=1e-5
+    )
 
 
-@pytest.mark.parametrize("master, reason", [
-    ("10.77.0.9", "No route to host"),  # on the veth subnet, but no machine answers ARP for it
-    ("10.78.0.1", "Network is unreachable"),  # no route at all from node 1
-])
+@pytest.mark.parametrize(
+    "master, reason",
+    [
+        ("10.77.0.9", "No route to host"),  # on the veth subnet, but no machine answers ARP for it
+        ("10.78.0.1", "Network is unreachable"),  # no route at all from node 1
+    ],
+)
 def test_unreachable_master_ends_with_a_message_not_a_hang(project, generate, node_pair, support, master, reason):
-    generate("launcher", "--config", "train.yaml", "--num_gpus_per_node", "0", "--nproc_per_node", "1", "--num_nodes", "2",
-             "--node_rank", "1", "--master_addr", master, "--master_port", "29500", "--output", "scripts/lost.sh")
+    generate(
+        "launcher",
+        "--config",
+        "train.yaml",
+        "--num_gpus_per_node",
+        "0",
+        "--nproc_per_node",
+        "1",
+        "--num_nodes",
+        "2",
+        "--node_rank",
+        "1",
+        "--master_addr",
+        master,
+        "--master_port",
+        "29500",
+        "--output",
+        "scripts/lost.sh",
+    )
     env = {**support.local_env(), "PHALANX_RDZV_TIMEOUT": "4"}
     start = time.monotonic()
-    proc = node_pair.popen(1, ["bash", "scripts/lost.sh"], cwd=project, env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
+    proc = node_pair.popen(
+        1, ["bash", "scripts/lost.sh"], cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         out, err = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:

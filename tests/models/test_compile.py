@@ -31,8 +31,9 @@ def tiny_lora_model(gradient_checkpointing: bool):
     torch.manual_seed(0)
     model = load_model("embedded:tiny-qwen3", torch.float32, False, device=CPU)
     enable_varlen_attention(model, CPU)
-    model = apply_finetuning(model, ModelConfig(gradient_checkpointing=gradient_checkpointing),
-                             LoraConfig(r=8, alpha=16, dropout=0.0))
+    model = apply_finetuning(
+        model, ModelConfig(gradient_checkpointing=gradient_checkpointing), LoraConfig(r=8, alpha=16, dropout=0.0)
+    )
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():  # PEFT starts B at zero, where A's gradient vanishes
         for name, param in model.named_parameters():
@@ -47,7 +48,7 @@ def packed_batch():
     rows = []
     for n in (37, 64, 23):
         ids = torch.randint(3, 250, (n,), generator=gen).tolist()
-        rows.append({"input_ids": ids, "labels": [-100] * (n // 3) + ids[n // 3:]})
+        rows.append({"input_ids": ids, "labels": [-100] * (n // 3) + ids[n // 3 :]})
     return collate(rows, pad_token_id=0, packing=True)
 
 
@@ -58,8 +59,9 @@ def step(model, batch):
     return loss.detach(), grads
 
 
-@pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None,
-                    reason="inductor needs a C++ compiler on CPU")
+@pytest.mark.skipif(
+    shutil.which("gcc") is None and shutil.which("cc") is None, reason="inductor needs a C++ compiler on CPU"
+)
 def test_compiled_layers_match_eager_loss_and_gradients():
     eager = tiny_lora_model(gradient_checkpointing=True)
     compiled = copy.deepcopy(eager)
@@ -95,10 +97,31 @@ def test_compile_flag_reaches_a_cli_run(tmp_path):
     minutes on 2 shared cores, and their numerics are the test above."""
     data = write_chat_jsonl(tmp_path / "rows.jsonl", 8)
     out = tmp_path / "run"
-    proc = run_phalanx("train", "--dataset_path", str(data), "--output_dir", str(out), "--max_steps", "2",
-                       "--batch_size", "2", "--test_size", "0", "--save_steps", "1000", "--eval_steps", "1000",
-                       "--logging.tensorboard", "false", "--logging.progress_bar", "false",
-                       "--training.compile", "true", env={"PHALANX_COMPILE_BACKEND": "aot_eager"}, timeout=600)
+    proc = run_phalanx(
+        "train",
+        "--dataset_path",
+        str(data),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "2",
+        "--batch_size",
+        "2",
+        "--test_size",
+        "0",
+        "--save_steps",
+        "1000",
+        "--eval_steps",
+        "1000",
+        "--logging.tensorboard",
+        "false",
+        "--logging.progress_bar",
+        "false",
+        "--training.compile",
+        "true",
+        env={"PHALANX_COMPILE_BACKEND": "aot_eager"},
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Compiled 4 Qwen3DecoderLayer layers one by one (torch.compile, aot_eager)" in proc.stdout
     losses = [m["loss"] for m in read_metrics(out) if "loss" in m]

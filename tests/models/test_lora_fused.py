@@ -17,8 +17,16 @@ from phalanx.models import lora_fused
 from phalanx.models.adapters import apply_finetuning
 from phalanx.models.lora_fused import FusedLoraLinear, install_fused_lora
 
-TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+TINY = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=112,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)
 LINEARS = 7 * TINY["num_hidden_layers"]
 
 
@@ -29,8 +37,11 @@ def base_model(dtype=torch.float32):
 
 
 def lora_model(kernel, dropout=0.0, dtype=torch.float32, gradient_checkpointing=False):
-    model = apply_finetuning(base_model(dtype), ModelConfig(gradient_checkpointing=gradient_checkpointing),
-                             LoraConfig(r=8, alpha=16, dropout=dropout, kernel=kernel))
+    model = apply_finetuning(
+        base_model(dtype),
+        ModelConfig(gradient_checkpointing=gradient_checkpointing),
+        LoraConfig(r=8, alpha=16, dropout=dropout, kernel=kernel),
+    )
     # PEFT starts B at zero, where the update and A's gradient vanish: give B values so the test means something.
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -79,8 +90,9 @@ def test_fused_is_the_default_and_covers_every_linear():
     peft = lora_model("peft")
     assert not any(isinstance(m, FusedLoraLinear) for m in peft.modules())
     # Same parameters, names, dtypes and trainability: optimizers, DDP/FSDP wrapping and checkpoints see no change.
-    assert [(n, p.shape, p.dtype, p.requires_grad) for n, p in model.named_parameters()] == \
-        [(n, p.shape, p.dtype, p.requires_grad) for n, p in peft.named_parameters()]
+    assert [(n, p.shape, p.dtype, p.requires_grad) for n, p in model.named_parameters()] == [
+        (n, p.shape, p.dtype, p.requires_grad) for n, p in peft.named_parameters()
+    ]
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
@@ -123,6 +135,7 @@ def test_bf16_saves_far_fewer_activation_bytes(mask_policy):
     """What backward keeps, counted per storage (parameters aside): the fused path keeps no fp32, cast or dropped
     copies of the inputs; dropout costs it one byte per input element per adapter (kept bool mask) or nothing
     (redrawn mask)."""
+
     def saved_bytes(model):
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         seen = {}
@@ -231,8 +244,12 @@ def test_cli_training_with_dropout_matches_the_peft_kernel(equivalence_data, tmp
 
     from equivalence import grad_norms, train
 
-    runs = {kernel: train(equivalence_data, tmp_path / kernel, 1, 4, "lora", "--lora_dropout", "0.1",
-                          "--lora.kernel", kernel) for kernel in ("fused", "peft")}
+    runs = {
+        kernel: train(
+            equivalence_data, tmp_path / kernel, 1, 4, "lora", "--lora_dropout", "0.1", "--lora.kernel", kernel
+        )
+        for kernel in ("fused", "peft")
+    }
     assert grad_norms(tmp_path / "fused")[:2] == pytest.approx(grad_norms(tmp_path / "peft")[:2], rel=1e-7)
     assert runs["fused"] == pytest.approx(runs["peft"], rel=2e-4)
     assert runs["fused"][-1] < runs["fused"][0]

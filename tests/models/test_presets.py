@@ -62,8 +62,13 @@ def test_concurrent_materialization_is_safe_and_deterministic(embedded_dir, tmp_
     )
     env = {**os.environ, "PYTHONPATH": str(Path(phalanx.__file__).parents[1])}
     procs = [
-        subprocess.Popen([sys.executable, "-c", code, NAME, str(root)], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", code, NAME, str(root)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for _ in range(2)
     ]
     results = [p.communicate(timeout=300) for p in procs]
@@ -98,8 +103,9 @@ def test_loads_with_auto_classes_and_runs_forward(embedded_dir, tokenizer):
     assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
     assert next(model.parameters()).dtype == torch.float32
 
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hello"}], tokenize=False, add_generation_prompt=True
+    )
     ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
     with torch.no_grad():
         out = model(input_ids=ids, labels=ids)
@@ -128,38 +134,53 @@ BMI_TOOL = {
     "function": {
         "name": "get_bmi",
         "description": "Body-mass index.",
-        "parameters": {"type": "object", "properties": {"weight_kg": {"type": "number"},
-                                                        "height_cm": {"type": "number"}},
-                       "required": ["weight_kg", "height_cm"]},
+        "parameters": {
+            "type": "object",
+            "properties": {"weight_kg": {"type": "number"}, "height_cm": {"type": "number"}},
+            "required": ["weight_kg", "height_cm"],
+        },
     },
 }
 CLINIC_TOOL = {
     "type": "function",
-    "function": {"name": "find_clinic", "description": "Clinics in a city.",
-                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                "required": ["city"]}},
+    "function": {
+        "name": "find_clinic",
+        "description": "Clinics in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
 }
 
 
 def _call(call_id, name, arguments):
-    return {"id": call_id, "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+    return {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
+    }
 
 
 TOOL_CONVERSATION = [
     {"role": "system", "content": "You are a health assistant."},
     {"role": "user", "content": "BMI for 70 kg, 175 cm? And a clinic in Oslo."},
-    {"role": "assistant", "content": None, "tool_calls": [
-        _call("call_1", "get_bmi", {"weight_kg": 70, "height_cm": 175}),
-        _call("call_2", "find_clinic", {"city": "Oslo"}),
-    ]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            _call("call_1", "get_bmi", {"weight_kg": 70, "height_cm": 175}),
+            _call("call_2", "find_clinic", {"city": "Oslo"}),
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_1", "content": '{"bmi": 22.9}'},
     {"role": "tool", "tool_call_id": "call_2", "content": '{"name": "Aker"}'},
     {"role": "assistant", "content": "BMI 22.9; try Aker clinic."},
     {"role": "user", "content": "Thanks!"},
-    {"role": "assistant", "content": "Let me log that.", "tool_calls": [
-        {"type": "function", "function": {"name": "get_bmi", "arguments": {"weight_kg": 70, "height_cm": 175}}},
-    ]},
+    {
+        "role": "assistant",
+        "content": "Let me log that.",
+        "tool_calls": [
+            {"type": "function", "function": {"name": "get_bmi", "arguments": {"weight_kg": 70, "height_cm": 175}}},
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_3", "content": '{"bmi": 22.9}'},
     {"role": "assistant", "content": "Done."},
 ]
@@ -167,7 +188,10 @@ TOOL_CONVERSATION = [
 EXPECTED_TOOL_RENDERING = (
     "<|im_start|>system\nYou are a health assistant.\n\n"
     "# Tools\n<tools>\n"
-    + json.dumps(BMI_TOOL["function"]) + "\n" + json.dumps(CLINIC_TOOL["function"]) + "\n</tools>\n"
+    + json.dumps(BMI_TOOL["function"])
+    + "\n"
+    + json.dumps(CLINIC_TOOL["function"])
+    + "\n</tools>\n"
     'Call a function with <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call><|im_end|>\n'
     "<|im_start|>user\nBMI for 70 kg, 175 cm? And a clinic in Oslo.<|im_end|>\n"
     "<|im_start|>assistant\n"
@@ -186,8 +210,9 @@ EXPECTED_TOOL_RENDERING = (
 
 
 def _render(tokenizer, messages, tools=None, add_generation_prompt=False):
-    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+    return tokenizer.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
 
 
 def test_template_renders_a_tool_call_conversation(tokenizer):
@@ -199,7 +224,8 @@ def test_template_without_system_or_tools(tokenizer):
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     assert _render(tokenizer, msgs) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n"
     assert _render(tokenizer, msgs[:1], add_generation_prompt=True) == (
-        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
     # Tools without a system message get a system turn of their own.
     assert _render(tokenizer, msgs, tools=[BMI_TOOL]).startswith("<|im_start|>system\n# Tools\n")
 
@@ -218,8 +244,8 @@ def test_template_is_prefix_stable(tokenizer, tools, drop_system):
         if message["role"] == "assistant":
             prompt = _render(tokenizer, messages[:i], tools=tools, add_generation_prompt=True)
             assert renders[i + 1].startswith(prompt)
-            assert renders[i + 1][len(prompt):].endswith("<|im_end|>\n")
-            assert "<|im_start|>" not in renders[i + 1][len(prompt):]
+            assert renders[i + 1][len(prompt) :].endswith("<|im_end|>\n")
+            assert "<|im_start|>" not in renders[i + 1][len(prompt) :]
     # Byte-level tokens are prefix-stable too.
     ids = [tokenizer(r, add_special_tokens=False)["input_ids"] for r in renders[1:]]
     for shorter, longer in zip(ids, ids[1:]):

@@ -25,11 +25,23 @@ def load_4bit(cfg, dtype=torch.float32, run_dtype=None):
     return load_model(MODEL, dtype, quantization=quantization_config(cfg.model, run_dtype))
 
 
-@pytest.mark.parametrize("flags, quant_type, nested, compute", [
-    ([("load_in_4bit", "true")], "nf4", True, torch.float32),  # the defaults: NF4, double quantization, fp32 on CPU
-    ([("load_in_4bit", "true"), ("bnb_4bit_quant_type", "fp4"), ("bnb_4bit_use_double_quant", "false"),
-      ("bnb_4bit_compute_dtype", "bf16")], "fp4", False, torch.bfloat16),
-])
+@pytest.mark.parametrize(
+    "flags, quant_type, nested, compute",
+    [
+        ([("load_in_4bit", "true")], "nf4", True, torch.float32),  # the defaults: NF4, double quantization, fp32 on CPU
+        (
+            [
+                ("load_in_4bit", "true"),
+                ("bnb_4bit_quant_type", "fp4"),
+                ("bnb_4bit_use_double_quant", "false"),
+                ("bnb_4bit_compute_dtype", "bf16"),
+            ],
+            "fp4",
+            False,
+            torch.bfloat16,
+        ),
+    ],
+)
 def test_base_loads_as_4bit_per_the_flags(flags, quant_type, nested, compute):
     model = load_4bit(config(*flags))
     plain = load_model(MODEL, torch.float32)
@@ -40,7 +52,9 @@ def test_base_loads_as_4bit_per_the_flags(flags, quant_type, nested, compute):
     reference = dict(plain.named_parameters())
     for name, layer in quantized.items():
         weight = layer.weight
-        assert weight.dtype == torch.uint8 and weight.numel() * 2 == layer.in_features * layer.out_features  # 2 per byte
+        assert (
+            weight.dtype == torch.uint8 and weight.numel() * 2 == layer.in_features * layer.out_features
+        )  # 2 per byte
         assert weight.quant_state.quant_type == quant_type
         assert weight.quant_state.nested is nested
         assert layer.compute_dtype == compute
@@ -55,8 +69,12 @@ def test_auto_compute_dtype_follows_the_run_precision():
     cfg = config(("load_in_4bit", "true"))
     assert quantization_config(cfg.model, None).bnb_4bit_compute_dtype == torch.float32
     assert quantization_config(cfg.model, torch.bfloat16).bnb_4bit_compute_dtype == torch.bfloat16
-    assert quantization_config(config(("load_in_4bit", "true"), ("bnb_4bit_compute_dtype", "fp16")).model,
-                               torch.bfloat16).bnb_4bit_compute_dtype == torch.float16
+    assert (
+        quantization_config(
+            config(("load_in_4bit", "true"), ("bnb_4bit_compute_dtype", "fp16")).model, torch.bfloat16
+        ).bnb_4bit_compute_dtype
+        == torch.float16
+    )
     assert quantization_config(config().model, torch.bfloat16) is None
 
 
@@ -67,10 +85,16 @@ def test_only_the_adapter_trains_in_fp32_and_the_base_keeps_its_dtype():
     model = apply_finetuning(load_4bit(cfg, dtype=torch.bfloat16), cfg.model, LoraConfig(r=4))
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in name for name in trainable)
-    lora_layers = [m for m in model.modules() if hasattr(m, "base_layer") and isinstance(m.base_layer, bnb.nn.Linear4bit)]
-    assert len(lora_layers) == model.config.num_hidden_layers * LINEARS_PER_LAYER  # 'all-linear' adapts the 4-bit layers
+    lora_layers = [
+        m for m in model.modules() if hasattr(m, "base_layer") and isinstance(m.base_layer, bnb.nn.Linear4bit)
+    ]
+    assert (
+        len(lora_layers) == model.config.num_hidden_layers * LINEARS_PER_LAYER
+    )  # 'all-linear' adapts the 4-bit layers
     for name, p in model.named_parameters():
-        expected = torch.uint8 if isinstance(p, bnb.nn.Params4bit) else torch.float32 if p.requires_grad else torch.bfloat16
+        expected = (
+            torch.uint8 if isinstance(p, bnb.nn.Params4bit) else torch.float32 if p.requires_grad else torch.bfloat16
+        )
         assert p.dtype == expected, name
 
 
@@ -112,7 +136,11 @@ def test_the_4bit_flags_map_to_fields():
     for flag in ("load_in_4bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype"):
         assert FLAT_FLAGS[flag] == f"model.{flag}" and FLAT_FLAGS[flag] in fields
     cfg = config(("load_in_4bit", "true"), ("bnb_4bit_quant_type", "fp4"), ("bnb_4bit_use_double_quant", "false"))
-    assert (cfg.model.load_in_4bit, cfg.model.bnb_4bit_quant_type, cfg.model.bnb_4bit_use_double_quant) == (True, "fp4", False)
+    assert (cfg.model.load_in_4bit, cfg.model.bnb_4bit_quant_type, cfg.model.bnb_4bit_use_double_quant) == (
+        True,
+        "fp4",
+        False,
+    )
 
 
 def test_4bit_full_finetuning_is_refused_with_the_fix(tmp_path: Path):
@@ -125,7 +153,9 @@ def test_4bit_full_finetuning_is_refused_with_the_fix(tmp_path: Path):
 
 
 def test_a_4bit_setting_without_load_in_4bit_is_refused():
-    with pytest.raises(ConfigError, match=r"model.bnb_4bit_quant_type is set but model.load_in_4bit is not.*--load_in_4bit"):
+    with pytest.raises(
+        ConfigError, match=r"model.bnb_4bit_quant_type is set but model.load_in_4bit is not.*--load_in_4bit"
+    ):
         config(("bnb_4bit_quant_type", "fp4"))
     # Saying load_in_4bit false on purpose turns QLoRA off and keeps the rest of the settings.
     assert not config(("bnb_4bit_quant_type", "fp4"), ("load_in_4bit", "false")).model.load_in_4bit
@@ -137,7 +167,9 @@ def test_missing_4bit_packages_are_named_with_the_install_line(monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a)
+    )
     with pytest.raises(ConfigError, match=r"needs bitsandbytes, not installed.*pip install 'phalanx\[qlora\]'"):
         quantization_config(config(("load_in_4bit", "true")).model, None)
 

@@ -23,12 +23,20 @@ def lora_bf16_steps(rank: int, world: int, strategy_name: str) -> dict:
     torch.manual_seed(0)  # the same LoRA A init on every rank and under both strategies
     model = load_model(EMBEDDED_MODEL, torch.bfloat16)
     model = apply_finetuning(model, ModelConfig(), LoraConfig(dropout=0.0))
-    strategy = FSDPStrategy(info, bf16, "FULL_SHARD", finetune="lora") if strategy_name == "fsdp" else DDPStrategy(info, bf16)
-    model, _ = strategy.prepare(model, lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2))
+    strategy = (
+        FSDPStrategy(info, bf16, "FULL_SHARD", finetune="lora") if strategy_name == "fsdp" else DDPStrategy(info, bf16)
+    )
+    model, _ = strategy.prepare(
+        model, lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+    )
     params = list(strategy.unwrap().named_parameters())
-    dtypes = {"frozen": sorted({str(p.dtype) for _, p in params if not p.requires_grad}),
-              "trainable": sorted({str(p.dtype) for _, p in params if p.requires_grad}),
-              "frozen_local_bytes": sum(_local(p).numel() * _local(p).element_size() for _, p in params if not p.requires_grad)}
+    dtypes = {
+        "frozen": sorted({str(p.dtype) for _, p in params if not p.requires_grad}),
+        "trainable": sorted({str(p.dtype) for _, p in params if p.requires_grad}),
+        "frozen_local_bytes": sum(
+            _local(p).numel() * _local(p).element_size() for _, p in params if not p.requires_grad
+        ),
+    }
     g = torch.Generator().manual_seed(100 + rank)
     ids = torch.randint(0, strategy.unwrap().config.vocab_size, (2, 24), generator=g)
     losses = []

@@ -13,8 +13,24 @@ from phalanx.parallel.config_files import config_main, read_fsdp_config
 
 def test_deepspeed_file_has_seed_003_shape(tmp_path):
     out = tmp_path / "config" / "ds_config.json"
-    assert config_main(["deepspeed", "--zero_stage", "2", "--offload_optimizer", "--bf16", "--gradient_accumulation_steps",
-                        "16", "--gradient_clipping", "0.3", "--output", str(out)]) == 0
+    assert (
+        config_main(
+            [
+                "deepspeed",
+                "--zero_stage",
+                "2",
+                "--offload_optimizer",
+                "--bf16",
+                "--gradient_accumulation_steps",
+                "16",
+                "--gradient_clipping",
+                "0.3",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     config = json.loads(out.read_text())
     assert config["train_micro_batch_size_per_gpu"] == "auto"
     assert config["gradient_accumulation_steps"] == 16 and config["gradient_clipping"] == 0.3
@@ -27,8 +43,14 @@ def test_deepspeed_file_has_seed_003_shape(tmp_path):
     assert zero["reduce_bucket_size"] == zero["allgather_bucket_size"] == 5e8
 
 
-@pytest.mark.parametrize("flags", [["--zero_stage", "1"], ["--zero_stage", "2", "--offload_optimizer", "--bf16"],
-                                   ["--zero_stage", "3", "--offload_param", "--offload_optimizer", "--fp16"]])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--zero_stage", "1"],
+        ["--zero_stage", "2", "--offload_optimizer", "--bf16"],
+        ["--zero_stage", "3", "--offload_param", "--offload_optimizer", "--fp16"],
+    ],
+)
 def test_deepspeed_parser_accepts_the_file_once_autos_are_filled(tmp_path, flags):
     """DeepSpeed's own DeepSpeedConfig parses the file after phalanx fills its "auto" values from a run config."""
     from deepspeed.runtime.config import DeepSpeedConfig
@@ -53,26 +75,63 @@ def test_offload_param_below_stage_3_is_refused():
 
 def test_fsdp_file_has_seed_003_fields(tmp_path):
     out = tmp_path / "fsdp_config.json"
-    assert config_main(["fsdp", "--sharding_strategy", "FULL_SHARD", "--mixed_precision", "BFLOAT16", "--output", str(out)]) == 0
+    assert (
+        config_main(
+            ["fsdp", "--sharding_strategy", "FULL_SHARD", "--mixed_precision", "BFLOAT16", "--output", str(out)]
+        )
+        == 0
+    )
     config = json.loads(out.read_text())
     assert config["fsdp_sharding_strategy"] == "FULL_SHARD" and config["fsdp_mixed_precision"] == "BFLOAT16"
-    for key in ("fsdp_transformer_layer_cls_to_wrap", "fsdp_state_dict_type", "fsdp_cuda_graphs", "fsdp_auto_wrap_policy",
-                "fsdp_sync_module_states", "fsdp_use_orig_params", "fsdp_backward_prefetch_policy", "fsdp_forward_prefetch",
-                "fsdp_cpu_ram_efficient_loading"):
+    for key in (
+        "fsdp_transformer_layer_cls_to_wrap",
+        "fsdp_state_dict_type",
+        "fsdp_cuda_graphs",
+        "fsdp_auto_wrap_policy",
+        "fsdp_sync_module_states",
+        "fsdp_use_orig_params",
+        "fsdp_backward_prefetch_policy",
+        "fsdp_forward_prefetch",
+        "fsdp_cpu_ram_efficient_loading",
+    ):
         assert key in config, key
-    assert read_fsdp_config(str(out)) == {"sharding_strategy": "FULL_SHARD", "mixed_precision": "bf16", "cpu_offload": False}
+    assert read_fsdp_config(str(out)) == {
+        "sharding_strategy": "FULL_SHARD",
+        "mixed_precision": "bf16",
+        "cpu_offload": False,
+    }
 
 
 @pytest.mark.distributed
 def test_train_runs_with_generated_files(equivalence_data, tmp_path):
     ds, fsdp = tmp_path / "ds.json", tmp_path / "fsdp.json"
     assert config_main(["deepspeed", "--zero_stage", "2", "--offload_optimizer", "--output", str(ds)]) == 0
-    assert config_main(["fsdp", "--sharding_strategy", "SHARD_GRAD_OP", "--mixed_precision", "BFLOAT16", "--output", str(fsdp)]) == 0
-    for name, flags in (("ds", ["--strategy", "deepspeed", "--deepspeed_config", str(ds)]),
-                        ("fsdp", ["--strategy", "fsdp", "--fsdp_config", str(fsdp)])):
+    assert (
+        config_main(
+            ["fsdp", "--sharding_strategy", "SHARD_GRAD_OP", "--mixed_precision", "BFLOAT16", "--output", str(fsdp)]
+        )
+        == 0
+    )
+    for name, flags in (
+        ("ds", ["--strategy", "deepspeed", "--deepspeed_config", str(ds)]),
+        ("fsdp", ["--strategy", "fsdp", "--fsdp_config", str(fsdp)]),
+    ):
         out = tmp_path / name
-        proc = run_phalanx("train", "--dataset_path", str(equivalence_data), "--output_dir", str(out), "--world_size", "2",
-                           "--batch_size", "2", *COMMON, "--max_steps", "2", *flags)
+        proc = run_phalanx(
+            "train",
+            "--dataset_path",
+            str(equivalence_data),
+            "--output_dir",
+            str(out),
+            "--world_size",
+            "2",
+            "--batch_size",
+            "2",
+            *COMMON,
+            "--max_steps",
+            "2",
+            *flags,
+        )
         assert proc.returncode == 0, name + proc.stderr[-3000:]
         assert len(read_metrics(out)) == 2
         assert (out / "adapter_model.safetensors").is_file()

@@ -26,8 +26,18 @@ def test_zero_matches_one_process(equivalence_data, tmp_path, single, finetune, 
     # ZeRO-3 recomputes activations in backward, where the engine gathers each layer's partitions a second time.
     extra = {2: ("1", "--gradient_accumulation_steps", "2"), 3: ("2", "--gradient_checkpointing", "true")}
     shape = extra.get(stage, ("2",)) if finetune == "lora" else ("2",)
-    losses = train(equivalence_data, out, 2, int(shape[0]), finetune, *shape[1:], "--strategy", "deepspeed",
-                   "--zero_stage", str(stage))
+    losses = train(
+        equivalence_data,
+        out,
+        2,
+        int(shape[0]),
+        finetune,
+        *shape[1:],
+        "--strategy",
+        "deepspeed",
+        "--zero_stage",
+        str(stage),
+    )
     assert losses == pytest.approx(ref, abs=1e-5)
     assert ref[-1] < ref[0]
     # Some norms exceed max_grad_norm 1.0 (LoRA step 3: about 10): the later losses matching shows clipping used the global norm.
@@ -43,11 +53,38 @@ def test_user_json_auto_values_filled_and_resume_from_engine_checkpoint(tmp_path
     """A seed-003-shaped JSON with "auto" runs; state is DeepSpeed's own per-rank checkpoint; a kill resumes exactly."""
     data = write_chat_jsonl(tmp_path / "train.jsonl", 30)
     ds_json = tmp_path / "ds_config.json"
-    ds_json.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-                                   "gradient_clipping": "auto", "zero_optimization": {"stage": 3}}))
-    base = ["train", "--dataset_path", str(data), "--world_size", "2", "--batch_size", "2", *COMMON,
-            "--max_steps", "6", "--save_steps", "2", "--eval_steps", "3", "--test_size", "0.2",
-            "--strategy", "deepspeed", "--deepspeed_config", str(ds_json)]
+    ds_json.write_text(
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": "auto",
+                "gradient_accumulation_steps": "auto",
+                "gradient_clipping": "auto",
+                "zero_optimization": {"stage": 3},
+            }
+        )
+    )
+    base = [
+        "train",
+        "--dataset_path",
+        str(data),
+        "--world_size",
+        "2",
+        "--batch_size",
+        "2",
+        *COMMON,
+        "--max_steps",
+        "6",
+        "--save_steps",
+        "2",
+        "--eval_steps",
+        "3",
+        "--test_size",
+        "0.2",
+        "--strategy",
+        "deepspeed",
+        "--deepspeed_config",
+        str(ds_json),
+    ]
     whole = tmp_path / "whole"
     proc = run_phalanx(*base, "--output_dir", str(whole))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -58,15 +95,31 @@ def test_user_json_auto_values_filled_and_resume_from_engine_checkpoint(tmp_path
     proc = run_phalanx(*base, "--output_dir", str(killed))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "checkpoint-4 at step 4" in proc.stdout
-    assert [r["loss"] for r in read_metrics(killed)] == pytest.approx([r["loss"] for r in read_metrics(whole)], abs=1e-6)
+    assert [r["loss"] for r in read_metrics(killed)] == pytest.approx(
+        [r["loss"] for r in read_metrics(whole)], abs=1e-6
+    )
 
 
 def test_json_that_contradicts_the_run_is_refused(tmp_path):
     data = write_chat_jsonl(tmp_path / "train.jsonl", 8)
     ds_json = tmp_path / "ds_config.json"
     ds_json.write_text(json.dumps({"gradient_accumulation_steps": 16, "zero_optimization": {"stage": 3}}))
-    proc = run_phalanx("train", "--dataset_path", str(data), "--output_dir", str(tmp_path / "out"), "--world_size", "2",
-                       "--strategy", "deepspeed", "--deepspeed_config", str(ds_json), "--zero_stage", "2", *COMMON)
+    proc = run_phalanx(
+        "train",
+        "--dataset_path",
+        str(data),
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--world_size",
+        "2",
+        "--strategy",
+        "deepspeed",
+        "--deepspeed_config",
+        str(ds_json),
+        "--zero_stage",
+        "2",
+        *COMMON,
+    )
     assert proc.returncode == 2
     assert "gradient_accumulation_steps is 16 in the JSON" in proc.stderr
     assert "zero_optimization.stage is 3 in the JSON but 2" in proc.stderr
@@ -84,22 +137,53 @@ EVAL_NAN = ["--test_size", "0.2", "--eval.eval_batch_size", "3", "--eval_steps",
 @pytest.fixture(scope="module")
 def single_eval_nan(eval_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("single-evalnan")
-    proc = run_phalanx("train", "--dataset_path", str(eval_data), "--output_dir", str(out), "--batch_size", "4",
-                       *COMMON, *EVAL_NAN, "--packing", "false", env={"PHALANX_FAULT": "nan@step=3"})
+    proc = run_phalanx(
+        "train",
+        "--dataset_path",
+        str(eval_data),
+        "--output_dir",
+        str(out),
+        "--batch_size",
+        "4",
+        *COMMON,
+        *EVAL_NAN,
+        "--packing",
+        "false",
+        env={"PHALANX_FAULT": "nan@step=3"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
 
-@pytest.mark.parametrize("strategy", [["--strategy", "deepspeed", "--zero_stage", "2"],
-                                      ["--strategy", "deepspeed", "--zero_stage", "3"],
-                                      ["--strategy", "fsdp"]], ids=["zero2", "zero3", "fsdp"])
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        ["--strategy", "deepspeed", "--zero_stage", "2"],
+        ["--strategy", "deepspeed", "--zero_stage", "3"],
+        ["--strategy", "fsdp"],
+    ],
+    ids=["zero2", "zero3", "fsdp"],
+)
 def test_skipped_nan_step_and_uneven_eval_match_one_process(eval_data, single_eval_nan, tmp_path, strategy):
     """A NaN step on one rank is discarded on all without leaving gradients behind; 7 eval rows give the two
     ranks different numbers of eval batches (2 and 1), which a sharded forward must not hang on. The reference
     pads (--packing false), the ranks pack: train and eval losses agree to 1e-5 packed and padded."""
     out = tmp_path / "run"
-    proc = run_phalanx("train", "--dataset_path", str(eval_data), "--output_dir", str(out), "--world_size", "2",
-                       "--batch_size", "2", *COMMON, *EVAL_NAN, *strategy, env={"PHALANX_FAULT": "nan@step=3,rank=0"})
+    proc = run_phalanx(
+        "train",
+        "--dataset_path",
+        str(eval_data),
+        "--output_dir",
+        str(out),
+        "--world_size",
+        "2",
+        "--batch_size",
+        "2",
+        *COMMON,
+        *EVAL_NAN,
+        *strategy,
+        env={"PHALANX_FAULT": "nan@step=3,rank=0"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "update skipped" in proc.stdout
     ref = [r["loss"] for r in read_metrics(single_eval_nan)]

@@ -25,10 +25,22 @@ def test_fsdp_matches_one_process(equivalence_data, tmp_path, single, finetune, 
     out = tmp_path / "fsdp"
     # One LoRA case accumulates over two micro-batches per rank (no gradient sync on the first); the other
     # recomputes activations in backward (non-reentrant checkpointing inside each sharded layer).
-    extra = {("lora", "SHARD_GRAD_OP"): ("1", "--gradient_accumulation_steps", "2"),
-             ("lora", "FULL_SHARD"): ("2", "--gradient_checkpointing", "true")}.get((finetune, sharding), ("2",))
-    losses = train(equivalence_data, out, 2, int(extra[0]), finetune, *extra[1:], "--strategy", "fsdp",
-                   "--sharding_strategy", sharding)
+    extra = {
+        ("lora", "SHARD_GRAD_OP"): ("1", "--gradient_accumulation_steps", "2"),
+        ("lora", "FULL_SHARD"): ("2", "--gradient_checkpointing", "true"),
+    }.get((finetune, sharding), ("2",))
+    losses = train(
+        equivalence_data,
+        out,
+        2,
+        int(extra[0]),
+        finetune,
+        *extra[1:],
+        "--strategy",
+        "fsdp",
+        "--sharding_strategy",
+        sharding,
+    )
     assert len(losses) == len(ref) == 5
     assert losses == pytest.approx(ref, abs=1e-5)
     assert ref[-1] < ref[0], "the loss moves: the comparison is not between two untrained models"
@@ -42,8 +54,22 @@ def test_fsdp_matches_one_process(equivalence_data, tmp_path, single, finetune, 
         assert_adapter_loads_with_peft(out)
 
 
-RESUME = ["--max_steps", "6", "--save_steps", "2", "--eval_steps", "3", "--test_size", "0.2", "--eval.eval_batch_size", "3",
-          "--lora_dropout", "0.1", "--strategy", "fsdp"]
+RESUME = [
+    "--max_steps",
+    "6",
+    "--save_steps",
+    "2",
+    "--eval_steps",
+    "3",
+    "--test_size",
+    "0.2",
+    "--eval.eval_batch_size",
+    "3",
+    "--lora_dropout",
+    "0.1",
+    "--strategy",
+    "fsdp",
+]
 
 
 def test_fsdp_resume_from_sharded_state_is_identical(tmp_path):
@@ -65,7 +91,9 @@ def test_fsdp_resume_from_sharded_state_is_identical(tmp_path):
     assert "checkpoint-4 at step 4" in proc.stdout
     reference = [r["loss"] for r in read_metrics(whole)]
     assert [r["loss"] for r in read_metrics(killed)] == pytest.approx(reference, abs=1e-6)
-    assert [r["loss"] for r in read_metrics(killed, "eval")] == pytest.approx([r["loss"] for r in read_metrics(whole, "eval")], abs=1e-6)
+    assert [r["loss"] for r in read_metrics(killed, "eval")] == pytest.approx(
+        [r["loss"] for r in read_metrics(whole, "eval")], abs=1e-6
+    )
     a, b = load_file(whole / "adapter_model.safetensors"), load_file(killed / "adapter_model.safetensors")
     for key in a:
         assert (a[key] - b[key]).abs().max() < 1e-5, key
@@ -86,7 +114,9 @@ def test_fsdp_keeps_a_frozen_bf16_lora_base_in_bf16():
     for rank in fsdp:
         assert rank["frozen"] == ["torch.bfloat16"] and rank["trainable"] == ["torch.float32"], rank
     # Each rank holds half the frozen base, in 2 bytes a weight (DDP: all of it, also bf16).
-    assert fsdp[0]["frozen_local_bytes"] + fsdp[1]["frozen_local_bytes"] == pytest.approx(ddp[0]["frozen_local_bytes"], rel=0.01)
+    assert fsdp[0]["frozen_local_bytes"] + fsdp[1]["frozen_local_bytes"] == pytest.approx(
+        ddp[0]["frozen_local_bytes"], rel=0.01
+    )
     assert fsdp[0]["losses"] == fsdp[1]["losses"]
     assert fsdp[0]["losses"] == pytest.approx(ddp[0]["losses"], rel=4e-3)
     assert fsdp[0]["losses"][-1] < fsdp[0]["losses"][0], "the adapter trains"

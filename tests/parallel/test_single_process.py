@@ -10,10 +10,14 @@ from equivalence import assert_saved_weights_match, train
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("flags", [
-    ("--strategy", "fsdp", "--offload_param", "true"),
-    ("--strategy", "deepspeed", "--zero_stage", "3", "--offload_param", "true", "--offload_optimizer", "true"),
-], ids=["fsdp-offload", "zero3-offload"])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--strategy", "fsdp", "--offload_param", "true"),
+        ("--strategy", "deepspeed", "--zero_stage", "3", "--offload_param", "true", "--offload_optimizer", "true"),
+    ],
+    ids=["fsdp-offload", "zero3-offload"],
+)
 def test_one_process_sharded_strategy_matches_plain_training(flags, equivalence_data, single, tmp_path):
     ref_dir, ref_losses = single("lora")
     losses = train(equivalence_data, tmp_path, 1, 4, "lora", *flags)

@@ -23,9 +23,19 @@ from phalanx.plan.estimate import loss_bytes
 from plan.workers import SMALL, measure, write_model, write_rows
 
 TOLERANCE = 0.25
-LLAMA_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
-            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000,
-            "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+LLAMA_7B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +56,19 @@ def run_config(tmp_path: Path, name: str, **overrides) -> dict:
     """Dotted overrides for a short run: 16 rows just under max_length, no evaluation, no saving."""
     max_length = overrides.get("data.max_length", 512)
     data = write_rows(tmp_path / f"{name}.jsonl", 16, max_length)
-    return {"data.dataset_path": str(data), "output_dir": str(tmp_path / name), "data.test_size": 0.0,
-            "training.max_steps": 2, "checkpoint.save_steps": 1000, "eval.eval_steps": 1000, "lora.dropout": 0.0,
-            "logging.tensorboard": False, "logging.progress_bar": False, "data.max_length": max_length, **overrides}
+    return {
+        "data.dataset_path": str(data),
+        "output_dir": str(tmp_path / name),
+        "data.test_size": 0.0,
+        "training.max_steps": 2,
+        "checkpoint.save_steps": 1000,
+        "eval.eval_steps": 1000,
+        "lora.dropout": 0.0,
+        "logging.tensorboard": False,
+        "logging.progress_bar": False,
+        "data.max_length": max_length,
+        **overrides,
+    }
 
 
 def estimated_peak(overrides: dict, strategy: str) -> int:
@@ -85,8 +105,16 @@ def test_parameter_counts_are_exact_without_weights(llama_7b):
 
 
 def test_sharding_and_checkpointing_move_bytes_the_right_way(llama_7b):
-    cfg = load_config(None, {"model.model_name": llama_7b, "model.finetune": "full", "distributed.world_size": 8,
-                             "training.batch_size": 1, "data.max_length": 4096})
+    cfg = load_config(
+        None,
+        {
+            "model.model_name": llama_7b,
+            "model.finetune": "full",
+            "distributed.world_size": 8,
+            "training.batch_size": 1,
+            "data.max_length": 4096,
+        },
+    )
     m, s = model_facts(cfg), setup_from_config(cfg, "cuda")
     rows = {r.strategy: r for r in strategy_rows(m, s, device_memory=80 * 2**30)}
     ddp, full, grad_op = rows["ddp"], rows["fsdp FULL_SHARD"], rows["fsdp SHARD_GRAD_OP"]
@@ -110,21 +138,44 @@ def test_single_process_estimates_within_25_percent(tmp_path, small_model):
     """One process: full fine-tuning (weights, gradients and AdamW dominate), LoRA (activations and logits
     dominate), LoRA with dropout and activation checkpointing, full fine-tuning with gradient accumulation."""
     cases = {
-        "full, 12.7M params, 2x128": (run_config(tmp_path, "full", **{"model.model_name": small_model,
-                                                                       "model.finetune": "full",
-                                                                       "training.batch_size": 2,
-                                                                       "data.max_length": 128}), "single process"),
-        "lora r16, tiny, 4x512": (run_config(tmp_path, "lora", **{"lora.r": 16, "training.batch_size": 4}),
-                                  "single process"),
-        "lora r8 dropout, ckpt, 2x512": (run_config(tmp_path, "lora-ckpt", **{"lora.r": 8, "lora.dropout": 0.05,
-                                                                                "training.batch_size": 2,
-                                                                                "model.gradient_checkpointing": True}),
-                                         "single process"),
-        "full, tiny, 2x256, accumulation 2": (run_config(tmp_path, "accum", **{"model.finetune": "full",
-                                                                                "training.batch_size": 2,
-                                                                                "data.max_length": 256,
-                                                                                "training.gradient_accumulation_steps": 2}),
-                                              "single process"),
+        "full, 12.7M params, 2x128": (
+            run_config(
+                tmp_path,
+                "full",
+                **{
+                    "model.model_name": small_model,
+                    "model.finetune": "full",
+                    "training.batch_size": 2,
+                    "data.max_length": 128,
+                },
+            ),
+            "single process",
+        ),
+        "lora r16, tiny, 4x512": (
+            run_config(tmp_path, "lora", **{"lora.r": 16, "training.batch_size": 4}),
+            "single process",
+        ),
+        "lora r8 dropout, ckpt, 2x512": (
+            run_config(
+                tmp_path,
+                "lora-ckpt",
+                **{"lora.r": 8, "lora.dropout": 0.05, "training.batch_size": 2, "model.gradient_checkpointing": True},
+            ),
+            "single process",
+        ),
+        "full, tiny, 2x256, accumulation 2": (
+            run_config(
+                tmp_path,
+                "accum",
+                **{
+                    "model.finetune": "full",
+                    "training.batch_size": 2,
+                    "data.max_length": 256,
+                    "training.gradient_accumulation_steps": 2,
+                },
+            ),
+            "single process",
+        ),
     }
     check(cases, measure([overrides for overrides, _ in cases.values()], world=1))
 
@@ -132,9 +183,22 @@ def test_single_process_estimates_within_25_percent(tmp_path, small_model):
 @pytest.mark.distributed
 def test_ddp_estimate_within_25_percent_on_two_ranks(tmp_path, small_model):
     """Two gloo ranks under DDP, full fine-tuning: a replica each, plus DDP's gradient buckets."""
-    cases = {"ddp full, 12.7M params, 2x128": (run_config(tmp_path, "ddp", **{
-        "model.model_name": small_model, "model.finetune": "full", "training.batch_size": 2, "data.max_length": 128,
-        "distributed.world_size": 2}), "ddp")}
+    cases = {
+        "ddp full, 12.7M params, 2x128": (
+            run_config(
+                tmp_path,
+                "ddp",
+                **{
+                    "model.model_name": small_model,
+                    "model.finetune": "full",
+                    "training.batch_size": 2,
+                    "data.max_length": 128,
+                    "distributed.world_size": 2,
+                },
+            ),
+            "ddp",
+        )
+    }
     check(cases, measure([overrides for overrides, _ in cases.values()], world=2))
 
 
@@ -142,9 +206,23 @@ def test_ddp_estimate_within_25_percent_on_two_ranks(tmp_path, small_model):
 def test_fsdp_full_shard_estimate_within_25_percent_on_two_ranks(tmp_path, small_model):
     """Two gloo ranks under FSDP2 FULL_SHARD, full fine-tuning: half the weights, gradients and AdamW state per
     rank, plus the gathered layers and root."""
-    cases = {"fsdp full, 12.7M params, 2x128": (run_config(tmp_path, "fsdp", **{
-        "model.model_name": small_model, "model.finetune": "full", "training.batch_size": 2, "data.max_length": 128,
-        "distributed.world_size": 2, "distributed.strategy": "fsdp"}), "fsdp FULL_SHARD")}
+    cases = {
+        "fsdp full, 12.7M params, 2x128": (
+            run_config(
+                tmp_path,
+                "fsdp",
+                **{
+                    "model.model_name": small_model,
+                    "model.finetune": "full",
+                    "training.batch_size": 2,
+                    "data.max_length": 128,
+                    "distributed.world_size": 2,
+                    "distributed.strategy": "fsdp",
+                },
+            ),
+            "fsdp FULL_SHARD",
+        )
+    }
     check(cases, measure([overrides for overrides, _ in cases.values()], world=2))
 
 
@@ -154,11 +232,22 @@ def test_packed_target_only_estimate_is_lower_and_matches_a_measured_peak(tmp_pa
     the data prices the packed rows (the 4 longest, 1,280 tokens) and the loss in chunks at target positions; the
     padded, full-logits model (what `phalanx plan` priced before packing: 4 x 1024 tokens, [tokens x vocab] logits)
     is far above it, and the packed estimate is within TOLERANCE of the measured peak."""
-    model = write_model(tmp_path / "vocab16k", vocab_size=16384, hidden_size=256, intermediate_size=768,
-                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    model = write_model(
+        tmp_path / "vocab16k",
+        vocab_size=16384,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+    )
     data = write_rows(tmp_path / "rows.jsonl", 16, 320)
-    overrides = run_config(tmp_path, "packed", **{"model.model_name": str(model), "lora.r": 8, "training.batch_size": 4,
-                                                   "data.max_length": 1024})
+    overrides = run_config(
+        tmp_path,
+        "packed",
+        **{"model.model_name": str(model), "lora.r": 8, "training.batch_size": 4, "data.max_length": 1024},
+    )
     overrides["data.dataset_path"] = str(data)
     cfg = load_config(None, overrides)
     facts = model_facts(cfg)
@@ -176,8 +265,10 @@ def test_packed_target_only_estimate_is_lower_and_matches_a_measured_peak(tmp_pa
 
     [[measured]] = measure([overrides], world=1)
     ratio = packed.peak / measured["peak"]
-    print(f"\npacked {packed.peak:,} B, padded+full logits {padded.peak:,} B, measured {measured['peak']:,} B, "
-          f"ratio {ratio:.3f}")
+    print(
+        f"\npacked {packed.peak:,} B, padded+full logits {padded.peak:,} B, measured {measured['peak']:,} B, "
+        f"ratio {ratio:.3f}"
+    )
     assert abs(ratio - 1) <= TOLERANCE, (packed.peak, measured)
 
 
@@ -226,8 +317,12 @@ def test_plan_json_recommendation_and_what_to_change(llama_7b, capsys):
     assert "offload" in plan["recommended"] and "--offload" in plan["recommended_flags"]
     assert any(a.startswith("more ranks") for a in plan["advice"])
     # Nothing fits 4 GB with 8 x 4096-token micro-batches (activations alone are 40 GB): shorter ones are suggested.
-    assert phalanx_main([*base, "--finetune", "full", "--device_memory_gb", "4", "--batch_size", "8",
-                         "--max_length", "4096"]) == 0
+    assert (
+        phalanx_main(
+            [*base, "--finetune", "full", "--device_memory_gb", "4", "--batch_size", "8", "--max_length", "4096"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "Recommended: none: no strategy fits" in out and "shorter micro-batches" in out
     # LoRA on the same model fits one 80 GB GPU as it is.
@@ -235,14 +330,17 @@ def test_plan_json_recommendation_and_what_to_change(llama_7b, capsys):
     assert "Recommended: single process on 1 rank(s)" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["plan", "no/such/config.yaml"], "config file no/such/config.yaml does not exist"),
-    (["plan", "configs/demo.yaml", "--world_size", "0"], "distributed.world_size"),
-    (["plan", "configs/demo.yaml", "--device_memory_gb", "-3"], "--device_memory_gb '-3'"),
-    (["plan", "configs/demo.yaml", "--device", "tpu"], "accepted values are cuda and cpu"),
-    (["plan", "configs/demo.yaml", "--wrold_size", "2"], "Did you mean"),
-    (["plan", "--json", "configs/demo.yaml"], "--json takes no value"),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["plan", "no/such/config.yaml"], "config file no/such/config.yaml does not exist"),
+        (["plan", "configs/demo.yaml", "--world_size", "0"], "distributed.world_size"),
+        (["plan", "configs/demo.yaml", "--device_memory_gb", "-3"], "--device_memory_gb '-3'"),
+        (["plan", "configs/demo.yaml", "--device", "tpu"], "accepted values are cuda and cpu"),
+        (["plan", "configs/demo.yaml", "--wrold_size", "2"], "Did you mean"),
+        (["plan", "--json", "configs/demo.yaml"], "--json takes no value"),
+    ],
+)
 def test_bad_input_gets_a_clear_error(args, expected, capsys):
     assert phalanx_main(args) == 2
     err = capsys.readouterr().err

@@ -17,8 +17,14 @@ import torch
 import torch.multiprocessing as mp
 
 # The "small" model of the tests: 12.7M parameters, so weights, gradients and AdamW state outweigh activations.
-SMALL = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-             head_dim=64)
+SMALL = dict(
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+)
 
 
 def write_model(folder: Path, vocab_size: int = 264, **shape) -> Path:
@@ -29,8 +35,15 @@ def write_model(folder: Path, vocab_size: int = 264, **shape) -> Path:
     from phalanx.models.presets import build_embedded_tokenizer
 
     tokenizer = build_embedded_tokenizer()
-    config = Qwen3Config(vocab_size=vocab_size, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=None, max_position_embeddings=4096, tie_word_embeddings=True, **shape)
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        **shape,
+    )
     torch.manual_seed(0)
     Qwen3ForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -70,8 +83,14 @@ def measure_run(overrides: dict) -> dict:
 
 
 def _worker(rank: int, world: int, runs: list, queue) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        OMP_NUM_THREADS="1",
+    )
     torch.set_num_threads(1)
     try:
         from phalanx.runtime.quiet import quiet_libraries

@@ -30,7 +30,9 @@ def dataset(tmp_path_factory) -> Path:
 def train(dataset: Path, out: Path, *extra: str, fault: str | None = None, timeout: float = 300):
     env = {"PHALANX_FAULT": fault} if fault else None
     start = time.monotonic()
-    proc = run_phalanx("train", "--dataset_path", str(dataset), "--output_dir", str(out), *COMMON, *extra, env=env, timeout=timeout)
+    proc = run_phalanx(
+        "train", "--dataset_path", str(dataset), "--output_dir", str(out), *COMMON, *extra, env=env, timeout=timeout
+    )
     return proc, time.monotonic() - start
 
 
@@ -48,8 +50,9 @@ def test_rank_killed_mid_step_is_named(dataset, tmp_path):
 
 def test_rank_that_stops_taking_part_is_named_within_the_timeout(dataset, tmp_path):
     """Rank 1 leaves the loop at step 3 (fewer batches than rank 0); rank 0 waits in a collective until the timeout."""
-    proc, elapsed = train(dataset, tmp_path / "o", "--max_steps", "6", "--distributed.timeout_minutes", "0.1",
-                          fault="hang@step=3,rank=1")
+    proc, elapsed = train(
+        dataset, tmp_path / "o", "--max_steps", "6", "--distributed.timeout_minutes", "0.1", fault="hang@step=3,rank=1"
+    )
     assert proc.returncode != 0
     assert "rank 1: finishing" in proc.stderr and "rank 0: training step 3" in proc.stderr, proc.stderr[-2000:]
     assert elapsed < 120
@@ -67,7 +70,9 @@ def test_nan_loss_on_one_rank_is_skipped_by_all(dataset, tmp_path):
 
 def test_nan_loss_with_stop_policy_saves_and_exits(dataset, tmp_path):
     out = tmp_path / "o"
-    proc, _ = train(dataset, out, "--max_steps", "6", "--save_steps", "100", "--nan_policy", "stop", fault="nan@step=3,rank=0")
+    proc, _ = train(
+        dataset, out, "--max_steps", "6", "--save_steps", "100", "--nan_policy", "stop", fault="nan@step=3,rank=0"
+    )
     assert proc.returncode != 0 and "non-finite loss" in proc.stderr and "checkpoint-2 saved" in proc.stderr
     assert [s for s, _ in committed_step_checkpoints(out)] == [2]
 
@@ -84,17 +89,35 @@ def rank_pids(launcher: subprocess.Popen) -> list[int]:
     return pids
 
 
-@pytest.mark.parametrize("sig, moment", [(signal.SIGUSR1, "training"), (signal.SIGTERM, "start-up")],
-                         ids=["SIGUSR1-while-training", "SIGTERM-while-starting"])
+@pytest.mark.parametrize(
+    "sig, moment",
+    [(signal.SIGUSR1, "training"), (signal.SIGTERM, "start-up")],
+    ids=["SIGUSR1-while-training", "SIGTERM-while-starting"],
+)
 def test_preemption_signal_saves_a_checkpoint_and_exits_for_requeue(sig, moment, dataset, tmp_path):
     """SLURM sends USR1 ahead of the time limit (--signal) and TERM on preemption or scancel: both save and exit 75.
 
     A signal that arrives while the ranks still import, tokenize and load (seconds on a real model) is kept, not
     fatal: the ranks finish starting, train the first step, commit checkpoint-1 and exit 75."""
     out = tmp_path / "o"
-    cmd = [sys.executable, "-m", "phalanx", "train", "--dataset_path", str(dataset), "--output_dir", str(out),
-           *COMMON, "--max_steps", "200", "--save_steps", "1000"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "phalanx",
+        "train",
+        "--dataset_path",
+        str(dataset),
+        "--output_dir",
+        str(out),
+        *COMMON,
+        "--max_steps",
+        "200",
+        "--save_steps",
+        "1000",
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     deadline = time.monotonic() + 180
     if moment == "training":
         while time.monotonic() < deadline and not ((out / "metrics.jsonl").is_file() and len(read_metrics(out)) >= 2):
@@ -110,8 +133,21 @@ def test_preemption_signal_saves_a_checkpoint_and_exits_for_requeue(sig, moment,
     assert f"preempted ({sig.name})" in stderr
     steps = [s for s, _ in committed_step_checkpoints(out)]
     assert len(steps) == 1 and (steps[0] >= 2 if moment == "training" else steps[0] == 1), steps
-    resumed = run_phalanx("train", "--dataset_path", str(dataset), "--output_dir", str(out), *COMMON,
-                          "--max_steps", "200", "--save_steps", "1000", "--max_steps", str(steps[0] + 2), "--force")
+    resumed = run_phalanx(
+        "train",
+        "--dataset_path",
+        str(dataset),
+        "--output_dir",
+        str(out),
+        *COMMON,
+        "--max_steps",
+        "200",
+        "--save_steps",
+        "1000",
+        "--max_steps",
+        str(steps[0] + 2),
+        "--force",
+    )
     assert resumed.returncode == 0 and f"checkpoint-{steps[0]} at step {steps[0]}" in resumed.stdout
 
 
@@ -119,9 +155,13 @@ def test_preemption_signal_saves_a_checkpoint_and_exits_for_requeue(sig, moment,
 def small_disk(tmp_path):
     mount = tmp_path / "disk"
     mount.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8M", "tmpfs", str(mount)], capture_output=True, text=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8M", "tmpfs", str(mount)], capture_output=True, text=True
+    )
     if result.returncode != 0:
-        pytest.fail(f"this test needs to mount a small tmpfs (as root) to fill a disk for real: {result.stderr.strip()}")
+        pytest.fail(
+            f"this test needs to mount a small tmpfs (as root) to fill a disk for real: {result.stderr.strip()}"
+        )
     yield mount
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
@@ -131,9 +171,24 @@ def test_full_or_read_only_disk_keeps_the_previous_checkpoint(how, dataset, smal
     """After checkpoint-2 is committed, the disk fills up (every byte taken) or output_dir turns read-only: the run
     stops with what went wrong and the checkpoints that are still good, and those load."""
     out = small_disk / "run"
-    cmd = [sys.executable, "-m", "phalanx", "train", "--dataset_path", str(dataset), "--output_dir", str(out),
-           *COMMON, "--max_steps", "200", "--logging.tensorboard", "false"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "phalanx",
+        "train",
+        "--dataset_path",
+        str(dataset),
+        "--output_dir",
+        str(out),
+        *COMMON,
+        "--max_steps",
+        "200",
+        "--logging.tensorboard",
+        "false",
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and not committed_step_checkpoints(out):
         time.sleep(0.1)

@@ -39,8 +39,10 @@ def test_flags_only_takes_the_file_from_the_launcher_and_refuses_one_after_the_d
 
 def test_train_help_and_a_bad_flag_need_no_torch():
     """The command module stays import-light: help and a bad config are answered before torch is loaded."""
-    code = ("import sys; from phalanx.cli import run_command; "
-            "codes = [run_command(['train', '--help']), run_command(['train', '--no_such_flag', '1'])]; "
-            "print(codes, 'torch' in sys.modules)")
+    code = (
+        "import sys; from phalanx.cli import run_command; "
+        "codes = [run_command(['train', '--help']), run_command(['train', '--no_such_flag', '1'])]; "
+        "print(codes, 'torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "[0, 2] False"

@@ -28,8 +28,17 @@ def test_accumulation_and_activation_checkpointing_change_no_loss(equivalence_da
     batch, so the same losses. Under DDP a LoRA weight's gradient hook then fires once per backward; the reentrant
     kind of checkpointing would fail here with "mark a variable ready only once"."""
     _, reference = single("lora")
-    losses = train(equivalence_data, tmp_path, 2, 1, "lora", "--gradient_accumulation_steps", "2",
-                   "--gradient_checkpointing", "true")
+    losses = train(
+        equivalence_data,
+        tmp_path,
+        2,
+        1,
+        "lora",
+        "--gradient_accumulation_steps",
+        "2",
+        "--gradient_checkpointing",
+        "true",
+    )
     assert losses == pytest.approx(reference, abs=1e-5)
 
 

@@ -18,6 +18,9 @@ def test_eval_loss_is_weighted_by_tokens_across_ranks():
     assert per_rank[0]["tokens"] == reference["tokens"] == 3 * 11 + 3
     assert per_rank[0]["loss"] == pytest.approx(reference["loss"], abs=1e-6)
     rank0_only = evaluate(TinyLM(), eval_batches_for(0), torch.device("cpu"), contextlib.nullcontext)
-    mean_of_means = (rank0_only["loss"] + evaluate(TinyLM(), eval_batches_for(1), torch.device("cpu"), contextlib.nullcontext)["loss"]) / 2
+    mean_of_means = (
+        rank0_only["loss"]
+        + evaluate(TinyLM(), eval_batches_for(1), torch.device("cpu"), contextlib.nullcontext)["loss"]
+    ) / 2
     assert per_rank[0]["loss"] != pytest.approx(mean_of_means, abs=1e-4), "a mean of per-rank means would differ"
     assert per_rank[0]["loss"] != pytest.approx(rank0_only["loss"], abs=1e-4)

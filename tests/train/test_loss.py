@@ -25,7 +25,7 @@ def test_micro_batches_normalised_by_global_tokens_equal_full_batch_mean():
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
     model = TinyLM()
     full = token_loss_sum(model, batch) / count_target_tokens(labels)
-    halves = [{k: v[i:i + 2] for k, v in batch.items()} for i in (0, 2)]
+    halves = [{k: v[i : i + 2] for k, v in batch.items()} for i in (0, 2)]
     total = sum(count_target_tokens(h["labels"]) for h in halves)
     split = sum(token_loss_sum(model, h) for h in halves) / total
     assert torch.allclose(full, split, atol=1e-6)

@@ -42,9 +42,19 @@ def tiny(model_type: str, vocab: int = 256, layers: int = 2, tie: bool = True, *
     """A small random model of a packable architecture (GQA: 4 query heads, 2 key/value heads)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(model_type, vocab_size=vocab, hidden_size=64, intermediate_size=128,
-                                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                                  head_dim=16, max_position_embeddings=512, tie_word_embeddings=tie, **extra)
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+        **extra,
+    )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
 
@@ -52,8 +62,12 @@ def tiny(model_type: str, vocab: int = 256, layers: int = 2, tie: bool = True, *
 def plain_loss_sum(model, batch) -> torch.Tensor:
     """The loss before this path existed: every position's fp32 logits, then cross-entropy."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-    return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), batch["labels"][:, 1:].reshape(-1),
-                           ignore_index=-100, reduction="sum")
+    return F.cross_entropy(
+        logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+        batch["labels"][:, 1:].reshape(-1),
+        ignore_index=-100,
+        reduction="sum",
+    )
 
 
 def grads(model) -> dict[str, torch.Tensor]:
@@ -61,8 +75,11 @@ def grads(model) -> dict[str, torch.Tensor]:
 
 
 def test_pack_batch_keeps_rows_apart_and_counts_what_padding_counts():
-    examples = [{"input_ids": [5, 6, 7], "labels": [5, 6, 7]}, {"input_ids": [8, 9], "labels": [8, 9]},
-                {"input_ids": [4], "labels": [-100]}]
+    examples = [
+        {"input_ids": [5, 6, 7], "labels": [5, 6, 7]},
+        {"input_ids": [8, 9], "labels": [8, 9]},
+        {"input_ids": [4], "labels": [-100]},
+    ]
     packed = pack_batch(examples)
     assert packed["input_ids"].tolist() == [[5, 6, 7, 8, 9, 4]]
     assert packed["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0]]
@@ -85,7 +102,9 @@ def test_packed_logits_equal_each_rows_own_logits(model_type):
     examples = rows(model.config.vocab_size)
     packed = pack_batch(examples)
     with torch.no_grad():
-        alone = torch.cat([model(input_ids=torch.tensor([e["input_ids"]]), use_cache=False).logits[0] for e in examples])
+        alone = torch.cat(
+            [model(input_ids=torch.tensor([e["input_ids"]]), use_cache=False).logits[0] for e in examples]
+        )
         # SDPA: transformers derives a block-diagonal causal mask from the restarting position ids.
         sdpa = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False).logits[0]
         enable_varlen_attention(model, torch.device("cpu"))
@@ -150,10 +169,16 @@ class LargestVocabTensor(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {a.untyped_storage().data_ptr() for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
+        inputs = {
+            a.untyped_storage().data_ptr() for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)
+        }
         for t in out if isinstance(out, (tuple, list)) else [out]:
-            if (isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == self.vocab
-                    and t.untyped_storage().data_ptr() not in inputs):  # views and in-place results are not new memory
+            if (
+                isinstance(t, torch.Tensor)
+                and t.dim() >= 2
+                and t.shape[-1] == self.vocab
+                and t.untyped_storage().data_ptr() not in inputs
+            ):  # views and in-place results are not new memory
                 self.largest = max(self.largest, t.numel())
         return out
 
@@ -175,8 +200,11 @@ def test_target_head_equals_full_logits_with_a_qwen2_vocabulary_and_never_makes_
             assert L.install_target_head(model)
             enable_varlen_attention(model.get_base_model() if finetune == "lora" else model, torch.device("cpu"))
         with tracker:
-            loss = (plain_loss_sum(model, pad_batch(examples, 0)) if arm == "plain"
-                    else L.token_loss_sum(model, pack_batch(examples), chunk_logits=8 * vocab))
+            loss = (
+                plain_loss_sum(model, pad_batch(examples, 0))
+                if arm == "plain"
+                else L.token_loss_sum(model, pack_batch(examples), chunk_logits=8 * vocab)
+            )
             loss.backward()
         results[arm], largest[arm] = (loss.item(), grads(model)), tracker.largest
     assert largest["plain"] >= 40 * vocab  # the tracker sees the plain path's [tokens x vocab] logits
@@ -208,9 +236,9 @@ def test_eval_loss_is_the_same_packed_and_padded():
     model = apply_finetuning(load_model("embedded:tiny-qwen3", torch.float32), ModelConfig(), LoraConfig(r=4))
     L.install_target_head(model)
     examples = rows(256, lengths=(50, 17, 90, 33, 8))
-    padded = [collate(examples[i:i + 2], 0, packing=False) for i in range(0, 5, 2)]
+    padded = [collate(examples[i : i + 2], 0, packing=False) for i in range(0, 5, 2)]
     enable_varlen_attention(model.get_base_model(), torch.device("cpu"))
-    packed = [collate(examples[i:i + 2], 0, packing=True) for i in range(0, 5, 2)]
+    packed = [collate(examples[i : i + 2], 0, packing=True) for i in range(0, 5, 2)]
     a = evaluate(model, padded, torch.device("cpu"), contextlib.nullcontext)
     b = evaluate(model, packed, torch.device("cpu"), contextlib.nullcontext)
     assert a["tokens"] == b["tokens"] > 0
@@ -233,10 +261,19 @@ def test_a_training_step_reads_the_device_once_and_the_grad_norm_only_when_logge
     L.install_target_head(model)
     enable_varlen_attention(model.get_base_model(), rank.device)
     strategy = Strategy(rank, Precision(None))
-    model, optimizer = strategy.prepare(model, lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad]))
-    run = SimpleNamespace(rank=rank, strategy=strategy, model=model, state=SimpleNamespace(global_step=0), fault=None,
-                          preemption=SimpleNamespace(requested=False), cfg=SimpleNamespace(training=SimpleNamespace(max_grad_norm=1.0)),
-                          scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0))
+    model, optimizer = strategy.prepare(
+        model, lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad])
+    )
+    run = SimpleNamespace(
+        rank=rank,
+        strategy=strategy,
+        model=model,
+        state=SimpleNamespace(global_step=0),
+        fault=None,
+        preemption=SimpleNamespace(requested=False),
+        cfg=SimpleNamespace(training=SimpleNamespace(max_grad_norm=1.0)),
+        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
+    )
     examples = rows(256, lengths=(50, 17, 90, 33))
     micro_batches = [collate(examples[:2], 0, packing=True), collate(examples[2:], 0, packing=True)]
     reads = []

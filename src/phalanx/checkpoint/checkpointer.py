@@ -88,10 +88,23 @@ class Checkpointer:
     reporter: when given, each save is logged as kind 'save' (blocked_s, waited_for_previous_s, async).
     """
 
-    def __init__(self, output_dir: Path, rank: rt.RankInfo, *, model: nn.Module, states: dict[str, Any],
-                 trainer_state: Callable[[], dict], policy: Optional[CheckpointPolicy] = None, strategy: Any = None,
-                 tokenizer: Any = None, finetune: str = "full", plain_weights: bool = False,
-                 best: Optional[BestMetric] = None, after_save: Optional[Callable[[], None]] = None, reporter: Any = None):
+    def __init__(
+        self,
+        output_dir: Path,
+        rank: rt.RankInfo,
+        *,
+        model: nn.Module,
+        states: dict[str, Any],
+        trainer_state: Callable[[], dict],
+        policy: Optional[CheckpointPolicy] = None,
+        strategy: Any = None,
+        tokenizer: Any = None,
+        finetune: str = "full",
+        plain_weights: bool = False,
+        best: Optional[BestMetric] = None,
+        after_save: Optional[Callable[[], None]] = None,
+        reporter: Any = None,
+    ):
         self.output_dir, self.rank = Path(output_dir), rank
         self.model, self.states, self.trainer_state = model, states, trainer_state
         self.policy = policy or CheckpointPolicy()
@@ -144,18 +157,32 @@ class Checkpointer:
         gather = weights and strategy is not None and not self.plain_weights
         counters = self.trainer_state() if trainer_state is None else trainer_state
         self.pending = save_checkpoint(
-            folder, rank=self.rank, model=PlainWeights(self.model) if self.plain_weights else self.model,
-            tokenizer=self.tokenizer, stateful=self.states, trainer_state=counters,
-            model_state=strategy.model_state_for_saving() if gather else None, model_files=weights,
-            sharded=strategy if getattr(strategy, "shards_state", False) else None, asynchronous=background,
+            folder,
+            rank=self.rank,
+            model=PlainWeights(self.model) if self.plain_weights else self.model,
+            tokenizer=self.tokenizer,
+            stateful=self.states,
+            trainer_state=counters,
+            model_state=strategy.model_state_for_saving() if gather else None,
+            model_files=weights,
+            sharded=strategy if getattr(strategy, "shards_state", False) else None,
+            asynchronous=background,
             after_commit=partial(apply_retention, self.output_dir, self.policy.keep, {self.output_dir / BEST, folder}),
         )
         if self.after_save is not None:
             self.after_save()
             rt.barrier()
         if self.reporter is not None:
-            self.reporter.log(counters.get("global_step"), {"name": name, "async": background, "waited_for_previous_s": waited,
-                                                            "blocked_s": time.perf_counter() - started}, kind="save")
+            self.reporter.log(
+                counters.get("global_step"),
+                {
+                    "name": name,
+                    "async": background,
+                    "waited_for_previous_s": waited,
+                    "blocked_s": time.perf_counter() - started,
+                },
+                kind="save",
+            )
         return folder
 
     def wait(self) -> None:
@@ -177,5 +204,11 @@ class Checkpointer:
         """Restore the model (or each rank's shards), every stateful object and this rank's RNG from a committed
         folder (or the committed copy a cut-short replacement of it left); returns trainer_state.json's content."""
         sharded = self.strategy if getattr(self.strategy, "shards_state", False) else None
-        return load_checkpoint(Path(folder), rank=self.rank, model=self.model, stateful=self.states,
-                               finetune=self.finetune, sharded=sharded)
+        return load_checkpoint(
+            Path(folder),
+            rank=self.rank,
+            model=self.model,
+            stateful=self.states,
+            finetune=self.finetune,
+            sharded=sharded,
+        )

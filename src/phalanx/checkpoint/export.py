@@ -37,8 +37,10 @@ def export_checkpoint(folder: Path, out: Path) -> Path:
         raise PhalanxError(f"{folder} already holds from_pretrained weights; load it directly")
     deepspeed = (folder / DS_DIR / DS_TAG).is_dir()
     if not (folder / SHARDED_DIR).is_dir() and not deepspeed:
-        raise PhalanxError(f"{folder} holds neither model weights nor {SHARDED_DIR}/ (FSDP2's sharded state) nor "
-                           f"{DS_DIR}/ (DeepSpeed's); nothing to export")
+        raise PhalanxError(
+            f"{folder} holds neither model weights nor {SHARDED_DIR}/ (FSDP2's sharded state) nor "
+            f"{DS_DIR}/ (DeepSpeed's); nothing to export"
+        )
     if out.exists():
         raise PhalanxError(f"{out} exists; choose a new folder to export into")
     config = AutoConfig.from_pretrained(folder)
@@ -50,8 +52,10 @@ def export_checkpoint(folder: Path, out: Path) -> Path:
     still_meta = [n for n, p in model.named_parameters() if p.is_meta]
     if still_meta or unexpected:
         source = folder / (DS_DIR if deepspeed else SHARDED_DIR)
-        raise PhalanxError(f"{source} does not fit its config.json: {len(still_meta)} weight(s) missing "
-                           f"{still_meta[:3]}, {len(unexpected)} unknown {unexpected[:3]}")
+        raise PhalanxError(
+            f"{source} does not fit its config.json: {len(still_meta)} weight(s) missing "
+            f"{still_meta[:3]}, {len(unexpected)} unknown {unexpected[:3]}"
+        )
     staging = staging_dir(out)
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging, safe_serialization=True)
@@ -71,8 +75,12 @@ def read_dcp_weights(folder: Path, model: torch.nn.Module) -> dict:
     # The optimizer's entries are not requested.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load({"model": state}, storage_reader=dcp_reader(folder / SHARDED_DIR), no_dist=True,
-                 planner=DefaultLoadPlanner(allow_partial_load=True))
+        dcp.load(
+            {"model": state},
+            storage_reader=dcp_reader(folder / SHARDED_DIR),
+            no_dist=True,
+            planner=DefaultLoadPlanner(allow_partial_load=True),
+        )
     return state
 
 

@@ -75,8 +75,9 @@ def _native_rng(state: dict) -> dict:
     return out
 
 
-def save_model_files(model: nn.Module, tokenizer: Any, folder: Path, state_dict: Optional[dict] = None,
-                     weights: bool = True) -> None:
+def save_model_files(
+    model: nn.Module, tokenizer: Any, folder: Path, state_dict: Optional[dict] = None, weights: bool = True
+) -> None:
     """The model (or adapter) as safetensors plus the tokenizer: loadable with from_pretrained.
 
     `state_dict`: full weights gathered by a sharding strategy (the model's own tensors are shards then).
@@ -138,8 +139,16 @@ def save_checkpoint(
         background = sharded.save_sharded(staging, asynchronous=asynchronous) if sharded is not None else None
         write_main = None
         if rank.is_main:
-            write_main = _main_files_writer(model, tokenizer, staging, stateful, trainer_state, model_state,
-                                            snapshot=asynchronous, weights=model_files)
+            write_main = _main_files_writer(
+                model,
+                tokenizer,
+                staging,
+                stateful,
+                trainer_state,
+                model_state,
+                snapshot=asynchronous,
+                weights=model_files,
+            )
             if not asynchronous:
                 write_main()
     except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as a RuntimeError
@@ -156,8 +165,16 @@ def save_checkpoint(
     return None
 
 
-def _main_files_writer(model: nn.Module, tokenizer: Any, staging: Path, stateful: dict[str, Any], trainer_state: dict,
-                       model_state: Optional[dict], snapshot: bool, weights: bool = True) -> Callable[[], None]:
+def _main_files_writer(
+    model: nn.Module,
+    tokenizer: Any,
+    staging: Path,
+    stateful: dict[str, Any],
+    trainer_state: dict,
+    model_state: Optional[dict],
+    snapshot: bool,
+    weights: bool = True,
+) -> Callable[[], None]:
     """Rank 0's files as one call. `snapshot`: the states are copied now, so the call may run later, in the
     background, while training changes the live tensors."""
     if snapshot and weights:
@@ -209,19 +226,30 @@ class PendingCheckpoint:
     only a staging folder, so resume goes back to the previous committed checkpoint.
     """
 
-    def __init__(self, final: Path, staging: Path, meta: dict, write_main: Optional[Callable[[], None]],
-                 background: Optional[Future], after_commit: Optional[Callable[[], Any]]):
+    def __init__(
+        self,
+        final: Path,
+        staging: Path,
+        meta: dict,
+        write_main: Optional[Callable[[], None]],
+        background: Optional[Future],
+        after_commit: Optional[Callable[[], Any]],
+    ):
         self.final = final
         self._background = background
         self._error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
         if write_main is not None:  # rank 0
-            self._thread = threading.Thread(target=self._write_and_commit, name=f"phalanx-save-{final.name}",
-                                            args=(staging, meta, write_main, after_commit))
+            self._thread = threading.Thread(
+                target=self._write_and_commit,
+                name=f"phalanx-save-{final.name}",
+                args=(staging, meta, write_main, after_commit),
+            )
             self._thread.start()
 
-    def _write_and_commit(self, staging: Path, meta: dict, write_main: Callable[[], None],
-                          after_commit: Optional[Callable[[], Any]]) -> None:
+    def _write_and_commit(
+        self, staging: Path, meta: dict, write_main: Callable[[], None], after_commit: Optional[Callable[[], Any]]
+    ) -> None:
         try:
             write_main()
             if self._background is not None:
@@ -248,13 +276,20 @@ class PendingCheckpoint:
 
 
 def load_checkpoint(
-    folder: Path, *, rank: rt.RankInfo, model: nn.Module, stateful: dict[str, Any], finetune: str,
+    folder: Path,
+    *,
+    rank: rt.RankInfo,
+    model: nn.Module,
+    stateful: dict[str, Any],
+    finetune: str,
     sharded: Optional[Any] = None,
 ) -> dict:
     """Restore weights, stateful objects and this rank's RNG; returns trainer_state.json's content."""
     folder = committed_copy(Path(folder))  # a replacement of `folder` that a crash cut short: the copy it replaced
     if not is_committed(folder):
-        raise PhalanxError(f"{folder} is not a committed phalanx checkpoint (no phalanx_checkpoint.json); it may be a save that crashed")
+        raise PhalanxError(
+            f"{folder} is not a committed phalanx checkpoint (no phalanx_checkpoint.json); it may be a save that crashed"
+        )
     if sharded is not None:
         sharded.load_sharded(folder)  # weights and optimizer, each rank its own shards
     else:
@@ -285,9 +320,11 @@ def load_model_weights(model: nn.Module, folder: Path, finetune: str) -> None:
         set_peft_model_state_dict(model, state)
         return
     if not (folder / WEIGHTS).is_file():
-        raise PhalanxError(f"{folder} holds no model.safetensors: its weights are in the sharded state of the strategy "
-                           "that saved it. Resume it with that strategy (any number of ranks), or write the weights first "
-                           f"with: phalanx export {folder} OUT_DIR")
+        raise PhalanxError(
+            f"{folder} holds no model.safetensors: its weights are in the sharded state of the strategy "
+            "that saved it. Resume it with that strategy (any number of ranks), or write the weights first "
+            f"with: phalanx export {folder} OUT_DIR"
+        )
     state = load_file(folder / WEIGHTS)
     own = model.state_dict()
     # save_pretrained leaves out weights tied to others (the output head tied to the embeddings).
@@ -297,8 +334,11 @@ def load_model_weights(model: nn.Module, folder: Path, finetune: str) -> None:
 
 def check_same_shapes(folder: Path, saved: dict, expected: dict, allow_missing: set) -> None:
     """Refuse a checkpoint of another model or adapter shape, naming the tensors that differ."""
-    shapes = [f"{k}: checkpoint {list(v.shape)} vs model {list(expected[k].shape)}"
-              for k, v in saved.items() if k in expected and expected[k].shape != v.shape]
+    shapes = [
+        f"{k}: checkpoint {list(v.shape)} vs model {list(expected[k].shape)}"
+        for k, v in saved.items()
+        if k in expected and expected[k].shape != v.shape
+    ]
     unknown = [k for k in saved if k not in expected]
     missing = [k for k in expected if k not in saved and k not in allow_missing]
     if shapes or unknown or missing:

@@ -20,14 +20,30 @@ from phalanx.config.schema import RunConfig
 from phalanx.errors import ConfigError
 
 # Fields that may change between the run that saved and the run that resumes.
-RESUME_FREE = ("output_dir", "overwrite_output_dir", "force", "checkpoint.resume_from_checkpoint", "checkpoint.async_save", "logging.",
-               "distributed.world_size", "distributed.master_port", "distributed.max_restarts", "distributed.backend",
-               "distributed.timeout_minutes", "distributed.init_timeout_minutes")
+RESUME_FREE = (
+    "output_dir",
+    "overwrite_output_dir",
+    "force",
+    "checkpoint.resume_from_checkpoint",
+    "checkpoint.async_save",
+    "logging.",
+    "distributed.world_size",
+    "distributed.master_port",
+    "distributed.max_restarts",
+    "distributed.backend",
+    "distributed.timeout_minutes",
+    "distributed.init_timeout_minutes",
+)
 RUN_ARTIFACTS = ("training_info.json", "final_training_info.json", "metrics.jsonl", BEST)
 # What a run that stopped before its first checkpoint leaves besides RUN_ARTIFACTS; moved aside with them.
 CRASH_LEFTOVERS = ("tensorboard", "loss_curve.png")
 # The final model written into output_dir itself: a run that wrote it has finished (or was finishing).
-FINAL_OUTPUTS = ("final_training_info.json", "adapter_model.safetensors", "model.safetensors", "model.safetensors.index.json")
+FINAL_OUTPUTS = (
+    "final_training_info.json",
+    "adapter_model.safetensors",
+    "model.safetensors",
+    "model.safetensors.index.json",
+)
 RUN_RECORD = "training_info.json"  # written when a run starts, with its config, and at every save
 
 
@@ -65,8 +81,10 @@ def saved_config(folder: Path) -> dict:
     try:
         return json.loads((folder / TRAINER_STATE).read_text(encoding="utf-8"))["config"]
     except (OSError, ValueError, KeyError) as exc:
-        raise ConfigError(f"{folder}/trainer_state.json cannot be read ({exc}); resume from another checkpoint "
-                          "with --resume_from_checkpoint PATH, or --overwrite_output_dir") from None
+        raise ConfigError(
+            f"{folder}/trainer_state.json cannot be read ({exc}); resume from another checkpoint "
+            "with --resume_from_checkpoint PATH, or --overwrite_output_dir"
+        ) from None
 
 
 def recorded_config(output_dir: Path) -> Optional[dict]:
@@ -95,21 +113,27 @@ def check_start_over(out: Path, cfg: RunConfig, requested: Optional[str]) -> Non
     flag = "--resume_from_checkpoint latest: " if requested == "latest" else ""
     finished = [name for name in FINAL_OUTPUTS if (out / name).exists()]
     if finished:
-        raise ConfigError(f"{flag}output_dir {out} holds a finished run ({', '.join(finished)}) and no committed "
-                          "checkpoint-N to continue from. Choose another --output_dir, or pass --overwrite_output_dir "
-                          "to train it again.")
+        raise ConfigError(
+            f"{flag}output_dir {out} holds a finished run ({', '.join(finished)}) and no committed "
+            "checkpoint-N to continue from. Choose another --output_dir, or pass --overwrite_output_dir "
+            "to train it again."
+        )
     if restarted():
         return  # a restart (elastic or SLURM requeue) runs the same command: the crashed run is this job's own
     saved = recorded_config(out)
     if saved is None:
-        raise ConfigError(f"{flag}output_dir {out} already holds a run ({', '.join(found[:4])}) with no committed "
-                          f"checkpoint to resume from and no record of its config ({out / RUN_RECORD}). Choose another "
-                          "--output_dir, or pass --overwrite_output_dir to replace it.")
+        raise ConfigError(
+            f"{flag}output_dir {out} already holds a run ({', '.join(found[:4])}) with no committed "
+            f"checkpoint to resume from and no record of its config ({out / RUN_RECORD}). Choose another "
+            "--output_dir, or pass --overwrite_output_dir to replace it."
+        )
     diff = config_diff(saved, cfg.model_dump())
     if diff and not cfg.force:
-        raise ConfigError(f"{flag}output_dir {out} holds a run that stopped before its first checkpoint, with a different "
-                          "config:\n    " + "\n    ".join(diff) + "\nPass --overwrite_output_dir to replace it, --force to "
-                          "start over beside its logs (they are moved to a crashed-<time> folder), or another --output_dir.")
+        raise ConfigError(
+            f"{flag}output_dir {out} holds a run that stopped before its first checkpoint, with a different "
+            "config:\n    " + "\n    ".join(diff) + "\nPass --overwrite_output_dir to replace it, --force to "
+            "start over beside its logs (they are moved to a crashed-<time> folder), or another --output_dir."
+        )
 
 
 def set_aside_crashed_run(output_dir: Path) -> Optional[Path]:
@@ -149,8 +173,10 @@ def resume_point(cfg: RunConfig) -> Optional[Path]:
     if requested not in (None, "latest"):
         folder = Path(requested)
         if not is_committed(folder):
-            raise ConfigError(f"checkpoint.resume_from_checkpoint = {requested!r} is not a committed phalanx checkpoint "
-                              "(a checkpoint-N folder holding phalanx_checkpoint.json); use 'latest' or such a folder")
+            raise ConfigError(
+                f"checkpoint.resume_from_checkpoint = {requested!r} is not a committed phalanx checkpoint "
+                "(a checkpoint-N folder holding phalanx_checkpoint.json); use 'latest' or such a folder"
+            )
     else:
         checkpoints = committed_step_checkpoints(out)
         if not checkpoints:
@@ -159,10 +185,15 @@ def resume_point(cfg: RunConfig) -> Optional[Path]:
         folder = checkpoints[-1][1]
     diff = config_diff(saved_config(folder), cfg.model_dump())
     if requested is None and not diff and (out / "final_training_info.json").is_file():
-        raise ConfigError(f"output_dir {out} holds a finished run with this config. Choose another --output_dir, "
-                          "pass --overwrite_output_dir to train it again, or change max_steps/num_epochs and --force to extend it.")
+        raise ConfigError(
+            f"output_dir {out} holds a finished run with this config. Choose another --output_dir, "
+            "pass --overwrite_output_dir to train it again, or change max_steps/num_epochs and --force to extend it."
+        )
     if diff and not cfg.force:
-        raise ConfigError(f"{folder} was trained with a different config:\n    " + "\n    ".join(diff) +
-                          "\nPass --force to resume with the new values, --overwrite_output_dir to start over, "
-                          "or another --output_dir.")
+        raise ConfigError(
+            f"{folder} was trained with a different config:\n    "
+            + "\n    ".join(diff)
+            + "\nPass --force to resume with the new values, --overwrite_output_dir to start over, "
+            "or another --output_dir."
+        )
     return folder

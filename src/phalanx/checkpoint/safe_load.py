@@ -31,14 +31,25 @@ from phalanx.errors import PhalanxError
 
 # (module, name) pairs DCP's metadata refers to: its own dataclasses, shapes, dtypes, a layout lookup, paths.
 DCP_METADATA_GLOBALS = {
-    ("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata", "TensorProperties",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "ChunkStorageMetadata",
+        "BytesStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
     ("collections", "OrderedDict"),
 }
 
@@ -69,7 +80,9 @@ def load_state_file(path: Path, map_location: Any = "cpu", allow: Iterable[type]
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         detail = str(exc).strip().splitlines()
-        raise UnsafeCheckpointError(Path(path), f"objects other than tensors and plain values ({detail[-1] if detail else exc!r})") from None
+        raise UnsafeCheckpointError(
+            Path(path), f"objects other than tensors and plain values ({detail[-1] if detail else exc!r})"
+        ) from None
 
 
 def check_deepspeed_checkpoint(folder: Path) -> None:
@@ -88,9 +101,11 @@ def use_safe_loading(engine: Any) -> None:
             return load_state_file(Path(path), map_location, allow=deepspeed_state_classes())
 
     if type(engine.checkpoint_engine) is not TorchCheckpointEngine:
-        raise PhalanxError(f"DeepSpeed chose the checkpoint engine {type(engine.checkpoint_engine).__name__}; phalanx "
-                           "reads checkpoints only through the torch one it can restrict. Remove the checkpoint "
-                           "engine settings from the DeepSpeed config.")
+        raise PhalanxError(
+            f"DeepSpeed chose the checkpoint engine {type(engine.checkpoint_engine).__name__}; phalanx "
+            "reads checkpoints only through the torch one it can restrict. Remove the checkpoint "
+            "engine settings from the DeepSpeed config."
+        )
     safe = RestrictedCheckpointEngine.__new__(RestrictedCheckpointEngine)
     safe.__dict__.update(engine.checkpoint_engine.__dict__)  # same settings (serialization format, name)
     engine.checkpoint_engine = safe
@@ -98,7 +113,9 @@ def use_safe_loading(engine: Any) -> None:
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
-        if (module, name) in DCP_METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+        if (module, name) in DCP_METADATA_GLOBALS or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed")
 

@@ -201,8 +201,12 @@ def keep_typed_text(value: Any, node: Optional[yaml.Node], annotation: Any) -> A
     by the schema's annotations, so every string and choice field is covered, today's and tomorrow's."""
     if isinstance(node, yaml.ScalarNode):
         # A number field given yes/no gets the text too, so it is refused by name instead of becoming 1 or 0.
-        if (isinstance(value, (bool, int, float)) and node.style is None
-                and not _takes_as_is(annotation, value) and (_takes_text(annotation) or isinstance(value, bool))):
+        if (
+            isinstance(value, (bool, int, float))
+            and node.style is None
+            and not _takes_as_is(annotation, value)
+            and (_takes_text(annotation) or isinstance(value, bool))
+        ):
             return node.value
         return value
     if isinstance(node, yaml.SequenceNode) and isinstance(value, list) and len(node.value) == len(value):
@@ -257,7 +261,9 @@ def load_config(path: Optional[str] = None, overrides: Optional[dict[str, Any]] 
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, data:, training: ...), found {type(loaded).__name__}")
+            raise ConfigError(
+                f"{path}: the top level must be a mapping of sections (model:, data:, training: ...), found {type(loaded).__name__}"
+            )
         tree = keep_typed_text(loaded, yaml.compose(text), RunConfig)
         lines = _yaml_lines(text)
         source = path
@@ -324,8 +330,9 @@ def overrides_from_flags(pairs: list[tuple[str, str]]) -> dict[str, Any]:
     return out
 
 
-def config_from_args(args: Sequence[str], own_flags: Collection[str] = (), flags_only: bool = False,
-                     config_path: Optional[str] = None) -> tuple[RunConfig, Optional[str], list[tuple[str, str]]]:
+def config_from_args(
+    args: Sequence[str], own_flags: Collection[str] = (), flags_only: bool = False, config_path: Optional[str] = None
+) -> tuple[RunConfig, Optional[str], list[tuple[str, str]]]:
     """`[CONFIG.yaml] --flag value ...` read as `phalanx train` reads it -> (the RunConfig, the config path, every
     flag pair), so that every command that takes a run config takes it the same way.
 
@@ -335,7 +342,9 @@ def config_from_args(args: Sequence[str], own_flags: Collection[str] = (), flags
     path, pairs = split_flags(args)
     if flags_only:
         if path is not None:
-            raise ConfigError(f"after `--` give --flag value pairs for `phalanx train`, not a file ({path}); use --config")
+            raise ConfigError(
+                f"after `--` give --flag value pairs for `phalanx train`, not a file ({path}); use --config"
+            )
         path = config_path
     cfg = load_config(path, overrides_from_flags([(name, value) for name, value in pairs if name not in own_flags]))
     return cfg, path, pairs

@@ -26,18 +26,28 @@ class ModelConfig(Section):
         description="Local folder or Hugging Face Hub id loaded with from_pretrained; "
         f"'{EMBEDDED_MODEL}' builds the small embedded Qwen3-architecture model.",
     )
-    trust_remote_code: bool = Field(False, description="Run model code shipped with the checkpoint. Off unless you trust it.")
-    finetune: Literal["lora", "full"] = Field("lora", description="Train a LoRA adapter, or every weight of the model.")
-    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward (non-reentrant) to save memory.")
-    load_in_4bit: bool = Field(
-        False, description="QLoRA: load the frozen base quantized to 4 bits with bitsandbytes (`pip install "
-        "'phalanx[qlora]'`) and train a LoRA adapter on it (finetune 'lora'); under ddp, fsdp and deepspeed alike."
+    trust_remote_code: bool = Field(
+        False, description="Run model code shipped with the checkpoint. Off unless you trust it."
     )
-    bnb_4bit_quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type of the base weights: NormalFloat4 (QLoRA's) or plain FP4.")
-    bnb_4bit_use_double_quant: bool = Field(True, description="Quantize the 4-bit blocks' scales too (about 0.4 bits per weight saved).")
+    finetune: Literal["lora", "full"] = Field("lora", description="Train a LoRA adapter, or every weight of the model.")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in backward (non-reentrant) to save memory."
+    )
+    load_in_4bit: bool = Field(
+        False,
+        description="QLoRA: load the frozen base quantized to 4 bits with bitsandbytes (`pip install "
+        "'phalanx[qlora]'`) and train a LoRA adapter on it (finetune 'lora'); under ddp, fsdp and deepspeed alike.",
+    )
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = Field(
+        "nf4", description="4-bit data type of the base weights: NormalFloat4 (QLoRA's) or plain FP4."
+    )
+    bnb_4bit_use_double_quant: bool = Field(
+        True, description="Quantize the 4-bit blocks' scales too (about 0.4 bits per weight saved)."
+    )
     bnb_4bit_compute_dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
-        "auto", description="dtype the 4-bit weights are dequantized to for each matmul; 'auto' is the run's mixed "
-        "precision dtype (bf16/fp16 on CUDA), fp32 on CPU."
+        "auto",
+        description="dtype the 4-bit weights are dequantized to for each matmul; 'auto' is the run's mixed "
+        "precision dtype (bf16/fp16 on CUDA), fp32 on CPU.",
     )
 
 
@@ -63,13 +73,16 @@ class DataConfig(Section):
         None, description="A jsonl file, a folder of jsonl files, or a datasets save_to_disk folder."
     )
     dataset_name: Optional[str] = Field(
-        None, description="A Hugging Face Hub dataset id (or a local dataset repository folder) for datasets.load_dataset."
+        None,
+        description="A Hugging Face Hub dataset id (or a local dataset repository folder) for datasets.load_dataset.",
     )
     dataset_split: str = Field("train", description="Split of dataset_name to train on.")
     format: Literal["auto", "messages", "sharegpt", "alpaca", "text"] = Field(
         "auto", description="Row format; 'auto' detects it from the first row's fields."
     )
-    eval_dataset_path: Optional[str] = Field(None, description="Separate evaluation data; when set, test_size is not used.")
+    eval_dataset_path: Optional[str] = Field(
+        None, description="Separate evaluation data; when set, test_size is not used."
+    )
     test_size: float = Field(0.2, ge=0.0, lt=1.0, description="Fraction of the training rows held out for evaluation.")
     max_length: int = Field(1024, gt=0, description="Longest tokenized conversation, in tokens.")
     truncation: Literal["truncate", "keep_recent", "drop", "error"] = Field(
@@ -124,9 +137,15 @@ class DataConfig(Section):
 class TrainingConfig(Section):
     num_epochs: float = Field(3, gt=0, description="Passes over the training data (ignored when max_steps is set).")
     max_steps: Optional[int] = Field(None, gt=0, description="Stop after this many optimizer steps.")
-    batch_size: int = Field(1, gt=0, description="Sequences per micro-batch per rank (global batch = batch_size x world_size x accumulation).")
+    batch_size: int = Field(
+        1,
+        gt=0,
+        description="Sequences per micro-batch per rank (global batch = batch_size x world_size x accumulation).",
+    )
     batch_tokens: Optional[int] = Field(
-        None, gt=0, description="Token budget per packed micro-batch per rank, in place of batch_size: rows are packed "
+        None,
+        gt=0,
+        description="Token budget per packed micro-batch per rank, in place of batch_size: rows are packed "
         "(first fit, in the shuffled order) into micro-batches of at most this many tokens, so every micro-batch does "
         "about the same work however long its rows are. At least data.max_length; needs data.packing. A checkpoint "
         "resumes only with the same value.",
@@ -134,7 +153,9 @@ class TrainingConfig(Section):
     gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
     learning_rate: float = Field(5e-5, gt=0, description="Peak AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    warmup_ratio: float = Field(0.0, ge=0, lt=1, description="Fraction of the steps spent warming the learning rate up from 0.")
+    warmup_ratio: float = Field(
+        0.0, ge=0, lt=1, description="Fraction of the steps spent warming the learning rate up from 0."
+    )
     lr_scheduler: Literal["linear", "cosine", "constant"] = Field("linear", description="Decay after warm-up.")
     max_grad_norm: float = Field(1.0, ge=0, description="Clip the global gradient norm to this; 0 turns clipping off.")
     seed: int = Field(42, description="Seed for data order, dropout and initialisation.")
@@ -148,9 +169,12 @@ class TrainingConfig(Section):
         "installed, Liger's RMSNorm/SwiGLU/RoPE kernels are patched into Qwen2/Qwen3/Llama first. 'auto' is on for "
         "CUDA, off on CPU (slow to warm up there, and no faster for small models). The first steps include compiling.",
     )
-    gradient_checkpointing: Optional[bool] = Field(None, description="Seed 003's place for model.gradient_checkpointing; when set, it sets that field.")
+    gradient_checkpointing: Optional[bool] = Field(
+        None, description="Seed 003's place for model.gradient_checkpointing; when set, it sets that field."
+    )
     nan_policy: Literal["skip", "stop"] = Field(
-        "skip", description="A step whose global loss is NaN or Inf is skipped and counted, or saves a checkpoint and stops the run."
+        "skip",
+        description="A step whose global loss is NaN or Inf is skipped and counted, or saves a checkpoint and stops the run.",
     )
 
 
@@ -162,7 +186,8 @@ class EvalConfig(Section):
 class CheckpointConfig(Section):
     save_steps: int = Field(50, gt=0, description="Save checkpoint-{step} every this many optimizer steps.")
     save_total_limit: Optional[int] = Field(
-        None, description="Keep at most this many checkpoint-{step} folders, at least 2 (checkpoint-best is kept apart; "
+        None,
+        description="Keep at most this many checkpoint-{step} folders, at least 2 (checkpoint-best is kept apart; "
         "the folder being written is never deleted).",
     )
     save_best: bool = Field(True, description="Keep checkpoint-best with the lowest evaluation loss.")
@@ -173,9 +198,12 @@ class CheckpointConfig(Section):
         # One kept checkpoint leaves nothing to go back to when the newest turns out unusable (a disk error after
         # its commit, a bad step saved just before a crash): retention always keeps the one before it too.
         if limit is not None and limit < 2:
-            raise ValueError(f"save_total_limit must be at least 2 (got {limit}): the newest checkpoint and the one "
-                             "before it are always kept. Leave it unset to keep every checkpoint.")
+            raise ValueError(
+                f"save_total_limit must be at least 2 (got {limit}): the newest checkpoint and the one "
+                "before it are always kept. Leave it unset to keep every checkpoint."
+            )
         return limit
+
     async_save: bool = Field(
         False,
         description="Write checkpoints in the background: training waits only while the state is copied to CPU "
@@ -192,7 +220,10 @@ class CheckpointConfig(Section):
 class LoggingConfig(Section):
     log_steps: int = Field(10, gt=0, description="Log metrics every this many optimizer steps.")
     tensorboard: bool = Field(True, description="Write TensorBoard events under output_dir/tensorboard.")
-    progress_bar: bool = Field(True, description="Show a progress bar on rank 0 (on a terminal; where stdout is a file or pipe, one plain line per logged step).")
+    progress_bar: bool = Field(
+        True,
+        description="Show a progress bar on rank 0 (on a terminal; where stdout is a file or pipe, one plain line per logged step).",
+    )
 
 
 # FSDP sharding strategies (seed 003's names), defined once: the FSDP strategy and `phalanx config fsdp` read these.
@@ -201,37 +232,76 @@ SHARDING_STRATEGIES: tuple[str, ...] = get_args(ShardingStrategy)
 
 
 class DistributedConfig(Section):
-    world_size: int = Field(1, gt=0, description="Processes to start on this machine (ignored under torchrun, which sets it).")
+    world_size: int = Field(
+        1, gt=0, description="Processes to start on this machine (ignored under torchrun, which sets it)."
+    )
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="'auto' is NCCL on CUDA, gloo on CPU.")
-    ddp_comm_hook: Literal["none", "fp16", "bf16"] = Field("none", description="Compress DDP gradients before the all-reduce.")
+    ddp_comm_hook: Literal["none", "fp16", "bf16"] = Field(
+        "none", description="Compress DDP gradients before the all-reduce."
+    )
     strategy: Literal["ddp", "fsdp", "deepspeed"] = Field(
-        "ddp", description="How several ranks train: 'ddp' (a full replica per rank), 'fsdp' (PyTorch FSDP2, sharded "
-        "parameters, gradients and optimizer state) or 'deepspeed' (the DeepSpeed ZeRO engine). One process runs plain under 'ddp' and on a one-rank group under the others (their CPU offload works on a single device)."
+        "ddp",
+        description="How several ranks train: 'ddp' (a full replica per rank), 'fsdp' (PyTorch FSDP2, sharded "
+        "parameters, gradients and optimizer state) or 'deepspeed' (the DeepSpeed ZeRO engine). One process runs plain under 'ddp' and on a one-rank group under the others (their CPU offload works on a single device).",
     )
     sharding_strategy: ShardingStrategy = Field(
-        "FULL_SHARD", description="FSDP: shard everything and regather per layer (FULL_SHARD), keep parameters gathered "
+        "FULL_SHARD",
+        description="FSDP: shard everything and regather per layer (FULL_SHARD), keep parameters gathered "
         "between forward and backward (SHARD_GRAD_OP), shard within a node and replicate across nodes (HYBRID_SHARD), "
-        "or replicate only (NO_SHARD)."
+        "or replicate only (NO_SHARD).",
     )
-    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters.")
+    zero_stage: Literal[0, 1, 2, 3] = Field(
+        2, description="DeepSpeed ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters."
+    )
     offload_optimizer: bool = Field(False, description="DeepSpeed: keep optimizer state (and the step) in CPU memory.")
-    offload_param: bool = Field(False, description="Keep sharded parameters in CPU memory (DeepSpeed ZeRO-3 parameter offload; FSDP CPU offload, which also moves gradients and the optimizer step).")
-    deepspeed_config: Optional[str] = Field(None, description="DeepSpeed: a JSON config of your own; its \"auto\" values are filled from this config, and conflicts are reported.")
-    fsdp_config: Optional[str] = Field(None, description="FSDP: a JSON config as `phalanx config fsdp` writes it; its fields override sharding_strategy and mixed precision.")
+    offload_param: bool = Field(
+        False,
+        description="Keep sharded parameters in CPU memory (DeepSpeed ZeRO-3 parameter offload; FSDP CPU offload, which also moves gradients and the optimizer step).",
+    )
+    deepspeed_config: Optional[str] = Field(
+        None,
+        description='DeepSpeed: a JSON config of your own; its "auto" values are filled from this config, and conflicts are reported.',
+    )
+    fsdp_config: Optional[str] = Field(
+        None,
+        description="FSDP: a JSON config as `phalanx config fsdp` writes it; its fields override sharding_strategy and mixed precision.",
+    )
     use_deepspeed: bool = Field(False, description="Seed 003's switch: true means strategy 'deepspeed'.")
     use_fsdp: bool = Field(False, description="Seed 003's switch: true means strategy 'fsdp'.")
-    gradient_accumulation_steps: Optional[int] = Field(None, gt=0, description="Seed 003's place for training.gradient_accumulation_steps; when set, it sets that field.")
-    max_restarts: int = Field(0, ge=0, description="Restart all ranks this many times when one fails; each restart resumes from the newest committed checkpoint.")
-    shutdown_timeout_s: int = Field(300, gt=0, description="After a SIGTERM, how long the launcher (--world_size, and torchrun in `phalanx launcher` / `phalanx slurm` scripts) lets the ranks finish their step and commit the preemption checkpoint before it kills them; torch's own default is 30 s. Give it the time a save takes on your model.")
-    master_port: Optional[int] = Field(None, gt=0, lt=65536, description="Rendezvous port for --world_size; a free one when unset.")
-    init_timeout_minutes: float = Field(10, gt=0, description="How long ranks wait for each other to start (and through the first step).")
-    timeout_minutes: float = Field(5, gt=0, description="How long a training collective may wait for a missing rank before every rank gives up.")
+    gradient_accumulation_steps: Optional[int] = Field(
+        None,
+        gt=0,
+        description="Seed 003's place for training.gradient_accumulation_steps; when set, it sets that field.",
+    )
+    max_restarts: int = Field(
+        0,
+        ge=0,
+        description="Restart all ranks this many times when one fails; each restart resumes from the newest committed checkpoint.",
+    )
+    shutdown_timeout_s: int = Field(
+        300,
+        gt=0,
+        description="After a SIGTERM, how long the launcher (--world_size, and torchrun in `phalanx launcher` / `phalanx slurm` scripts) lets the ranks finish their step and commit the preemption checkpoint before it kills them; torch's own default is 30 s. Give it the time a save takes on your model.",
+    )
+    master_port: Optional[int] = Field(
+        None, gt=0, lt=65536, description="Rendezvous port for --world_size; a free one when unset."
+    )
+    init_timeout_minutes: float = Field(
+        10, gt=0, description="How long ranks wait for each other to start (and through the first step)."
+    )
+    timeout_minutes: float = Field(
+        5, gt=0, description="How long a training collective may wait for a missing rank before every rank gives up."
+    )
 
 
 class RunConfig(Section):
     output_dir: str = Field("./phalanx-output", description="Where checkpoints, the final model and logs go.")
-    overwrite_output_dir: bool = Field(False, description="Replace an earlier run in output_dir instead of resuming it or refusing to start.")
-    force: bool = Field(False, description="Resume even though the config differs from the one the checkpoint was trained with.")
+    overwrite_output_dir: bool = Field(
+        False, description="Replace an earlier run in output_dir instead of resuming it or refusing to start."
+    )
+    force: bool = Field(
+        False, description="Resume even though the config differs from the one the checkpoint was trained with."
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -249,39 +319,58 @@ class RunConfig(Section):
         for flag, name in ((d.use_deepspeed, "deepspeed"), (d.use_fsdp, "fsdp")):
             if flag:
                 if "strategy" in d.model_fields_set and d.strategy != name:
-                    raise ValueError(f"distributed.use_{name} is true but distributed.strategy is '{d.strategy}'; keep one of them")
+                    raise ValueError(
+                        f"distributed.use_{name} is true but distributed.strategy is '{d.strategy}'; keep one of them"
+                    )
                 d.strategy = name
         # A DeepSpeed or FSDP file with no strategy named means that strategy.
         for file, name in ((d.deepspeed_config, "deepspeed"), (d.fsdp_config, "fsdp")):
             if file and "strategy" not in d.model_fields_set and not (d.use_deepspeed or d.use_fsdp):
                 d.strategy = name
         if d.gradient_accumulation_steps is not None:
-            if "gradient_accumulation_steps" in t.model_fields_set and t.gradient_accumulation_steps != d.gradient_accumulation_steps:
-                raise ValueError(f"distributed.gradient_accumulation_steps = {d.gradient_accumulation_steps} but "
-                                 f"training.gradient_accumulation_steps = {t.gradient_accumulation_steps}; keep one of them")
+            if (
+                "gradient_accumulation_steps" in t.model_fields_set
+                and t.gradient_accumulation_steps != d.gradient_accumulation_steps
+            ):
+                raise ValueError(
+                    f"distributed.gradient_accumulation_steps = {d.gradient_accumulation_steps} but "
+                    f"training.gradient_accumulation_steps = {t.gradient_accumulation_steps}; keep one of them"
+                )
             t.gradient_accumulation_steps = d.gradient_accumulation_steps
         if t.gradient_checkpointing is not None:
             self.model.gradient_checkpointing = t.gradient_checkpointing
         if d.strategy == "ddp" and (d.offload_optimizer or d.offload_param):
-            raise ValueError("CPU offload needs a sharding strategy: DDP keeps a full replica on every device. Use "
-                             "--strategy deepspeed (--offload_optimizer / --offload_param) or --strategy fsdp --offload_param")
+            raise ValueError(
+                "CPU offload needs a sharding strategy: DDP keeps a full replica on every device. Use "
+                "--strategy deepspeed (--offload_optimizer / --offload_param) or --strategy fsdp --offload_param"
+            )
         if d.strategy == "fsdp" and d.offload_optimizer:
-            raise ValueError("FSDP offloads parameters, gradients and the optimizer step together: use --offload_param "
-                             "with --strategy fsdp (or --strategy deepspeed for optimizer-only offload)")
+            raise ValueError(
+                "FSDP offloads parameters, gradients and the optimizer step together: use --offload_param "
+                "with --strategy fsdp (or --strategy deepspeed for optimizer-only offload)"
+            )
         if d.strategy == "deepspeed" and d.offload_param and d.zero_stage != 3 and not d.deepspeed_config:
-            raise ValueError(f"--offload_param needs --zero_stage 3 (parameters are partitioned only there); got {d.zero_stage}")
+            raise ValueError(
+                f"--offload_param needs --zero_stage 3 (parameters are partitioned only there); got {d.zero_stage}"
+            )
         if d.strategy != "deepspeed" and d.deepspeed_config:
-            raise ValueError(f"distributed.deepspeed_config is set but the strategy is '{d.strategy}'; add --strategy deepspeed")
+            raise ValueError(
+                f"distributed.deepspeed_config is set but the strategy is '{d.strategy}'; add --strategy deepspeed"
+            )
         if d.strategy != "fsdp" and d.fsdp_config:
             raise ValueError(f"distributed.fsdp_config is set but the strategy is '{d.strategy}'; add --strategy fsdp")
         if t.batch_tokens is not None:
             if not self.data.packing:
-                raise ValueError(f"training.batch_tokens = {t.batch_tokens} packs rows into token-budget micro-batches "
-                                 "and needs data.packing true; drop --batch_tokens to pad batch_size rows instead")
+                raise ValueError(
+                    f"training.batch_tokens = {t.batch_tokens} packs rows into token-budget micro-batches "
+                    "and needs data.packing true; drop --batch_tokens to pad batch_size rows instead"
+                )
             if t.batch_tokens < self.data.max_length:
-                raise ValueError(f"training.batch_tokens = {t.batch_tokens} is less than data.max_length = "
-                                 f"{self.data.max_length}: the longest row would not fit; raise batch_tokens to at least "
-                                 f"{self.data.max_length} or lower max_length")
+                raise ValueError(
+                    f"training.batch_tokens = {t.batch_tokens} is less than data.max_length = "
+                    f"{self.data.max_length}: the longest row would not fit; raise batch_tokens to at least "
+                    f"{self.data.max_length} or lower max_length"
+                )
         self._check_4bit()
         return self
 
@@ -289,13 +378,17 @@ class RunConfig(Section):
         """QLoRA trains an adapter on a frozen 4-bit base; its settings mean nothing without it."""
         m = self.model
         if m.load_in_4bit and m.finetune == "full":
-            raise ValueError("model.load_in_4bit with model.finetune 'full': 4-bit weights cannot be trained. Use "
-                             "--finetune lora (QLoRA: a LoRA adapter on the frozen 4-bit base), or drop --load_in_4bit")
+            raise ValueError(
+                "model.load_in_4bit with model.finetune 'full': 4-bit weights cannot be trained. Use "
+                "--finetune lora (QLoRA: a LoRA adapter on the frozen 4-bit base), or drop --load_in_4bit"
+            )
         # A 4-bit setting with load_in_4bit left out is a forgotten switch; an explicit false turns QLoRA off.
         given = sorted(name for name in m.model_fields_set if name.startswith("bnb_4bit_"))
         if given and "load_in_4bit" not in m.model_fields_set:
-            raise ValueError(f"model.{given[0]} is set but model.load_in_4bit is not: the base would load unquantized "
-                             "and the setting would do nothing. Add --load_in_4bit (or model.load_in_4bit: true)")
+            raise ValueError(
+                f"model.{given[0]} is set but model.load_in_4bit is not: the base would load unquantized "
+                "and the setting would do nothing. Add --load_in_4bit (or model.load_in_4bit: true)"
+            )
 
     def check_nodes(self, nodes: int) -> None:
         """Refuse, before any process starts, a layout the job's node count cannot give (HYBRID_SHARD on one node).

@@ -100,7 +100,7 @@ def tokenize_conversation(tokenizer: Any, conv: Conversation, where: str, multi_
         raise DataError(
             f"{where}: the tokenizer ({name}) has no chat template, so chat rows cannot be rendered; "
             "use a model whose tokenizer ships one (an instruct/chat model), pass --chat_template FILE|NAME, "
-            "or give plain {\"text\": ...} rows"
+            'or give plain {"text": ...} rows'
         )
     # Tool call arguments go to the template as a mapping (most write `arguments | tojson`). A template that
     # concatenates them as text (DeepSeek-V3.1) fails on a mapping, and one that prints the value (`| string`)
@@ -133,9 +133,14 @@ def _tokenize_chat(tokenizer: Any, conv: Conversation, where: str, multi_turn: s
         full = renderer.prefix(len(conv["messages"]), False)
         spans, problem = _locate_in_full(renderer, full, turns)
         if spans is not None:
-            return Tokenized([_tokenize_spans(tokenizer, full, spans)], "full", dropped,
-                             _system_dropped(conv["messages"], [full]), _tools_dropped(conv.get("tools"), [full]),
-                             unterminated), [full]
+            return Tokenized(
+                [_tokenize_spans(tokenizer, full, spans)],
+                "full",
+                dropped,
+                _system_dropped(conv["messages"], [full]),
+                _tools_dropped(conv.get("tools"), [full]),
+                unterminated,
+            ), [full]
         if multi_turn == "full":
             raise DataError(
                 f"{where}: multi_turn 'full': {problem}. The template rewrites earlier turns once later ones "
@@ -145,8 +150,15 @@ def _tokenize_chat(tokenizer: Any, conv: Conversation, where: str, multi_turn: s
         notes.append(problem)
     examples = [_tokenize_spans(tokenizer, turn.view, [(turn.start, turn.end)]) for turn in turns]
     views = [turn.view for turn in turns]
-    return Tokenized(examples, "per_turn", dropped, _system_dropped(conv["messages"], views),
-                     _tools_dropped(conv.get("tools"), views), unterminated, notes), views
+    return Tokenized(
+        examples,
+        "per_turn",
+        dropped,
+        _system_dropped(conv["messages"], views),
+        _tools_dropped(conv.get("tools"), views),
+        unterminated,
+        notes,
+    ), views
 
 
 def _with_text_arguments(conv: Conversation) -> Optional[Conversation]:
@@ -216,7 +228,7 @@ class _Renderer:
     def assistant_header(self) -> str:
         """What the generation prompt adds after a user message ('' when the template cannot say)."""
         without, with_prompt = self.canonical_contexts()
-        return with_prompt[_common_prefix(without, with_prompt):]
+        return with_prompt[_common_prefix(without, with_prompt) :]
 
     def specials(self) -> list[str]:
         """The tokenizer's special and added tokens longer than one character (a position inside one snaps)."""
@@ -235,8 +247,10 @@ def _locate_turn(r: _Renderer, i: int) -> _Turn:
     view = r.prefix(i + 1, False)
     probe = r.try_render(r.messages[:i] + [{"role": "assistant", "content": SENTINEL}], False)
     if probe is None:
-        raise DataError(f"{r.where}: messages[{i}] (assistant): the chat template fails on a plain assistant message "
-                        "in its place, so where the message's own text starts cannot be located")
+        raise DataError(
+            f"{r.where}: messages[{i}] (assistant): the chat template fails on a plain assistant message "
+            "in its place, so where the message's own text starts cannot be located"
+        )
     own = _common_prefix(view, probe)  # first character the message decides
     own_end = len(view) - _common_suffix(view, probe, len(view) - own)  # and its last
     # The same message with only its text replaced keeps what the template writes around reasoning and tool calls:
@@ -281,7 +295,7 @@ def _output_start(r: _Renderer, i: int, prompt: str, context: str, view: str, ow
     # Certain only when the view leads into the message with the header the generation prompt writes: the output
     # starts after the last such header, and what the template writes between it and the message's text (an
     # empty think block, a channel name) is the model's to write.
-    header = prompt[_common_prefix(prompt, context):]
+    header = prompt[_common_prefix(prompt, context) :]
     at = view.rfind(header, shared, own) if header else own
     if at < 0:
         raise DataError(
@@ -301,7 +315,7 @@ def _output_end(r: _Renderer, i: int, prompt: str, context: str, view: str, own_
         # A generation prompt after an assistant message may rewrite it (gpt-oss ends a final answer differently):
         # the trailer comes from a conversation that ends with a user message instead.
         context, prompt = r.canonical_contexts()
-    trailer = context[_snap_back(context, _common_prefix(context, prompt), r.specials()):]
+    trailer = context[_snap_back(context, _common_prefix(context, prompt), r.specials()) :]
     if not view.endswith(trailer) or len(view) - len(trailer) < own_end:
         raise DataError(
             f"{r.where}: messages[{i}] (assistant): the chat template ends a conversation with {trailer!r} after a user "
@@ -346,7 +360,8 @@ def _locate_in_full(r: _Renderer, full: str, turns: list[_Turn]) -> tuple[Option
         if len(found) != 1:
             view = turn.view[: turn.end]
             how = (
-                f"its output is found {len(found)} times where the message is" if found
+                f"its output is found {len(found)} times where the message is"
+                if found
                 else "it renders differently once later messages follow it"
             )
             return None, f"messages[{i}] (assistant): {how} ({_divergence(view, full)})"
@@ -384,15 +399,26 @@ def _check_rendered(r: _Renderer, turn: _Turn, where: str) -> bool:
         fn = call["function"]
         missing = None if fn["name"] in out else f"name {fn['name']!r}"
         if missing is None:
-            missing = next((f"argument {text!r}" for text in _argument_texts(fn.get("arguments"))
-                            if not any(form in out for form in _json_forms(text) + _python_forms(text))), None)
+            missing = next(
+                (
+                    f"argument {text!r}"
+                    for text in _argument_texts(fn.get("arguments"))
+                    if not any(form in out for form in _json_forms(text) + _python_forms(text))
+                ),
+                None,
+            )
         if missing is not None:
-            hint = (" DeepSeek-R1-Distill's own template renders tool calls only when content is None (phalanx "
-                    "passes \"\"); its corrected copy ships as --chat_template deepseek-r1-distill."
-                    if "<｜tool▁calls▁begin｜>" in (r.tokenizer.chat_template or "") else "")
+            hint = (
+                " DeepSeek-R1-Distill's own template renders tool calls only when content is None (phalanx "
+                'passes ""); its corrected copy ships as --chat_template deepseek-r1-distill.'
+                if "<｜tool▁calls▁begin｜>" in (r.tokenizer.chat_template or "")
+                else ""
+            )
             if call.get("id") and str(call["id"]) in out and fn["name"] not in out:
-                hint += (f" The template writes the call's id ({call['id']!r}) where the name belongs: it expects ids "
-                         "that carry the name (Kimi's are functions.NAME:INDEX).")
+                hint += (
+                    f" The template writes the call's id ({call['id']!r}) where the name belongs: it expects ids "
+                    "that carry the name (Kimi's are functions.NAME:INDEX)."
+                )
             raise DataError(
                 f"{where}: messages[{i}].tool_calls[{j}]: the chat template dropped the tool call's {missing}: "
                 f"the rendered turn reads {_short(out)}. Use a template that renders tool calls "
@@ -539,7 +565,7 @@ def _occurrences(text: str, part: str, start: int) -> Iterator[int]:
 def _divergence(a: str, b: str) -> str:
     n = _common_prefix(a, b)
     start = max(0, n - 20)
-    return f"they part at character {n}: {a[start:n + 40]!r} vs {b[start:n + 40]!r}"
+    return f"they part at character {n}: {a[start : n + 40]!r} vs {b[start : n + 40]!r}"
 
 
 def _short(text: str, limit: int = 80) -> str:

@@ -68,8 +68,11 @@ def resolve_chat_template(value: str) -> str:
         text = shipped.read_text(encoding="utf-8")
         where = f"phalanx's {value}{SUFFIX}"
     else:
-        raise ChatTemplateError(value, f"no such file, and no template phalanx ships has that name. Give the path "
-                                       f"of a jinja file, or {_accepted()}")
+        raise ChatTemplateError(
+            value,
+            f"no such file, and no template phalanx ships has that name. Give the path "
+            f"of a jinja file, or {_accepted()}",
+        )
     if not text.strip():
         raise ChatTemplateError(value, f"{where} is empty")
     _check_syntax(value, text, where)

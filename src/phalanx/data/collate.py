@@ -52,7 +52,12 @@ def pack_batch(examples: list[dict]) -> dict:
     position_ids = torch.cat([torch.arange(n, dtype=torch.long) for n in lengths])
     starts = torch.tensor([0, *lengths[:-1]], dtype=torch.long).cumsum(0)
     labels[starts] = IGNORE_INDEX
-    return {"input_ids": input_ids[None], "position_ids": position_ids[None], "labels": labels[None], "row_lengths": lengths}
+    return {
+        "input_ids": input_ids[None],
+        "position_ids": position_ids[None],
+        "labels": labels[None],
+        "row_lengths": lengths,
+    }
 
 
 def collate(examples: list[dict], pad_token_id: int, packing: bool) -> dict:

@@ -111,8 +111,10 @@ def _show(outcome: Any, tokenizer: Any, color: bool, say: Callable[[str], None])
     dropped = n - len(outcome.examples)
     for k, example in enumerate(outcome.examples):
         turn = f", turn {k + 1} of {n}" if result.policy == "per_turn" else ""
-        say(f"── {outcome.where}{turn}: {len(example['input_ids'])} tokens, {_targets(example)} trained "
-            f"(multi_turn {result.policy})")
+        say(
+            f"── {outcome.where}{turn}: {len(example['input_ids'])} tokens, {_targets(example)} trained "
+            f"(multi_turn {result.policy})"
+        )
         say(marked_text(tokenizer, example, color))
     if dropped:
         say(f"── {outcome.where}: {dropped} of its {n} rows dropped (see the summary)")

@@ -114,7 +114,9 @@ def _message(m: Any, path: str, where: str) -> dict:
     tool_calls = m.get("tool_calls")
     if tool_calls is not None:
         if role != "assistant":
-            raise DataError(f"{where}: {path}.tool_calls: only assistant messages may carry tool calls, found role {role!r}")
+            raise DataError(
+                f"{where}: {path}.tool_calls: only assistant messages may carry tool calls, found role {role!r}"
+            )
         out["tool_calls"] = _tool_calls(tool_calls, f"{path}.tool_calls", where)
         if not out["tool_calls"]:
             del out["tool_calls"]
@@ -151,7 +153,7 @@ def _content(content: Any, path: str, where: str) -> Optional[str]:
                 texts.append(part["text"])
             else:
                 raise DataError(
-                    f"{where}: {path}[{j}]: expected a text part {{\"type\": \"text\", \"text\": ...}}, "
+                    f'{where}: {path}[{j}]: expected a text part {{"type": "text", "text": ...}}, '
                     f"found {_short(part)}; only text content is supported"
                 )
         return "".join(texts)
@@ -181,8 +183,13 @@ def _tool_call(call: Any, path: str, where: str) -> dict:
         fn, fpath = call, path
     name = fn.get("name")
     if not isinstance(name, str) or not name:
-        raise DataError(f"{where}: {fpath}.name: expected the function name as a string, found {_short(name)}; accepted: {accepted}")
-    out = {"type": "function", "function": {"name": name, "arguments": _arguments(fn.get("arguments"), f"{fpath}.arguments", where)}}
+        raise DataError(
+            f"{where}: {fpath}.name: expected the function name as a string, found {_short(name)}; accepted: {accepted}"
+        )
+    out = {
+        "type": "function",
+        "function": {"name": name, "arguments": _arguments(fn.get("arguments"), f"{fpath}.arguments", where)},
+    }
     if call.get("id") is not None:
         out["id"] = call["id"]
     return out
@@ -212,7 +219,9 @@ def _tools(tools: Any, path: str, where: str) -> Optional[list[dict]]:
         try:
             tools = json.loads(tools) if tools.strip() else []
         except json.JSONDecodeError as e:
-            raise DataError(f"{where}: {path}: not valid JSON ({e.msg} at char {e.pos}); accepted: a list of tool schemas or a JSON string of one") from None
+            raise DataError(
+                f"{where}: {path}: not valid JSON ({e.msg} at char {e.pos}); accepted: a list of tool schemas or a JSON string of one"
+            ) from None
     if not isinstance(tools, list):
         raise DataError(f"{where}: {path}: expected a list of tool schemas, found {_kind(tools)}")
     out = []
@@ -222,8 +231,8 @@ def _tools(tools: Any, path: str, where: str) -> Optional[list[dict]]:
         fn = t.get("function") if t.get("function") is not None else t
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise DataError(
-                f"{where}: {path}[{j}]: expected {{\"type\": \"function\", \"function\": {{\"name\": ..., \"parameters\": ...}}}} "
-                f"or {{\"name\": ..., \"parameters\": ...}}, found {_short(t)}"
+                f'{where}: {path}[{j}]: expected {{"type": "function", "function": {{"name": ..., "parameters": ...}}}} '
+                f'or {{"name": ..., "parameters": ...}}, found {_short(t)}'
             )
         out.append(t if fn is not t else {"type": "function", "function": t})
     return out or None
@@ -258,9 +267,11 @@ def _from_sharegpt(row: dict, where: str) -> Conversation:
                 except json.JSONDecodeError as e:
                     raise DataError(
                         f"{where}: {path}.value: a function_call turn must hold the call as JSON "
-                        f"({{\"name\": ..., \"arguments\": ...}} or a list of them), not valid JSON ({e.msg})"
+                        f'({{"name": ..., "arguments": ...}} or a list of them), not valid JSON ({e.msg})'
                     ) from None
-            messages.append({"role": "assistant", "content": "", "tool_calls": _tool_calls(calls, f"{path}.value", where)})
+            messages.append(
+                {"role": "assistant", "content": "", "tool_calls": _tool_calls(calls, f"{path}.value", where)}
+            )
             continue
         if value is None or not isinstance(value, str):
             raise DataError(f"{where}: {path}.value: expected a string, found {_kind(value)}")
@@ -318,8 +329,15 @@ def _require(row: dict, key: str, where: str, what: str) -> Any:
 
 
 def _kind(value: Any) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
-            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+    return {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)
 
 
 def _short(value: Any, limit: int = 60) -> str:

@@ -142,7 +142,9 @@ class DataSource:
             return cls.path(cfg.dataset_path)
         bundled = bundled_dataset_path()
         if not bundled.is_file():
-            raise DataError(f"the bundled dataset is missing from the installation ({bundled}); reinstall phalanx or set dataset_path")
+            raise DataError(
+                f"the bundled dataset is missing from the installation ({bundled}); reinstall phalanx or set dataset_path"
+            )
         return cls.path(str(bundled))
 
     @classmethod
@@ -403,8 +405,11 @@ def describe_drops(reasons: dict[str, int], cfg: DataConfig) -> str:
     remedies = {
         DROP_TOO_LONG: f"truncation 'drop' with max_length {cfg.max_length}: raise max_length, or set truncation 'truncate'",
         DROP_TRUNCATED_AWAY: f"cut at max_length {cfg.max_length} before its first assistant token: raise max_length"
-        + (", or set truncation 'keep_recent' to leave out the oldest exchanges of long conversations instead"
-           if cfg.truncation != "keep_recent" else ""),
+        + (
+            ", or set truncation 'keep_recent' to leave out the oldest exchanges of long conversations instead"
+            if cfg.truncation != "keep_recent"
+            else ""
+        ),
         DROP_NO_TARGET: "every assistant turn renders to nothing the loss can train on",
     }
     return "; ".join(f"{n} {reason} ({remedies.get(reason, '')})" for reason, n in reasons.items())
@@ -414,8 +419,12 @@ def describe_report(report: DataReport, cfg: DataConfig) -> list[str]:
     """The data summary a run prints: one line of counts, then a line for each thing worth a look."""
     r = report
     rows = f"{r.train_rows:,} train rows" + (f", {r.eval_rows:,} eval rows" if r.eval_rows else "")
-    policy = (f"; multi_turn {cfg.multi_turn}: {r.conversations_full:,} conversations whole, "
-              f"{r.conversations_per_turn:,} split per turn" if r.conversations_full + r.conversations_per_turn else "")
+    policy = (
+        f"; multi_turn {cfg.multi_turn}: {r.conversations_full:,} conversations whole, "
+        f"{r.conversations_per_turn:,} split per turn"
+        if r.conversations_full + r.conversations_per_turn
+        else ""
+    )
     lines = [
         f"{r.rows_read:,} rows read -> {rows}, {r.train_target_tokens:,} target tokens; {r.rows_skipped:,} refused, "
         + (f"{r.rows_shortened:,} shortened to their latest exchanges, " if r.rows_shortened else "")
@@ -427,15 +436,23 @@ def describe_report(report: DataReport, cfg: DataConfig) -> list[str]:
     if r.per_turn_reason:
         lines.append(f"   split per turn because the chat template rewrites past turns, e.g. {r.per_turn_reason}")
     if r.reasoning_dropped:
-        lines.append(f"   reasoning not rendered by the chat template (so not trained): {r.reasoning_dropped:,} assistant messages")
+        lines.append(
+            f"   reasoning not rendered by the chat template (so not trained): {r.reasoning_dropped:,} assistant messages"
+        )
     if r.system_dropped:
-        lines.append(f"   system prompt not rendered by the chat template: {r.system_dropped:,} conversations train without it")
+        lines.append(
+            f"   system prompt not rendered by the chat template: {r.system_dropped:,} conversations train without it"
+        )
     if r.tools_dropped:
-        lines.append(f"   tool schemas not rendered by the chat template: {r.tools_dropped:,} conversations train without "
-                     "them (describe the tools in the system prompt, or use a template that renders `tools`)")
+        lines.append(
+            f"   tool schemas not rendered by the chat template: {r.tools_dropped:,} conversations train without "
+            "them (describe the tools in the system prompt, or use a template that renders `tools`)"
+        )
     if r.unterminated_turns:
-        lines.append(f"   no end-of-turn marker after the assistant's text: {r.unterminated_turns:,} turns (the template "
-                     "writes none there, so these rows teach no stop; check the template if the model should learn one)")
+        lines.append(
+            f"   no end-of-turn marker after the assistant's text: {r.unterminated_turns:,} turns (the template "
+            "writes none there, so these rows teach no stop; check the template if the model should learn one)"
+        )
     lines += [f"   refused: {reason}" for reason in r.skip_reasons]
     if r.rows_skipped > len(r.skip_reasons):
         lines.append(f"   refused: ... and {r.rows_skipped - len(r.skip_reasons):,} more")
@@ -460,7 +477,9 @@ def _too_long(examples: list[dict], cfg: DataConfig) -> bool:
     return any(len(ex["input_ids"]) > cfg.max_length for ex in examples)
 
 
-def _keep_recent(tokenizer: Any, conv: dict, result: Tokenized, where: str, cfg: DataConfig, counts: RowCounts) -> Tokenized:
+def _keep_recent(
+    tokenizer: Any, conv: dict, result: Tokenized, where: str, cfg: DataConfig, counts: RowCounts
+) -> Tokenized:
     """``result`` with each row that is too long rendered again without its oldest exchanges (system messages and
     tools stay), the fewest dropped that make it fit; a row whose last exchange alone is too long keeps that one
     exchange, and _fit then cuts its end."""
@@ -472,7 +491,9 @@ def _keep_recent(tokenizer: Any, conv: dict, result: Tokenized, where: str, cfg:
     examples = []
     for example, end in zip(result.examples, ends):
         if len(example["input_ids"]) > cfg.max_length:
-            starts = [k for k in range(1, end + 1) if messages[k]["role"] == "user" and messages[k - 1]["role"] != "system"]
+            starts = [
+                k for k in range(1, end + 1) if messages[k]["role"] == "user" and messages[k - 1]["role"] != "system"
+            ]
             for k in starts:
                 shorter = {**conv, "messages": system + [m for m in messages[k : end + 1] if m["role"] != "system"]}
                 rows = tokenize_conversation(tokenizer, shorter, where, result.policy).examples

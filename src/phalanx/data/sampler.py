@@ -64,8 +64,10 @@ class StatefulDistributedSampler(Sampler[int]):
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("batch_tokens") is not None:
-            raise ValueError(f"the checkpoint's data position counts micro-batches of training.batch_tokens = "
-                             f"{state['batch_tokens']}, this run reads batch_size rows: resume with the same batch_tokens")
+            raise ValueError(
+                f"the checkpoint's data position counts micro-batches of training.batch_tokens = "
+                f"{state['batch_tokens']}, this run reads batch_size rows: resume with the same batch_tokens"
+            )
         self.epoch = int(state["epoch"])
         self.position = min(int(state["position"]), self.total)
 
@@ -88,8 +90,16 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     bins wrap around to the first so every rank gets the same count.
     """
 
-    def __init__(self, lengths: Sequence[int], budget: int, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 shuffle: bool = True, lookahead: int = 64):
+    def __init__(
+        self,
+        lengths: Sequence[int],
+        budget: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        lookahead: int = 64,
+    ):
         if not lengths:
             raise ValueError("the sampler needs at least one row")
         if budget <= 0:
@@ -153,15 +163,22 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         return self.position >= len(self.bins(self.epoch))
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "world_size": self.world_size,
-                "batch_tokens": self.budget}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "world_size": self.world_size,
+            "batch_tokens": self.budget,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         # A position counts bins of one budget: under another budget it would point at other rows.
         saved_budget = state.get("batch_tokens")
         if saved_budget != self.budget:
-            raise ValueError(f"the checkpoint's data position counts micro-batches of training.batch_tokens = "
-                             f"{saved_budget}, this run packs {self.budget}: resume with the same batch_tokens")
+            raise ValueError(
+                f"the checkpoint's data position counts micro-batches of training.batch_tokens = "
+                f"{saved_budget}, this run packs {self.budget}: resume with the same batch_tokens"
+            )
         self.epoch = int(state["epoch"])
         self.position = min(int(state["position"]), len(self.bins(self.epoch)))
 

@@ -136,7 +136,9 @@ def _iter_json_file(path: Path):
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                yield DataError(f"{where}: malformed JSON: {e.msg} at column {e.colno}; each line must be one JSON object")
+                yield DataError(
+                    f"{where}: malformed JSON: {e.msg} at column {e.colno}; each line must be one JSON object"
+                )
                 continue
             if not isinstance(row, dict):
                 yield DataError(f"{where}: expected a JSON object, found {type(row).__name__} {line.strip()[:60]}")

@@ -113,15 +113,22 @@ class TrainingEngine:
         self.history: dict[str, list] = {}
         # checkpoint-best and checkpoint-last: the same component `phalanx train` saves with, the model as one
         # model.safetensors; train_epoch sets its cadence (save_steps), attach() its optimizer and scheduler.
-        self.checkpointer = Checkpointer(self.output_dir, self.rank, model=self.unwrapped_model, plain_weights=True,
-                                         states=self._stateful(), trainer_state=self._trainer_state,
-                                         best=BestMetric(self, "best_metric"))
+        self.checkpointer = Checkpointer(
+            self.output_dir,
+            self.rank,
+            model=self.unwrapped_model,
+            plain_weights=True,
+            states=self._stateful(),
+            trainer_state=self._trainer_state,
+            best=BestMetric(self, "best_metric"),
+        )
 
     # ---- distributed set-up (seed 004's static methods) -------------------------------------------
 
     @staticmethod
-    def setup_distributed(rank: int, world_size: int, backend: Optional[str] = None,
-                          timeout_minutes: float = 10.0) -> rt.RankInfo:
+    def setup_distributed(
+        rank: int, world_size: int, backend: Optional[str] = None, timeout_minutes: float = 10.0
+    ) -> rt.RankInfo:
         """Join a process group of `world_size` ranks as `rank` (call it in every process before the engine).
 
         backend None: the launcher's choice when started by launch_distributed_training, else NCCL on
@@ -130,7 +137,8 @@ class TrainingEngine:
         """
         backend = backend or os.environ.get(BACKEND_ENV) or "auto"
         env = {
-            "RANK": str(rank), "WORLD_SIZE": str(world_size),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
             "LOCAL_RANK": os.environ.get("LOCAL_RANK", str(rank)),
             "LOCAL_WORLD_SIZE": os.environ.get("LOCAL_WORLD_SIZE", str(world_size)),
             "MASTER_ADDR": os.environ.get("MASTER_ADDR", "localhost"),
@@ -163,31 +171,50 @@ class TrainingEngine:
         if not dist.is_initialized():
             self.fallback_reason = self.fallback_reason or (
                 "no process group is initialised (call TrainingEngine.setup_distributed(rank, world_size) first, "
-                "or start the script with launch_distributed_training or torchrun)")
-            warn_fallback(f"distributed=True but {self.fallback_reason}; training in a single process on {self.device}.")
+                "or start the script with launch_distributed_training or torchrun)"
+            )
+            warn_fallback(
+                f"distributed=True but {self.fallback_reason}; training in a single process on {self.device}."
+            )
             return False
         if dist.get_world_size() != world_size:
-            warnings.warn(f"world_size={world_size} was passed but the process group has {dist.get_world_size()} ranks; "
-                          "using the process group's", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"world_size={world_size} was passed but the process group has {dist.get_world_size()} ranks; "
+                "using the process group's",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         return True
 
     def _rank_info(self) -> rt.RankInfo:
         if not self.distributed:
             if dist.is_initialized() and dist.get_world_size() > 1:
-                raise ConfigError(f"a process group of {dist.get_world_size()} ranks is running but distributed=False: "
-                                  "pass distributed=True (ranks then share the work), or call "
-                                  "TrainingEngine.cleanup_distributed() first")
+                raise ConfigError(
+                    f"a process group of {dist.get_world_size()} ranks is running but distributed=False: "
+                    "pass distributed=True (ranks then share the work), or call "
+                    "TrainingEngine.cleanup_distributed() first"
+                )
             return rt.RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=self.device)
         world = dist.get_world_size()
-        return rt.RankInfo(rank=dist.get_rank(), world_size=world, local_rank=self.local_rank,
-                           local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)), device=self.device)
+        return rt.RankInfo(
+            rank=dist.get_rank(),
+            world_size=world,
+            local_rank=self.local_rank,
+            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+            device=self.device,
+        )
 
     def _make_strategy(self, use_amp: bool, amp_dtype: str) -> Strategy:
         if amp_dtype not in ("auto", "bf16", "fp16"):
-            raise ConfigError(f"amp_dtype = {amp_dtype!r}; use 'auto' (bf16 where supported, else fp16), 'bf16' or 'fp16'")
+            raise ConfigError(
+                f"amp_dtype = {amp_dtype!r}; use 'auto' (bf16 where supported, else fp16), 'bf16' or 'fp16'"
+            )
         if use_amp and self.device.type != "cuda" and self.rank.is_main:
-            warnings.warn(f"use_amp=True needs a CUDA device; this run is on {self.device} and trains in fp32",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"use_amp=True needs a CUDA device; this run is on {self.device} and trains in fp32",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         precision = Precision.choose(amp_dtype if use_amp and self.device.type == "cuda" else "no", self.device)
         if not self.distributed:
             return Strategy(self.rank, precision)
@@ -219,11 +246,23 @@ class TrainingEngine:
 
     # ---- the loop ---------------------------------------------------------------------------------
 
-    def train(self, train_loader: Iterable, val_loader: Optional[Iterable], optimizer: torch.optim.Optimizer,
-              criterion: nn.Module, scheduler: Any = None, num_epochs: int = 100, save_best: bool = True,
-              save_last: bool = True, *, resume_from: Union[str, Path, None] = None, monitor: str = "val_loss",
-              max_grad_norm: float = 0.0, scheduler_interval: str = "epoch", save_steps: Optional[int] = None
-              ) -> dict[str, list]:
+    def train(
+        self,
+        train_loader: Iterable,
+        val_loader: Optional[Iterable],
+        optimizer: torch.optim.Optimizer,
+        criterion: nn.Module,
+        scheduler: Any = None,
+        num_epochs: int = 100,
+        save_best: bool = True,
+        save_last: bool = True,
+        *,
+        resume_from: Union[str, Path, None] = None,
+        monitor: str = "val_loss",
+        max_grad_norm: float = 0.0,
+        scheduler_interval: str = "epoch",
+        save_steps: Optional[int] = None,
+    ) -> dict[str, list]:
         """Train for `num_epochs` epochs (counting those a resumed checkpoint already did); returns the history.
 
         history: lists per epoch of epoch, train_loss, val_loss, lr, epoch_time, and train_acc / val_acc
@@ -238,9 +277,11 @@ class TrainingEngine:
         if monitor not in MONITORS:
             raise ConfigError(f"monitor = {monitor!r}; choose one of {', '.join(MONITORS)}")
         if save_steps is not None and (save_steps < 1 or _epoch_sampler(train_loader) is None):
-            raise ConfigError(f"save_steps = {save_steps!r} needs a positive step count and a train_loader whose sampler "
-                              "records its position (phalanx.data.sampler.StatefulDistributedSampler, as make_loaders "
-                              "builds); with another sampler, checkpoints can only be taken at the end of an epoch")
+            raise ConfigError(
+                f"save_steps = {save_steps!r} needs a positive step count and a train_loader whose sampler "
+                "records its position (phalanx.data.sampler.StatefulDistributedSampler, as make_loaders "
+                "builds); with another sampler, checkpoints can only be taken at the end of an epoch"
+            )
         self.attach(optimizer, scheduler)
         self._check_batches_agree(train_loader)
         self.fault = planned_fault()
@@ -255,8 +296,16 @@ class TrainingEngine:
                 set_sampler_epoch(loader, epoch)
             # A mid-epoch resume reports the rate the epoch started with, as the uninterrupted run does.
             lr = self._resume["lr"] if self._resume else optimizer.param_groups[0]["lr"]
-            train_metrics = self.train_epoch(train_loader, criterion, max_grad_norm, scheduler_interval, reporter,
-                                             save_steps=save_steps, save_last=save_last, lr=lr)
+            train_metrics = self.train_epoch(
+                train_loader,
+                criterion,
+                max_grad_norm,
+                scheduler_interval,
+                reporter,
+                save_steps=save_steps,
+                save_last=save_last,
+                lr=lr,
+            )
             val_metrics = self.validate(val_loader, criterion) if val_loader is not None else None
             record = self._record(epoch, train_metrics, val_metrics, lr, time.perf_counter() - started)
             if scheduler is not None and scheduler_interval == "epoch":
@@ -271,17 +320,30 @@ class TrainingEngine:
         reporter.close()
         return self.history
 
-    def train_epoch(self, loader: Iterable, criterion: nn.Module, max_grad_norm: float = 0.0,
-                    scheduler_interval: str = "epoch", reporter: Optional[Reporter] = None, *,
-                    save_steps: Optional[int] = None, save_last: bool = True, lr: Optional[float] = None) -> dict:
+    def train_epoch(
+        self,
+        loader: Iterable,
+        criterion: nn.Module,
+        max_grad_norm: float = 0.0,
+        scheduler_interval: str = "epoch",
+        reporter: Optional[Reporter] = None,
+        *,
+        save_steps: Optional[int] = None,
+        save_last: bool = True,
+        lr: Optional[float] = None,
+    ) -> dict:
         """One pass over `loader` (the rest of it, after a mid-epoch resume); returns loss (and accuracy)
         averaged over every rank's samples. `save_steps`: commit checkpoint-last every this many steps."""
         self.model.train()
         self.checkpointer.policy = CheckpointPolicy(every=save_steps or None)
         totals = MetricTotals(self.device)
         sampler = _epoch_sampler(loader)
-        progress = {"epoch": self.epochs_done, "lr": optimizer_lr(self.optimizer) if lr is None else lr,
-                    "position": sampler.position if sampler is not None else 0, "rows": 0}
+        progress = {
+            "epoch": self.epochs_done,
+            "lr": optimizer_lr(self.optimizer) if lr is None else lr,
+            "position": sampler.position if sampler is not None else 0,
+            "rows": 0,
+        }
         resume, self._resume = self._resume, None
         if resume is not None:
             totals.sums.copy_(torch.tensor(resume["totals"], dtype=torch.float64))
@@ -366,11 +428,16 @@ class TrainingEngine:
         return state
 
     def _trainer_state(self) -> dict:
-        return {"epochs_done": self.epochs_done, "global_step": self.global_step, "best_metric": self.best_metric,
-                "history": self.history, "world_size": self.world_size, "experiment_name": self.experiment_name}
+        return {
+            "epochs_done": self.epochs_done,
+            "global_step": self.global_step,
+            "best_metric": self.best_metric,
+            "history": self.history,
+            "world_size": self.world_size,
+            "experiment_name": self.experiment_name,
+        }
 
-    def save_checkpoint(self, name: str = LAST, *, epoch_progress: Optional[dict] = None,
-                        sampler: Any = None) -> Path:
+    def save_checkpoint(self, name: str = LAST, *, epoch_progress: Optional[dict] = None, sampler: Any = None) -> Path:
         """Commit output_dir/name atomically (every rank calls it; rank 0 writes). Returns the folder.
 
         `epoch_progress` (a save inside an epoch): where the epoch stands, so a resume continues it: the
@@ -380,12 +447,17 @@ class TrainingEngine:
         if epoch_progress is not None:
             totals = rt.gather_objects(epoch_progress["totals"])  # every rank's sums; rank 0 writes them
             position = epoch_progress["position"] + epoch_progress["rows"] * sampler.world_size
-            trainer_state["epoch_progress"] = {"epoch": epoch_progress["epoch"], "lr": epoch_progress["lr"],
-                                               "totals": totals, "sampler": {**sampler.state_dict(), "position": position}}
+            trainer_state["epoch_progress"] = {
+                "epoch": epoch_progress["epoch"],
+                "lr": epoch_progress["lr"],
+                "totals": totals,
+                "sampler": {**sampler.state_dict(), "position": position},
+            }
         return self.checkpointer.save(name, trainer_state=trainer_state)
 
-    def load_checkpoint(self, folder: Union[str, Path], optimizer: Optional[torch.optim.Optimizer] = None,
-                        scheduler: Any = None) -> dict:
+    def load_checkpoint(
+        self, folder: Union[str, Path], optimizer: Optional[torch.optim.Optimizer] = None, scheduler: Any = None
+    ) -> dict:
         """Restore weights, EMA, optimizer/scheduler/scaler (those attached), RNG and counters from a checkpoint.
 
         Weights land on this engine's device whatever device saved them; returns trainer_state.
@@ -394,8 +466,10 @@ class TrainingEngine:
             self.attach(optimizer, scheduler)
         missing = [name for name in self.checkpointer.states if not (Path(folder) / state_file(name)).is_file()]
         if is_committed(Path(folder)) and missing:
-            raise PhalanxError(f"{folder} has no {', '.join(state_file(m) for m in missing)}: it was saved by a run "
-                               "configured differently (e.g. without EMA, or without a scheduler)")
+            raise PhalanxError(
+                f"{folder} has no {', '.join(state_file(m) for m in missing)}: it was saved by a run "
+                "configured differently (e.g. without EMA, or without a scheduler)"
+            )
         state = self.checkpointer.load(Path(folder))
         self.epochs_done, self.global_step = int(state["epochs_done"]), int(state["global_step"])
         self.best_metric, self.history = state.get("best_metric"), state.get("history", {})
@@ -404,10 +478,17 @@ class TrainingEngine:
         if progress is not None:  # saved inside an epoch: train() continues that epoch where it stopped
             totals = progress["totals"]
             # Loss sums are per rank; on another number of ranks only their sum matters, so rank 0 carries it.
-            mine = totals[self.rank.rank] if len(totals) == self.world_size else \
-                ([sum(col) for col in zip(*totals)] if self.rank.is_main else [0.0] * len(totals[0]))
-            self._resume = {"folder": committed_copy(Path(folder)), "lr": progress["lr"], "totals": mine,
-                            "sampler": progress["sampler"]}
+            mine = (
+                totals[self.rank.rank]
+                if len(totals) == self.world_size
+                else ([sum(col) for col in zip(*totals)] if self.rank.is_main else [0.0] * len(totals[0]))
+            )
+            self._resume = {
+                "folder": committed_copy(Path(folder)),
+                "lr": progress["lr"],
+                "totals": mine,
+                "sampler": progress["sampler"],
+            }
         return state
 
     def _restore_epoch_position(self, loader: Iterable) -> None:
@@ -416,16 +497,20 @@ class TrainingEngine:
             return
         sampler = _epoch_sampler(loader)
         if sampler is None:
-            raise ConfigError("the checkpoint was saved inside an epoch (save_steps); resuming it needs the same kind of "
-                              "train_loader sampler (phalanx.data.sampler.StatefulDistributedSampler)")
+            raise ConfigError(
+                "the checkpoint was saved inside an epoch (save_steps); resuming it needs the same kind of "
+                "train_loader sampler (phalanx.data.sampler.StatefulDistributedSampler)"
+            )
         sampler.load_state_dict(self._resume["sampler"])
 
     # ---- helpers ----------------------------------------------------------------------------------
 
     def _to_device(self, batch) -> tuple[Any, torch.Tensor]:
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-            raise ConfigError(f"TrainingEngine expects batches of (inputs, targets); got {type(batch).__name__}"
-                              f"{f' of length {len(batch)}' if isinstance(batch, (tuple, list)) else ''}")
+            raise ConfigError(
+                f"TrainingEngine expects batches of (inputs, targets); got {type(batch).__name__}"
+                f"{f' of length {len(batch)}' if isinstance(batch, (tuple, list)) else ''}"
+            )
         return move_to(batch[0], self.device), move_to(batch[1], self.device)
 
     def _sync_buffers(self, model: nn.Module) -> None:
@@ -444,12 +529,17 @@ class TrainingEngine:
             return
         counts = rt.gather_objects(mine)
         if len(set(counts)) > 1:
-            raise ConfigError(f"train_loader yields {counts} batches on ranks 0..{len(counts) - 1}; every rank needs the "
-                              "same number. Use a DistributedSampler (or phalanx's StatefulDistributedSampler) for training")
+            raise ConfigError(
+                f"train_loader yields {counts} batches on ranks 0..{len(counts) - 1}; every rank needs the "
+                "same number. Use a DistributedSampler (or phalanx's StatefulDistributedSampler) for training"
+            )
         sampler = getattr(loader, "sampler", None)
         if sampler is not None and not hasattr(sampler, "set_epoch"):
-            warnings.warn("train_loader has no distributed sampler: every rank reads the whole dataset each epoch",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                "train_loader has no distributed sampler: every rank reads the whole dataset each epoch",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def _reporter(self, loader: Iterable, num_epochs: int, resumed: bool) -> Reporter:
         try:
@@ -457,20 +547,30 @@ class TrainingEngine:
         except TypeError:
             total = None
         extra = {"resume_step": self.global_step} if resumed else {}
-        return Reporter(self.output_dir, is_main=self.is_main_process, total_steps=total, tensorboard=self.tensorboard,
-                        progress_bar=self.progress_bar, **extra)
+        return Reporter(
+            self.output_dir,
+            is_main=self.is_main_process,
+            total_steps=total,
+            tensorboard=self.tensorboard,
+            progress_bar=self.progress_bar,
+            **extra,
+        )
 
     def _announce(self, reporter: Reporter, loader: Iterable, num_epochs: int) -> None:
         say = reporter.say
         batch = getattr(loader, "batch_size", None)
         say("🔧 TrainingEngine configuration:")
-        say(f"   - World size: {self.world_size} ({self.strategy.name}, {self.device}"
+        say(
+            f"   - World size: {self.world_size} ({self.strategy.name}, {self.device}"
             f"{', ' + dist.get_backend() if self.distributed else ''})"
-            + (f" - fallback: {self.fallback_reason}" if self.fallback_reason else ""))
+            + (f" - fallback: {self.fallback_reason}" if self.fallback_reason else "")
+        )
         say(f"   - Batch size per rank: {batch}; effective: {batch * self.world_size if batch else '?'}")
-        say(f"   - Precision: {self.strategy.precision.dtype or 'fp32'}"
+        say(
+            f"   - Precision: {self.strategy.precision.dtype or 'fp32'}"
             f"{' with GradScaler' if self.strategy.scaler else ''}; EMA: "
-            f"{f'decay {self.ema.decay}' if self.ema else 'off'}")
+            f"{f'decay {self.ema.decay}' if self.ema else 'off'}"
+        )
         say(f"   - Epochs: {num_epochs} (starting at {self.epochs_done + 1}); outputs in {self.output_dir}")
 
     def _record(self, epoch: int, train: dict, val: Optional[dict], lr: float, seconds: float) -> dict:
@@ -552,6 +652,8 @@ def epoch_line(record: dict, num_epochs: int) -> str:
     if "train_acc" in record:
         parts[-1] += f" acc {record['train_acc']:.2%}"
     if "val_loss" in record:
-        parts.append(f"val loss {record['val_loss']:.4f}" + (f" acc {record['val_acc']:.2%}" if "val_acc" in record else ""))
+        parts.append(
+            f"val loss {record['val_loss']:.4f}" + (f" acc {record['val_acc']:.2%}" if "val_acc" in record else "")
+        )
     parts += [f"lr {record['lr']:.2e}", f"{record['epoch_time']:.1f}s"]
     return " | ".join(parts)

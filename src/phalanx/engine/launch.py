@@ -32,14 +32,30 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from phalanx.engine.engine import BACKEND_ENV, TrainingEngine, warn_fallback
 from phalanx.errors import ConfigError, PhalanxError
 
-CONFIG_KEYS = ("model_fn", "train_dataset", "val_dataset", "batch_size", "num_workers", "optimizer_fn", "criterion_fn",
-               "scheduler_fn", "engine_kwargs", "train_kwargs", "seed")
+CONFIG_KEYS = (
+    "model_fn",
+    "train_dataset",
+    "val_dataset",
+    "batch_size",
+    "num_workers",
+    "optimizer_fn",
+    "criterion_fn",
+    "scheduler_fn",
+    "engine_kwargs",
+    "train_kwargs",
+    "seed",
+)
 REQUIRED_KEYS = ("model_fn", "train_dataset", "optimizer_fn", "criterion_fn")
 SET_BY_WORKER = ("model", "device", "distributed", "local_rank", "world_size", "backend")
 
 
-def launch_distributed_training(train_fn: Callable[..., Any], world_size: int, backend: Optional[str] = None,
-                                start_method: str = "auto", **kwargs: Any) -> Any:
+def launch_distributed_training(
+    train_fn: Callable[..., Any],
+    world_size: int,
+    backend: Optional[str] = None,
+    start_method: str = "auto",
+    **kwargs: Any,
+) -> Any:
     """Run train_fn(rank, world_size, **kwargs) on `world_size` local ranks and return rank 0's result.
 
     backend None: NCCL when CUDA is available, gloo otherwise. world_size below 2 runs train_fn(0, 1, **kwargs)
@@ -58,8 +74,12 @@ def launch_distributed_training(train_fn: Callable[..., Any], world_size: int, b
     with tempfile.TemporaryDirectory(prefix="phalanx-launch-") as tmp:
         result_file = Path(tmp) / "rank0.pkl"
         context = torch.multiprocessing.start_processes(
-            _rank_entry, args=(world_size, port, backend, train_fn, kwargs, str(result_file)),
-            nprocs=world_size, join=False, start_method=method)
+            _rank_entry,
+            args=(world_size, port, backend, train_fn, kwargs, str(result_file)),
+            nprocs=world_size,
+            join=False,
+            start_method=method,
+        )
         _join(context)
         if not result_file.is_file():
             return None
@@ -67,17 +87,28 @@ def launch_distributed_training(train_fn: Callable[..., Any], world_size: int, b
             return pickle.load(f)  # written a moment ago by our own rank 0
 
 
-def _rank_entry(rank: int, world_size: int, port: int, backend: str, train_fn: Callable, kwargs: dict,
-                result_file: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), **{BACKEND_ENV: backend})
+def _rank_entry(
+    rank: int, world_size: int, port: int, backend: str, train_fn: Callable, kwargs: dict, result_file: str
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        **{BACKEND_ENV: backend},
+    )
     result = train_fn(rank, world_size, **_with_backend(train_fn, kwargs, backend))
     if rank == 0:
         try:
             payload = pickle.dumps(result)
         except Exception as exc:  # noqa: BLE001 - the training itself succeeded
-            warnings.warn(f"rank 0's result ({type(result).__name__}) cannot be returned to the launcher: {exc}",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"rank 0's result ({type(result).__name__}) cannot be returned to the launcher: {exc}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             return
         Path(result_file).write_bytes(payload)
 
@@ -117,9 +148,15 @@ def _start_method(requested: str, train_fn: Callable, kwargs: dict) -> str:
     can_fork = sys.platform.startswith("linux") and not torch.cuda.is_initialized()
     if can_fork:
         return "fork"
-    raise ConfigError(f"{bad} cannot be sent to spawned ranks. Use module-level functions or functools.partial "
-                      "instead of lambdas and local functions" +
-                      (" (forking is no option: CUDA is already initialised in this process)" if sys.platform.startswith("linux") else ""))
+    raise ConfigError(
+        f"{bad} cannot be sent to spawned ranks. Use module-level functions or functools.partial "
+        "instead of lambdas and local functions"
+        + (
+            " (forking is no option: CUDA is already initialised in this process)"
+            if sys.platform.startswith("linux")
+            else ""
+        )
+    )
 
 
 def _join(context: Any) -> None:
@@ -156,7 +193,9 @@ def _raised(context: Any) -> list[tuple[int, str]]:
     return [(rank, trace) for _, rank, trace in sorted(found)]
 
 
-def distributed_train_worker(rank: int, world_size: int, backend: Optional[str] = None, **config: Any) -> Optional[dict]:
+def distributed_train_worker(
+    rank: int, world_size: int, backend: Optional[str] = None, **config: Any
+) -> Optional[dict]:
     """Seed 004's worker: set up, train with TrainingEngine, clean up. Returns the history (None on idle ranks).
 
     config keys: model_fn() -> model; train_dataset, val_dataset (optional); batch_size (per rank, default 32);
@@ -166,8 +205,10 @@ def distributed_train_worker(rank: int, world_size: int, backend: Optional[str] 
     unknown = sorted(set(config) - set(CONFIG_KEYS))
     missing = [k for k in REQUIRED_KEYS if k not in config]
     if unknown or missing:
-        raise ConfigError(f"distributed_train_worker config: unknown key(s) {unknown}, missing {missing}; "
-                          f"accepted keys are {', '.join(CONFIG_KEYS)} (required: {', '.join(REQUIRED_KEYS)})")
+        raise ConfigError(
+            f"distributed_train_worker config: unknown key(s) {unknown}, missing {missing}; "
+            f"accepted keys are {', '.join(CONFIG_KEYS)} (required: {', '.join(REQUIRED_KEYS)})"
+        )
     engine_kwargs = dict(config.get("engine_kwargs") or {})
     clash = sorted(set(engine_kwargs) & set(SET_BY_WORKER))
     if clash:
@@ -180,11 +221,15 @@ def distributed_train_worker(rank: int, world_size: int, backend: Optional[str] 
             device = TrainingEngine.setup_distributed(rank, world_size, backend).device
         except Exception as exc:  # noqa: BLE001 - seed 004: any start-up failure falls back to one process
             if rank != 0:
-                warn_fallback(f"rank {rank}: distributed start-up failed ({type(exc).__name__}: {exc}); "
-                              "rank 0 trains alone, this rank stops")
+                warn_fallback(
+                    f"rank {rank}: distributed start-up failed ({type(exc).__name__}: {exc}); "
+                    "rank 0 trains alone, this rank stops"
+                )
                 return None
-            warn_fallback(f"distributed start-up failed ({type(exc).__name__}: {exc}); "
-                          f"training in a single process on {device} instead of {world_size} ranks")
+            warn_fallback(
+                f"distributed start-up failed ({type(exc).__name__}: {exc}); "
+                f"training in a single process on {device} instead of {world_size} ranks"
+            )
             distributed, rank, world_size = False, 0, 1
     try:
         from phalanx.runtime.seed import seed_everything
@@ -192,23 +237,48 @@ def distributed_train_worker(rank: int, world_size: int, backend: Optional[str] 
         seed = int(config.get("seed", 0))
         seed_everything(seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
         model = config["model_fn"]()
-        train_loader, val_loader = make_loaders(config["train_dataset"], config.get("val_dataset"), rank, world_size,
-                                                batch_size=int(config.get("batch_size", 32)),
-                                                num_workers=int(config.get("num_workers", 0)), device=device, seed=seed)
-        engine = TrainingEngine(model, device, distributed=distributed, local_rank=int(os.environ.get("LOCAL_RANK", rank)),
-                                world_size=world_size, backend=backend, **engine_kwargs)
+        train_loader, val_loader = make_loaders(
+            config["train_dataset"],
+            config.get("val_dataset"),
+            rank,
+            world_size,
+            batch_size=int(config.get("batch_size", 32)),
+            num_workers=int(config.get("num_workers", 0)),
+            device=device,
+            seed=seed,
+        )
+        engine = TrainingEngine(
+            model,
+            device,
+            distributed=distributed,
+            local_rank=int(os.environ.get("LOCAL_RANK", rank)),
+            world_size=world_size,
+            backend=backend,
+            **engine_kwargs,
+        )
         optimizer = config["optimizer_fn"](engine.unwrapped_model.parameters())
         criterion = config["criterion_fn"]()
         scheduler_fn = config.get("scheduler_fn")
         scheduler = scheduler_fn(optimizer) if scheduler_fn is not None else None
-        return engine.train(train_loader, val_loader, optimizer, criterion, scheduler, **(config.get("train_kwargs") or {}))
+        return engine.train(
+            train_loader, val_loader, optimizer, criterion, scheduler, **(config.get("train_kwargs") or {})
+        )
     finally:
         if distributed:
             TrainingEngine.cleanup_distributed()
 
 
-def make_loaders(train_dataset: Dataset, val_dataset: Optional[Dataset], rank: int, world_size: int, *,
-                 batch_size: int, num_workers: int, device: torch.device, seed: int = 0) -> tuple[DataLoader, Optional[DataLoader]]:
+def make_loaders(
+    train_dataset: Dataset,
+    val_dataset: Optional[Dataset],
+    rank: int,
+    world_size: int,
+    *,
+    batch_size: int,
+    num_workers: int,
+    device: torch.device,
+    seed: int = 0,
+) -> tuple[DataLoader, Optional[DataLoader]]:
     """Training rows shuffled per epoch and split across ranks (rank r reads positions r, r+W, ... of the
     epoch's order, so W ranks with batch b see one process's batches of W*b); validation rows split without
     padding, so every row counts once."""
@@ -216,11 +286,23 @@ def make_loaders(train_dataset: Dataset, val_dataset: Optional[Dataset], rank: i
 
     pin = device.type == "cuda"
     sampler = StatefulDistributedSampler(len(train_dataset), rank, world_size, seed=seed, shuffle=True)
-    train_loader = DataLoader(train_dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                              pin_memory=pin, persistent_workers=num_workers > 0)
+    train_loader = DataLoader(
+        train_dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=num_workers,
+        pin_memory=pin,
+        persistent_workers=num_workers > 0,
+    )
     val_loader = None
     if val_dataset is not None:
         shard = Subset(val_dataset, eval_shard(len(val_dataset), rank, world_size))
-        val_loader = DataLoader(shard, batch_size=batch_size, shuffle=False, num_workers=num_workers,
-                                pin_memory=pin, persistent_workers=num_workers > 0)
+        val_loader = DataLoader(
+            shard,
+            batch_size=batch_size,
+            shuffle=False,
+            num_workers=num_workers,
+            pin_memory=pin,
+            persistent_workers=num_workers > 0,
+        )
     return train_loader, val_loader

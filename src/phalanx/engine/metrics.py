@@ -34,7 +34,9 @@ def weighted_mean(total: float | torch.Tensor, count: float | torch.Tensor) -> f
     import torch.distributed as dist
 
     nccl = dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")  # NCCL reduces GPU tensors only
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    )  # NCCL reduces GPU tensors only
     pair = torch.tensor([float(total), float(count)], dtype=torch.float64, device=device)
     all_reduce_sum(pair)
     return (pair[0] / pair[1]).item() if pair[1] > 0 else float("nan")
@@ -42,9 +44,14 @@ def weighted_mean(total: float | torch.Tensor, count: float | torch.Tensor) -> f
 
 def is_classification(outputs: torch.Tensor, targets: torch.Tensor) -> bool:
     """Class scores [N, C, ...] against integer labels [N, ...]: accuracy is meaningful."""
-    return (outputs.dim() >= 2 and outputs.shape[1] > 1 and not targets.is_floating_point()
-            and targets.dim() == outputs.dim() - 1 and targets.shape[0] == outputs.shape[0]
-            and targets.shape[1:] == outputs.shape[2:])
+    return (
+        outputs.dim() >= 2
+        and outputs.shape[1] > 1
+        and not targets.is_floating_point()
+        and targets.dim() == outputs.dim() - 1
+        and targets.shape[0] == outputs.shape[0]
+        and targets.shape[1:] == outputs.shape[2:]
+    )
 
 
 class MetricTotals:

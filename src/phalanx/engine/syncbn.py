@@ -50,8 +50,16 @@ class CPUSyncBatchNorm(_BatchNorm):
         synced = use_batch_stats and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         if not synced:
             track = not self.training or self.track_running_stats
-            return F.batch_norm(input, self.running_mean if track else None, self.running_var if track else None,
-                                self.weight, self.bias, use_batch_stats, factor, self.eps)
+            return F.batch_norm(
+                input,
+                self.running_mean if track else None,
+                self.running_var if track else None,
+                self.weight,
+                self.bias,
+                use_batch_stats,
+                factor,
+                self.eps,
+            )
 
         dims = [0] + list(range(2, input.dim()))
         shape = [1, -1] + [1] * (input.dim() - 2)
@@ -84,7 +92,9 @@ def convert_sync_batchnorm(module: nn.Module, device: torch.device) -> nn.Module
 def _convert_cpu(module: nn.Module) -> nn.Module:
     out = module
     if isinstance(module, _BatchNorm) and not isinstance(module, (CPUSyncBatchNorm, nn.SyncBatchNorm)):
-        out = CPUSyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
+        out = CPUSyncBatchNorm(
+            module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats
+        )
         # The same Parameter and buffer objects: an optimizer built on the original model still updates these.
         if module.affine:
             out.weight, out.bias = module.weight, module.bias

@@ -37,21 +37,34 @@ def _bool(value: str) -> bool:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="phalanx generate", allow_abbrev=False,
+        prog="phalanx generate",
+        allow_abbrev=False,
         description="Answer every prompt num_sequences_per_question times, sharded over ranks and resumable; "
-                    "the records are chat rows that `phalanx train --dataset_path` reads as they are.")
+        "the records are chat rows that `phalanx train --dataset_path` reads as they are.",
+    )
 
     def add(name: str, **kwargs) -> None:
         dashed = name.replace("_", "-")
         parser.add_argument(f"--{name}", *([f"--{dashed}"] if dashed != name else []), dest=name, **kwargs)
 
-    add("model_name", default=None, help="Local folder, Hub id or embedded:tiny-qwen3 (default: the adapter's base "
-        "model, else embedded:tiny-qwen3).")
+    add(
+        "model_name",
+        default=None,
+        help="Local folder, Hub id or embedded:tiny-qwen3 (default: the adapter's base "
+        "model, else embedded:tiny-qwen3).",
+    )
     add("adapter", default=None, help="A LoRA adapter folder written by `phalanx train`, merged into the model.")
-    add("chat_template", default=None, help="Render chat prompts with this template: a jinja file or a name phalanx "
-        "ships (default: the template saved with --adapter, else the model's own).")
-    add("prompts", default="bundled:health-agent", help="jsonl / folder / save_to_disk / .txt of prompts "
-        "(default: the bundled health-agent chats).")
+    add(
+        "chat_template",
+        default=None,
+        help="Render chat prompts with this template: a jinja file or a name phalanx "
+        "ships (default: the template saved with --adapter, else the model's own).",
+    )
+    add(
+        "prompts",
+        default="bundled:health-agent",
+        help="jsonl / folder / save_to_disk / .txt of prompts (default: the bundled health-agent chats).",
+    )
     add("num_questions", type=int, default=None, help="Use the first N prompts (default: all).")
     add("num_sequences_per_question", type=int, default=1, help="Sequences sampled per prompt.")
     add("batch_size", type=int, default=16, help="Sequences per forward pass on each rank (halved on out-of-memory).")
@@ -60,22 +73,50 @@ def build_parser() -> argparse.ArgumentParser:
     add("top_p", type=float, default=1.0, help="Nucleus sampling mass in (0, 1].")
     add("top_k", type=int, default=0, help="Keep the k most likely tokens; 0 keeps all.")
     add("seed", type=int, default=42, help="Seeds every (prompt, sequence) stream and the validation split.")
-    add("val_fraction", type=float, default=0.1, help="Fraction of the prompts (all their sequences) written to "
-        "the validation file; 0 writes none.")
+    add(
+        "val_fraction",
+        type=float,
+        default=0.1,
+        help="Fraction of the prompts (all their sequences) written to the validation file; 0 writes none.",
+    )
     add("output", default=DEFAULT_OUTPUT, help="Training records (jsonl).")
-    add("val_output", default=None, help="Validation records (default: traj_chat.jsonl -> traj_val.jsonl, "
-        "else NAME_val.jsonl).")
-    add("dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-        help="Model weights; auto is bfloat16 (or float16) on CUDA, float32 on CPU.")
+    add(
+        "val_output",
+        default=None,
+        help="Validation records (default: traj_chat.jsonl -> traj_val.jsonl, else NAME_val.jsonl).",
+    )
+    add(
+        "dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="Model weights; auto is bfloat16 (or float16) on CUDA, float32 on CPU.",
+    )
     add("world_size", type=int, default=1, help="Ranks to start on this machine (ignored under torchrun).")
     add("master_port", type=int, default=None, help="Rendezvous port for --world_size (default: a free one).")
     add("timeout_minutes", type=float, default=30.0, help="How long a rank waits for the others at the end.")
-    add("shutdown_timeout_s", type=int, default=300, help="--world_size: after a SIGTERM, how long the launcher "
-        "lets the ranks finish and commit their batch before it kills them.")
-    add("overwrite", type=_bool, nargs="?", const=True, default=False,
-        help="Discard earlier records of --output and start over (default: resume them).")
-    add("trust_remote_code", type=_bool, nargs="?", const=True, default=False,
-        help="Run model code shipped with the checkpoint.")
+    add(
+        "shutdown_timeout_s",
+        type=int,
+        default=300,
+        help="--world_size: after a SIGTERM, how long the launcher "
+        "lets the ranks finish and commit their batch before it kills them.",
+    )
+    add(
+        "overwrite",
+        type=_bool,
+        nargs="?",
+        const=True,
+        default=False,
+        help="Discard earlier records of --output and start over (default: resume them).",
+    )
+    add(
+        "trust_remote_code",
+        type=_bool,
+        nargs="?",
+        const=True,
+        default=False,
+        help="Run model code shipped with the checkpoint.",
+    )
     return parser
 
 
@@ -83,7 +124,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args = build_parser().parse_args(list(argv))
     checks = [
         (args.num_sequences_per_question >= 1, "--num_sequences_per_question must be at least 1"),
-        (args.num_questions is None or args.num_questions >= 1, "--num_questions must be at least 1 (or left out for all prompts)"),
+        (
+            args.num_questions is None or args.num_questions >= 1,
+            "--num_questions must be at least 1 (or left out for all prompts)",
+        ),
         (args.batch_size >= 1, "--batch_size must be at least 1"),
         (args.max_new_tokens >= 1, "--max_new_tokens must be at least 1"),
         (args.temperature >= 0, "--temperature must be 0 (greedy) or more"),
@@ -131,13 +175,18 @@ def main(argv: Sequence[str]) -> int:
         job = plan_job(args, warn=lambda message: None)
         check_manifest(job.folder, job.output, job.settings, args.overwrite)
         try:
-            code = launch_local(["generate", *argv], args.world_size, args.master_port,
-                                shutdown_timeout_s=args.shutdown_timeout_s)
+            code = launch_local(
+                ["generate", *argv], args.world_size, args.master_port, shutdown_timeout_s=args.shutdown_timeout_s
+            )
         except PhalanxError as exc:
             raise PhalanxError(f"phalanx generate: {exc}") from None
         if code:
-            print(f"phalanx generate was interrupted; committed batches are kept in {job.folder}: rerun the same "
-                  "command to resume", file=sys.stderr, flush=True)
+            print(
+                f"phalanx generate was interrupted; committed batches are kept in {job.folder}: rerun the same "
+                "command to resume",
+                file=sys.stderr,
+                flush=True,
+            )
         return code or 0
     preemption = preemption or PreemptionFlag().install()
     quiet_libraries()
@@ -199,14 +248,23 @@ def _generate(job, rank, done: set, say, preemption) -> dict:
 
     batches = plan_batches(job.prompts, job.num_sequences, job.batch_size)
     total = sum(len(b) for b in batches)
-    say(f"🔧 Generation: {job.model_name}{f' + adapter {job.adapter}' if job.adapter else ''} ({job.dtype}, "
+    say(
+        f"🔧 Generation: {job.model_name}{f' + adapter {job.adapter}' if job.adapter else ''} ({job.dtype}, "
         f"{rank.device.type}); {len(job.prompts)} prompts x {job.num_sequences} sequences = {total}; "
-        f"{len(batches)} batches of up to {job.batch_size} over {rank.world_size} rank(s); sampling {job.params.as_dict()}")
+        f"{len(batches)} batches of up to {job.batch_size} over {rank.world_size} rank(s); sampling {job.params.as_dict()}"
+    )
     if done:
         say(f"♻️  Resuming: {len(done)} of {total} sequences are already committed in {job.folder}")
     mine = rank_batches(batches, rank.rank, rank.world_size, done)
-    stats = {"rank": rank.rank, "sequences": 0, "tokens": 0, "seconds": 0.0, "batch_size": job.batch_size,
-             "shrunk": False, "stopped": None}
+    stats = {
+        "rank": rank.rank,
+        "sequences": 0,
+        "tokens": 0,
+        "seconds": 0.0,
+        "batch_size": job.batch_size,
+        "shrunk": False,
+        "stopped": None,
+    }
 
     def stop_requested() -> bool:
         # Checked only between batches: each batch is committed whole (one write, fsynced) or not started.
@@ -234,14 +292,25 @@ def _generate(job, rank, done: set, say, preemption) -> dict:
             if stop_requested():
                 break
             t0 = time.perf_counter()
-            finished, micro = generate_with_fallback(model, prompt_ids, pairs, job.params, job.stop_ids,
-                                                     job.tokenizer.pad_token_id, micro, shrink, len(job.tokenizer))
+            finished, micro = generate_with_fallback(
+                model,
+                prompt_ids,
+                pairs,
+                job.params,
+                job.stop_ids,
+                job.tokenizer.pad_token_id,
+                micro,
+                shrink,
+                len(job.tokenizer),
+            )
             writer.commit(index, [make_record(job, by_id[p], s, f) for (p, s), f in zip(pairs, finished)])
             tokens = sum(f.computed_tokens for f in finished)
             stats["sequences"] += len(pairs)
             stats["tokens"] += tokens
-            say(f"   batch {number}/{len(mine)} (rank 0): {len(pairs)} sequences, {tokens} new tokens, "
-                f"{tokens / max(time.perf_counter() - t0, 1e-9):.1f} tokens/s")
+            say(
+                f"   batch {number}/{len(mine)} (rank 0): {len(pairs)} sequences, {tokens} new tokens, "
+                f"{tokens / max(time.perf_counter() - t0, 1e-9):.1f} tokens/s"
+            )
     finally:
         writer.close()
     stats["seconds"] = time.perf_counter() - started
@@ -254,9 +323,13 @@ def _report_stop(job, stopped: list[dict], everyone: list[dict], resumed: int) -
 
     reasons = ", ".join(sorted({s["stopped"] for s in stopped}))
     committed = resumed + sum(s["sequences"] for s in everyone)
-    print(f"⏸️  preempted ({reasons}): every rank committed the batch it was generating and stopped; {committed} of "
-          f"{len(job.pairs())} sequences are committed in {job.folder}. Exiting with status {PREEMPTED_EXIT_CODE}: "
-          "rerun the same command to resume.", file=sys.stderr, flush=True)
+    print(
+        f"⏸️  preempted ({reasons}): every rank committed the batch it was generating and stopped; {committed} of "
+        f"{len(job.pairs())} sequences are committed in {job.folder}. Exiting with status {PREEMPTED_EXIT_CODE}: "
+        "rerun the same command to resume.",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _finish(job, world_size: int, everyone: list[dict], resumed: int, say) -> None:
@@ -266,8 +339,10 @@ def _finish(job, world_size: int, everyone: list[dict], resumed: int, say) -> No
     tokens = sum(s["tokens"] for s in everyone)
     seconds = max(s["seconds"] for s in everyone)
     rate = f"{tokens / seconds:.1f} tokens/s" if seconds > 0 else "nothing left to generate"
-    say(f"✅ Generated {sequences} sequences ({tokens} new tokens) in {seconds:.1f}s on {world_size} rank(s): {rate}"
-        + (f"; {resumed} were already done" if resumed else ""))
+    say(
+        f"✅ Generated {sequences} sequences ({tokens} new tokens) in {seconds:.1f}s on {world_size} rank(s): {rate}"
+        + (f"; {resumed} were already done" if resumed else "")
+    )
     for s in everyone:
         if s["shrunk"]:
             say(f"⚠️  rank {s['rank']}: out of memory; batch size reduced from {job.batch_size} to {s['batch_size']}")

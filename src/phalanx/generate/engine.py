@@ -108,8 +108,13 @@ def generate_rows(
             cache.batch_select_indices(index)
             active, chosen, mask, next_position = active[index], chosen[index], mask[index], next_position[index]
         mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=-1)
-        out = model(input_ids=chosen.unsqueeze(-1), attention_mask=mask, position_ids=next_position.unsqueeze(-1),
-                    past_key_values=cache, use_cache=True)
+        out = model(
+            input_ids=chosen.unsqueeze(-1),
+            attention_mask=mask,
+            position_ids=next_position.unsqueeze(-1),
+            past_key_values=cache,
+            use_cache=True,
+        )
         logits = out.logits[:, -1]
         next_position = next_position + 1
     return results  # type: ignore[return-value]
@@ -127,11 +132,15 @@ def _prefill(model, prompts: Sequence[Sequence[int]], device: torch.device, room
     logits, layers = [], []
     for i, ids in enumerate(prompts):
         cache = DynamicCache(config=model.config)
-        out = model(input_ids=torch.tensor([list(ids)], dtype=torch.long, device=device), past_key_values=cache,
-                    use_cache=True, logits_to_keep=1)
+        out = model(
+            input_ids=torch.tensor([list(ids)], dtype=torch.long, device=device),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         logits.append(out.logits[:, -1])
         layers.append([(layer.keys, layer.values) for layer in cache.layers])
-        mask[i, longest - len(ids):] = 1
+        mask[i, longest - len(ids) :] = 1
     merged = DynamicCache(config=model.config)
     # Plain full-attention layers (not sliding-window ones) get room to grow in place.
     merged.layers = [_RoomyLayer(room) if type(layer) is DynamicLayer else layer for layer in merged.layers]
@@ -162,16 +171,20 @@ class _RoomyLayer(DynamicLayer):
             return super().update(key_states, value_states, *args, **kwargs)
         used, adding = self.keys.shape[-2], key_states.shape[-2]
         buffers = self.buffers
-        if (buffers is None or buffers[0].data_ptr() != self.keys.data_ptr()
-                or buffers[0].shape[0] != self.keys.shape[0] or buffers[0].shape[-2] < used + adding):
+        if (
+            buffers is None
+            or buffers[0].data_ptr() != self.keys.data_ptr()
+            or buffers[0].shape[0] != self.keys.shape[0]
+            or buffers[0].shape[-2] < used + adding
+        ):
             size = (*self.keys.shape[:-2], used + max(adding, self.room), self.keys.shape[-1])
             buffers = (self.keys.new_empty(size), self.values.new_empty(size))
             buffers[0][..., :used, :] = self.keys
             buffers[1][..., :used, :] = self.values
             self.buffers = buffers
-        buffers[0][..., used:used + adding, :] = key_states
-        buffers[1][..., used:used + adding, :] = value_states
-        self.keys, self.values = buffers[0][..., :used + adding, :], buffers[1][..., :used + adding, :]
+        buffers[0][..., used : used + adding, :] = key_states
+        buffers[1][..., used : used + adding, :] = value_states
+        self.keys, self.values = buffers[0][..., : used + adding, :], buffers[1][..., : used + adding, :]
         return self.keys, self.values
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
@@ -187,7 +200,7 @@ def _left_pad(states: list[torch.Tensor], length: int) -> torch.Tensor:
     first = states[0]
     out = first.new_zeros((len(states), first.shape[1], length, first.shape[3]))
     for i, s in enumerate(states):
-        out[i, :, length - s.shape[2]:] = s[0]
+        out[i, :, length - s.shape[2] :] = s[0]
     return out
 
 
@@ -215,12 +228,20 @@ def generate_with_fallback(
     results: list[Finished] = []
     start = 0
     while start < len(pairs):
-        chunk = list(pairs[start:start + micro_batch])
+        chunk = list(pairs[start : start + micro_batch])
         distinct = list(dict.fromkeys(p for p, _ in chunk))
         where = {p: i for i, p in enumerate(distinct)}
         try:
-            results += generate_rows(model, [prompt_ids[p] for p in distinct], chunk, [where[p] for p, _ in chunk],
-                                     params, stop_ids, pad_id, vocab_limit)
+            results += generate_rows(
+                model,
+                [prompt_ids[p] for p in distinct],
+                chunk,
+                [where[p] for p, _ in chunk],
+                params,
+                stop_ids,
+                pad_id,
+                vocab_limit,
+            )
         except Exception as exc:  # noqa: BLE001 - only out-of-memory is handled, the rest re-raised
             if not is_out_of_memory(exc):
                 raise

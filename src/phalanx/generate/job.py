@@ -61,8 +61,10 @@ def adapter_base(adapter: str) -> str:
     """The base model an adapter folder written by `phalanx train` (or PEFT) was trained on."""
     config = Path(adapter) / "adapter_config.json"
     if not config.is_file():
-        raise ConfigError(f"--adapter {adapter}: no adapter_config.json there; give the output_dir (or a checkpoint "
-                          "folder) of `phalanx train`, which holds adapter_config.json + adapter_model.safetensors")
+        raise ConfigError(
+            f"--adapter {adapter}: no adapter_config.json there; give the output_dir (or a checkpoint "
+            "folder) of `phalanx train`, which holds adapter_config.json + adapter_model.safetensors"
+        )
     try:
         base = json.loads(config.read_text(encoding="utf-8")).get("base_model_name_or_path")
     except ValueError as e:
@@ -124,15 +126,24 @@ def plan_job(args, warn: Callable[[str], None]) -> Job:
     model_name = args.model_name or (adapter_base(args.adapter) if args.adapter else "embedded:tiny-qwen3")
     if args.adapter:
         adapter_base(args.adapter)  # the folder must be an adapter even when --model_name is given
-    tokenizer = load_tokenizer(model_name, args.trust_remote_code, args.chat_template or adapter_chat_template(args.adapter))
+    tokenizer = load_tokenizer(
+        model_name, args.trust_remote_code, args.chat_template or adapter_chat_template(args.adapter)
+    )
     if not has_chat_template(tokenizer):
-        warn(f"warning: the tokenizer of {model_name} has no chat template; chat prompts are written as plain "
-             "'role: content' lines ending in 'assistant: '. The records are chat rows: to train on them, use a "
-             "tokenizer with a chat template.")
+        warn(
+            f"warning: the tokenizer of {model_name} has no chat template; chat prompts are written as plain "
+            "'role: content' lines ending in 'assistant: '. The records are chat rows: to train on them, use a "
+            "tokenizer with a chat template."
+        )
     prompts = read_prompts(args.prompts, tokenizer, args.num_questions, warn)
     check_lengths(prompts, model_name, args.max_new_tokens)
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed)
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
     stop_ids = generation_stop_ids(tokenizer, model_name)
     dtype = resolve_dtype(args.dtype)
     settings = {
@@ -147,24 +158,39 @@ def plan_job(args, warn: Callable[[str], None]) -> Job:
         "stop_ids": stop_ids,
     }
     output = Path(args.output)
-    val_output = None if args.val_fraction == 0 else Path(args.val_output) if args.val_output else default_val_output(output)
+    val_output = (
+        None if args.val_fraction == 0 else Path(args.val_output) if args.val_output else default_val_output(output)
+    )
     if val_output is not None and val_output.resolve() == output.resolve():
         raise ConfigError(f"--val_output {val_output} is the same file as --output; choose another name")
-    return Job(model_name=model_name, adapter=args.adapter, dtype=dtype, prompts=prompts,
-               num_sequences=args.num_sequences_per_question, batch_size=args.batch_size, params=params,
-               stop_ids=stop_ids, tokenizer=tokenizer, output=output, val_output=val_output,
-               val_fraction=args.val_fraction, folder=shard_dir(output), settings=settings)
+    return Job(
+        model_name=model_name,
+        adapter=args.adapter,
+        dtype=dtype,
+        prompts=prompts,
+        num_sequences=args.num_sequences_per_question,
+        batch_size=args.batch_size,
+        params=params,
+        stop_ids=stop_ids,
+        tokenizer=tokenizer,
+        output=output,
+        val_output=val_output,
+        val_fraction=args.val_fraction,
+        folder=shard_dir(output),
+        settings=settings,
+    )
 
 
 def plan_batches(prompts: list[Prompt], num_sequences: int, batch_size: int) -> list[list[tuple[int, int]]]:
     """All (prompt id, sequence index) pairs, longest prompts first, cut into batches of batch_size."""
     order = sorted(prompts, key=lambda p: (-len(p.input_ids), p.id))
     pairs = [(p.id, s) for p in order for s in range(num_sequences)]
-    return [pairs[i:i + batch_size] for i in range(0, len(pairs), batch_size)]
+    return [pairs[i : i + batch_size] for i in range(0, len(pairs), batch_size)]
 
 
-def rank_batches(batches: list[list[tuple[int, int]]], rank: int, world_size: int,
-                 done: set[tuple[int, int]]) -> list[tuple[int, list[tuple[int, int]]]]:
+def rank_batches(
+    batches: list[list[tuple[int, int]]], rank: int, world_size: int, done: set[tuple[int, int]]
+) -> list[tuple[int, list[tuple[int, int]]]]:
     """This rank's (batch index, pairs still to generate); batches already complete are left out."""
     mine = []
     for index in range(rank, len(batches), world_size):
@@ -183,8 +209,9 @@ def load_generation_model(job: Job, device: torch.device, trust_remote_code: boo
         try:
             model = PeftModel.from_pretrained(model, job.adapter).merge_and_unload()
         except (OSError, ValueError, RuntimeError, KeyError) as e:
-            raise ConfigError(f"--adapter {job.adapter}: could not be loaded onto {job.model_name}: "
-                              f"{type(e).__name__}: {e}") from None
+            raise ConfigError(
+                f"--adapter {job.adapter}: could not be loaded onto {job.model_name}: {type(e).__name__}: {e}"
+            ) from None
     return model.to(device).eval()
 
 

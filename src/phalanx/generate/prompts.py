@@ -24,9 +24,9 @@ from phalanx.errors import DataError
 
 BUNDLED = "bundled:health-agent"
 ACCEPTED_PROMPTS = (
-    "accepted prompt rows: a chat row {\"messages\": [...], \"tools\": [...]} (or ShareGPT \"conversations\") whose "
-    "last non-assistant message is answered; {\"question\": ...} or {\"prompt\": ...} (optionally with \"system\"); "
-    "Alpaca {\"instruction\": ..., \"input\": ...}; {\"text\": ...} (continued as plain text); or a .txt file with "
+    'accepted prompt rows: a chat row {"messages": [...], "tools": [...]} (or ShareGPT "conversations") whose '
+    'last non-assistant message is answered; {"question": ...} or {"prompt": ...} (optionally with "system"); '
+    'Alpaca {"instruction": ..., "input": ...}; {"text": ...} (continued as plain text); or a .txt file with '
     "one question per line"
 )
 
@@ -59,13 +59,24 @@ def read_prompts(
             raise DataError(
                 f"{where}: {kinds[text is not None]}, but {prompts[0].where} is {kinds[prompts[0].text is not None]}; "
                 "training reads one format per dataset, so a prompt file holds either chat prompts (messages, "
-                "questions, ShareGPT, Alpaca) or {\"text\": ...} rows, not both"
+                'questions, ShareGPT, Alpaca) or {"text": ...} rows, not both'
             )
-        prompts.append(Prompt(len(prompts), where, messages, tools, text, tuple(render_prompt(tokenizer, messages, tools, text, where))))
+        prompts.append(
+            Prompt(
+                len(prompts),
+                where,
+                messages,
+                tools,
+                text,
+                tuple(render_prompt(tokenizer, messages, tools, text, where)),
+            )
+        )
     if not prompts:
         raise DataError(f"{source}: no prompts; {ACCEPTED_PROMPTS}")
     if num_questions is not None and len(prompts) < num_questions:
-        warn(f"warning: --num_questions {num_questions}, but {source} holds only {len(prompts)} prompts; using all of them")
+        warn(
+            f"warning: --num_questions {num_questions}, but {source} holds only {len(prompts)} prompts; using all of them"
+        )
     return prompts
 
 
@@ -87,8 +98,10 @@ def _iter_txt(path: Path):
         try:
             line = raw.decode("utf-8").rstrip("\r")
         except UnicodeDecodeError as e:
-            raise DataError(f"{path} line {number}: not UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start} of the line); "
-                            "save the file as UTF-8") from None
+            raise DataError(
+                f"{path} line {number}: not UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start} of the line); "
+                "save the file as UTF-8"
+            ) from None
         if line.strip():
             yield f"{path} line {number}", {"question": line}
 
@@ -125,8 +138,10 @@ def _chat_prompt(row: dict, where: str) -> tuple[list[dict], Optional[list[dict]
     while messages and messages[-1]["role"] == "assistant":
         messages.pop()  # reference answers: the model writes its own
     if not any(m["role"] in ("user", "tool") for m in messages):
-        raise DataError(f"{where}: {key}: no user message to answer (roles found: {roles}); "
-                        "a chat prompt needs a user (or tool) message before any final assistant turns")
+        raise DataError(
+            f"{where}: {key}: no user message to answer (roles found: {roles}); "
+            "a chat prompt needs a user (or tool) message before any final assistant turns"
+        )
     return messages, conv["tools"], None
 
 
@@ -161,8 +176,9 @@ def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def render_prompt(tokenizer: Any, messages: Optional[list[dict]], tools: Optional[list[dict]], text: Optional[str],
-                  where: str) -> list[int]:
+def render_prompt(
+    tokenizer: Any, messages: Optional[list[dict]], tools: Optional[list[dict]], text: Optional[str], where: str
+) -> list[int]:
     """Token ids the model continues: the chat template with its generation prompt, or the plain text."""
     # add_special_tokens=False as in training: templates write their own BOS.
     if text is not None:
@@ -175,8 +191,10 @@ def render_prompt(tokenizer: Any, messages: Optional[list[dict]], tools: Optiona
         try:
             rendered = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # noqa: BLE001 - template errors (raise_exception, jinja) are the row's problem
-            raise DataError(f"{where}: the tokenizer's chat template failed on this prompt "
-                            f"(roles: {', '.join(m['role'] for m in messages)}): {type(e).__name__}: {e}") from None
+            raise DataError(
+                f"{where}: the tokenizer's chat template failed on this prompt "
+                f"(roles: {', '.join(m['role'] for m in messages)}): {type(e).__name__}: {e}"
+            ) from None
         if not isinstance(rendered, str):
             rendered = rendered[0]
     else:
@@ -199,6 +217,8 @@ def prompts_digest(prompts: list[Prompt]) -> str:
     """A hash of what the model is asked: every prompt's conversation (or text) and its token ids, in order."""
     h = hashlib.sha256()
     for p in prompts:
-        h.update(json.dumps([p.messages, p.tools, p.text, list(p.input_ids)], sort_keys=True, ensure_ascii=False).encode())
+        h.update(
+            json.dumps([p.messages, p.tools, p.text, list(p.input_ids)], sort_keys=True, ensure_ascii=False).encode()
+        )
         h.update(b"\n")
     return h.hexdigest()

@@ -43,8 +43,9 @@ def row_uniforms(pairs: list[tuple[int, int]], params: SamplingParams) -> torch.
     return out
 
 
-def next_tokens(logits: torch.Tensor, uniforms: torch.Tensor, params: SamplingParams,
-                vocab_limit: int | None = None) -> torch.Tensor:
+def next_tokens(
+    logits: torch.Tensor, uniforms: torch.Tensor, params: SamplingParams, vocab_limit: int | None = None
+) -> torch.Tensor:
     """One token per row from [rows, vocab] logits and [rows] uniforms (float64, on any device).
 
     Only ids below `vocab_limit` are drawn: embedding tables are often padded past the tokenizer's

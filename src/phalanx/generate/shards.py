@@ -66,8 +66,11 @@ def check_manifest(folder: Path, output: Path, settings: dict, overwrite: bool) 
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ConfigError(f"{manifest}: unreadable ({e}); delete {folder} or pass --overwrite true") from None
         if before != settings:
-            changed = [f"{k}: {before.get(k)!r} before, {settings.get(k)!r} now"
-                       for k in sorted(set(before) | set(settings)) if before.get(k) != settings.get(k)]
+            changed = [
+                f"{k}: {before.get(k)!r} before, {settings.get(k)!r} now"
+                for k in sorted(set(before) | set(settings))
+                if before.get(k) != settings.get(k)
+            ]
             raise ConfigError(
                 f"{folder} holds records generated with other settings ({'; '.join(changed)}). Rerun with the "
                 "earlier settings to resume, choose another --output, or pass --overwrite true to start over."
@@ -113,7 +116,7 @@ def scan_shard(path: Path) -> tuple[list[Committed], int]:
         newline = data.find(b"\n", offset)
         if newline < 0:
             break  # a line cut short by a kill: uncommitted by definition
-        line = data[offset:newline + 1]
+        line = data[offset : newline + 1]
         number += 1
         try:
             obj = json.loads(line)
@@ -121,7 +124,9 @@ def scan_shard(path: Path) -> tuple[list[Committed], int]:
                 info = obj["commit"]
                 digest = hashlib.sha256(b"".join(raw for _, raw, _ in pending)).hexdigest()
                 if info["records"] != len(pending) or info["sha256"] != digest:
-                    raise ValueError(f"commit of batch {info.get('batch')} does not match the {len(pending)} lines before it")
+                    raise ValueError(
+                        f"commit of batch {info.get('batch')} does not match the {len(pending)} lines before it"
+                    )
                 committed += [Committed(key, path, start, len(raw)) for start, raw, key in pending]
                 pending, end = [], newline + 1
             else:
@@ -129,8 +134,10 @@ def scan_shard(path: Path) -> tuple[list[Committed], int]:
                 pending.append((offset, line, (int(meta["prompt_id"]), int(meta["sequence_index"]))))
         except (ValueError, KeyError, TypeError) as e:
             if _commit_follows(data, newline + 1):
-                raise DataError(f"{path} line {number}: corrupt shard ({e}); delete {path.parent} and "
-                                "generate again (or pass --overwrite true)") from None
+                raise DataError(
+                    f"{path} line {number}: corrupt shard ({e}); delete {path.parent} and "
+                    "generate again (or pass --overwrite true)"
+                ) from None
             break  # the torn end of the last batch
         offset = newline + 1
     return committed, end
@@ -204,14 +211,17 @@ def val_prompt_ids(num_prompts: int, val_fraction: float, seed: int) -> set[int]
     return set(random.Random(seed).sample(range(num_prompts), count))
 
 
-def merge(folder: Path, expected: list[tuple[int, int]], val_ids: set[int], output: Path,
-          val_output: Optional[Path]) -> tuple[int, int]:
+def merge(
+    folder: Path, expected: list[tuple[int, int]], val_ids: set[int], output: Path, val_output: Optional[Path]
+) -> tuple[int, int]:
     """Write the sorted records to output (and validation prompts' to val_output); returns the two counts."""
     found = scan_folder(folder)
     missing = [key for key in expected if key not in found]
     if missing:
-        raise DataError(f"{folder}: {len(missing)} (prompt, sequence) pairs have no committed record "
-                        f"(first: {missing[:3]}); rerun the same command to generate them")
+        raise DataError(
+            f"{folder}: {len(missing)} (prompt, sequence) pairs have no committed record "
+            f"(first: {missing[:3]}); rerun the same command to generate them"
+        )
     keys = sorted(expected)
     train = [found[k] for k in keys if k[0] not in val_ids]
     val = [found[k] for k in keys if k[0] in val_ids]

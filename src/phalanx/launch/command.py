@@ -27,7 +27,9 @@ class Parser(argparse.ArgumentParser):
     """argparse that reports bad input as a PhalanxError (one clear line, exit 2) instead of exiting itself."""
 
     def error(self, message: str):
-        raise ConfigError(f"phalanx {self.prog.split()[-1]}: {message}. `phalanx {self.prog.split()[-1]} --help` lists the flags.")
+        raise ConfigError(
+            f"phalanx {self.prog.split()[-1]}: {message}. `phalanx {self.prog.split()[-1]} --help` lists the flags."
+        )
 
 
 def split_train_args(args: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -35,7 +37,7 @@ def split_train_args(args: Sequence[str]) -> tuple[list[str], list[str]]:
     args = list(args)
     if "--" in args:
         i = args.index("--")
-        return args[:i], args[i + 1:]
+        return args[:i], args[i + 1 :]
     return args, []
 
 
@@ -49,16 +51,31 @@ def tcp_port(value: str) -> int:
 
 def common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="the training YAML (e.g. configs/demo.yaml); checked now")
-    p.add_argument("--num_gpus_per_node", type=int, required=True,
-                   help="GPUs per node, one rank each; 0 runs CPU ranks over gloo (with --nproc_per_node)")
+    p.add_argument(
+        "--num_gpus_per_node",
+        type=int,
+        required=True,
+        help="GPUs per node, one rank each; 0 runs CPU ranks over gloo (with --nproc_per_node)",
+    )
     p.add_argument("--nproc_per_node", type=int, help="ranks per node (default: the GPU count, or 1 on CPU)")
     p.add_argument("--num_nodes", type=int, default=1)
-    p.add_argument("--use_deepspeed", action="store_true",
-                   help="start the ranks with the DeepSpeed launcher (GPU or CPU nodes; no --max_restarts)")
-    p.add_argument("--max_restarts", type=int, default=0,
-                   help="restart all ranks this many times when one fails (elastic; resumes from the newest checkpoint)")
-    p.add_argument("--rdzv_timeout", type=int, default=DEFAULT_RDZV_TIMEOUT,
-                   help="seconds a node waits for the others before it stops with a message")
+    p.add_argument(
+        "--use_deepspeed",
+        action="store_true",
+        help="start the ranks with the DeepSpeed launcher (GPU or CPU nodes; no --max_restarts)",
+    )
+    p.add_argument(
+        "--max_restarts",
+        type=int,
+        default=0,
+        help="restart all ranks this many times when one fails (elastic; resumes from the newest checkpoint)",
+    )
+    p.add_argument(
+        "--rdzv_timeout",
+        type=int,
+        default=DEFAULT_RDZV_TIMEOUT,
+        help="seconds a node waits for the others before it stops with a message",
+    )
     p.add_argument("--python", default=sys.executable, help="the Python that runs phalanx on the nodes")
 
 
@@ -80,14 +97,17 @@ def layout(args: argparse.Namespace) -> tuple[int, int]:
     if args.max_restarts < 0:
         raise ConfigError(f"--max_restarts {args.max_restarts}: 0 or more")
     if args.use_deepspeed and args.max_restarts:
-        raise ConfigError(f"--max_restarts {args.max_restarts} with --use_deepspeed: the DeepSpeed launcher does not "
-                          "restart ranks. Leave out --use_deepspeed (torchrun restarts them, and the config's "
-                          "strategy deepspeed still trains with the DeepSpeed engine), or --max_restarts.")
+        raise ConfigError(
+            f"--max_restarts {args.max_restarts} with --use_deepspeed: the DeepSpeed launcher does not "
+            "restart ranks. Leave out --use_deepspeed (torchrun restarts them, and the config's "
+            "strategy deepspeed still trains with the DeepSpeed engine), or --max_restarts."
+        )
     return gpus, nproc
 
 
-def check_training(config: Optional[str], train_args: list[str], num_nodes: int, nproc_per_node: int,
-                   gpus: int) -> RunConfig:
+def check_training(
+    config: Optional[str], train_args: list[str], num_nodes: int, nproc_per_node: int, gpus: int
+) -> RunConfig:
     """Load the config with the extra flags exactly as `phalanx train` will, and check it against the job's layout
     (nodes, ranks, GPUs) as the ranks would; returns the RunConfig."""
     from phalanx.config.loader import config_from_args
@@ -104,17 +124,22 @@ def check_training(config: Optional[str], train_args: list[str], num_nodes: int,
 def note_launcher_and_strategy(cfg, use_deepspeed: bool) -> None:
     """--use_deepspeed picks the launcher; the DeepSpeed engine is the config's choice (seed 003 set both)."""
     if use_deepspeed and cfg.distributed.strategy != "deepspeed":
-        print(f"note: the DeepSpeed launcher will start the ranks, but the config trains with strategy "
-              f"'{cfg.distributed.strategy}'. For the DeepSpeed engine set distributed.strategy: deepspeed "
-              "(or pass -- --strategy deepspeed).", file=sys.stderr)
+        print(
+            f"note: the DeepSpeed launcher will start the ranks, but the config trains with strategy "
+            f"'{cfg.distributed.strategy}'. For the DeepSpeed engine set distributed.strategy: deepspeed "
+            "(or pass -- --strategy deepspeed).",
+            file=sys.stderr,
+        )
 
 
 def warn_if_restarts_start_over(cfg, restarts: bool) -> None:
     """A restarted or requeued job runs the same command; with overwrite_output_dir it would start over."""
     if restarts and cfg.overwrite_output_dir:
-        print("warning: the config sets overwrite_output_dir, so a restarted or requeued run starts over instead of "
-              "resuming from its checkpoint; remove it (or pass -- --overwrite_output_dir false) to resume.",
-              file=sys.stderr)
+        print(
+            "warning: the config sets overwrite_output_dir, so a restarted or requeued run starts over instead of "
+            "resuming from its checkpoint; remove it (or pass -- --overwrite_output_dir false) to resume.",
+            file=sys.stderr,
+        )
 
 
 def config_for_script(config: Optional[str], project_dir: Path) -> Optional[str]:
@@ -168,10 +193,17 @@ def checked_job(flags: JobFlags, project_dir: Path, restarts: bool) -> tuple[Job
     warn_if_restarts_start_over(cfg, restarts)
     note_launcher_and_strategy(cfg, args.use_deepspeed)
     job = Job(
-        config=config_for_script(args.config, project_dir), python=args.python, project_dir=project_dir,
-        num_gpus_per_node=flags.gpus, nproc_per_node=flags.nproc, num_nodes=args.num_nodes,
-        use_deepspeed=args.use_deepspeed, max_restarts=args.max_restarts, rdzv_timeout=args.rdzv_timeout,
-        shutdown_timeout=cfg.distributed.shutdown_timeout_s, train_args=flags.train_args,
+        config=config_for_script(args.config, project_dir),
+        python=args.python,
+        project_dir=project_dir,
+        num_gpus_per_node=flags.gpus,
+        nproc_per_node=flags.nproc,
+        num_nodes=args.num_nodes,
+        use_deepspeed=args.use_deepspeed,
+        max_restarts=args.max_restarts,
+        rdzv_timeout=args.rdzv_timeout,
+        shutdown_timeout=cfg.distributed.shutdown_timeout_s,
+        train_args=flags.train_args,
         command_line=flags.command_line,
     )
     return job, cfg
@@ -181,9 +213,12 @@ def checked_job(flags: JobFlags, project_dir: Path, restarts: bool) -> tuple[Job
 
 
 def launcher_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="phalanx launcher", description="Write a script that starts training on this node "
-               "(torchrun or the DeepSpeed launcher), plus a Windows .bat for single-node runs.",
-               epilog="Flags after a bare -- go to `phalanx train`, e.g. -- --max_steps 100.")
+    p = Parser(
+        prog="phalanx launcher",
+        description="Write a script that starts training on this node "
+        "(torchrun or the DeepSpeed launcher), plus a Windows .bat for single-node runs.",
+        epilog="Flags after a bare -- go to `phalanx train`, e.g. -- --max_steps 100.",
+    )
     common_flags(p)
     p.add_argument("--node_rank", type=int, default=0, help="this node's rank, 0 on the master node")
     p.add_argument("--master_addr", help="the master node's address (required with --num_nodes > 1)")
@@ -196,16 +231,22 @@ def launcher_main(argv: Sequence[str]) -> int:
     flags = parse_job_flags(launcher_parser(), argv)
     args, nproc = flags.args, flags.nproc
     if not 0 <= args.node_rank < args.num_nodes:
-        raise ConfigError(f"--node_rank {args.node_rank} is outside 0..{args.num_nodes - 1} for --num_nodes {args.num_nodes}")
+        raise ConfigError(
+            f"--node_rank {args.node_rank} is outside 0..{args.num_nodes - 1} for --num_nodes {args.num_nodes}"
+        )
     master = args.master_addr or "127.0.0.1"
     if args.num_nodes > 1:
         from phalanx.launch.preflight import is_loopback
 
         if args.master_addr is None:
-            raise ConfigError(f"--num_nodes {args.num_nodes} needs --master_addr: the master node's address, the same on every node")
+            raise ConfigError(
+                f"--num_nodes {args.num_nodes} needs --master_addr: the master node's address, the same on every node"
+            )
         if is_loopback(master):
-            raise ConfigError(f"--master_addr {master} is a loopback address; the other nodes cannot reach it. "
-                              "Give the master node's address on the network the nodes share.")
+            raise ConfigError(
+                f"--master_addr {master} is a loopback address; the other nodes cannot reach it. "
+                "Give the master node's address on the network the nodes share."
+            )
     job, _ = checked_job(flags, Path.cwd().resolve(), restarts=args.max_restarts > 0)
     out = Path(args.output)
     spec = LaunchSpec(job, node_rank=args.node_rank, master_addr=master, master_port=args.master_port)
@@ -219,8 +260,10 @@ def launcher_main(argv: Sequence[str]) -> int:
     print(f"wrote {', '.join(map(str, written))}: {nproc} rank(s) on {where}.")
     print(f"run it with: bash {out}" + (f"   (on Windows: {written[1]})" if len(written) > 1 else ""))
     if args.num_nodes > 1:
-        print(f"start the script for every node_rank 0..{args.num_nodes - 1} at about the same time; "
-              f"each waits up to {args.rdzv_timeout} s for the others.")
+        print(
+            f"start the script for every node_rank 0..{args.num_nodes - 1} at about the same time; "
+            f"each waits up to {args.rdzv_timeout} s for the others."
+        )
     return 0
 
 
@@ -239,9 +282,12 @@ def check_time_limit(value: str) -> str:
 
 
 def slurm_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="phalanx slurm", description="Write an sbatch script: one torchrun per node through srun, "
-               "c10d rendezvous on the first node, NCCL settings, and save-then-requeue before the time limit.",
-               epilog="Flags after a bare -- go to `phalanx train`, e.g. -- --max_steps 100.")
+    p = Parser(
+        prog="phalanx slurm",
+        description="Write an sbatch script: one torchrun per node through srun, "
+        "c10d rendezvous on the first node, NCCL settings, and save-then-requeue before the time limit.",
+        epilog="Flags after a bare -- go to `phalanx train`, e.g. -- --max_steps 100.",
+    )
     common_flags(p)
     p.add_argument("--time_limit", default="24:00:00", type=check_time_limit, help=f"job time limit ({TIME_FORMATS})")
     p.add_argument("--partition")
@@ -252,12 +298,20 @@ def slurm_parser() -> argparse.ArgumentParser:
     p.add_argument("--job_name", default="llm_finetune")
     p.add_argument("--log", default="slurm-%j.out", help="the job's log file (SLURM's --output)")
     p.add_argument("--master_port", type=tcp_port, help="rendezvous port (default: derived from the job id)")
-    p.add_argument("--signal_time", type=int, default=None,
-                   help="seconds before the time limit at which the job saves a checkpoint and requeues itself "
-                        f"(default: the config's distributed.shutdown_timeout_s + {scripts.SIGNAL_MARGIN_S})")
+    p.add_argument(
+        "--signal_time",
+        type=int,
+        default=None,
+        help="seconds before the time limit at which the job saves a checkpoint and requeues itself "
+        f"(default: the config's distributed.shutdown_timeout_s + {scripts.SIGNAL_MARGIN_S})",
+    )
     p.add_argument("--no_requeue", action="store_true", help="let the job end at its time limit instead")
-    p.add_argument("--setup", action="append", default=[],
-                   help="a shell line to run first, e.g. 'module load cuda/12.2' (repeatable)")
+    p.add_argument(
+        "--setup",
+        action="append",
+        default=[],
+        help="a shell line to run first, e.g. 'module load cuda/12.2' (repeatable)",
+    )
     p.add_argument("--chdir", help="the folder the job runs in (default: this one)")
     p.add_argument("--output", default="scripts/slurm_job.sh", help="where to write the sbatch script")
     return p
@@ -277,20 +331,35 @@ def slurm_main(argv: Sequence[str]) -> int:
     grace = cfg.distributed.shutdown_timeout_s
     signal_time = args.signal_time if args.signal_time is not None else grace + scripts.SIGNAL_MARGIN_S
     if requeue and signal_time < grace:
-        print(f"warning: --signal_time {signal_time}: SLURM ends the job {signal_time} s after its warning, sooner "
-              f"than the {grace} s distributed.shutdown_timeout_s gives the ranks to save; a save that takes that "
-              "long is cut off. Raise --signal_time or lower shutdown_timeout_s.", file=sys.stderr)
+        print(
+            f"warning: --signal_time {signal_time}: SLURM ends the job {signal_time} s after its warning, sooner "
+            f"than the {grace} s distributed.shutdown_timeout_s gives the ranks to save; a save that takes that "
+            "long is cut off. Raise --signal_time or lower shutdown_timeout_s.",
+            file=sys.stderr,
+        )
     spec = SlurmSpec(
-        job, master_port=args.master_port or DEFAULT_PORT, fixed_port=args.master_port is not None,
-        job_name=args.job_name, time_limit=args.time_limit,
-        partition=args.partition, account=args.account, cpus_per_rank=cpus, mem_per_gpu=args.mem_per_gpu,
-        mem=args.mem, log=args.log, signal_time=signal_time, requeue=requeue, setup=args.setup,
+        job,
+        master_port=args.master_port or DEFAULT_PORT,
+        fixed_port=args.master_port is not None,
+        job_name=args.job_name,
+        time_limit=args.time_limit,
+        partition=args.partition,
+        account=args.account,
+        cpus_per_rank=cpus,
+        mem_per_gpu=args.mem_per_gpu,
+        mem=args.mem,
+        log=args.log,
+        signal_time=signal_time,
+        requeue=requeue,
+        setup=args.setup,
         output_dir=cfg.output_dir,
     )
     write_script(out, scripts.render_slurm(spec, out))
     kind = f"{gpus} GPU(s)" if gpus else f"{nproc} CPU rank(s)"
-    print(f"wrote {out}: {args.num_nodes} node(s) x {kind}, time limit {args.time_limit}"
-          + (f", saves and requeues {signal_time} s before it." if requeue else "."))
+    print(
+        f"wrote {out}: {args.num_nodes} node(s) x {kind}, time limit {args.time_limit}"
+        + (f", saves and requeues {signal_time} s before it." if requeue else ".")
+    )
     print(f"submit it with: sbatch {out}")
     return 0
 
@@ -299,8 +368,11 @@ def slurm_main(argv: Sequence[str]) -> int:
 
 
 def env_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="phalanx env", description="Print versions, devices, backends and the rendezvous/NCCL/gloo "
-               "environment; on several ranks, check an all-reduce across them and report bus bandwidth.")
+    p = Parser(
+        prog="phalanx env",
+        description="Print versions, devices, backends and the rendezvous/NCCL/gloo "
+        "environment; on several ranks, check an all-reduce across them and report bus bandwidth.",
+    )
     p.add_argument("--world_size", type=int, default=1, help="start this many local ranks and check across them")
     p.add_argument("--sizes_mb", default="0.25,1,4,16", help="all-reduce sizes in MiB, comma-separated")
     p.add_argument("--iters", type=int, default=5, help="timed all-reduces per size")
@@ -318,7 +390,9 @@ def env_main(argv: Sequence[str]) -> int:
     try:
         sizes = [float(s) for s in args.sizes_mb.split(",") if s.strip()]
     except ValueError:
-        raise ConfigError(f"--sizes_mb {args.sizes_mb!r}: give sizes in MiB separated by commas, e.g. 1,16,64") from None
+        raise ConfigError(
+            f"--sizes_mb {args.sizes_mb!r}: give sizes in MiB separated by commas, e.g. 1,16,64"
+        ) from None
     if not sizes or any(s <= 0 for s in sizes) or args.iters < 1 or args.world_size < 1 or args.timeout <= 0:
         raise ConfigError("phalanx env: --sizes_mb, --iters, --world_size and --timeout must be positive")
     if args.world_size > 1 and not launched_by_torchrun():

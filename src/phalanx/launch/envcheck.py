@@ -23,11 +23,27 @@ from typing import Any, Optional
 from phalanx.errors import PhalanxError
 
 ENV_NAMES = (
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
-    "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_MAX_CONNECTIONS", "OMP_NUM_THREADS", "USE_LIBUV",
-    "SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_JOB_NUM_NODES", "SLURM_NODEID", "SLURM_PROCID",
-    "SLURM_RESTART_COUNT", "SLURM_CPUS_PER_TASK",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "CUDA_VISIBLE_DEVICES",
+    "CUDA_DEVICE_MAX_CONNECTIONS",
+    "OMP_NUM_THREADS",
+    "USE_LIBUV",
+    "SLURM_JOB_ID",
+    "SLURM_JOB_NODELIST",
+    "SLURM_JOB_NUM_NODES",
+    "SLURM_NODEID",
+    "SLURM_PROCID",
+    "SLURM_RESTART_COUNT",
+    "SLURM_CPUS_PER_TASK",
 )
 ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "TORCH_DISABLE_", "PHALANX_")
 PACKAGES = ("transformers", "peft", "datasets", "accelerate", "deepspeed", "bitsandbytes")
@@ -52,8 +68,14 @@ def facts() -> dict[str, Any]:
     if cuda:
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
-            devices.append({"index": i, "name": p.name, "memory_gib": round(p.total_memory / 2**30, 1),
-                            "capability": f"{p.major}.{p.minor}"})
+            devices.append(
+                {
+                    "index": i,
+                    "name": p.name,
+                    "memory_gib": round(p.total_memory / 2**30, 1),
+                    "capability": f"{p.major}.{p.minor}",
+                }
+            )
     nccl = None
     if cuda and dist.is_nccl_available():
         try:
@@ -75,7 +97,11 @@ def facts() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "cuda_devices": devices,
         "mps": bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()),
-        "backends": {"gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available(), "mpi": dist.is_mpi_available()},
+        "backends": {
+            "gloo": dist.is_gloo_available(),
+            "nccl": dist.is_nccl_available(),
+            "mpi": dist.is_mpi_available(),
+        },
         "env": {k: v for k, v in sorted(os.environ.items()) if k in ENV_NAMES or k.startswith(ENV_PREFIXES)},
     }
 
@@ -90,8 +116,10 @@ def describe(f: dict[str, Any]) -> list[str]:
         f"devices: {f['cpu_cores']} CPU core(s), torch uses {f['torch_threads']} thread(s); "
         f"{len(f['cuda_devices'])} CUDA device(s)" + ("; MPS available" if f["mps"] else ""),
     ]
-    lines += [f"  cuda:{d['index']} {d['name']}, {d['memory_gib']} GiB, compute capability {d['capability']}"
-              for d in f["cuda_devices"]]
+    lines += [
+        f"  cuda:{d['index']} {d['name']}, {d['memory_gib']} GiB, compute capability {d['capability']}"
+        for d in f["cuda_devices"]
+    ]
     lines.append("backends: " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in f["backends"].items()))
     lines.append("environment:" if f["env"] else "environment: none of the rendezvous / NCCL / gloo variables is set")
     lines += [f"  {k}={v}" for k, v in f["env"].items()]
@@ -133,8 +161,15 @@ def allreduce_bench(sizes_mb: list[float], iters: int, device) -> list[dict[str,
         dist.all_reduce(flags)
         seconds = float(t.item())
         algbw = numel * 4 / seconds / 1e9
-        rows.append({"size_bytes": numel * 4, "seconds": seconds, "algbw_gbps": algbw,
-                     "busbw_gbps": algbw * bus_factor(world), "wrong_ranks": int(flags.item())})
+        rows.append(
+            {
+                "size_bytes": numel * 4,
+                "seconds": seconds,
+                "algbw_gbps": algbw,
+                "busbw_gbps": algbw * bus_factor(world),
+                "wrong_ranks": int(flags.item()),
+            }
+        )
     return rows
 
 
@@ -198,8 +233,10 @@ def describe_check(result: dict[str, Any]) -> list[str]:
     ]
     for row in result["allreduce"]:
         verdict = "correct on every rank" if row["wrong_ranks"] == 0 else f"WRONG on {row['wrong_ranks']} rank(s)"
-        lines.append(f"  {format_size(row['size_bytes']):>10}  {row['seconds'] * 1e3:8.2f} ms  "
-                     f"{row['algbw_gbps']:7.3f} GB/s  {row['busbw_gbps']:7.3f} GB/s  {verdict}")
+        lines.append(
+            f"  {format_size(row['size_bytes']):>10}  {row['seconds'] * 1e3:8.2f} ms  "
+            f"{row['algbw_gbps']:7.3f} GB/s  {row['busbw_gbps']:7.3f} GB/s  {verdict}"
+        )
     lines += [f"  warning: {m}" for m in mismatches(result["ranks"])]
     return lines
 
@@ -221,8 +258,10 @@ def env(sizes_mb: list[float], iters: int, backend: str, timeout_s: float, as_js
     else:
         print("\n".join(describe(mine)))
         if result is None:
-            print("all-reduce check: skipped (one process). Run `phalanx env --world_size 2`, or start it the way "
-                  "training starts (torchrun, a launcher or SLURM script) to check the ranks can talk.")
+            print(
+                "all-reduce check: skipped (one process). Run `phalanx env --world_size 2`, or start it the way "
+                "training starts (torchrun, a launcher or SLURM script) to check the ranks can talk."
+            )
         else:
             print("\n".join(describe_check(result)))
     sys.stdout.flush()

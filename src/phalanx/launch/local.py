@@ -40,8 +40,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch_local(module_args: Sequence[str], nproc: int, master_port: Optional[int] = None, max_restarts: int = 0,
-                 shutdown_timeout_s: int = DEFAULT_SHUTDOWN_TIMEOUT_S) -> int:
+def launch_local(
+    module_args: Sequence[str],
+    nproc: int,
+    master_port: Optional[int] = None,
+    max_restarts: int = 0,
+    shutdown_timeout_s: int = DEFAULT_SHUTDOWN_TIMEOUT_S,
+) -> int:
     """Run `python -m phalanx <module_args>` as `nproc` ranks; returns 0, or the preemption status when the ranks
     saved and stopped on a signal; raises PhalanxError naming the ranks that failed otherwise.
 
@@ -121,9 +126,12 @@ def shutdown_timeout_option(launch_config: type, seconds: int) -> dict:
     if seconds > 30:
         import torch
 
-        print(f"note: torch {torch.__version__} kills the ranks 30 s after a SIGTERM whatever the shutdown timeout "
-              f"({seconds} s) says; a newer torch (its torchrun has --shutdown-timeout) waits that long",
-              file=sys.stderr, flush=True)
+        print(
+            f"note: torch {torch.__version__} kills the ranks 30 s after a SIGTERM whatever the shutdown timeout "
+            f"({seconds} s) says; a newer torch (its torchrun has --shutdown-timeout) waits that long",
+            file=sys.stderr,
+            flush=True,
+        )
     return {}
 
 
@@ -136,17 +144,25 @@ def after_stop_signal(signal_name: str, codes: dict[int, Optional[int]]) -> int:
     from phalanx.runtime.signals import PREEMPTED_EXIT_CODE
 
     unclean = {rank: code for rank, code in sorted(codes.items()) if code not in (0, PREEMPTED_EXIT_CODE)}
-    described = ", ".join(f"rank {rank} ({'killed: no exit status' if code is None else describe_exit(code)})"
-                          for rank, code in unclean.items())
+    described = ", ".join(
+        f"rank {rank} ({'killed: no exit status' if code is None else describe_exit(code)})"
+        for rank, code in unclean.items()
+    )
     if PREEMPTED_EXIT_CODE in codes.values():
         note = f" ({described} after that)" if unclean else ""
-        print(f"launcher received {signal_name}; the ranks saved their progress and stopped{note}; rerun the same "
-              "command to resume from it", file=sys.stderr, flush=True)
+        print(
+            f"launcher received {signal_name}; the ranks saved their progress and stopped{note}; rerun the same "
+            "command to resume from it",
+            file=sys.stderr,
+            flush=True,
+        )
         return PREEMPTED_EXIT_CODE
     if not unclean:
         return 0  # every rank had finished when the signal came
-    raise PhalanxError(f"launcher received {signal_name} and the ranks stopped without saving their progress for it: "
-                       f"{described}. What they committed earlier is kept; rerun the same command to continue from it.")
+    raise PhalanxError(
+        f"launcher received {signal_name} and the ranks stopped without saving their progress for it: "
+        f"{described}. What they committed earlier is kept; rerun the same command to continue from it."
+    )
 
 
 def read_exit_records(folder: Path, nproc: int) -> dict[int, Optional[int]]:
@@ -194,8 +210,11 @@ def stop_when_orphaned(launcher: int) -> None:
     def watch() -> None:
         while os.getppid() == launcher:
             time.sleep(ORPHAN_POLL_S)
-        print(f"[rank {os.environ.get('RANK')}] the launcher (pid {launcher}) is gone; stopping this rank",
-              file=sys.stderr, flush=True)
+        print(
+            f"[rank {os.environ.get('RANK')}] the launcher (pid {launcher}) is gone; stopping this rank",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(1)
 
     threading.Thread(target=watch, name="phalanx-launcher-watch", daemon=True).start()
@@ -209,8 +228,11 @@ def quiet_agent_logs():
 
     if "LOGLEVEL" in os.environ:
         return lambda: None
-    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
-               if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher"))]
+    loggers = [
+        logging.getLogger(name)
+        for name in list(logging.root.manager.loggerDict)
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher"))
+    ]
     levels = [(log, log.level) for log in loggers]
     for log in loggers:
         log.setLevel(logging.CRITICAL)
@@ -218,6 +240,7 @@ def quiet_agent_logs():
     def restore() -> None:
         for log, level in levels:
             log.setLevel(level)
+
     return restore
 
 
@@ -237,10 +260,17 @@ def report_bad_input(exc: PhalanxError, rank: int) -> int:
             Path(error_file).parent.mkdir(parents=True, exist_ok=True)
             # torch's own layout (ErrorHandler.record_exception), so torchrun's summary shows the message as the
             # rank's "traceback"; the "phalanx" key tells launch_local that the message is ours to print.
-            Path(error_file).write_text(json.dumps({
-                "message": {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}},
-                "phalanx": {"rank": rank, "kind": type(exc).__name__, "message": message},
-            }))
+            Path(error_file).write_text(
+                json.dumps(
+                    {
+                        "message": {
+                            "message": message,
+                            "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))},
+                        },
+                        "phalanx": {"rank": rank, "kind": type(exc).__name__, "message": message},
+                    }
+                )
+            )
             relayed = True
         except OSError:
             pass

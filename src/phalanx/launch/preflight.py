@@ -233,8 +233,15 @@ def interface_with_address(address: str) -> Optional[str]:
 # --- the whole check -----------------------------------------------------------------------------
 
 
-def preflight(num_gpus_per_node: int, nproc_per_node: int, num_nodes: int, node_rank: int, master_addr: str,
-              master_port: int, timeout: float) -> tuple[str, str]:
+def preflight(
+    num_gpus_per_node: int,
+    nproc_per_node: int,
+    num_nodes: int,
+    node_rank: int,
+    master_addr: str,
+    master_port: int,
+    timeout: float,
+) -> tuple[str, str]:
     check_devices(num_gpus_per_node, nproc_per_node)
     if not 0 <= node_rank < num_nodes:
         raise PhalanxError(f"--node_rank {node_rank} is outside 0..{num_nodes - 1} for --num_nodes {num_nodes}")
@@ -262,8 +269,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--timeout", type=float, default=600)
     args = parser.parse_args(argv)
     try:
-        ifname, local = preflight(args.num_gpus_per_node, args.nproc_per_node, args.num_nodes, args.node_rank,
-                                  args.master_addr, args.master_port, args.timeout)
+        ifname, local = preflight(
+            args.num_gpus_per_node,
+            args.nproc_per_node,
+            args.num_nodes,
+            args.node_rank,
+            args.master_addr,
+            args.master_port,
+            args.timeout,
+        )
     except PhalanxError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -174,7 +174,11 @@ def render_launcher_sh(spec: LaunchSpec, script: Path) -> str:
         f'NPROC_PER_NODE="${{PHALANX_NPROC_PER_NODE:-{job.nproc_per_node}}}"',
         f'MAX_RESTARTS="${{PHALANX_MAX_RESTARTS:-{job.max_restarts}}}"',
         f'RDZV_TIMEOUT="${{PHALANX_RDZV_TIMEOUT:-{job.rdzv_timeout}}}"',
-        *([f'SHUTDOWN_TIMEOUT="${{PHALANX_SHUTDOWN_TIMEOUT:-{job.shutdown_timeout}}}"'] if not job.use_deepspeed else []),
+        *(
+            [f'SHUTDOWN_TIMEOUT="${{PHALANX_SHUTDOWN_TIMEOUT:-{job.shutdown_timeout}}}"']
+            if not job.use_deepspeed
+            else []
+        ),
         'if [[ "${1:-}" =~ ^[0-9]+$ ]]; then NPROC_PER_NODE="$1"; shift; fi',
         "",
     ]
@@ -194,9 +198,9 @@ def render_launcher_sh(spec: LaunchSpec, script: Path) -> str:
         "",
     ]
     if job.use_deepspeed:
-        lines += deepspeed_lines('"$NODE_RANK"', '$NPROC_PER_NODE', job.cpu) + [
+        lines += deepspeed_lines('"$NODE_RANK"', "$NPROC_PER_NODE", job.cpu) + [
             'exec "$PYTHON" -m deepspeed.launcher.runner "${DS[@]}" --master_port "$MASTER_PORT" --no_local_rank '
-            f'{_train_words(job, "--module")} \\',
+            f"{_train_words(job, '--module')} \\",
             '    "${TRAIN_BACKEND[@]}" "$@"',
         ]
         return "\n".join(lines) + "\n"
@@ -229,7 +233,9 @@ def render_launcher_bat(spec: LaunchSpec, script: Path) -> str:
     job = spec.job
     rel = relative_dir(script, job.project_dir).replace("/", "\\")
     python = job.python if os.name == "nt" else "python"
-    config = (job.config or "").replace("/", "\\") if job.config and not os.path.isabs(job.config) else (job.config or "")
+    config = (
+        (job.config or "").replace("/", "\\") if job.config and not os.path.isabs(job.config) else (job.config or "")
+    )
     train = ["-m", "phalanx", "train"] + ([f'"{config}"'] if config else []) + [_bat_word(a) for a in job.train_args]
     lines = [
         "@echo off",
@@ -259,7 +265,8 @@ def render_launcher_bat(spec: LaunchSpec, script: Path) -> str:
         "goto collect",
         ":run",
         '"%PYTHON%" -m torch.distributed.run --standalone --nnodes 1 --nproc_per_node %NPROC_PER_NODE% '
-        + " ".join(train) + " --backend gloo %ARGS%",
+        + " ".join(train)
+        + " --backend gloo %ARGS%",
         "exit /b %ERRORLEVEL%",
     ]
     return "\r\n".join(lines) + "\r\n"
@@ -324,12 +331,15 @@ def render_slurm(spec: SlurmSpec, script: Path) -> str:
         f"# Written by: {job.command_line}" if job.command_line else "# Written by phalanx slurm.",
         "# One task per node (--ntasks-per-node=1): that task is torchrun, and torchrun starts the node's ranks.",
         f"# --cpus-per-task is {spec.cpus_per_rank} CPU(s) for each of the {ranks} rank(s) of a node.",
-        *([
-            f"# {spec.signal_time} s before the time limit SLURM sends USR1 to this script: it asks the ranks to save",
-            "# a checkpoint and stop, then requeues the job, which resumes from that checkpoint when it starts again.",
-        ] if spec.requeue else []),
-        "# Extra --flag value pairs after the script name go to `phalanx train`: sbatch "
-        f"{script.name} --max_steps 100",
+        *(
+            [
+                f"# {spec.signal_time} s before the time limit SLURM sends USR1 to this script: it asks the ranks to save",
+                "# a checkpoint and stop, then requeues the job, which resumes from that checkpoint when it starts again.",
+            ]
+            if spec.requeue
+            else []
+        ),
+        f"# Extra --flag value pairs after the script name go to `phalanx train`: sbatch {script.name} --max_steps 100",
         *sbatch,
         "",
         "set -uo pipefail",
@@ -341,8 +351,11 @@ def render_slurm(spec: SlurmSpec, script: Path) -> str:
         f'PYTHON="${{PHALANX_PYTHON:-{job.python}}}"',
         f'OUTPUT_DIR="${{PHALANX_OUTPUT_DIR:-{spec.output_dir}}}"',
         f'RDZV_TIMEOUT="${{PHALANX_RDZV_TIMEOUT:-{job.rdzv_timeout}}}"',
-        *([f'SHUTDOWN_TIMEOUT="${{PHALANX_SHUTDOWN_TIMEOUT:-{job.shutdown_timeout}}}"', *SHUTDOWN_LINES]
-          if not job.use_deepspeed else []),
+        *(
+            [f'SHUTDOWN_TIMEOUT="${{PHALANX_SHUTDOWN_TIMEOUT:-{job.shutdown_timeout}}}"', *SHUTDOWN_LINES]
+            if not job.use_deepspeed
+            else []
+        ),
         f"export OMP_NUM_THREADS={spec.cpus_per_rank}",
         "",
         *SLURM_NCCL,
@@ -361,7 +374,7 @@ def render_slurm(spec: SlurmSpec, script: Path) -> str:
         "",
         "# The first node of the allocation hosts the c10d rendezvous (its address as SLURM knows it).",
         'MASTER_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        'MASTER_ADDR=$(scontrol show node "$MASTER_NODE" | sed -n \'s/.*NodeAddr=\\([^ ]*\\).*/\\1/p\' | head -n 1)',
+        "MASTER_ADDR=$(scontrol show node \"$MASTER_NODE\" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p' | head -n 1)",
         'export MASTER_ADDR="${MASTER_ADDR:-$MASTER_NODE}"',
         f"export {port}",
         'export NUM_NODES="$SLURM_JOB_NUM_NODES" RDZV_TIMEOUT PYTHON',
@@ -375,12 +388,16 @@ def render_slurm(spec: SlurmSpec, script: Path) -> str:
         if job.max_restarts:
             # torchrun would restart ranks that stop to save (they exit 75), so stop torchrun itself; it passes
             # SIGTERM on to the ranks and gives them SHUTDOWN_TIMEOUT seconds before it kills them.
-            stop = ["    # torchrun restarts ranks that stop (--max_restarts); SIGTERM stops torchrun and, through it, the ranks.",
-                    '    scancel --signal=TERM "$SLURM_JOB_ID"']
+            stop = [
+                "    # torchrun restarts ranks that stop (--max_restarts); SIGTERM stops torchrun and, through it, the ranks.",
+                '    scancel --signal=TERM "$SLURM_JOB_ID"',
+            ]
         else:
-            stop = ["    # Steps only (not this script): every process of the steps gets it; torchrun ignores it (below),",
-                    "    # so the ranks take the time they need to save, then exit and end the step.",
-                    '    scancel --signal=USR1 "$SLURM_JOB_ID"']
+            stop = [
+                "    # Steps only (not this script): every process of the steps gets it; torchrun ignores it (below),",
+                "    # so the ranks take the time they need to save, then exit and end the step.",
+                '    scancel --signal=USR1 "$SLURM_JOB_ID"',
+            ]
         lines += [
             "PREEMPTED=0",
             "on_usr1() {",
@@ -394,7 +411,7 @@ def render_slurm(spec: SlurmSpec, script: Path) -> str:
     # Per node: preflight (devices, port on the master, master reachable), then the launcher.
     step = [
         "# Runs once per node. torchrun ignores USR1 so that the ranks (which save on it) decide when to stop.",
-        "STEP='trap \"\" USR1",
+        'STEP=\'trap "" USR1',
         *preflight_lines(job.num_gpus_per_node, str(ranks), '"$SLURM_NODEID"'),
         'echo "phalanx: node $SLURM_NODEID of $NUM_NODES ($(hostname)), master $MASTER_ADDR:$MASTER_PORT reached from $LOCAL_ADDR ($NET_IFNAME)"',
         'IS_HOST=$([ "$SLURM_NODEID" = 0 ] && echo 1 || echo 0)',

@@ -45,7 +45,9 @@ def apply_finetuning(model: nn.Module, model_cfg: ModelConfig, lora_cfg: LoraCon
         peft_model = get_peft_model(model, peft_cfg)
     except ValueError as exc:
         names = sorted({name.rsplit(".", 1)[-1] for name, mod in model.named_modules() if isinstance(mod, nn.Linear)})
-        raise ConfigError(f"lora.target_modules = {lora_cfg.target_modules!r}: {exc}. Linear modules in this model: {names}") from None
+        raise ConfigError(
+            f"lora.target_modules = {lora_cfg.target_modules!r}: {exc}. Linear modules in this model: {names}"
+        ) from None
     if model_cfg.gradient_checkpointing:
         peft_model.enable_input_require_grads()
     if lora_cfg.kernel == "fused":
@@ -58,8 +60,11 @@ def use_fused_kernel(peft_model: nn.Module) -> None:
     fused, others = install_fused_lora(peft_model)
     if others and env_rank_info()[0] == 0:
         kept = ", ".join(f"{count} {kind}" for kind, count in sorted(others.items()))
-        print(f"LoRA kernel: fused on {fused} layers; PEFT's forward on {kept} (4-bit base or adapter variant, "
-              "which the fused path does not cover; --lora.kernel peft silences this).", flush=True)
+        print(
+            f"LoRA kernel: fused on {fused} layers; PEFT's forward on {kept} (4-bit base or adapter variant, "
+            "which the fused path does not cover; --lora.kernel peft silences this).",
+            flush=True,
+        )
 
 
 def trainable_parameter_count(model: nn.Module) -> tuple[int, int]:

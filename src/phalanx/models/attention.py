@@ -41,14 +41,16 @@ def packing_unsupported_reason(model: nn.Module) -> Optional[str]:
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in PACKABLE_MODEL_TYPES:
-        return (f"model type {model_type!r} is not among those checked for padding-free packing "
-                f"({', '.join(PACKABLE_MODEL_TYPES)})")
+        return (
+            f"model type {model_type!r} is not among those checked for padding-free packing "
+            f"({', '.join(PACKABLE_MODEL_TYPES)})"
+        )
     if getattr(config, "attention_dropout", 0.0):
         return "the model uses attention dropout, which the varlen path does not implement"
     layer_types = getattr(config, "layer_types", None) or []
     if any(t != "full_attention" for t in layer_types) or (
-            getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
-            and not layer_types):
+        getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) and not layer_types
+    ):
         return "the model uses sliding-window attention, which the varlen path does not implement"
     return None
 
@@ -95,10 +97,17 @@ def _cumsum(values) -> list[int]:
     return out
 
 
-def varlen_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                             attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
-                             scaling: Optional[float] = None, sliding_window: Optional[int] = None,
-                             **kwargs) -> tuple[torch.Tensor, None]:
+def varlen_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """Causal attention inside each packed row. query (1, Hq, T, D), key/value (1, Hkv, T, D) -> (1, T, Hq, D).
 
     Without row lengths (a padded batch, or generation) it is plain SDPA with the mask it was given."""
@@ -106,7 +115,9 @@ def varlen_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
 
     rows = kwargs.pop(ROW_LENGTHS, None)
     if rows is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     if query.shape[0] != 1 or attention_mask is not None or sliding_window is not None:
         raise ValueError("phalanx_varlen attention takes one packed row, no attention mask and no sliding window")
     if dropout:
@@ -123,8 +134,16 @@ def _per_row_sdpa(module, query, key, value, rows, scaling) -> torch.Tensor:
     outputs, start = [], 0
     for n in rows:
         end = start + n
-        out, _ = sdpa_attention_forward(module, query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
-                                        None, dropout=0.0, scaling=scaling, is_causal=True)
+        out, _ = sdpa_attention_forward(
+            module,
+            query[:, :, start:end],
+            key[:, :, start:end],
+            value[:, :, start:end],
+            None,
+            dropout=0.0,
+            scaling=scaling,
+            is_causal=True,
+        )
         outputs.append(out)
         start = end
     if start != query.shape[2]:
@@ -138,8 +157,9 @@ def _torch_varlen(module, query, key, value, rows, scaling) -> torch.Tensor:
     cu = torch.tensor([0, *_cumsum(rows)], dtype=torch.int32).to(query.device, non_blocking=True)
     longest = max(rows)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D)
-    out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(-1, 0),
-                      enable_gqa=q.shape[1] != k.shape[1])
+    out = varlen_attn(
+        q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[1]
+    )
     return out.unsqueeze(0)  # (1, T, Hq, D)
 
 
@@ -155,8 +175,10 @@ def _torch_varlen_usable(module, query, key) -> bool:
         g = torch.Generator(device=query.device).manual_seed(0)
         rows = (5, 17, 9)
         shape = lambda h: (1, h, sum(rows), query.shape[-1])  # noqa: E731
-        q, k, v = (torch.randn(shape(h), generator=g, device=query.device, dtype=query.dtype)
-                   for h in (query.shape[1], key.shape[1], key.shape[1]))
+        q, k, v = (
+            torch.randn(shape(h), generator=g, device=query.device, dtype=query.dtype)
+            for h in (query.shape[1], key.shape[1], key.shape[1])
+        )
         with torch.no_grad():
             a = _torch_varlen(module, q, k, v, rows, None)
             b = _per_row_sdpa(module, q, k, v, rows, None)

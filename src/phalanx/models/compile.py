@@ -27,8 +27,11 @@ from torch import nn
 # kernels: a machine with no C++ compiler for CPU inductor, or a quick test of the wiring).
 BACKEND_ENV = "PHALANX_COMPILE_BACKEND"
 # liger_kernel.transformers' patch for each model type it covers and phalanx trains packed.
-LIGER_PATCHES = {"qwen2": "apply_liger_kernel_to_qwen2", "qwen3": "apply_liger_kernel_to_qwen3",
-                 "llama": "apply_liger_kernel_to_llama"}
+LIGER_PATCHES = {
+    "qwen2": "apply_liger_kernel_to_qwen2",
+    "qwen3": "apply_liger_kernel_to_qwen3",
+    "llama": "apply_liger_kernel_to_llama",
+}
 
 
 def compile_wanted(setting: str, device: torch.device) -> bool:
@@ -38,8 +41,9 @@ def compile_wanted(setting: str, device: torch.device) -> bool:
     return setting == "true"
 
 
-def compile_decoder_layers(model: nn.Module, setting: str, device: torch.device, *, announce: bool = True,
-                           backend: Optional[str] = None) -> nn.Module:
+def compile_decoder_layers(
+    model: nn.Module, setting: str, device: torch.device, *, announce: bool = True, backend: Optional[str] = None
+) -> nn.Module:
     """Compile `model`'s decoder layers in place when `setting` asks for it (see the module doc); returns `model`.
 
     `backend`: torch.compile's (else $PHALANX_COMPILE_BACKEND, else 'inductor'). One line says what was done, on the
@@ -52,8 +56,10 @@ def compile_decoder_layers(model: nn.Module, setting: str, device: torch.device,
     layers = decoder_layers(model)
     if not layers:
         if announce:
-            print(f"🧩 training.compile = {setting}: no decoder layers found in {type(model).__name__}; nothing compiled",
-                  flush=True)
+            print(
+                f"🧩 training.compile = {setting}: no decoder layers found in {type(model).__name__}; nothing compiled",
+                flush=True,
+            )
         return model
     backend = backend or os.environ.get(BACKEND_ENV) or "inductor"
     for layer in layers:
@@ -65,8 +71,11 @@ def compile_decoder_layers(model: nn.Module, setting: str, device: torch.device,
     if announce:
         kind = type(layers[0]).__name__
         extra = f"; Liger RMSNorm/SwiGLU/RoPE for {liger}" if liger else ""
-        print(f"🧩 Compiled {len(layers)} {kind} layers one by one (torch.compile, {backend}){extra}; the first "
-              "steps include compilation.", flush=True)
+        print(
+            f"🧩 Compiled {len(layers)} {kind} layers one by one (torch.compile, {backend}){extra}; the first "
+            "steps include compilation.",
+            flush=True,
+        )
     return model
 
 
@@ -83,10 +92,13 @@ def apply_liger_kernels(model: nn.Module, device: torch.device) -> Optional[str]
     try:
         import liger_kernel.transformers as liger
 
-        getattr(liger, name)(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                             fused_linear_cross_entropy=False, model=base)
+        getattr(liger, name)(
+            rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False, model=base
+        )
     except Exception as exc:  # noqa: BLE001 - an optional kernel: the compiled eager path is always correct
-        print(f"🧩 Liger kernels not applied to {model_type} ({type(exc).__name__}: {exc}); compiled layers only.",
-              flush=True)
+        print(
+            f"🧩 Liger kernels not applied to {model_type} ({type(exc).__name__}: {exc}); compiled layers only.",
+            flush=True,
+        )
         return None
     return model_type

@@ -56,8 +56,9 @@ def resolve_model_path(model_name: str) -> str:
     return model_name
 
 
-def load_tokenizer(model_name: str, trust_remote_code: bool = False,
-                   chat_template: Optional[str] = None) -> PreTrainedTokenizerBase:
+def load_tokenizer(
+    model_name: str, trust_remote_code: bool = False, chat_template: Optional[str] = None
+) -> PreTrainedTokenizerBase:
     """The model's tokenizer; `chat_template` (a jinja file or a shipped name, see data.chat_templates) replaces
     its chat template, and save_pretrained then writes that one (chat_template.jinja) with the tokenizer."""
     path = resolve_model_path(model_name)
@@ -95,8 +96,12 @@ def quantization_config(model_cfg: ModelConfig, run_dtype: Optional[torch.dtype]
 
 
 def load_model(
-    model_name: str, dtype: torch.dtype, trust_remote_code: bool = False, *,
-    quantization: Optional[BitsAndBytesConfig] = None, device: Optional[torch.device] = None,
+    model_name: str,
+    dtype: torch.dtype,
+    trust_remote_code: bool = False,
+    *,
+    quantization: Optional[BitsAndBytesConfig] = None,
+    device: Optional[torch.device] = None,
 ) -> PreTrainedModel:
     """Load the causal LM in `dtype`. With `quantization`, its linear layers are quantized while loading, onto
     `device`: a quantized model is placed once, where it will run, and never moved afterwards."""

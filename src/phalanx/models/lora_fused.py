@@ -130,9 +130,17 @@ class FusedLoraLinear(PeftLoraLinear):
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         adapters = self.active_adapters
-        if (self.disable_adapters or self.merged or args or kwargs or len(adapters) != 1
-                or adapters[0] not in self.lora_A or adapters[0] in self.lora_variant
-                or _default_generator(x.device) is None or hasattr(self.lora_A[adapters[0]].weight, "ds_id")):
+        if (
+            self.disable_adapters
+            or self.merged
+            or args
+            or kwargs
+            or len(adapters) != 1
+            or adapters[0] not in self.lora_A
+            or adapters[0] in self.lora_variant
+            or _default_generator(x.device) is None
+            or hasattr(self.lora_A[adapters[0]].weight, "ds_id")
+        ):
             return super().forward(x, *args, **kwargs)
         name = adapters[0]
         result = self.base_layer(x)
@@ -141,8 +149,9 @@ class FusedLoraLinear(PeftLoraLinear):
         # Under torch.compile the update is added out of place (one addmm): AOTAutograd mishandles a custom Function
         # that marks an input dirty (the base output's gradient is lost; checked with aot_eager, torch 2.13).
         eager = not torch.compiler.is_compiling()
-        return _LoraUpdate.apply(result, x, self.lora_A[name].weight, self.lora_B[name].weight, alpha, p,
-                                 _compute_dtype(x), eager)
+        return _LoraUpdate.apply(
+            result, x, self.lora_A[name].weight, self.lora_B[name].weight, alpha, p, _compute_dtype(x), eager
+        )
 
 
 def fused_applies(module: nn.Module) -> bool:

@@ -11,5 +11,7 @@ def require_4bit_packages() -> None:
     """transformers quantizes with bitsandbytes and loads quantized models through accelerate."""
     missing = [name for name in ("bitsandbytes", "accelerate") if importlib.util.find_spec(name) is None]
     if missing:
-        raise ConfigError(f"model.load_in_4bit needs {' and '.join(missing)}, not installed here: "
-                          f"pip install 'phalanx[qlora]' (or pip install {' '.join(missing)})")
+        raise ConfigError(
+            f"model.load_in_4bit needs {' and '.join(missing)}, not installed here: "
+            f"pip install 'phalanx[qlora]' (or pip install {' '.join(missing)})"
+        )

@@ -153,8 +153,12 @@ def preset_hash(name: str) -> str:
     """Short content hash of a preset, the chat template and the build format."""
     preset = _get_preset(name)
     blob = json.dumps(
-        {"format": _BUILD_FORMAT, "preset": asdict(preset), "chat_template": CHAT_TEMPLATE,
-         "special": [IM_START, IM_END]},
+        {
+            "format": _BUILD_FORMAT,
+            "preset": asdict(preset),
+            "chat_template": CHAT_TEMPLATE,
+            "special": [IM_START, IM_END],
+        },
         sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:10]
@@ -253,8 +257,6 @@ def _build(preset: EmbeddedPreset, folder: Path) -> None:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(preset.seed)
         model = Qwen3ForCausalLM(config).to(torch.float32)
-    model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
-    )
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)

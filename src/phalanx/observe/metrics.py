@@ -19,8 +19,16 @@ from tqdm.auto import tqdm
 
 
 class Reporter:
-    def __init__(self, output_dir: Path, *, is_main: bool, total_steps: int, tensorboard: bool, progress_bar: bool,
-                 resume_step: int = 0):
+    def __init__(
+        self,
+        output_dir: Path,
+        *,
+        is_main: bool,
+        total_steps: int,
+        tensorboard: bool,
+        progress_bar: bool,
+        resume_step: int = 0,
+    ):
         self.is_main = is_main
         self.history: list[dict] = []
         self._jsonl = None
@@ -38,10 +46,14 @@ class Reporter:
             from torch.utils.tensorboard import SummaryWriter
 
             # purge_step hides events a crashed run logged after the checkpoint it resumes from
-            self._tb = SummaryWriter(log_dir=str(output_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
+            self._tb = SummaryWriter(
+                log_dir=str(output_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None
+            )
         self._plain = progress_bar and not sys.stdout.isatty()
         if progress_bar and not self._plain:
-            self._bar_args = dict(total=total_steps, initial=resume_step, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout)
+            self._bar_args = dict(
+                total=total_steps, initial=resume_step, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout
+            )
 
     def say(self, line: str) -> None:
         if not self.is_main:

@@ -58,8 +58,11 @@ class TensorMemoryTracker(TorchDispatchMode):
         return self
 
     def track_module(self, module: torch.nn.Module) -> "TensorMemoryTracker":
-        return self.track([p for p in module.parameters()], [p.grad for p in module.parameters() if p.grad is not None],
-                          list(module.buffers()))
+        return self.track(
+            [p for p in module.parameters()],
+            [p.grad for p in module.parameters() if p.grad is not None],
+            list(module.buffers()),
+        )
 
     def track_optimizer(self, optimizer: torch.optim.Optimizer) -> "TensorMemoryTracker":
         return self.track([dict(s) for s in optimizer.state.values()])

@@ -32,8 +32,9 @@ def strategy_class(name: str) -> type[Strategy]:
     return getattr(importlib.import_module(module), cls)
 
 
-def make_strategy(rank: RankInfo, precision: Precision, comm_hook: Optional[str] = None, *,
-                  cfg: Optional[RunConfig] = None) -> Strategy:
+def make_strategy(
+    rank: RankInfo, precision: Precision, comm_hook: Optional[str] = None, *, cfg: Optional[RunConfig] = None
+) -> Strategy:
     """The strategy `cfg.distributed.strategy` names (DDP by default), built from `cfg`.
 
     One process under DDP trains plainly; FSDP2 and DeepSpeed run on one process too (on a one-rank group):

@@ -131,7 +131,9 @@ class Strategy:
 
     # Saving. Strategies that shard override these; every rank calls them (they may be collective).
     shards_state = False  # True: resume state is written per rank by save_sharded, not optimizer.pt from rank 0
-    sharded_state_holds_model = False  # True: save_sharded writes every weight (intermediate checkpoints skip the gather)
+    sharded_state_holds_model = (
+        False  # True: save_sharded writes every weight (intermediate checkpoints skip the gather)
+    )
 
     def model_state_for_saving(self) -> Optional[dict]:
         """The weights save_pretrained should write on rank 0; None = read them from the model itself."""
@@ -160,8 +162,10 @@ def place_on_device(model: nn.Module, device: torch.device) -> nn.Module:
         return model.to(device)
     elsewhere = {str(p.device) for p in model.parameters() if p.device != device}
     if elsewhere:
-        raise ConfigError(f"the 4-bit model was loaded on {sorted(elsewhere)} but this rank runs on {device}; "
-                          "load it with load_model(..., device=rank.device)")
+        raise ConfigError(
+            f"the 4-bit model was loaded on {sorted(elsewhere)} but this rank runs on {device}; "
+            "load it with load_model(..., device=rank.device)"
+        )
     return model
 
 

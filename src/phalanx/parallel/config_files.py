@@ -21,20 +21,41 @@ from phalanx.config.schema import SHARDING_STRATEGIES
 from phalanx.errors import ConfigError
 
 FSDP_MIXED_PRECISION = ("NO", "FP16", "BFLOAT16", "FP32")
-DEFAULT_LAYER_CLASSES = ["LlamaDecoderLayer", "MistralDecoderLayer", "GemmaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"]
+DEFAULT_LAYER_CLASSES = [
+    "LlamaDecoderLayer",
+    "MistralDecoderLayer",
+    "GemmaDecoderLayer",
+    "Qwen2DecoderLayer",
+    "Qwen3DecoderLayer",
+]
 
 
-def deepspeed_config(zero_stage: int = 2, offload_optimizer: bool = False, offload_param: bool = False,
-                     bf16: bool = False, fp16: bool = False, gradient_accumulation_steps: Optional[int] = None,
-                     gradient_clipping: Optional[float] = None, reduce_bucket_size: float = 5e8,
-                     allgather_bucket_size: float = 5e8) -> dict:
+def deepspeed_config(
+    zero_stage: int = 2,
+    offload_optimizer: bool = False,
+    offload_param: bool = False,
+    bf16: bool = False,
+    fp16: bool = False,
+    gradient_accumulation_steps: Optional[int] = None,
+    gradient_clipping: Optional[float] = None,
+    reduce_bucket_size: float = 5e8,
+    allgather_bucket_size: float = 5e8,
+) -> dict:
     if bf16 and fp16:
         raise ConfigError("--bf16 and --fp16 exclude each other; pick one")
     if offload_param and zero_stage != 3:
-        raise ConfigError(f"--offload_param needs --zero_stage 3 (parameters are only partitioned there); got stage {zero_stage}")
+        raise ConfigError(
+            f"--offload_param needs --zero_stage 3 (parameters are only partitioned there); got stage {zero_stage}"
+        )
     zero: dict = {"stage": zero_stage, "contiguous_gradients": True, "overlap_comm": True}
     if zero_stage in (1, 2):
-        zero.update({"reduce_scatter": True, "reduce_bucket_size": reduce_bucket_size, "allgather_bucket_size": allgather_bucket_size})
+        zero.update(
+            {
+                "reduce_scatter": True,
+                "reduce_bucket_size": reduce_bucket_size,
+                "allgather_bucket_size": allgather_bucket_size,
+            }
+        )
     elif zero_stage == 3:
         zero.update({"reduce_bucket_size": reduce_bucket_size, "stage3_gather_16bit_weights_on_model_save": True})
     if offload_optimizer:
@@ -43,7 +64,9 @@ def deepspeed_config(zero_stage: int = 2, offload_optimizer: bool = False, offlo
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     config: dict = {
         "train_micro_batch_size_per_gpu": "auto",
-        "gradient_accumulation_steps": gradient_accumulation_steps if gradient_accumulation_steps is not None else "auto",
+        "gradient_accumulation_steps": gradient_accumulation_steps
+        if gradient_accumulation_steps is not None
+        else "auto",
         "gradient_clipping": gradient_clipping if gradient_clipping is not None else "auto",
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
@@ -56,8 +79,12 @@ def deepspeed_config(zero_stage: int = 2, offload_optimizer: bool = False, offlo
     return config
 
 
-def fsdp_config(sharding_strategy: str = "FULL_SHARD", mixed_precision: str = "BFLOAT16", cpu_offload: bool = False,
-                layer_classes: Optional[list[str]] = None) -> dict:
+def fsdp_config(
+    sharding_strategy: str = "FULL_SHARD",
+    mixed_precision: str = "BFLOAT16",
+    cpu_offload: bool = False,
+    layer_classes: Optional[list[str]] = None,
+) -> dict:
     return {
         "fsdp_transformer_layer_cls_to_wrap": layer_classes or DEFAULT_LAYER_CLASSES,
         "fsdp_sharding_strategy": sharding_strategy,
@@ -86,8 +113,11 @@ def read_fsdp_config(path: str) -> dict:
         raise ConfigError(f"{path}: fsdp_sharding_strategy = {sharding!r}; accepted: {', '.join(SHARDING_STRATEGIES)}")
     if precision not in FSDP_MIXED_PRECISION:
         raise ConfigError(f"{path}: fsdp_mixed_precision = {precision!r}; accepted: {', '.join(FSDP_MIXED_PRECISION)}")
-    return {"sharding_strategy": sharding, "mixed_precision": {"NO": None, "FP32": None, "FP16": "fp16", "BFLOAT16": "bf16"}[precision],
-            "cpu_offload": bool(data.get("fsdp_offload_params", False))}
+    return {
+        "sharding_strategy": sharding,
+        "mixed_precision": {"NO": None, "FP32": None, "FP16": "fp16", "BFLOAT16": "bf16"}[precision],
+        "cpu_offload": bool(data.get("fsdp_offload_params", False)),
+    }
 
 
 def _write(config: dict, output: Optional[str]) -> None:
@@ -102,7 +132,9 @@ def _write(config: dict, output: Optional[str]) -> None:
 
 
 def config_main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="phalanx config", description="Write a DeepSpeed or FSDP config file (seed 003).")
+    parser = argparse.ArgumentParser(
+        prog="phalanx config", description="Write a DeepSpeed or FSDP config file (seed 003)."
+    )
     sub = parser.add_subparsers(dest="kind", required=True)
     ds = sub.add_parser("deepspeed", help="a DeepSpeed ZeRO config")
     ds.add_argument("--zero_stage", type=int, choices=[0, 1, 2, 3], default=2)
@@ -110,15 +142,19 @@ def config_main(argv: Sequence[str]) -> int:
     ds.add_argument("--offload_param", action="store_true", help="parameters on the CPU (ZeRO-3)")
     ds.add_argument("--bf16", action="store_true")
     ds.add_argument("--fp16", action="store_true")
-    ds.add_argument("--gradient_accumulation_steps", type=int, default=None, help="default: \"auto\" (from the run config)")
-    ds.add_argument("--gradient_clipping", type=float, default=None, help="default: \"auto\" (training.max_grad_norm)")
+    ds.add_argument(
+        "--gradient_accumulation_steps", type=int, default=None, help='default: "auto" (from the run config)'
+    )
+    ds.add_argument("--gradient_clipping", type=float, default=None, help='default: "auto" (training.max_grad_norm)')
     ds.add_argument("--reduce_bucket_size", type=float, default=5e8)
     ds.add_argument("--allgather_bucket_size", type=float, default=5e8)
     ds.add_argument("--output", default=None, help="file to write; standard output when unset")
     fs = sub.add_parser("fsdp", help="an FSDP config")
     fs.add_argument("--sharding_strategy", choices=SHARDING_STRATEGIES, default="FULL_SHARD")
     fs.add_argument("--mixed_precision", choices=FSDP_MIXED_PRECISION, default="BFLOAT16")
-    fs.add_argument("--cpu_offload", action="store_true", help="parameters, gradients and the optimizer step on the CPU")
+    fs.add_argument(
+        "--cpu_offload", action="store_true", help="parameters, gradients and the optimizer step on the CPU"
+    )
     fs.add_argument("--layer_cls", nargs="+", default=None, help="decoder layer classes to wrap one by one")
     fs.add_argument("--output", default=None, help="file to write; standard output when unset")
     try:
@@ -126,9 +162,17 @@ def config_main(argv: Sequence[str]) -> int:
     except SystemExit as exc:
         return int(exc.code or 0)
     if args.kind == "deepspeed":
-        config = deepspeed_config(args.zero_stage, args.offload_optimizer, args.offload_param, args.bf16, args.fp16,
-                                  args.gradient_accumulation_steps, args.gradient_clipping, args.reduce_bucket_size,
-                                  args.allgather_bucket_size)
+        config = deepspeed_config(
+            args.zero_stage,
+            args.offload_optimizer,
+            args.offload_param,
+            args.bf16,
+            args.fp16,
+            args.gradient_accumulation_steps,
+            args.gradient_clipping,
+            args.reduce_bucket_size,
+            args.allgather_bucket_size,
+        )
     else:
         config = fsdp_config(args.sharding_strategy, args.mixed_precision, args.cpu_offload, args.layer_cls)
     _write(config, args.output)

@@ -21,7 +21,9 @@ COMM_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf
 class DDPStrategy(Strategy):
     name = "ddp"
 
-    def __init__(self, rank: RankInfo, precision: Precision, comm_hook: str = "none", *, broadcast_buffers: bool = False):
+    def __init__(
+        self, rank: RankInfo, precision: Precision, comm_hook: str = "none", *, broadcast_buffers: bool = False
+    ):
         super().__init__(rank, precision)
         self.comm_hook = comm_hook
         # Models with running statistics (BatchNorm) want rank 0's buffers on every rank before each forward.

@@ -64,8 +64,9 @@ def build_ds_config(cfg: RunConfig, world_size: int, precision: Precision) -> di
     merged, conflicts = merge(user, ours, explicit, prefix="")
     if conflicts:
         raise ConfigError(
-            f"{path} disagrees with the run config: " + "; ".join(conflicts)
-            + ". Make them equal, write \"auto\" in the JSON to take the run's value, or drop the setting from the run config."
+            f"{path} disagrees with the run config: "
+            + "; ".join(conflicts)
+            + '. Make them equal, write "auto" in the JSON to take the run\'s value, or drop the setting from the run config.'
         )
     return {**QUIET, **merged}
 
@@ -106,8 +107,9 @@ def merge(user: dict, ours: dict, explicit: set[str], prefix: str) -> tuple[dict
             continue
         theirs = user[key]
         if isinstance(value, dict) or isinstance(theirs, dict):
-            same = (theirs.get("device", "none") if isinstance(theirs, dict) else theirs) == \
-                   (value.get("device", "none") if isinstance(value, dict) else value)
+            same = (theirs.get("device", "none") if isinstance(theirs, dict) else theirs) == (
+                value.get("device", "none") if isinstance(value, dict) else value
+            )
         else:
             same = theirs == value
         if same:
@@ -147,8 +149,9 @@ class DeepSpeedStrategy(Strategy):
 
         model = place_on_device(model, self.rank.device)
         client = make_optimizer(model)
-        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=client, config=self.ds_config,
-                                                    dist_init_required=False)
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=client, config=self.ds_config, dist_init_required=False
+        )
         use_safe_loading(self.engine)  # resume never unpickles code (DeepSpeed's own loader would)
         self.model = self.engine
         # The scheduler drives the learning rate of the optimizer we made; the engine's wrapper steps through it.
@@ -231,14 +234,18 @@ class DeepSpeedStrategy(Strategy):
         """DeepSpeed's own checkpoint, every rank its partition; written before this returns (DeepSpeed's
         engine offers no background write through this call, so `asynchronous` changes nothing here)."""
         self._release_after_eval()
-        self.engine.save_checkpoint(str(folder / DS_DIR), tag=DS_TAG, save_latest=False,
-                                    exclude_frozen_parameters=self.finetune == "lora")
+        self.engine.save_checkpoint(
+            str(folder / DS_DIR), tag=DS_TAG, save_latest=False, exclude_frozen_parameters=self.finetune == "lora"
+        )
 
     def load_sharded(self, folder: Path) -> None:
         if not (folder / DS_DIR / DS_TAG).is_dir():
-            raise ConfigError(f"{folder} holds no {DS_DIR}/ checkpoint (it was saved by another strategy); resume it "
-                              "with the strategy it was trained with, or start fresh with --overwrite_output_dir")
-        path, _ = self.engine.load_checkpoint(str(folder / DS_DIR), tag=DS_TAG, load_lr_scheduler_states=False,
-                                              load_module_strict=self.finetune != "lora")
+            raise ConfigError(
+                f"{folder} holds no {DS_DIR}/ checkpoint (it was saved by another strategy); resume it "
+                "with the strategy it was trained with, or start fresh with --overwrite_output_dir"
+            )
+        path, _ = self.engine.load_checkpoint(
+            str(folder / DS_DIR), tag=DS_TAG, load_lr_scheduler_states=False, load_module_strict=self.finetune != "lora"
+        )
         if path is None:
             raise ConfigError(f"DeepSpeed could not load its checkpoint from {folder / DS_DIR}")

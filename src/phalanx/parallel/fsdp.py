@@ -61,13 +61,22 @@ class FSDPStrategy(Strategy):
     name = "fsdp"
     shards_state = True  # resume state is written by every rank (torch.distributed.checkpoint), not by rank 0
 
-    def __init__(self, rank: RankInfo, precision: Precision, sharding_strategy: str = "FULL_SHARD",
-                 cpu_offload: bool = False, finetune: str = "lora", param_dtype: Optional[torch.dtype] = None):
+    def __init__(
+        self,
+        rank: RankInfo,
+        precision: Precision,
+        sharding_strategy: str = "FULL_SHARD",
+        cpu_offload: bool = False,
+        finetune: str = "lora",
+        param_dtype: Optional[torch.dtype] = None,
+    ):
         super().__init__(rank, precision)
         # Compute dtype of gathered parameters: an FSDP config file's fsdp_mixed_precision, else the run's precision.
         self.param_dtype = param_dtype or precision.dtype
         if sharding_strategy not in SHARDING_STRATEGIES:
-            raise ConfigError(f"distributed.sharding_strategy = {sharding_strategy!r}; accepted: {', '.join(SHARDING_STRATEGIES)}")
+            raise ConfigError(
+                f"distributed.sharding_strategy = {sharding_strategy!r}; accepted: {', '.join(SHARDING_STRATEGIES)}"
+            )
         self.sharding_strategy = sharding_strategy
         self.cpu_offload = cpu_offload
         self.finetune = finetune
@@ -108,10 +117,15 @@ class FSDPStrategy(Strategy):
         # A unit's trainable parameters must share one dtype (one reduce-scatter). A LoRA base loaded in the compute
         # dtype stays there: it never steps, so an fp32 copy would only double its memory and its all-gather input.
         # Where that cannot hold (torch too old, trainable weights in several dtypes), everything becomes fp32.
-        if len({p.dtype for p in model.parameters() if p.is_floating_point()}) > 1 and not self._frozen_keep_dtype(model):
+        if len({p.dtype for p in model.parameters() if p.is_floating_point()}) > 1 and not self._frozen_keep_dtype(
+            model
+        ):
             model = model.to(torch.float32)
-        mp = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32) \
-            if self.param_dtype is not None else MixedPrecisionPolicy()
+        mp = (
+            MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
+            if self.param_dtype is not None
+            else MixedPrecisionPolicy()
+        )
         offload = CPUOffloadPolicy(pin_memory=self.rank.device.type == "cuda") if self.cpu_offload else OffloadPolicy()
         kwargs = {"mesh": self._mesh(), "mp_policy": mp, "offload_policy": offload}
         layers = decoder_layers(model)
@@ -128,8 +142,12 @@ class FSDPStrategy(Strategy):
         FSDP2 checks dtypes over trainable parameters only."""
         trainable = {p.dtype for p in model.parameters() if p.requires_grad}
         frozen = {p.dtype for p in model.parameters() if not p.requires_grad and p.is_floating_point()}
-        return (self.param_dtype is not None and len(trainable) <= 1 and frozen <= {self.param_dtype}
-                and fsdp_allows_frozen_dtypes())
+        return (
+            self.param_dtype is not None
+            and len(trainable) <= 1
+            and frozen <= {self.param_dtype}
+            and fsdp_allows_frozen_dtypes()
+        )
 
     def micro_step(self, sync_gradients: bool) -> ContextManager:
         self._restore_after_eval()
@@ -207,11 +225,18 @@ class FSDPStrategy(Strategy):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         if not (folder / SHARDED_DIR).is_dir():
-            raise ConfigError(f"{folder} holds no {SHARDED_DIR}/ (it was saved by another strategy); resume it with "
-                              "the strategy it was trained with, or start fresh with --overwrite_output_dir")
+            raise ConfigError(
+                f"{folder} holds no {SHARDED_DIR}/ (it was saved by another strategy); resume it with "
+                "the strategy it was trained with, or start fresh with --overwrite_output_dir"
+            )
         model_state, optim_state = self._sharded()
         state = {"model": model_state, "optimizer": optim_state}
         load_state(state, folder / SHARDED_DIR)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                       # For LoRA the frozen base was not saved (it comes from model_name): those keys stay as loaded.
-                       options=StateDictOptions(strict=self.finetune != "lora"))
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            # For LoRA the frozen base was not saved (it comes from model_name): those keys stay as loaded.
+            options=StateDictOptions(strict=self.finetune != "lora"),
+        )

@@ -8,5 +8,13 @@ strategy; `command` prints the table and the recommendation. Method and accuracy
 from phalanx.plan.estimate import Activations, Row, Setup, activation_bytes, setup_from_config, strategy_rows
 from phalanx.plan.model import ModelFacts, model_facts
 
-__all__ = ["Activations", "ModelFacts", "Row", "Setup", "activation_bytes", "model_facts", "setup_from_config",
-           "strategy_rows"]
+__all__ = [
+    "Activations",
+    "ModelFacts",
+    "Row",
+    "Setup",
+    "activation_bytes",
+    "model_facts",
+    "setup_from_config",
+    "strategy_rows",
+]

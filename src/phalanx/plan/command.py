@@ -44,8 +44,11 @@ def configured_strategy(cfg: RunConfig) -> str:
         sharding = "FULL_SHARD" if d.sharding_strategy == "HYBRID_SHARD" else d.sharding_strategy  # same bytes per rank
         return f"fsdp {sharding}" + (" +offload" if d.offload_param else "")
     if d.strategy == "deepspeed":
-        return (f"ZeRO-{d.zero_stage or 1}" + (" +offload opt" if d.offload_optimizer else "")
-                + ("+param" if d.offload_param else ""))
+        return (
+            f"ZeRO-{d.zero_stage or 1}"
+            + (" +offload opt" if d.offload_optimizer else "")
+            + ("+param" if d.offload_param else "")
+        )
     return "single process" if d.world_size == 1 else "ddp"
 
 
@@ -69,8 +72,11 @@ def with_data_lengths(cfg: RunConfig, setup: Setup, read: bool = True) -> Setup:
     if not setup.packing:
         return setup
     if setup.token_budget is not None:
-        return replace(setup, data_note=f"training.batch_tokens = {setup.token_budget:,}: each micro-batch is filled up "
-                                        "to that many tokens")
+        return replace(
+            setup,
+            data_note=f"training.batch_tokens = {setup.token_budget:,}: each micro-batch is filled up "
+            "to that many tokens",
+        )
     bound = f"batch_size x max_length = {setup.tokens:,} tokens, an upper bound"
     if not read:
         return replace(setup, data_note=f"{bound} (--read_data false)")
@@ -93,9 +99,13 @@ def with_data_lengths(cfg: RunConfig, setup: Setup, read: bool = True) -> Setup:
     b = setup.batch
     tokens, most = sum(sorted(lengths)[-b:]), sum(sorted(targets)[-b:])
     mean = sum(lengths) / len(lengths)
-    return replace(setup, data_tokens=tokens, data_targets=most,
-                   data_note=f"from the data: the {min(b, len(lengths))} longest of {len(lengths):,} rows "
-                             f"({tokens:,} tokens; rows average {mean:,.0f}), at most {most:,} target positions")
+    return replace(
+        setup,
+        data_tokens=tokens,
+        data_targets=most,
+        data_note=f"from the data: the {min(b, len(lengths))} longest of {len(lengths):,} rows "
+        f"({tokens:,} tokens; rows average {mean:,.0f}), at most {most:,} target positions",
+    )
 
 
 def make_plan(cfg: RunConfig, device: str, device_memory: int, read_data: bool = True) -> Plan:
@@ -103,17 +113,27 @@ def make_plan(cfg: RunConfig, device: str, device_memory: int, read_data: bool =
     setup = setup_from_config(cfg, device)
     setup = with_data_lengths(cfg, setup, read_data and facts.packable)
     ds_config = _read_json(cfg.distributed.deepspeed_config)
-    rows = sorted(strategy_rows(facts, setup, device_memory=device_memory, ds_config=ds_config),
-                  key=lambda r: ORDER.get(r.strategy, -1))
+    rows = sorted(
+        strategy_rows(facts, setup, device_memory=device_memory, ds_config=ds_config),
+        key=lambda r: ORDER.get(r.strategy, -1),
+    )
     choice, ckpt = choose(rows)
     configured = configured_strategy(cfg)
     if choice is None:
-        advice = _more_ranks(facts, setup, device_memory, ds_config) + _smaller(cfg, facts, setup, device_memory,
-                                                                                  ds_config, rows)
-        return Plan(facts, setup, device_memory, rows, configured, None, False,
-                    f"no strategy fits in {_human(device_memory)} per rank, even with activation checkpointing and "
-                    "offload",
-                    advice)
+        advice = _more_ranks(facts, setup, device_memory, ds_config) + _smaller(
+            cfg, facts, setup, device_memory, ds_config, rows
+        )
+        return Plan(
+            facts,
+            setup,
+            device_memory,
+            rows,
+            configured,
+            None,
+            False,
+            f"no strategy fits in {_human(device_memory)} per rank, even with activation checkpointing and offload",
+            advice,
+        )
     need = choice.total_ckpt if ckpt else choice.total
     reason = f"{choice.comm}; needs {_human(need)} of {_human(device_memory)} per rank"
     if ckpt:
@@ -121,8 +141,17 @@ def make_plan(cfg: RunConfig, device: str, device_memory: int, read_data: bool =
     if choice.host:
         reason += f", and {_human(choice.host)} of host memory per rank"
     slow = "offload" in choice.strategy or ckpt
-    return Plan(facts, setup, device_memory, rows, configured, choice, ckpt, reason,
-                _more_ranks(facts, setup, device_memory, ds_config) if slow else [])
+    return Plan(
+        facts,
+        setup,
+        device_memory,
+        rows,
+        configured,
+        choice,
+        ckpt,
+        reason,
+        _more_ranks(facts, setup, device_memory, ds_config) if slow else [],
+    )
 
 
 def _more_ranks(facts: ModelFacts, setup: Setup, device_memory: int, ds_config: Optional[dict]) -> list[str]:
@@ -133,29 +162,39 @@ def _more_ranks(facts: ModelFacts, setup: Setup, device_memory: int, ds_config: 
         rows = strategy_rows(facts, replace(setup, world=world), device_memory=device_memory, ds_config=ds_config)
         row, ckpt = choose([r for r in rows if "offload" not in r.strategy])
         if row is not None:
-            flags = " ".join(f for f in (f"--world_size {world}", row.flags, "--gradient_checkpointing true" if ckpt else ""))
+            flags = " ".join(
+                f for f in (f"--world_size {world}", row.flags, "--gradient_checkpointing true" if ckpt else "")
+            )
             return [f"more ranks: {row.strategy} fits on {world} ranks without offload ({flags.strip()})"]
     return []
 
 
-def _smaller(cfg: RunConfig, facts: ModelFacts, setup: Setup, device_memory: int, ds_config: Optional[dict],
-             rows: list[Row]) -> list[str]:
+def _smaller(
+    cfg: RunConfig, facts: ModelFacts, setup: Setup, device_memory: int, ds_config: Optional[dict], rows: list[Row]
+) -> list[str]:
     advice = []
     smallest = min(rows, key=lambda r: r.total_ckpt)
     share = smallest.activations_ckpt / max(smallest.peak_ckpt, 1)
     if share > 0.25:
-        advice.append(f"shorter micro-batches: activations are {share:.0%} of the smallest peak ({smallest.strategy}, "
-                      "checkpointed); lower --batch_size (and raise --gradient_accumulation_steps to keep the global "
-                      "batch) or --max_length")
+        advice.append(
+            f"shorter micro-batches: activations are {share:.0%} of the smallest peak ({smallest.strategy}, "
+            "checkpointed); lower --batch_size (and raise --gradient_accumulation_steps to keep the global "
+            "batch) or --max_length"
+        )
     if setup.finetune == "full":
         lora = cfg.model_copy(update={"model": cfg.model.model_copy(update={"finetune": "lora"})})
-        lora_rows = strategy_rows(model_facts(lora), replace(setup, finetune="lora"), device_memory=device_memory,
-                                  ds_config=ds_config)
+        lora_rows = strategy_rows(
+            model_facts(lora), replace(setup, finetune="lora"), device_memory=device_memory, ds_config=ds_config
+        )
         best = min(lora_rows, key=lambda r: r.total_ckpt)
         if best.total_ckpt < 0.9 * smallest.total_ckpt:  # worth saying only where weights, not activations, weigh
-            advice.append(f"LoRA instead of full fine-tuning (--finetune lora): {best.strategy} with checkpointing "
-                          f"needs {_human(best.total_ckpt)} per rank")
-    advice.append(f"the smallest here, {smallest.strategy} with checkpointing, needs {_human(smallest.total_ckpt)} per rank")
+            advice.append(
+                f"LoRA instead of full fine-tuning (--finetune lora): {best.strategy} with checkpointing "
+                f"needs {_human(best.total_ckpt)} per rank"
+            )
+    advice.append(
+        f"the smallest here, {smallest.strategy} with checkpointing, needs {_human(smallest.total_ckpt)} per rank"
+    )
     return advice
 
 
@@ -187,8 +226,11 @@ def render(plan: Plan) -> str:
     else:
         why = "" if not s.packing else f" (packing off: {m.model_type or 'this model'} is not checked for packing)"
         batch = f"a padded micro-batch of {s.batch} x {s.seq} tokens{why}"
-    head = ("output head and loss at target positions only, in chunks" if m.target_head
-            else "output head over every position (full logits)")
+    head = (
+        "output head and loss at target positions only, in chunks"
+        if m.target_head
+        else "output head over every position (full logits)"
+    )
     lines = [
         f"Memory plan for {m.name}: {s.finetune} fine-tuning, {m.trainable_params:,} of {m.total_params:,} parameters train",
         f"{s.world} rank(s), {s.device}, {dtype}; per rank {batch}, accumulation {s.accumulation}; {head}. "
@@ -199,12 +241,25 @@ def render(plan: Plan) -> str:
     table = [header]
     for r in plan.rows:
         mark = " *" if r.strategy == plan.configured else ""
-        table.append([r.strategy + mark, _human(r.params), _human(r.grads), _human(r.optimizer), _human(r.activations),
-                      _human(r.activations_ckpt), _human(r.peak), _human(r.peak_ckpt), _human(r.host) if r.host else "-",
-                      "yes" if r.fits else ("ckpt" if r.fits_ckpt else "no")])
+        table.append(
+            [
+                r.strategy + mark,
+                _human(r.params),
+                _human(r.grads),
+                _human(r.optimizer),
+                _human(r.activations),
+                _human(r.activations_ckpt),
+                _human(r.peak),
+                _human(r.peak_ckpt),
+                _human(r.host) if r.host else "-",
+                "yes" if r.fits else ("ckpt" if r.fits_ckpt else "no"),
+            ]
+        )
     widths = [max(len(row[k]) for row in table) for k in range(len(header))]
     for k, row in enumerate(table):
-        lines.append("  ".join([row[0].ljust(widths[0])] + [row[j].rjust(widths[j]) for j in range(1, len(row))]).rstrip())
+        lines.append(
+            "  ".join([row[0].ljust(widths[0])] + [row[j].rjust(widths[j]) for j in range(1, len(row))]).rstrip()
+        )
         if k == 0:
             lines.append("  ".join("-" * w for w in widths))
     lines += [
@@ -217,13 +272,19 @@ def render(plan: Plan) -> str:
         + ". Method: docs/plan.md",
     ]
     if s.base_4bit_bytes:
-        lines.append(f"  load_in_4bit: the single-process/ddp row stores the base's linear weights in "
-                     f"{s.base_4bit_bytes:.3f} bytes each; the sharded rows price the base unquantized (an overestimate)")
+        lines.append(
+            f"  load_in_4bit: the single-process/ddp row stores the base's linear weights in "
+            f"{s.base_4bit_bytes:.3f} bytes each; the sharded rows price the base unquantized (an overestimate)"
+        )
     if not m.known_layout:
-        lines.append("  note: not a Llama-family decoder layer: activations use a generic formula, expect a rougher estimate")
+        lines.append(
+            "  note: not a Llama-family decoder layer: activations use a generic formula, expect a rougher estimate"
+        )
     if any(r.strategy.startswith("ZeRO") for r in plan.rows):
-        lines.append("  ZeRO rows include DeepSpeed's reduce bucket (reduce_bucket_size elements, 5e8 unless a "
-                     "--deepspeed_config sets it)")
+        lines.append(
+            "  ZeRO rows include DeepSpeed's reduce bucket (reduce_bucket_size elements, 5e8 unless a "
+            "--deepspeed_config sets it)"
+        )
     lines.append("")
     r = plan.recommended
     if r is None:
@@ -231,7 +292,9 @@ def render(plan: Plan) -> str:
         lines += [f"  - {a}" for a in plan.advice]
         return "\n".join(lines)
     flags = " ".join(f for f in (r.flags, "--gradient_checkpointing true" if plan.recommended_ckpt else "") if f)
-    lines.append(f"Recommended: {r.strategy} on {s.world} rank(s)" + (f" ({flags})" if flags else "") + f": {plan.reason}.")
+    lines.append(
+        f"Recommended: {r.strategy} on {s.world} rank(s)" + (f" ({flags})" if flags else "") + f": {plan.reason}."
+    )
     lines += [f"  - {a}" for a in plan.advice]
     if plan.configured != r.strategy:
         mine = next((row for row in plan.rows if row.strategy == plan.configured), None)
@@ -242,13 +305,24 @@ def render(plan: Plan) -> str:
 
 
 def to_json(plan: Plan) -> dict:
-    facts = {k: (sorted(v) if isinstance(v, frozenset) else v) for k, v in asdict(plan.facts).items() if k != "param_sizes"}
+    facts = {
+        k: (sorted(v) if isinstance(v, frozenset) else v) for k, v in asdict(plan.facts).items() if k != "param_sizes"
+    }
     r = plan.recommended
-    return {"model": facts, "setup": asdict(plan.setup), "device_memory": plan.device_memory,
-            "overhead": OVERHEAD_BYTES[plan.setup.device], "allocator_slack": ALLOCATOR_SLACK[plan.setup.device],
-            "rows": [asdict(row) for row in plan.rows], "configured": plan.configured,
-            "recommended": r.strategy if r else None, "recommended_flags": r.flags if r else None,
-            "recommended_with_checkpointing": plan.recommended_ckpt, "reason": plan.reason, "advice": plan.advice}
+    return {
+        "model": facts,
+        "setup": asdict(plan.setup),
+        "device_memory": plan.device_memory,
+        "overhead": OVERHEAD_BYTES[plan.setup.device],
+        "allocator_slack": ALLOCATOR_SLACK[plan.setup.device],
+        "rows": [asdict(row) for row in plan.rows],
+        "configured": plan.configured,
+        "recommended": r.strategy if r else None,
+        "recommended_flags": r.flags if r else None,
+        "recommended_with_checkpointing": plan.recommended_ckpt,
+        "reason": plan.reason,
+        "advice": plan.advice,
+    }
 
 
 # ------------------------------------------------------------------------------------------------ command
@@ -278,8 +352,10 @@ def device_memory_for(device: str, world: int) -> int:
 
     if device == "cuda":
         if not torch.cuda.is_available():
-            raise ConfigError("no CUDA device is visible here: say how much memory one has, e.g. --device_memory_gb 80, "
-                              "or plan for this machine's CPU with --device cpu")
+            raise ConfigError(
+                "no CUDA device is visible here: say how much memory one has, e.g. --device_memory_gb 80, "
+                "or plan for this machine's CPU with --device cpu"
+            )
         return torch.cuda.get_device_properties(0).total_memory
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // world
 
@@ -305,8 +381,10 @@ def main(args: Sequence[str]) -> int:
         except ValueError:
             gb = math.nan
         if not (gb > 0 and math.isfinite(gb)):
-            raise ConfigError(f"--device_memory_gb {own['device_memory_gb']!r}: give one rank's device memory in GiB, "
-                              "a number above 0 (e.g. 80 for an 80 GB GPU)")
+            raise ConfigError(
+                f"--device_memory_gb {own['device_memory_gb']!r}: give one rank's device memory in GiB, "
+                "a number above 0 (e.g. 80 for an 80 GB GPU)"
+            )
         device_memory = int(gb * GiB)
     else:
         device_memory = device_memory_for(device, cfg.distributed.world_size)
@@ -315,8 +393,9 @@ def main(args: Sequence[str]) -> int:
         raise ConfigError(f"--read_data {own['read_data']!r}: accepted values are true and false")
     switch = own.get("json", "false").lower()
     if switch not in ("true", "false", "1", "0", "yes", "no"):
-        raise ConfigError(f"--json takes no value (got {own['json']!r}); give CONFIG.yaml first: "
-                          "phalanx plan CONFIG.yaml --json")
+        raise ConfigError(
+            f"--json takes no value (got {own['json']!r}); give CONFIG.yaml first: phalanx plan CONFIG.yaml --json"
+        )
     as_json = switch in ("true", "1", "yes")
     plan = make_plan(cfg, device, device_memory, read_data=read in ("true", "1", "yes"))
     print(json.dumps(to_json(plan), indent=2) if as_json else render(plan))

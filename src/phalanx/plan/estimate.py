@@ -29,8 +29,11 @@ OVERHEAD_BYTES = {"cuda": int(1.0 * GiB), "cpu": int(0.6 * GiB)}
 # The CUDA caching allocator reserves more than the tensors it hands out (block rounding, fragmentation).
 ALLOCATOR_SLACK = {"cuda": 0.10, "cpu": 0.0}
 # DeepSpeed's defaults (deepspeed.runtime.zero.config) for the knobs phalanx leaves unset.
-DS_DEFAULTS = {"reduce_bucket_size": 500_000_000, "stage3_prefetch_bucket_size": 50_000_000,
-               "stage3_param_persistence_threshold": 100_000}
+DS_DEFAULTS = {
+    "reduce_bucket_size": 500_000_000,
+    "stage3_prefetch_bucket_size": 50_000_000,
+    "stage3_param_persistence_threshold": 100_000,
+}
 
 
 @dataclass(frozen=True)
@@ -47,21 +50,47 @@ class Strategy:
 STRATEGIES = [
     Strategy("ddp", "--strategy ddp", "one all-reduce of gradients per step"),
     Strategy("fsdp NO_SHARD", "--strategy fsdp --sharding_strategy NO_SHARD", "one all-reduce of gradients per step"),
-    Strategy("ZeRO-1", "--strategy deepspeed --zero_stage 1", "all-reduce of gradients, all-gather of updated parameters"),
-    Strategy("fsdp SHARD_GRAD_OP", "--strategy fsdp --sharding_strategy SHARD_GRAD_OP",
-             "reduce-scatter of gradients, one all-gather of parameters per step"),
-    Strategy("ZeRO-2", "--strategy deepspeed --zero_stage 2", "reduce-scatter of gradients, all-gather of updated parameters"),
-    Strategy("fsdp FULL_SHARD", "--strategy fsdp --sharding_strategy FULL_SHARD",
-             "reduce-scatter of gradients, two all-gathers of parameters per step"),
-    Strategy("ZeRO-3", "--strategy deepspeed --zero_stage 3", "reduce-scatter of gradients, two all-gathers of parameters per step"),
-    Strategy("ZeRO-2 +offload opt", "--strategy deepspeed --zero_stage 2 --offload_optimizer",
-             "ZeRO-2's, plus the optimizer step on the host"),
-    Strategy("ZeRO-3 +offload opt", "--strategy deepspeed --zero_stage 3 --offload_optimizer",
-             "ZeRO-3's, plus the optimizer step on the host"),
-    Strategy("fsdp FULL_SHARD +offload", "--strategy fsdp --sharding_strategy FULL_SHARD --offload_param",
-             "FULL_SHARD's, plus host copies of every shard and the optimizer step on the host"),
-    Strategy("ZeRO-3 +offload opt+param", "--strategy deepspeed --zero_stage 3 --offload_optimizer --offload_param",
-             "ZeRO-3's, plus parameters fetched from the host and the optimizer step on the host"),
+    Strategy(
+        "ZeRO-1", "--strategy deepspeed --zero_stage 1", "all-reduce of gradients, all-gather of updated parameters"
+    ),
+    Strategy(
+        "fsdp SHARD_GRAD_OP",
+        "--strategy fsdp --sharding_strategy SHARD_GRAD_OP",
+        "reduce-scatter of gradients, one all-gather of parameters per step",
+    ),
+    Strategy(
+        "ZeRO-2", "--strategy deepspeed --zero_stage 2", "reduce-scatter of gradients, all-gather of updated parameters"
+    ),
+    Strategy(
+        "fsdp FULL_SHARD",
+        "--strategy fsdp --sharding_strategy FULL_SHARD",
+        "reduce-scatter of gradients, two all-gathers of parameters per step",
+    ),
+    Strategy(
+        "ZeRO-3",
+        "--strategy deepspeed --zero_stage 3",
+        "reduce-scatter of gradients, two all-gathers of parameters per step",
+    ),
+    Strategy(
+        "ZeRO-2 +offload opt",
+        "--strategy deepspeed --zero_stage 2 --offload_optimizer",
+        "ZeRO-2's, plus the optimizer step on the host",
+    ),
+    Strategy(
+        "ZeRO-3 +offload opt",
+        "--strategy deepspeed --zero_stage 3 --offload_optimizer",
+        "ZeRO-3's, plus the optimizer step on the host",
+    ),
+    Strategy(
+        "fsdp FULL_SHARD +offload",
+        "--strategy fsdp --sharding_strategy FULL_SHARD --offload_param",
+        "FULL_SHARD's, plus host copies of every shard and the optimizer step on the host",
+    ),
+    Strategy(
+        "ZeRO-3 +offload opt+param",
+        "--strategy deepspeed --zero_stage 3 --offload_optimizer --offload_param",
+        "ZeRO-3's, plus parameters fetched from the host and the optimizer step on the host",
+    ),
 ]
 BY_LABEL = {s.label: s for s in STRATEGIES}
 SINGLE = Strategy("single process", "", "none")
@@ -110,19 +139,30 @@ class Setup:
 def setup_from_config(cfg: RunConfig, device: str) -> Setup:
     mp = cfg.training.mixed_precision
     if device == "cpu" and mp in ("fp16", "bf16"):
-        raise ConfigError(f"training.mixed_precision = '{mp}' needs a CUDA device; plan with --device cuda, or use "
-                          "'auto' / 'no' for a CPU run")
+        raise ConfigError(
+            f"training.mixed_precision = '{mp}' needs a CUDA device; plan with --device cuda, or use "
+            "'auto' / 'no' for a CPU run"
+        )
     compute = FP32 if device == "cpu" or mp == "no" else 2  # 'auto' on CUDA is bf16 (fp16 on old GPUs): 2 bytes
     four_bit = 0.0
     if getattr(cfg.model, "load_in_4bit", False):
         # 4 bits per weight and an fp32 scale per block of 64; double quantization stores the scales in 8 bits
         # with an fp32 scale per 256 of them.
         four_bit = 0.5 + (1 / 64 + 4 / (64 * 256) if cfg.model.bnb_4bit_use_double_quant else 4 / 64)
-    return Setup(device=device, compute_bytes=compute, batch=cfg.training.batch_size, seq=cfg.data.max_length,
-                 accumulation=cfg.training.gradient_accumulation_steps, world=cfg.distributed.world_size,
-                 finetune=cfg.model.finetune, lora_dropout=cfg.lora.dropout, base_4bit_bytes=four_bit,
-                 packing=cfg.data.packing, token_budget=getattr(cfg.training, "batch_tokens", None),
-                 compiled=compile_wanted(cfg.training.compile, torch.device(device)))
+    return Setup(
+        device=device,
+        compute_bytes=compute,
+        batch=cfg.training.batch_size,
+        seq=cfg.data.max_length,
+        accumulation=cfg.training.gradient_accumulation_steps,
+        world=cfg.distributed.world_size,
+        finetune=cfg.model.finetune,
+        lora_dropout=cfg.lora.dropout,
+        base_4bit_bytes=four_bit,
+        packing=cfg.data.packing,
+        token_budget=getattr(cfg.training, "batch_tokens", None),
+        compiled=compile_wanted(cfg.training.compile, torch.device(device)),
+    )
 
 
 # ------------------------------------------------------------------------------------------------ activations
@@ -165,8 +205,9 @@ def activation_bytes(m: ModelFacts, s: Setup, stream: int, compute: int) -> Acti
     logits, logits_kept = loss_bytes(m, s, compute, t)
     if not m.known_layout:  # 18 hidden-sized and 4 intermediate-sized tensors per token and layer
         layer = (18 * h + 4 * i) * compute * t
-        return Activations(saved=layer * m.num_layers, checkpointed=m.num_layers * h * stream * t + layer,
-                           logits=logits)
+        return Activations(
+            saved=layer * m.num_layers, checkpointed=m.num_layers * h * stream * t + layer, logits=logits
+        )
 
     # Several rows per padded micro-batch: transformers then passes a mask, and SDPA converts it to an additive
     # mask in the query dtype per layer (kept for backward) and k/v heads are repeated to full size.
@@ -229,8 +270,13 @@ def activation_bytes(m: ModelFacts, s: Setup, stream: int, compute: int) -> Acti
     rope = 2 * (t if packed else seq) * m.head_dim * compute  # cos and sin per position of the (packed) row
     saved = (first_layer + per_layer * (m.num_layers - 1) + final_norm + shared) * t + targets + rope
     inputs = (m.num_layers * h * stream + final_norm + shared) * t + targets + rope
-    return Activations(saved=saved, checkpointed=inputs + per_layer * t, logits=logits, logits_kept=logits_kept,
-                       checkpointed_forward=inputs)
+    return Activations(
+        saved=saved,
+        checkpointed=inputs + per_layer * t,
+        logits=logits,
+        logits_kept=logits_kept,
+        checkpointed_forward=inputs,
+    )
 
 
 def loss_bytes(m: ModelFacts, s: Setup, compute: int, tokens: int) -> tuple[int, int]:
@@ -312,9 +358,19 @@ def strategy_rows(m: ModelFacts, s: Setup, *, device_memory: int, ds_config: Opt
     frozen = m.frozen_params * (c if lora else FP32)
     if s.base_4bit_bytes:  # QLoRA: the decoder layers' linear weights in 4 bits, the rest of the base as loaded
         frozen = int(m.quantizable_params * s.base_4bit_bytes) + (m.frozen_params - m.quantizable_params) * c
-    rows.append(_row(BY_LABEL["ddp"] if n > 1 else SINGLE, s, act, params=frozen + T * FP32, optimizer=2 * T * FP32,
-                     grads=T * FP32 + buckets, grads_kept=buckets, working=(0 if lora else T * c) if mixed else 0,
-                     scratch=scratch(T, m.largest_trainable)))
+    rows.append(
+        _row(
+            BY_LABEL["ddp"] if n > 1 else SINGLE,
+            s,
+            act,
+            params=frozen + T * FP32,
+            optimizer=2 * T * FP32,
+            grads=T * FP32 + buckets,
+            grads_kept=buckets,
+            working=(0 if lora else T * c) if mixed else 0,
+            scratch=scratch(T, m.largest_trainable),
+        )
+    )
 
     # FSDP2: shards of what trains in fp32; a LoRA base stays in the compute dtype it was loaded in (parallel/fsdp.py).
     # The mixed-precision policy gathers units in the compute dtype. One unit per decoder layer plus the root
@@ -328,19 +384,45 @@ def strategy_rows(m: ModelFacts, s: Setup, *, device_memory: int, ds_config: Opt
         ("fsdp SHARD_GRAD_OP", n, (root + m.num_layers * unit) * c),  # every layer stays gathered until backward
         ("fsdp FULL_SHARD", n, (root + 2 * unit) * c),  # the running layer and the prefetched one
     ):
-        rows.append(_row(BY_LABEL[label], s, fsdp_act, params=_shard(fsdp_frozen, div) + _shard(T, div) * FP32,
-                         working=gathered + unit_grads,
-                         grads=_shard(T, div) * FP32, grads_kept=0, optimizer=2 * _shard(T, div) * FP32,
-                         scratch=scratch(_shard(T, div), _shard(m.largest_trainable, div))))
+        rows.append(
+            _row(
+                BY_LABEL[label],
+                s,
+                fsdp_act,
+                params=_shard(fsdp_frozen, div) + _shard(T, div) * FP32,
+                working=gathered + unit_grads,
+                grads=_shard(T, div) * FP32,
+                grads_kept=0,
+                optimizer=2 * _shard(T, div) * FP32,
+                scratch=scratch(_shard(T, div), _shard(m.largest_trainable, div)),
+            )
+        )
     # CPU offload: shards, gradients and the optimizer step live on the host; the device holds what is gathered.
-    rows.append(_row(BY_LABEL["fsdp FULL_SHARD +offload"], s, fsdp_act, params=0, working=(root + 2 * unit) * c + unit_grads,
-                     grads=0, grads_kept=0, optimizer=0, scratch=0,
-                     host=_shard(fsdp_frozen, n) + 4 * _shard(T, n) * FP32))
+    rows.append(
+        _row(
+            BY_LABEL["fsdp FULL_SHARD +offload"],
+            s,
+            fsdp_act,
+            params=0,
+            working=(root + 2 * unit) * c + unit_grads,
+            grads=0,
+            grads_kept=0,
+            optimizer=0,
+            scratch=0,
+            host=_shard(fsdp_frozen, n) + 4 * _shard(T, n) * FP32,
+        )
+    )
 
     knobs = _ds_knobs(ds_config)
     ds_act = activation_bytes(m, s, stream=c, compute=c)
-    for stage, off_opt, off_param in ((1, False, False), (2, False, False), (3, False, False), (2, True, False),
-                                      (3, True, False), (3, True, True)):
+    for stage, off_opt, off_param in (
+        (1, False, False),
+        (2, False, False),
+        (3, False, False),
+        (2, True, False),
+        (3, True, False),
+        (3, True, True),
+    ):
         rows.append(_zero_row(stage, off_opt, off_param, m, s, ds_act, knobs))
 
     for row in rows:
@@ -361,8 +443,9 @@ def _ds_knobs(ds_config: Optional[dict]) -> dict[str, int]:
     return out
 
 
-def _zero_row(stage: int, off_opt: bool, off_param: bool, m: ModelFacts, s: Setup, act: Activations,
-              knobs: dict[str, int]) -> Row:
+def _zero_row(
+    stage: int, off_opt: bool, off_param: bool, m: ModelFacts, s: Setup, act: Activations, knobs: dict[str, int]
+) -> Row:
     """DeepSpeed ZeRO: the model in the compute dtype, an fp32 master copy of the rank's partition of what trains,
     AdamW on that copy, and a reduce bucket of reduce_bucket_size elements allocated whole, whatever the model."""
     n, c, T, P = s.world, s.compute_bytes, m.trainable_params, m.total_params
@@ -393,12 +476,35 @@ def _zero_row(stage: int, off_opt: bool, off_param: bool, m: ModelFacts, s: Setu
     if off_param:
         host += params - small * c
         params = small * c
-    return _row(BY_LABEL[label], s, act, params=params + master, working=working, grads=grads, grads_kept=grads_kept,
-                optimizer=moments, scratch=scratch, host=host, detail={"fp32_master": master, "reduce_bucket": bucket})
+    return _row(
+        BY_LABEL[label],
+        s,
+        act,
+        params=params + master,
+        working=working,
+        grads=grads,
+        grads_kept=grads_kept,
+        optimizer=moments,
+        scratch=scratch,
+        host=host,
+        detail={"fp32_master": master, "reduce_bucket": bucket},
+    )
 
 
-def _row(strategy: Strategy, s: Setup, act: Activations, *, params: int, working: int, grads: int, grads_kept: int,
-         optimizer: int, scratch: int, host: int = 0, detail: Optional[dict] = None) -> Row:
+def _row(
+    strategy: Strategy,
+    s: Setup,
+    act: Activations,
+    *,
+    params: int,
+    working: int,
+    grads: int,
+    grads_kept: int,
+    optimizer: int,
+    scratch: int,
+    host: int = 0,
+    detail: Optional[dict] = None,
+) -> Row:
     """The peak of a training step (docs/plan.md, "Peak"). Activations are largest when backward starts, gradients
     when it ends, so the peak is the larger of the two moments, not their sum:
 
@@ -411,9 +517,26 @@ def _row(strategy: Strategy, s: Setup, act: Activations, *, params: int, working
     def peak(activations: int) -> int:
         return max(params + working + optimizer + kept + activations, params + optimizer + grads + scratch)
 
-    return Row(strategy=strategy.label, flags=strategy.flags, comm=strategy.comm, params=params + working, grads=grads,
-               optimizer=optimizer, activations=act.peak, activations_ckpt=act.peak_checkpointed,
-               peak=peak(act.peak), peak_ckpt=peak(act.peak_checkpointed), host=host,
-               detail={"resident_params": params, "working_params": working, "grads_kept": grads_kept,
-                       "optimizer_scratch": scratch, "activations_saved": act.saved, "activations_checkpointed":
-                       act.checkpointed, "logits": act.logits, **(detail or {})})
+    return Row(
+        strategy=strategy.label,
+        flags=strategy.flags,
+        comm=strategy.comm,
+        params=params + working,
+        grads=grads,
+        optimizer=optimizer,
+        activations=act.peak,
+        activations_ckpt=act.peak_checkpointed,
+        peak=peak(act.peak),
+        peak_ckpt=peak(act.peak_checkpointed),
+        host=host,
+        detail={
+            "resident_params": params,
+            "working_params": working,
+            "grads_kept": grads_kept,
+            "optimizer_scratch": scratch,
+            "activations_saved": act.saved,
+            "activations_checkpointed": act.checkpointed,
+            "logits": act.logits,
+            **(detail or {}),
+        },
+    )

@@ -13,8 +13,15 @@ from phalanx.config.schema import RunConfig
 from phalanx.errors import ConfigError
 
 # Linear layers of a Llama-family decoder layer, by the role they play in the activation formula.
-ROLES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
-         "down_proj": "down"}
+ROLES = {
+    "q_proj": "q",
+    "k_proj": "k",
+    "v_proj": "v",
+    "o_proj": "o",
+    "gate_proj": "gate",
+    "up_proj": "up",
+    "down_proj": "down",
+}
 
 
 @dataclass(frozen=True)
@@ -66,7 +73,9 @@ def build_meta_model(cfg: RunConfig):
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=remote)
     except (OSError, ValueError, KeyError) as exc:
-        raise ConfigError(f"model.model_name = {cfg.model.model_name!r}: cannot build it from its config: {exc}") from None
+        raise ConfigError(
+            f"model.model_name = {cfg.model.model_name!r}: cannot build it from its config: {exc}"
+        ) from None
     # Checkpointing changes no parameter and the plan prices it separately; 4-bit storage is priced from the counts.
     off = {name: False for name in ("gradient_checkpointing", "load_in_4bit") if name in type(cfg.model).model_fields}
     model_cfg = cfg.model.model_copy(update=off)
@@ -91,7 +100,7 @@ def model_facts(cfg: RunConfig) -> ModelFacts:
     trainable_norms = False
     fused = True
     names: set[str] = set()
-    for name, module in (first.named_modules() if first is not None else []):
+    for name, module in first.named_modules() if first is not None else []:
         short = name.rsplit(".", 1)[-1]
         names.add(short)
         if short in ROLES:
@@ -106,8 +115,12 @@ def model_facts(cfg: RunConfig) -> ModelFacts:
             trainable_norms = True
     import torch
 
-    quantizable = sum(module.weight.numel() for layer in layers for module in layer.modules()
-                      if isinstance(module, torch.nn.Linear) and not module.weight.requires_grad)
+    quantizable = sum(
+        module.weight.numel()
+        for layer in layers
+        for module in layer.modules()
+        if isinstance(module, torch.nn.Linear) and not module.weight.requires_grad
+    )
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     model_type = str(getattr(config, "model_type", "") or "")
     hidden, heads = int(text.hidden_size), int(text.num_attention_heads)
@@ -133,9 +146,12 @@ def model_facts(cfg: RunConfig) -> ModelFacts:
         lora_ranks=lora_ranks,
         trainable_norms=trainable_norms,
         quantizable_params=quantizable,
-        head_trainable=bool(head is not None and getattr(head, "weight", None) is not None and head.weight.requires_grad),
+        head_trainable=bool(
+            head is not None and getattr(head, "weight", None) is not None and head.weight.requires_grad
+        ),
         model_type=model_type,
-        packable=packing_unsupported_reason(model.get_base_model() if hasattr(model, "get_base_model") else model) is None,
+        packable=packing_unsupported_reason(model.get_base_model() if hasattr(model, "get_base_model") else model)
+        is None,
         # The same test install_target_head makes at run time: a known model type and a plain (unadapted) head.
         target_head=model_type in TARGET_HEAD_MODEL_TYPES and type(head) is torch.nn.Linear,
         lora_fused=fused and bool(lora_ranks),

@@ -81,7 +81,9 @@ def init_runtime(backend: str = "auto", timeout_minutes: float = 10.0, group_of_
     backend = resolve_backend(backend)
     if backend == "nccl":
         if not torch.cuda.is_available():
-            raise ConfigError("distributed.backend = 'nccl' needs CUDA devices; none are visible. Use 'gloo' or 'auto'.")
+            raise ConfigError(
+                "distributed.backend = 'nccl' needs CUDA devices; none are visible. Use 'gloo' or 'auto'."
+            )
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
@@ -101,8 +103,13 @@ def init_runtime(backend: str = "auto", timeout_minutes: float = 10.0, group_of_
         # What a launcher would have set: libraries such as DeepSpeed read the rank from the environment.
         for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1")):
             os.environ.setdefault(name, value)
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
-                                device_id=device if backend == "nccl" else None)
+        dist.init_process_group(
+            backend=backend,
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            device_id=device if backend == "nccl" else None,
+        )
     return RankInfo(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world, device=device)
 
 
@@ -115,8 +122,13 @@ def attempt_store(rank: int, world: int, timeout_minutes: float) -> dict:
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                           timeout=timedelta(minutes=timeout_minutes))
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=False,
+        timeout=timedelta(minutes=timeout_minutes),
+    )
     return {"store": dist.PrefixStore(f"phalanx/attempt_{attempt}", client), "rank": rank, "world_size": world}
 
 

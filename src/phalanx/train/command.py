@@ -64,8 +64,13 @@ def launch_train_ranks(cfg: RunConfig, args: Sequence[str]) -> int:
     check_world_fits(cfg.distributed.world_size, cfg.distributed.backend)
     check_before_launch(cfg, cfg.distributed.world_size, on_gpu=resolve_backend(cfg.distributed.backend) == "nccl")
     resume_point(cfg)  # an output_dir that holds another run is refused here, once, before any rank starts
-    return launch_local(["train", *args], cfg.distributed.world_size, cfg.distributed.master_port,
-                        max_restarts=cfg.distributed.max_restarts, shutdown_timeout_s=cfg.distributed.shutdown_timeout_s)
+    return launch_local(
+        ["train", *args],
+        cfg.distributed.world_size,
+        cfg.distributed.master_port,
+        max_restarts=cfg.distributed.max_restarts,
+        shutdown_timeout_s=cfg.distributed.shutdown_timeout_s,
+    )
 
 
 def train_rank(args: Sequence[str], preemption: PreemptionFlag) -> int:
@@ -103,7 +108,9 @@ def train_worker(cfg: RunConfig, preemption: PreemptionFlag) -> int:
         train(run)
         finish_run(run)
     except Preempted as exc:
-        print(f"⏸️  {exc}; exiting with status {PREEMPTED_EXIT_CODE} so a requeue resumes it", file=sys.stderr, flush=True)
+        print(
+            f"⏸️  {exc}; exiting with status {PREEMPTED_EXIT_CODE} so a requeue resumes it", file=sys.stderr, flush=True
+        )
         return PREEMPTED_EXIT_CODE
     except PhalanxError:
         raise
@@ -113,13 +120,16 @@ def train_worker(cfg: RunConfig, preemption: PreemptionFlag) -> int:
         from phalanx.checkpoint.commit import committed_step_checkpoints
 
         kept = [p.name for _, p in committed_step_checkpoints(Path(cfg.output_dir))]
-        raise PhalanxError(f"rank {rank} cannot write to output_dir {cfg.output_dir}: {exc.strerror} ({exc.filename}). "
-                           f"Committed checkpoints are intact: {kept or 'none yet'}; free space or fix permissions, "
-                           "then rerun the same command to resume.") from None
+        raise PhalanxError(
+            f"rank {rank} cannot write to output_dir {cfg.output_dir}: {exc.strerror} ({exc.filename}). "
+            f"Committed checkpoints are intact: {kept or 'none yet'}; free space or fix permissions, "
+            "then rerun the same command to resume."
+        ) from None
     except Exception as exc:
         if world > 1:
-            raise PhalanxError(f"rank {rank} failed: {type(exc).__name__}: {exc}\n  what each rank was doing: "
-                               f"{describe_ranks(world)}") from exc
+            raise PhalanxError(
+                f"rank {rank} failed: {type(exc).__name__}: {exc}\n  what each rank was doing: {describe_ranks(world)}"
+            ) from exc
         raise
     finally:
         if run is not None:

@@ -26,7 +26,9 @@ def evaluate(model: nn.Module, batches, device: torch.device, autocast) -> dict:
         with autocast():
             loss_sum = token_loss_sum(model, batch)
         loss_total += loss_sum.double()
-    totals = torch.stack([loss_total, torch.tensor(float(tokens), dtype=torch.float64, device=device)])  # [loss sum, target tokens]
+    totals = torch.stack(
+        [loss_total, torch.tensor(float(tokens), dtype=torch.float64, device=device)]
+    )  # [loss sum, target tokens]
     all_reduce_sum(totals)
     model.train(was_training)
     loss = (totals[0] / totals[1].clamp(min=1)).item()

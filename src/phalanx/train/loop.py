@@ -44,8 +44,11 @@ def train_step(run: Run, micro_batches: list[dict]) -> dict:
     device, strategy, step = run.rank.device, run.strategy, run.state.global_step + 1
     local = [batch_counts(mb) for mb in micro_batches]
     # Token counts and the preemption flag travel in one collective: every rank learns both in the same step.
-    counts = all_reduce_sum(torch.tensor([sum(t for t, _ in local), sum(i for _, i in local), float(run.preemption.requested)],
-                                         dtype=torch.float64).to(device, non_blocking=True))
+    counts = all_reduce_sum(
+        torch.tensor(
+            [sum(t for t, _ in local), sum(i for _, i in local), float(run.preemption.requested)], dtype=torch.float64
+        ).to(device, non_blocking=True)
+    )
     # DDP averages gradients over ranks; multiplying by world size turns that average into a global token sum.
     scale = (run.rank.world_size / counts[0].clamp(min=1.0)).float()
     loss_total = torch.zeros((), dtype=torch.float64, device=device)
@@ -57,11 +60,19 @@ def train_step(run: Run, micro_batches: list[dict]) -> dict:
             strategy.backward(loss_sum * scale)
         loss_total += loss_sum.detach().double()
     # Reduced before the optimizer step, so a NaN on any rank is seen, and decided on, by all of them.
-    global_loss, target_tokens, input_tokens, preempt = torch.cat([all_reduce_sum(loss_total).reshape(1), counts]).tolist()
+    global_loss, target_tokens, input_tokens, preempt = torch.cat(
+        [all_reduce_sum(loss_total).reshape(1), counts]
+    ).tolist()
     loss = global_loss / max(target_tokens, 1.0)
     lr = run.scheduler.get_last_lr()[0]
-    metrics = {"loss": loss, "lr": lr, "target_tokens": int(target_tokens), "input_tokens": int(input_tokens),
-               "preempt": preempt > 0, "finite": math.isfinite(loss)}
+    metrics = {
+        "loss": loss,
+        "lr": lr,
+        "target_tokens": int(target_tokens),
+        "input_tokens": int(input_tokens),
+        "preempt": preempt > 0,
+        "finite": math.isfinite(loss),
+    }
     if not metrics["finite"]:
         strategy.discard_gradients()
         return {**metrics, "grad_norm": float("nan")}
@@ -89,14 +100,20 @@ def handle_non_finite(run: Run, metrics: dict) -> None:
     step = run.state.global_step + 1
     if run.cfg.training.nan_policy == "stop":
         run.checkpointer.maybe_save(run.state.global_step, stopping=True)
-        raise PhalanxError(f"non-finite loss ({metrics['loss']}) at step {step}; checkpoint-{run.state.global_step} "
-                           "saved. Lower the learning rate or check the data, then resume; or use --nan_policy skip.")
+        raise PhalanxError(
+            f"non-finite loss ({metrics['loss']}) at step {step}; checkpoint-{run.state.global_step} "
+            "saved. Lower the learning rate or check the data, then resume; or use --nan_policy skip."
+        )
     run.state.skipped_steps += 1
     run.consecutive_skips += 1
-    run.reporter.say(f"⚠️  Step {step}: non-finite loss ({metrics['loss']}); update skipped ({run.state.skipped_steps} so far)")
+    run.reporter.say(
+        f"⚠️  Step {step}: non-finite loss ({metrics['loss']}); update skipped ({run.state.skipped_steps} so far)"
+    )
     if run.consecutive_skips >= MAX_CONSECUTIVE_SKIPS:
-        raise PhalanxError(f"the loss stayed non-finite for {MAX_CONSECUTIVE_SKIPS} steps in a row from step {step}; "
-                           "the run cannot recover by skipping. Lower the learning rate or check the data.")
+        raise PhalanxError(
+            f"the loss stayed non-finite for {MAX_CONSECUTIVE_SKIPS} steps in a row from step {step}; "
+            "the run cannot recover by skipping. Lower the learning rate or check the data."
+        )
 
 
 def train(run: Run) -> None:
@@ -127,18 +144,32 @@ def train(run: Run) -> None:
             window["steps"] += 1
             window["tokens"] += metrics["input_tokens"]
             tokens_per_s = window["tokens"] / max(time.perf_counter() - window["start"], 1e-9)
-            reporter.advance(1, {"loss": f"{metrics['loss']:.4f}", "lr": f"{metrics['lr']:.2e}", "tok/s": f"{tokens_per_s:.0f}"})
+            reporter.advance(
+                1, {"loss": f"{metrics['loss']:.4f}", "lr": f"{metrics['lr']:.2e}", "tok/s": f"{tokens_per_s:.0f}"}
+            )
             step, last = state.global_step, state.global_step >= run.total_steps
             if step % cfg.logging.log_steps == 0 or last:
-                reporter.log(step, {"loss": window["loss"] / window["steps"], "lr": metrics["lr"], "grad_norm": float(metrics["grad_norm"]),
-                                    "tokens_per_s": tokens_per_s, "tokens_seen": state.tokens_seen, "epoch": state.epoch}, kind="train")
+                reporter.log(
+                    step,
+                    {
+                        "loss": window["loss"] / window["steps"],
+                        "lr": metrics["lr"],
+                        "grad_norm": float(metrics["grad_norm"]),
+                        "tokens_per_s": tokens_per_s,
+                        "tokens_seen": state.tokens_seen,
+                        "epoch": state.epoch,
+                    },
+                    kind="train",
+                )
                 window = {"loss": 0.0, "steps": 0, "tokens": 0, "start": time.perf_counter()}
             if step % cfg.eval.eval_steps == 0 or last:
                 run_eval(run)
             run.checkpointer.maybe_save(step, stopping=metrics["preempt"])  # preempted: committed before exiting
             if metrics["preempt"]:
-                raise Preempted(f"preempted ({run.preemption.signal_name or 'signal on another rank'}) at step {step}; "
-                                f"checkpoint-{step} saved")
+                raise Preempted(
+                    f"preempted ({run.preemption.signal_name or 'signal on another rank'}) at step {step}; "
+                    f"checkpoint-{step} saved"
+                )
             if last:
                 break
         if run.sampler.exhausted:

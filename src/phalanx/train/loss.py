@@ -74,14 +74,21 @@ def _target_head_forward(self: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
     if request is None:
         return F.linear(hidden, self.weight, self.bias)
     if hidden.shape[:-1].numel() != request.tokens:
-        raise RuntimeError(f"the output head got hidden states of shape {tuple(hidden.shape)} for {request.tokens} labels")
+        raise RuntimeError(
+            f"the output head got hidden states of shape {tuple(hidden.shape)} for {request.tokens} labels"
+        )
     request.used = True
     selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, request.positions)
     return linear_cross_entropy_sum(selected, self.weight, self.bias, request.targets, request.chunk_logits)
 
 
-def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                             targets: torch.Tensor, chunk_logits: Optional[int] = None) -> torch.Tensor:
+def linear_cross_entropy_sum(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    targets: torch.Tensor,
+    chunk_logits: Optional[int] = None,
+) -> torch.Tensor:
     """sum_i CE(hidden[i] @ weight.T + bias, targets[i]) in fp32, computed in chunks of positions.
 
     The matmuls run in the ambient (autocast) dtype, the log-sum-exp in fp32. With gradients enabled each
@@ -89,10 +96,13 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: O
     forward, so only chunk-sized logits ever exist; backward scales the stored gradients."""
     if hidden.shape[0] == 0:
         return F.linear(hidden, weight, bias).float().sum()  # 0, still connected to the graph (DDP waits on it)
-    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad
-                                    or (bias is not None and bias.requires_grad)):
+    if torch.is_grad_enabled() and (
+        hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    ):
         return _LinearCrossEntropy.apply(hidden, weight, bias, targets, chunk_rows(weight.shape[0], chunk_logits))
-    total, *_ = _chunked(hidden, weight, bias, targets, chunk_rows(weight.shape[0], chunk_logits), (False, False, False))
+    total, *_ = _chunked(
+        hidden, weight, bias, targets, chunk_rows(weight.shape[0], chunk_logits), (False, False, False)
+    )
     return total
 
 
@@ -103,7 +113,7 @@ def _chunked(hidden, weight, bias, targets, rows: int, need: tuple[bool, bool, b
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
     grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
     for start in range(0, hidden.shape[0], rows):
-        h, y = hidden[start:start + rows], targets[start:start + rows]
+        h, y = hidden[start : start + rows], targets[start : start + rows]
         logits = F.linear(h, weight, bias)
         compute_dtype = logits.dtype
         logits = logits.float()
@@ -114,7 +124,7 @@ def _chunked(hidden, weight, bias, targets, rows: int, need: tuple[bool, bool, b
             probs[torch.arange(len(y), device=y.device), y] -= 1.0  # d CE / d logits
             g = probs.to(compute_dtype)
             if need_h:
-                grad_h[start:start + rows] = g @ weight
+                grad_h[start : start + rows] = g @ weight
             if need_w:
                 grad_w += (g.t() @ h).float()
             if need_b:
@@ -190,8 +200,11 @@ def _chunked_cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, rows
         return logits.float().sum()
     total = None
     for start in range(0, logits.shape[0], rows):
-        args = (logits[start:start + rows], targets[start:start + rows])
-        part = checkpoint(_ce_sum, *args, use_reentrant=False) if torch.is_grad_enabled() and logits.requires_grad \
+        args = (logits[start : start + rows], targets[start : start + rows])
+        part = (
+            checkpoint(_ce_sum, *args, use_reentrant=False)
+            if torch.is_grad_enabled() and logits.requires_grad
             else _ce_sum(*args)
+        )
         total = part if total is None else total + part
     return total

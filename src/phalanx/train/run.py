@@ -101,9 +101,18 @@ def stateful_objects(strategy: Strategy, optimizer: Any, scheduler: Any) -> dict
     return objects
 
 
-def make_checkpointer(cfg: RunConfig, rank: rt.RankInfo, output_dir: Path, state: TrainerState, strategy: Strategy,
-                      optimizer: Any, scheduler: Any, sampler: TrainSampler, tokenizer: Any,
-                      total_steps: int) -> Checkpointer:
+def make_checkpointer(
+    cfg: RunConfig,
+    rank: rt.RankInfo,
+    output_dir: Path,
+    state: TrainerState,
+    strategy: Strategy,
+    optimizer: Any,
+    scheduler: Any,
+    sampler: TrainSampler,
+    tokenizer: Any,
+    total_steps: int,
+) -> Checkpointer:
     """The run's Checkpointer: the unwrapped model or adapter, the stateful objects, and trainer_state.json holding
     the counters, the sampler's position and the config. Each save also rewrites training_info.json (rank 0)."""
 
@@ -113,11 +122,20 @@ def make_checkpointer(cfg: RunConfig, rank: rt.RankInfo, output_dir: Path, state
 
     c = cfg.checkpoint
     return Checkpointer(
-        output_dir, rank, model=strategy.unwrap(), tokenizer=tokenizer, strategy=strategy, finetune=cfg.model.finetune,
+        output_dir,
+        rank,
+        model=strategy.unwrap(),
+        tokenizer=tokenizer,
+        strategy=strategy,
+        finetune=cfg.model.finetune,
         states=stateful_objects(strategy, optimizer, scheduler),
         trainer_state=lambda: {**state.state_dict(), "sampler": sampler.state_dict(), "config": cfg.model_dump()},
-        policy=CheckpointPolicy(every=c.save_steps, keep=c.save_total_limit, asynchronous=c.async_save, save_best=c.save_best),
-        best=BestMetric(state, "best_eval_loss", "best_step"), after_save=record_run)
+        policy=CheckpointPolicy(
+            every=c.save_steps, keep=c.save_total_limit, asynchronous=c.async_save, save_best=c.save_best
+        ),
+        best=BestMetric(state, "best_eval_loss", "best_step"),
+        after_save=record_run,
+    )
 
 
 def check_output_dir(cfg: RunConfig) -> Optional[Path]:
@@ -143,8 +161,11 @@ def start_over(cfg: RunConfig, output_dir: Path) -> None:
     step = last_logged_step(output_dir)
     aside = set_aside_crashed_run(output_dir)
     if aside is not None:
-        print(f"↩️  {output_dir} held a run of this config that stopped before its first checkpoint (last logged step "
-              f"{step}): starting over from step 0; its logs are kept in {aside}", flush=True)
+        print(
+            f"↩️  {output_dir} held a run of this config that stopped before its first checkpoint (last logged step "
+            f"{step}): starting over from step 0; its logs are kept in {aside}",
+            flush=True,
+        )
 
 
 def load_data(cfg: RunConfig) -> tuple[Any, PreparedData]:
@@ -179,10 +200,13 @@ def make_train_loader(cfg: RunConfig, rows: Any, rank: rt.RankInfo, collate: Any
     """Micro-batches of batch_size rows, or of at most training.batch_tokens tokens, with a resumable position."""
     t = cfg.training
     # The loader gets its own generator: drawing its base seed from the global RNG would shift dropout after a resume.
-    common = dict(collate_fn=collate, pin_memory=rank.device.type == "cuda", generator=torch.Generator().manual_seed(t.seed))
+    common = dict(
+        collate_fn=collate, pin_memory=rank.device.type == "cuda", generator=torch.Generator().manual_seed(t.seed)
+    )
     if t.batch_tokens:
-        budget = TokenBudgetBatchSampler([len(ids) for ids in rows["input_ids"]], t.batch_tokens, rank.rank,
-                                         rank.world_size, seed=t.seed)
+        budget = TokenBudgetBatchSampler(
+            [len(ids) for ids in rows["input_ids"]], t.batch_tokens, rank.rank, rank.world_size, seed=t.seed
+        )
         return budget, DataLoader(rows, batch_sampler=budget, **common)
     sampler = StatefulDistributedSampler(len(rows), rank.rank, rank.world_size, seed=t.seed)
     return sampler, DataLoader(rows, batch_size=t.batch_size, sampler=sampler, **common)
@@ -196,7 +220,10 @@ def choose_packing(wanted: bool, model: torch.nn.Module, rank: rt.RankInfo) -> b
     reason = packing_unsupported_reason(model)
     if reason is not None:
         if rank.is_main:
-            print(f"📦 Packing off: {reason}; micro-batches are padded instead (--packing false silences this).", flush=True)
+            print(
+                f"📦 Packing off: {reason}; micro-batches are padded instead (--packing false silences this).",
+                flush=True,
+            )
         return False
     enable_varlen_attention(model, rank.device)
     return True
@@ -212,8 +239,9 @@ def build_run(cfg: RunConfig, preemption: Optional[PreemptionFlag] = None) -> Ru
     resume_from = check_output_dir(cfg)
     # Tokenize before joining the process group: a long tokenization can never trip a collective timeout.
     tokenizer, data = load_data(cfg)
-    rank = rt.init_runtime(cfg.distributed.backend, cfg.distributed.init_timeout_minutes,
-                           group_of_one=cfg.distributed.strategy != "ddp")
+    rank = rt.init_runtime(
+        cfg.distributed.backend, cfg.distributed.init_timeout_minutes, group_of_one=cfg.distributed.strategy != "ddp"
+    )
     set_phase(rank.rank, "starting")
     seed_everything(cfg.training.seed)
     precision = Precision.choose(cfg.training.mixed_precision, rank.device)
@@ -221,11 +249,15 @@ def build_run(cfg: RunConfig, preemption: Optional[PreemptionFlag] = None) -> Ru
     base_dtype = precision.dtype if (precision.dtype and cfg.model.finetune == "lora") else torch.float32
     # QLoRA's base is quantized while loading, on this rank's device, where it stays.
     quantization = quantization_config(cfg.model, precision.dtype)
-    model = load_model(cfg.model.model_name, base_dtype, cfg.model.trust_remote_code, quantization=quantization, device=rank.device)
+    model = load_model(
+        cfg.model.model_name, base_dtype, cfg.model.trust_remote_code, quantization=quantization, device=rank.device
+    )
     packing = choose_packing(cfg.data.packing, model, rank)
     model = apply_finetuning(model, cfg.model, cfg.lora)
     install_target_head(model)  # the output head runs at target positions only, in chunks (train/loss.py)
-    model = compile_decoder_layers(model, cfg.training.compile, rank.device, announce=rank.is_main)  # after AC, before wrapping
+    model = compile_decoder_layers(
+        model, cfg.training.compile, rank.device, announce=rank.is_main
+    )  # after AC, before wrapping
     strategy = make_strategy(rank, precision, cfg.distributed.ddp_comm_hook, cfg=cfg)
     make = partial(make_optimizer, cfg=cfg.training, fused_on_cuda=cfg.distributed.strategy != "deepspeed")
     model, optimizer = strategy.prepare(model, make)
@@ -235,14 +267,17 @@ def build_run(cfg: RunConfig, preemption: Optional[PreemptionFlag] = None) -> Ru
     eval_batches = None
     if data.eval is not None and len(data.eval) > 0:
         shard = Subset(data.eval, eval_shard(len(data.eval), rank.rank, rank.world_size))
-        eval_batches = DataLoader(shard, batch_size=cfg.eval.eval_batch_size or cfg.training.batch_size, collate_fn=collate)
+        eval_batches = DataLoader(
+            shard, batch_size=cfg.eval.eval_batch_size or cfg.training.batch_size, collate_fn=collate
+        )
     total_steps = count_total_steps(cfg, sampler)
     scheduler = make_scheduler(optimizer, cfg.training, total_steps)
 
     output_dir = Path(cfg.output_dir)
     state = TrainerState()
-    checkpointer = make_checkpointer(cfg, rank, output_dir, state, strategy, optimizer, scheduler, sampler, tokenizer,
-                                     total_steps)
+    checkpointer = make_checkpointer(
+        cfg, rank, output_dir, state, strategy, optimizer, scheduler, sampler, tokenizer, total_steps
+    )
     if resume_from is not None:
         saved = checkpointer.load(resume_from)
         state.load_state_dict(saved)
@@ -258,13 +293,36 @@ def build_run(cfg: RunConfig, preemption: Optional[PreemptionFlag] = None) -> Ru
         # checkpoint can then tell its own crashed run (start over) from another run (refuse).
         write_run_record(output_dir, cfg, state, total_steps, rank.world_size, strategy.name)
     rt.barrier()
-    reporter = Reporter(output_dir, is_main=rank.is_main, total_steps=total_steps, resume_step=state.global_step,
-                        tensorboard=cfg.logging.tensorboard, progress_bar=cfg.logging.progress_bar)
+    reporter = Reporter(
+        output_dir,
+        is_main=rank.is_main,
+        total_steps=total_steps,
+        resume_step=state.global_step,
+        tensorboard=cfg.logging.tensorboard,
+        progress_bar=cfg.logging.progress_bar,
+    )
     checkpointer.reporter = reporter  # made after the resume, which sets the step it starts counting from
-    run = Run(cfg=cfg, rank=rank, tokenizer=tokenizer, model=model, strategy=strategy, optimizer=optimizer,
-              scheduler=scheduler, sampler=sampler, train_loader=train_loader, eval_batches=eval_batches,
-              reporter=reporter, data=data, total_steps=total_steps, output_dir=output_dir, checkpointer=checkpointer, state=state,
-              fault=planned_fault(), resumed_from=resume_from, preemption=preemption)
+    run = Run(
+        cfg=cfg,
+        rank=rank,
+        tokenizer=tokenizer,
+        model=model,
+        strategy=strategy,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        sampler=sampler,
+        train_loader=train_loader,
+        eval_batches=eval_batches,
+        reporter=reporter,
+        data=data,
+        total_steps=total_steps,
+        output_dir=output_dir,
+        checkpointer=checkpointer,
+        state=state,
+        fault=planned_fault(),
+        resumed_from=resume_from,
+        preemption=preemption,
+    )
     announce(run)
     return run
 
@@ -275,16 +333,23 @@ def announce(run: Run) -> None:
     effective = cfg.training.batch_size * run.rank.world_size * cfg.training.gradient_accumulation_steps
     say("🔧 Distributed Training Configuration:")
     m = cfg.model
-    base = (f" on a 4-bit {m.bnb_4bit_quant_type}{' double-quantized' if m.bnb_4bit_use_double_quant else ''} base"
-            if m.load_in_4bit else "")
+    base = (
+        f" on a 4-bit {m.bnb_4bit_quant_type}{' double-quantized' if m.bnb_4bit_use_double_quant else ''} base"
+        if m.load_in_4bit
+        else ""
+    )
     say(f"   - Model: {m.model_name} ({m.finetune}{base}; {trainable:,} of {total:,} parameters train)")
     say(f"   - Dataset: {cfg.data.dataset_name or cfg.data.dataset_path or 'bundled health-agent chats'}")
-    say(f"   - World Size: {run.rank.world_size} ({run.strategy.name}, {run.rank.device.type}, "
-        f"{run.strategy.precision.dtype or 'fp32'})")
+    say(
+        f"   - World Size: {run.rank.world_size} ({run.strategy.name}, {run.rank.device.type}, "
+        f"{run.strategy.precision.dtype or 'fp32'})"
+    )
     if cfg.training.batch_tokens:
         per_rank = micro_batches_per_rank(run.sampler, run.sampler.epoch, cfg.training.batch_size)
-        say(f"   - Tokens per Micro-batch per GPU: at most {cfg.training.batch_tokens:,} "
-            f"({len(run.data.train) / max(1, per_rank * run.rank.world_size):.1f} rows on average)")
+        say(
+            f"   - Tokens per Micro-batch per GPU: at most {cfg.training.batch_tokens:,} "
+            f"({len(run.data.train) / max(1, per_rank * run.rank.world_size):.1f} rows on average)"
+        )
         say(f"   - Micro-batches per Optimizer Step: {run.rank.world_size * cfg.training.gradient_accumulation_steps}")
     else:
         say(f"   - Batch Size per GPU: {cfg.training.batch_size}")
@@ -298,8 +363,10 @@ def announce(run: Run) -> None:
     for line in details:
         say(line)
     if run.resumed_from is not None:
-        say(f"↩️  Resuming from {run.resumed_from} at step {run.state.global_step} (epoch {run.state.epoch}, "
-            f"{run.state.tokens_seen:,} tokens seen, best eval loss {run.state.best_eval_loss})")
+        say(
+            f"↩️  Resuming from {run.resumed_from} at step {run.state.global_step} (epoch {run.state.epoch}, "
+            f"{run.state.tokens_seen:,} tokens seen, best eval loss {run.state.best_eval_loss})"
+        )
     say("🚀 Starting distributed training...")
 
 
@@ -330,8 +397,9 @@ def run_info(cfg: RunConfig, state: TrainerState, total_steps: int, world_size: 
     }
 
 
-def write_run_record(output_dir: Path, cfg: RunConfig, state: TrainerState, total_steps: int, world_size: int,
-                     strategy: str) -> None:
+def write_run_record(
+    output_dir: Path, cfg: RunConfig, state: TrainerState, total_steps: int, world_size: int, strategy: str
+) -> None:
     """training_info.json: written when a run starts and at every save, with the config it trains with."""
     info = run_info(cfg, state, total_steps, world_size, strategy)
     write_json_atomic(output_dir / RUN_RECORD, {**info, "config": cfg.model_dump()})

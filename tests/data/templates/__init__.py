@@ -62,7 +62,9 @@ def _tool_call(reasoning: Optional[str] = None, think: Optional[str] = None) -> 
     m = {
         "role": "assistant",
         "content": None if think is None else f"<think>\n{think}\n</think>\n\n",
-        "tool_calls": [{"id": CALL_ID, "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}],
+        "tool_calls": [
+            {"id": CALL_ID, "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        ],
     }
     if reasoning is not None:
         m["reasoning_content"] = reasoning
@@ -84,8 +86,15 @@ def _tool_row(reasoning: bool = False, think: bool = False) -> dict:
             {"role": "system", "content": "You are a weather bot."},
             {"role": "user", "content": "What is the weather in Paris?"},
             _tool_call(reasoning=r("I need the weather tool."), think=t("I need the weather tool.")),
-            {"role": "tool", "tool_call_id": CALL_ID, "name": "get_weather", "content": "{\"temp_c\": 18, \"sky\": \"clear\"}"},
-            _answer("It is 18 °C and clear in Paris.", reasoning=r("The tool says 18 C."), think=t("The tool says 18 C.")),
+            {
+                "role": "tool",
+                "tool_call_id": CALL_ID,
+                "name": "get_weather",
+                "content": '{"temp_c": 18, "sky": "clear"}',
+            },
+            _answer(
+                "It is 18 °C and clear in Paris.", reasoning=r("The tool says 18 C."), think=t("The tool says 18 C.")
+            ),
             {"role": "user", "content": "Thanks! And tomorrow?"},
             _answer("I can only see today's weather.", reasoning=r("No forecast tool."), think=t("No forecast tool.")),
         ],
@@ -101,7 +110,9 @@ def _plain_row(system: bool = True, reasoning: bool = False, think: bool = False
         {"role": "user", "content": "Name a prime number."},
         _answer("7", reasoning=r("Any prime will do."), think=t("Any prime will do.")),
         {"role": "user", "content": "And an even one?"},
-        _answer("2 is the only even prime.", reasoning=r("Even and prime: only 2."), think=t("Even and prime: only 2.")),
+        _answer(
+            "2 is the only even prime.", reasoning=r("Even and prime: only 2."), think=t("Even and prime: only 2.")
+        ),
         {"role": "user", "content": "Thanks."},
         # Leading spaces and a trailing newline: Llama and Gemma trim them, ChatML keeps them.
         _answer("  You're welcome!\n", reasoning=r("\nJust acknowledge.\n"), think=t("Just acknowledge.")),
@@ -200,7 +211,9 @@ FULL, PER_TURN = Match("full"), Match("per_turn")
 VANISHED_CALL = Refuse(r"messages\[2\].*get_weather|get_weather.*messages\[2\]", "the template drops the tool call")
 ALTERNATION = Refuse("roles must alternate", "the template raises on two assistant messages in a row")
 # Command R7B writes the next assistant header after every conversation, add_generation_prompt or not.
-AMBIGUOUS_END = Refuse(r"messages\[\d\] \(assistant\): where this turn ends is ambiguous", "the template writes the next header itself")
+AMBIGUOUS_END = Refuse(
+    r"messages\[\d\] \(assistant\): where this turn ends is ambiguous", "the template writes the next header itself"
+)
 
 # bos/eos/pad as each model's tokenizer_config.json has them. Row expectations:
 # - R1-Distill renders a tool call only when content is None (to_conversation passes ""), so the call vanishes;
@@ -231,29 +244,53 @@ AMBIGUOUS_END = Refuse(r"messages\[\d\] \(assistant\): where this turn ends is a
 ALL_ROWS = ("plain", "nosys", "tool", "reasoning", "reasoning_tool", "think", "think_tool", "two_assistants")
 CASES = [
     TemplateCase(
-        "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B", True, "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜end▁of▁sentence｜>",
+        "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B",
+        True,
+        "<｜begin▁of▁sentence｜>",
+        "<｜end▁of▁sentence｜>",
+        "<｜end▁of▁sentence｜>",
         {"plain": FULL, "nosys": FULL, "tool": VANISHED_CALL, "two_assistants": FULL},
     ),
     TemplateCase(
-        "Qwen-Qwen2.5-7B-Instruct", True, None, "<|im_end|>", "<|endoftext|>",
+        "Qwen-Qwen2.5-7B-Instruct",
+        True,
+        None,
+        "<|im_end|>",
+        "<|endoftext|>",
         {"plain": FULL, "nosys": FULL, "tool": FULL, "two_assistants": FULL},
     ),
     TemplateCase("Qwen-Qwen3-0.6B", True, None, "<|im_end|>", "<|endoftext|>", {k: PER_TURN for k in ALL_ROWS}),
     TemplateCase(
-        "meta-llama-Llama-3.1-8B-Instruct", True, "<|begin_of_text|>", "<|eot_id|>", None,
+        "meta-llama-Llama-3.1-8B-Instruct",
+        True,
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+        None,
         {"plain": FULL, "nosys": FULL, "tool": FULL, "two_assistants": FULL},
     ),
     TemplateCase(
-        "microsoft-Phi-3.5-mini-instruct", True, "<s>", "<|endoftext|>", "<|endoftext|>",
+        "microsoft-Phi-3.5-mini-instruct",
+        True,
+        "<s>",
+        "<|endoftext|>",
+        "<|endoftext|>",
         {"plain": FULL, "nosys": FULL, "tool": VANISHED_CALL, "two_assistants": FULL},
     ),
     TemplateCase(
-        "mistralai-Mistral-Nemo-Instruct-2407", True, "<s>", "</s>", None,
+        "mistralai-Mistral-Nemo-Instruct-2407",
+        True,
+        "<s>",
+        "</s>",
+        None,
         {"plain": FULL, "nosys": FULL, "tool": FULL, "two_assistants": ALTERNATION},
     ),
     # ---- tests/data/templates/real/
     TemplateCase(
-        "google-gemma-2-2b-it", False, "<bos>", "<eos>", "<pad>",
+        "google-gemma-2-2b-it",
+        False,
+        "<bos>",
+        "<eos>",
+        "<pad>",
         {
             "nosys": FULL,
             "plain": Refuse("System role not supported", "the template raises on a system message"),
@@ -262,39 +299,80 @@ CASES = [
         },
     ),
     TemplateCase(
-        "NousResearch-Hermes-3-Llama-3.1-8B-tool_use", False, "<|begin_of_text|>", "<|im_end|>", None,
+        "NousResearch-Hermes-3-Llama-3.1-8B-tool_use",
+        False,
+        "<|begin_of_text|>",
+        "<|im_end|>",
+        None,
         {
             "tool": FULL,
             "plain": Refuse("not iterable", "the tool_use template loops over tools, which are None without tools"),
             "nosys": Refuse("not iterable", "the tool_use template loops over tools, which are None without tools"),
-            "two_assistants": Refuse("not iterable", "the tool_use template loops over tools, which are None without tools"),
+            "two_assistants": Refuse(
+                "not iterable", "the tool_use template loops over tools, which are None without tools"
+            ),
         },
     ),
     TemplateCase(
-        "Qwen-QwQ-32B", False, None, "<|im_end|>", "<|endoftext|>",
+        "Qwen-QwQ-32B",
+        False,
+        None,
+        "<|im_end|>",
+        "<|endoftext|>",
         {"plain": FULL, "nosys": FULL, "tool": FULL, "think": PER_TURN, "think_tool": PER_TURN, "two_assistants": FULL},
     ),
     TemplateCase(
-        "meta-llama-Llama-3.2-3B-Instruct", False, "<|begin_of_text|>", "<|eot_id|>", None,
+        "meta-llama-Llama-3.2-3B-Instruct",
+        False,
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+        None,
         {"plain": FULL, "nosys": FULL, "tool": FULL, "two_assistants": FULL},
     ),
     # ---- added from the trial on unseen templates; pad left unset (the masker never reads it)
     TemplateCase(
-        "openai-gpt-oss-120b", False, "<|startoftext|>", "<|return|>", None, {k: PER_TURN for k in ALL_ROWS},
+        "openai-gpt-oss-120b",
+        False,
+        "<|startoftext|>",
+        "<|return|>",
+        None,
+        {k: PER_TURN for k in ALL_ROWS},
         specials=("<|constrain|>",),
     ),
-    TemplateCase("mistralai-Mistral-Small-3.1-24B-Instruct-2503", False, "<s>", "</s>", None, {k: FULL for k in ALL_ROWS}),
     TemplateCase(
-        "GLM-4.6", False, None, "<|endoftext|>", None,
+        "mistralai-Mistral-Small-3.1-24B-Instruct-2503", False, "<s>", "</s>", None, {k: FULL for k in ALL_ROWS}
+    ),
+    TemplateCase(
+        "GLM-4.6",
+        False,
+        None,
+        "<|endoftext|>",
+        None,
         {
             **{k: Match("full", unterminated=3) for k in ("plain", "nosys", "tool", "two_assistants")},
             **{k: Match("per_turn", unterminated=3) for k in ("reasoning", "reasoning_tool", "think", "think_tool")},
         },
-        specials=("[gMASK]", "<sop>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>",
-                  "<arg_value>", "</arg_value>", "<tool_response>", "</tool_response>"),
+        specials=(
+            "[gMASK]",
+            "<sop>",
+            "<think>",
+            "</think>",
+            "<tool_call>",
+            "</tool_call>",
+            "<arg_key>",
+            "</arg_key>",
+            "<arg_value>",
+            "</arg_value>",
+            "<tool_response>",
+            "</tool_response>",
+        ),
     ),
     TemplateCase(
-        "deepseek-ai-DeepSeek-V3.1", False, "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", None,
+        "deepseek-ai-DeepSeek-V3.1",
+        False,
+        "<｜begin▁of▁sentence｜>",
+        "<｜end▁of▁sentence｜>",
+        None,
         {
             **{k: FULL for k in ("plain", "nosys", "reasoning", "think", "two_assistants")},
             **{k: Match("full", arguments="text") for k in ("tool", "reasoning_tool", "think_tool")},
@@ -302,7 +380,11 @@ CASES = [
         specials=("<think>", "</think>"),
     ),
     TemplateCase(
-        "unsloth-MiniMax-M2", False, "]~!b[", "[e~[", None,
+        "unsloth-MiniMax-M2",
+        False,
+        "]~!b[",
+        "[e~[",
+        None,
         {
             **{k: FULL for k in ("plain", "nosys", "tool", "think", "think_tool", "two_assistants")},
             **{k: PER_TURN for k in ("reasoning", "reasoning_tool")},
@@ -310,11 +392,20 @@ CASES = [
         specials=("]~b]", "<think>", "</think>", "<minimax:tool_call>", "</minimax:tool_call>"),
     ),
     TemplateCase(
-        "CohereForAI-c4ai-command-r7b-12-2024-tool_use", False, "<BOS_TOKEN>", "<|END_OF_TURN_TOKEN|>", None,
-        {k: AMBIGUOUS_END for k in ALL_ROWS}, marked=False,
+        "CohereForAI-c4ai-command-r7b-12-2024-tool_use",
+        False,
+        "<BOS_TOKEN>",
+        "<|END_OF_TURN_TOKEN|>",
+        None,
+        {k: AMBIGUOUS_END for k in ALL_ROWS},
+        marked=False,
     ),
     TemplateCase(
-        "NVIDIA-Nemotron-Nano-v2", False, "<s>", "<SPECIAL_12>", None,
+        "NVIDIA-Nemotron-Nano-v2",
+        False,
+        "<s>",
+        "<SPECIAL_12>",
+        None,
         {
             **{k: FULL for k in ("plain", "nosys", "tool", "reasoning", "reasoning_tool", "two_assistants")},
             "think": PER_TURN,
@@ -323,8 +414,18 @@ CASES = [
                 "a last message's content and tool calls are written as two blocks, each closed by the end-of-sequence token",
             ),
         },
-        specials=("<SPECIAL_10>", "<SPECIAL_11>", "<think>", "</think>", "<TOOLCALL>", "</TOOLCALL>", "<AVAILABLE_TOOLS>",
-                  "</AVAILABLE_TOOLS>", "<TOOL_RESPONSE>", "</TOOL_RESPONSE>"),
+        specials=(
+            "<SPECIAL_10>",
+            "<SPECIAL_11>",
+            "<think>",
+            "</think>",
+            "<TOOLCALL>",
+            "</TOOLCALL>",
+            "<AVAILABLE_TOOLS>",
+            "</AVAILABLE_TOOLS>",
+            "<TOOL_RESPONSE>",
+            "</TOOL_RESPONSE>",
+        ),
     ),
 ]
 CASE = {c.name: c for c in CASES}
@@ -424,7 +525,9 @@ def _plain(messages: list[dict]) -> list[dict]:
     return [{k: v for k, v in m.items() if v is not None} for m in messages]
 
 
-def render_marked(tokenizer, marked: str, messages: list[dict], tools: Optional[list]) -> tuple[str, list[tuple[int, int]]]:
+def render_marked(
+    tokenizer, marked: str, messages: list[dict], tools: Optional[list]
+) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation (no generation prompt) and the character span of each generation block."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -469,14 +572,24 @@ def oracle_spans(tokenizer, marked: str, messages: list[dict], tools: Optional[l
     raise ValueError(f"policy must be 'full' or 'per_turn', got {policy!r}")
 
 
-def oracle_examples(tokenizer, marked_template: str, messages: list[dict], tools: Optional[list], policy: str) -> list[dict]:
+def oracle_examples(
+    tokenizer, marked_template: str, messages: list[dict], tools: Optional[list], policy: str
+) -> list[dict]:
     """The examples phalanx must produce for ``messages`` (normalised, as to_conversation returns them)."""
-    return [labelled(tokenizer, text, spans) for text, spans in oracle_spans(tokenizer, marked_template, messages, tools, policy)]
+    return [
+        labelled(tokenizer, text, spans)
+        for text, spans in oracle_spans(tokenizer, marked_template, messages, tools, policy)
+    ]
 
 
-def trained_texts(tokenizer, marked_template: str, messages: list[dict], tools: Optional[list], policy: str) -> list[list[str]]:
+def trained_texts(
+    tokenizer, marked_template: str, messages: list[dict], tools: Optional[list], policy: str
+) -> list[list[str]]:
     """The trained character spans' text, per example (what the expectations file pins)."""
-    return [[text[s:e] for s, e in spans] for text, spans in oracle_spans(tokenizer, marked_template, messages, tools, policy)]
+    return [
+        [text[s:e] for s, e in spans]
+        for text, spans in oracle_spans(tokenizer, marked_template, messages, tools, policy)
+    ]
 
 
 def turns_render_alike(tokenizer, marked_template: str, messages: list[dict], tools: Optional[list]) -> bool:
