@@ -10,11 +10,30 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def phalanx_env(env: dict | None = None) -> dict:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+
+
+def start_phalanx(*args: str, output: bool = True, new_session: bool = False) -> subprocess.Popen:
+    """Start `python -m phalanx ARGS` in the background (to signal or kill it mid-run); text stdout/stderr pipes,
+    or none (`output=False`); `new_session`: its own process group, so the test can signal the whole tree."""
+    pipe = subprocess.PIPE if output else subprocess.DEVNULL
+    return subprocess.Popen(
+        [sys.executable, "-m", "phalanx", *args],
+        cwd=ROOT,
+        env=phalanx_env(),
+        stdout=pipe,
+        stderr=pipe,
+        text=True,
+        start_new_session=new_session,
+    )
+
+
 def run_phalanx(
     *args: str, cwd: Path | None = None, timeout: float = 300, env: dict | None = None
 ) -> subprocess.CompletedProcess:
     """Run `python -m phalanx ARGS` as a user would; returns the completed process (never raises on failure)."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env = phalanx_env(env)
     return subprocess.run(
         [sys.executable, "-m", "phalanx", *args],
         cwd=cwd or ROOT,

@@ -4,15 +4,13 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import ROOT, chat_row, run_phalanx
+from helpers import chat_row, run_phalanx, start_phalanx
 from phalanx.cli import main as phalanx_main
 from phalanx.data.chat import IGNORE_INDEX, tokenize_conversation
 from phalanx.data.formats import to_conversation
@@ -214,9 +212,8 @@ def test_killed_launcher_then_preempted_launch_then_rerun_completes_without_dupl
     root, prompts, _, _ = runs
     out = tmp_path / "k" / "traj_chat.jsonl"
     shards = out.with_name("traj_chat.jsonl.shards")
-    command = [sys.executable, "-m", "phalanx", *generate_args(prompts, out, "--world_size", "2")]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    command = generate_args(prompts, out, "--world_size", "2")
+    proc = start_phalanx(*command, output=False)
     ranks: list[int] = []
     try:
         deadline = time.monotonic() + 120
@@ -232,7 +229,7 @@ def test_killed_launcher_then_preempted_launch_then_rerun_completes_without_dupl
 
     # A batch takes a fraction of a second here: the ranks are frozen (SIGSTOP) at their first commit, so that the
     # SIGTERM the launcher passes on is waiting for them, mid-batch, when they go on.
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_phalanx(*command)
     ranks = []
     try:
         deadline = time.monotonic() + 120

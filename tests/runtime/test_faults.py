@@ -8,13 +8,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, descendants, read_metrics, run_phalanx, tiny_run, write_chat_jsonl
+from helpers import descendants, read_metrics, run_phalanx, start_phalanx, tiny_run, write_chat_jsonl
 from phalanx.checkpoint.commit import committed_step_checkpoints
 
 pytestmark = pytest.mark.distributed
@@ -100,24 +99,8 @@ def test_preemption_signal_saves_a_checkpoint_and_exits_for_requeue(sig, moment,
     A signal that arrives while the ranks still import, tokenize and load (seconds on a real model) is kept, not
     fatal: the ranks finish starting, train the first step, commit checkpoint-1 and exit 75."""
     out = tmp_path / "o"
-    cmd = [
-        sys.executable,
-        "-m",
-        "phalanx",
-        "train",
-        "--dataset_path",
-        str(dataset),
-        "--output_dir",
-        str(out),
-        *COMMON,
-        "--max_steps",
-        "200",
-        "--save_steps",
-        "1000",
-    ]
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
+    train_args = ["train", "--dataset_path", str(dataset), "--output_dir", str(out), *COMMON]
+    proc = start_phalanx(*train_args, "--max_steps", "200", "--save_steps", "1000", new_session=True)
     deadline = time.monotonic() + 180
     if moment == "training":
         while time.monotonic() < deadline and not ((out / "metrics.jsonl").is_file() and len(read_metrics(out)) >= 2):
@@ -171,24 +154,8 @@ def test_full_or_read_only_disk_keeps_the_previous_checkpoint(how, dataset, smal
     """After checkpoint-2 is committed, the disk fills up (every byte taken) or output_dir turns read-only: the run
     stops with what went wrong and the checkpoints that are still good, and those load."""
     out = small_disk / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "phalanx",
-        "train",
-        "--dataset_path",
-        str(dataset),
-        "--output_dir",
-        str(out),
-        *COMMON,
-        "--max_steps",
-        "200",
-        "--logging.tensorboard",
-        "false",
-    ]
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
+    train_args = ["train", "--dataset_path", str(dataset), "--output_dir", str(out), *COMMON]
+    proc = start_phalanx(*train_args, "--max_steps", "200", "--logging.tensorboard", "false", new_session=True)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and not committed_step_checkpoints(out):
         time.sleep(0.1)
