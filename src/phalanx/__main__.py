@@ -2,6 +2,6 @@
 
 import sys
 
-from phalanx.cli import main
+from phalanx import cli
 
-sys.exit(main())
+sys.exit(cli.main())

@@ -119,7 +119,7 @@ class DataConfig(Section):
     def _template_exists(cls, value: Optional[str]) -> Optional[str]:
         # Checked when the config is read, so a typo stops train/launcher/slurm before any rank starts.
         if value is not None:
-            from phalanx.data.chat_templates import ChatTemplateError, resolve_chat_template
+            from phalanx.config.chat_templates import ChatTemplateError, resolve_chat_template
 
             try:
                 resolve_chat_template(value)

@@ -41,7 +41,7 @@ def main(args: Sequence[str]) -> int:
 
 
 def _templates() -> int:
-    from phalanx.data.chat_templates import shipped_templates
+    from phalanx.config.chat_templates import shipped_templates
 
     for name, description in shipped_templates().items():
         print(f"{name:<24} {description}")

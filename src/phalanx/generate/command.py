@@ -142,7 +142,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         if not ok:
             raise ConfigError(message)
     if args.chat_template is not None:
-        from phalanx.data.chat_templates import ChatTemplateError, resolve_chat_template
+        from phalanx.config.chat_templates import ChatTemplateError, resolve_chat_template
 
         try:
             resolve_chat_template(args.chat_template)

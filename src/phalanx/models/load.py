@@ -59,7 +59,7 @@ def resolve_model_path(model_name: str) -> str:
 def load_tokenizer(
     model_name: str, trust_remote_code: bool = False, chat_template: Optional[str] = None
 ) -> PreTrainedTokenizerBase:
-    """The model's tokenizer; `chat_template` (a jinja file or a shipped name, see data.chat_templates) replaces
+    """The model's tokenizer; `chat_template` (a jinja file or a shipped name, see config.chat_templates) replaces
     its chat template, and save_pretrained then writes that one (chat_template.jinja) with the tokenizer."""
     path = resolve_model_path(model_name)
     try:
@@ -70,7 +70,7 @@ def load_tokenizer(
         # Padding positions never reach the loss (labels -100, attention mask 0), so eos is a safe pad.
         tokenizer.pad_token = tokenizer.eos_token
     if chat_template is not None:
-        from phalanx.data.chat_templates import resolve_chat_template
+        from phalanx.config.chat_templates import resolve_chat_template
 
         tokenizer.chat_template = resolve_chat_template(chat_template)
     return tokenizer

@@ -5,9 +5,9 @@ import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from helpers import ROOT, run_phalanx, shared_template, trained_runs, write_chat_jsonl
+from phalanx.config.chat_templates import resolve_chat_template, shipped_templates
 from phalanx.config.loader import load_config
 from phalanx.data.chat import tokenize_conversation
-from phalanx.data.chat_templates import resolve_chat_template, shipped_templates
 from phalanx.data.formats import to_conversation
 from phalanx.errors import ConfigError
 
@@ -137,10 +137,10 @@ def test_prefix_stable_and_no_generation_prompt_after_tool_results(messages):
 
 def test_shipped_templates_are_listed_described_and_packaged():
     names = shipped_templates()
-    folder = ROOT / "src" / "phalanx" / "data" / "templates"
+    folder = ROOT / "src" / "phalanx" / "config" / "templates"
     assert set(names) == {p.stem for p in folder.glob("*.jinja")} and "deepseek-r1-distill" in names
     assert all(about and "\n" not in about for about in names.values())
-    assert '"data/templates/*.jinja"' in (ROOT / "pyproject.toml").read_text()
+    assert '"config/templates/*.jinja"' in (ROOT / "pyproject.toml").read_text()
 
 
 def test_a_file_path_wins_and_bad_values_name_the_field(tmp_path):

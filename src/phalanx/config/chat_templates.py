@@ -1,7 +1,9 @@
 """The chat template a run uses instead of the tokenizer's own: `data.chat_template`, a jinja file or a shipped name.
 
 phalanx ships corrected templates for models whose own template loses part of the training data
-(`templates/*.jinja` next to this module; each file's first comment line describes it). The value
+(`templates/*.jinja` next to this module; each file's first comment line describes it). It lives in `config/`
+because a template is a value of the run's config, resolved like a file path: it needs nothing from `data/`
+(which renders and masks with the text), and the schema can check it without importing a layer above. The value
 is checked when the config is read, so a typo stops `phalanx train`, `launcher` and `slurm` before
 any rank starts; the tokenizer loader then puts the text on the tokenizer, and save_pretrained
 writes it into every checkpoint and the final output.
@@ -29,7 +31,7 @@ class ChatTemplateError(ConfigError):
 
 
 def _shipped_dir() -> Any:
-    return resources.files("phalanx.data").joinpath("templates")
+    return resources.files("phalanx.config").joinpath("templates")
 
 
 def shipped_templates() -> dict[str, str]:
