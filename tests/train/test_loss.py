@@ -37,3 +37,53 @@ def test_micro_batches_normalised_by_global_tokens_equal_full_batch_mean():
 def test_first_position_label_never_counts():
     labels = torch.tensor([[5, IGNORE_INDEX, 7]])
     assert count_target_tokens(labels) == 1
+
+
+# Liger's fused kernel runs only on CUDA; these check the guard that decides whether a fused kernel may replace the
+# chunked head, with kernels written here standing in for it on the CPU.
+def _plain_sum(hidden, weight, bias, targets):
+    return torch.nn.functional.cross_entropy(
+        torch.nn.functional.linear(hidden, weight, bias).float(), targets, reduction="sum"
+    )
+
+
+def test_a_fused_kernel_that_agrees_with_the_chunked_head_is_accepted():
+    from phalanx.train.loss import _disagreement
+
+    weight = torch.randn(300, 16)
+    assert _disagreement(_plain_sum, weight, None, torch.float32) is None
+    assert _disagreement(_plain_sum, weight, torch.randn(300), torch.float32) is None
+
+
+def test_a_fused_kernel_that_disagrees_or_fails_is_refused_with_the_reason():
+    from phalanx.train.loss import _disagreement
+
+    weight = torch.randn(300, 16)
+
+    def mean_not_sum(hidden, weight, bias, targets):
+        return _plain_sum(hidden, weight, bias, targets) / len(targets)
+
+    def broken(hidden, weight, bias, targets):
+        raise RuntimeError("no kernel image for this device")
+
+    def wrong_gradient(hidden, weight, bias, targets):
+        loss = _plain_sum(hidden, weight, bias, targets)
+        return loss + (hidden * 0.5).sum() - (hidden * 0.5).sum().detach()  # same value, gradient shifted
+
+    assert "differs from the chunked path" in _disagreement(mean_not_sum, weight, None, torch.float32)
+    assert "in the gradient" in _disagreement(wrong_gradient, weight, None, torch.float32)
+    assert _disagreement(broken, weight, None, torch.float32) == "RuntimeError: no kernel image for this device"
+
+
+def test_no_fused_kernel_is_looked_for_off_cuda():
+    from phalanx.train.loss import fused_kernel_for, linear_cross_entropy_sum
+
+    def must_not_be_called():
+        raise AssertionError("a fused kernel was looked up on the CPU")
+
+    hidden, weight = torch.randn(5, 16, requires_grad=True), torch.randn(300, 16)
+    assert fused_kernel_for(hidden, weight, None, find=must_not_be_called) is None
+    targets = torch.randint(0, 300, (5,))
+    assert torch.allclose(
+        linear_cross_entropy_sum(hidden, weight, None, targets), _plain_sum(hidden, weight, None, targets)
+    )

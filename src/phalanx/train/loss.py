@@ -13,13 +13,19 @@ and DeepSpeed see their forward; the head's weight is gathered where they gather
 chunks compute their gradients as they go (forward and backward of the head in one pass, as Liger's
 fused linear cross-entropy does). Other models return logits, which are then cut to the target
 positions and reduced in chunks (each chunk's fp32 softmax recomputed in backward, never kept).
+
+On CUDA with liger-kernel installed the head's chunks run in Liger's fused (Triton) linear cross-entropy
+instead: the same sum, with the softmax and its gradient fused into one kernel per chunk. It is compared
+once per (device, dtypes, vocabulary) against the chunked path here on a small problem and used only if it
+agrees; otherwise (or on any error) the chunked path runs, and the run says so once.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import types
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -96,6 +102,9 @@ def linear_cross_entropy_sum(
     forward, so only chunk-sized logits ever exist; backward scales the stored gradients."""
     if hidden.shape[0] == 0:
         return F.linear(hidden, weight, bias).float().sum()  # 0, still connected to the graph (DDP waits on it)
+    fused = fused_kernel_for(hidden, weight, bias)
+    if fused is not None:
+        return fused(hidden, weight, bias, targets)
     if torch.is_grad_enabled() and (
         hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     ):
@@ -130,6 +139,76 @@ def _chunked(hidden, weight, bias, targets, rows: int, need: tuple[bool, bool, b
             if need_b:
                 grad_b += probs.sum(0)
     return total, grad_h, grad_w, grad_b
+
+
+FusedKernel = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor], torch.Tensor]
+_fused_checked: dict = {}  # (device, dtypes, vocab, bias) -> the fused kernel, or None: it disagreed or failed
+# Agreement with the chunked path on the check problem: relative to the loss / gradient scale, in the compute dtype.
+FUSED_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+def liger_linear_cross_entropy() -> Optional[FusedKernel]:
+    """Liger's fused linear cross-entropy as a sum over positions, or None when liger-kernel is not importable."""
+    if importlib.util.find_spec("liger_kernel") is None:
+        return None
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    def kernel(hidden, weight, bias, targets):
+        out = liger_fused_linear_cross_entropy(hidden, weight, targets, bias=bias, reduction="sum")
+        return (out[0] if isinstance(out, tuple) else out).float()  # some versions return (loss, z_loss)
+
+    return kernel
+
+
+def fused_kernel_for(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    find: Callable = liger_linear_cross_entropy,
+) -> Optional[FusedKernel]:
+    """The fused kernel to use for this head on this device, after it agreed once with the chunked path; None on
+    CPU, without liger-kernel, or when it disagreed or failed (said once)."""
+    if hidden.device.type != "cuda":
+        return None
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else hidden.dtype
+    key = (str(hidden.device), dtype, weight.dtype, tuple(weight.shape), bias is not None)
+    if key not in _fused_checked:
+        kernel = find()
+        reason = None if kernel is None else _disagreement(kernel, weight, bias, dtype)
+        _fused_checked[key] = kernel if kernel is not None and reason is None else None
+        if reason is not None:
+            print(f"🧮 The fused linear cross-entropy is not used ({reason}); the chunked head runs.", flush=True)
+    return _fused_checked[key]
+
+
+def _disagreement(kernel: FusedKernel, weight: torch.Tensor, bias, dtype: torch.dtype) -> Optional[str]:
+    """None if `kernel` gives the chunked path's loss and input gradient on 96 random positions of this head."""
+    try:
+        g = torch.Generator(device=weight.device).manual_seed(0)
+        hidden = torch.randn(96, weight.shape[1], generator=g, device=weight.device, dtype=dtype)
+        targets = torch.randint(0, weight.shape[0], (96,), generator=g, device=weight.device)
+        w = weight.detach().to(dtype)
+        b = None if bias is None else bias.detach().to(dtype)
+        results = []
+        for run in (kernel, _reference_sum):
+            h = hidden.clone().requires_grad_(True)
+            with torch.autocast(weight.device.type, enabled=False):
+                loss = run(h, w, b, targets)
+            loss.backward()
+            results.append((loss.detach().float(), h.grad.float()))
+        (loss_k, grad_k), (loss_r, grad_r) = results
+        tolerance = FUSED_TOLERANCE.get(dtype, 2e-2)
+        loss_error = float((loss_k - loss_r).abs() / loss_r.abs().clamp(min=1.0))
+        grad_error = float((grad_k - grad_r).abs().max() / grad_r.abs().max().clamp(min=1e-12))
+        if loss_error > tolerance or grad_error > tolerance:
+            return f"it differs from the chunked path by {loss_error:.1e} in the loss, {grad_error:.1e} in the gradient"
+    except Exception as exc:  # noqa: BLE001 - an optional kernel: the chunked path is always correct
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _reference_sum(hidden, weight, bias, targets) -> torch.Tensor:
+    return _LinearCrossEntropy.apply(hidden, weight, bias, targets, chunk_rows(weight.shape[0]))
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
