@@ -175,10 +175,20 @@ def fused_kernel_for(
     if key not in _fused_checked:
         kernel = find()
         reason = None if kernel is None else _disagreement(kernel, weight, bias, dtype)
-        _fused_checked[key] = kernel if kernel is not None and reason is None else None
+        _fused_checked[key] = _in_dtype(kernel, dtype) if kernel is not None and reason is None else None
         if reason is not None:
             print(f"🧮 The fused linear cross-entropy is not used ({reason}); the chunked head runs.", flush=True)
     return _fused_checked[key]
+
+
+def _in_dtype(kernel: FusedKernel, dtype: torch.dtype) -> FusedKernel:
+    """`kernel` called as it was checked: hidden states, weight and bias in the compute dtype (autocast would cast a
+    matmul's operands, but a Triton kernel sees the tensors as given; `.to` is free when the dtype already matches)."""
+
+    def call(hidden, weight, bias, targets):
+        return kernel(hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype), targets)
+
+    return call
 
 
 def _disagreement(kernel: FusedKernel, weight: torch.Tensor, bias, dtype: torch.dtype) -> Optional[str]:
