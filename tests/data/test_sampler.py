@@ -109,3 +109,52 @@ def test_a_position_saved_under_another_budget_or_by_rows_is_refused():
         StatefulDistributedSampler(30).load_state_dict(state)
     with pytest.raises(ValueError, match="batch_tokens = None"):
         TokenBudgetBatchSampler(lengths, 900).load_state_dict(StatefulDistributedSampler(30).state_dict())
+
+
+def _loader(by_tokens: bool, workers: int):
+    """(sampler, loader) of rank 1 of 2 over 40 rows: 3 rows per micro-batch, or bins of 200 tokens."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    def collate(rows):
+        return {"rows": len(rows), "ids": torch.tensor(rows)}
+
+    if by_tokens:
+        lengths = [random.Random(i).randint(10, 100) for i in range(40)]
+        inner = TokenBudgetBatchSampler(lengths, 200, rank=1, world_size=2, seed=3)
+        return inner, DataLoader(list(range(40)), batch_sampler=inner, collate_fn=collate, num_workers=workers)
+    inner = StatefulDistributedSampler(40, rank=1, world_size=2, seed=3)
+    return inner, DataLoader(list(range(40)), batch_size=3, sampler=inner, collate_fn=collate, num_workers=workers)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("by_tokens", [False, True])
+def test_the_saved_position_counts_micro_batches_taken_not_those_workers_drew_ahead(workers, by_tokens):
+    from phalanx.data.sampler import TakenPosition
+
+    whole = [b["ids"].tolist() for b in _loader(by_tokens, 0)[1]]
+    inner, loader = _loader(by_tokens, workers)
+    sampler = TakenPosition(inner)
+    sampler.begin_pass()
+    taken = []
+    for batch in loader:
+        sampler.took(batch)
+        taken.append(batch["ids"].tolist())
+        if len(taken) == 2:
+            break
+    units = len(taken) if by_tokens else sum(len(t) for t in taken)
+    assert sampler.state_dict()["position"] == units * 2  # both ranks advance together
+    if workers:
+        assert inner.position > sampler.position  # the loader drew ahead: saving its count would skip rows
+    assert not sampler.exhausted
+
+    # Restored from that state, a new loader hands out exactly the micro-batches after the two taken.
+    restored_inner, rest_loader = _loader(by_tokens, workers)
+    restored = TakenPosition(restored_inner)
+    restored.load_state_dict(sampler.state_dict())
+    restored.begin_pass()
+    rest = []
+    for batch in rest_loader:
+        restored.took(batch)
+        rest.append(batch["ids"].tolist())
+    assert taken + rest == whole and restored.exhausted

@@ -169,6 +169,13 @@ class TrainingConfig(Section):
         "installed, Liger's RMSNorm/SwiGLU/RoPE kernels are patched into Qwen2/Qwen3/Llama first. 'auto' is on for "
         "CUDA, off on CPU (slow to warm up there, and no faster for small models). The first steps include compiling.",
     )
+    loader_workers: Optional[int] = Field(
+        None,
+        ge=0,
+        description="DataLoader worker processes that pack the next micro-batches while the current step runs. Unset: "
+        "1 on CUDA, 0 on CPU. The saved data position counts the micro-batches the loop took, so resume is exact "
+        "with any number.",
+    )
     gradient_checkpointing: Optional[bool] = Field(
         None, description="Seed 003's place for model.gradient_checkpointing; when set, it sets that field."
     )

@@ -69,6 +69,7 @@ def collate(examples: list[dict], pad_token_id: int, packing: bool) -> dict:
     positions = before_target.reshape(-1).nonzero().squeeze(1)
     batch["target_positions"] = positions
     batch["target_labels"] = labels.reshape(-1)[positions + 1]
+    batch["rows"] = len(examples)
     batch["input_tokens"] = sum(len(e["input_ids"]) for e in examples)
     batch["target_tokens"] = len(positions)
     return batch

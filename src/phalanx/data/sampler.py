@@ -54,6 +54,10 @@ class StatefulDistributedSampler(Sampler[int]):
     def __len__(self) -> int:
         return max(0, math.ceil((self.total - self.position - self.rank) / self.world_size))
 
+    def epoch_units(self) -> int:
+        """What `position` counts to in one epoch: rows of the (wrapped) order."""
+        return self.total
+
     @property
     def exhausted(self) -> bool:
         """Every row of this epoch has been handed out."""
@@ -158,9 +162,13 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     def __len__(self) -> int:
         return max(0, math.ceil((len(self.bins(self.epoch)) - self.position - self.rank) / self.world_size))
 
+    def epoch_units(self) -> int:
+        """What `position` counts to in one epoch: micro-batches (bins)."""
+        return len(self.bins(self.epoch))
+
     @property
     def exhausted(self) -> bool:
-        return self.position >= len(self.bins(self.epoch))
+        return self.position >= self.epoch_units()
 
     def state_dict(self) -> dict:
         return {
@@ -181,6 +189,49 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
             )
         self.epoch = int(state["epoch"])
         self.position = min(int(state["position"]), len(self.bins(self.epoch)))
+
+
+class TakenPosition:
+    """A train sampler whose saved position counts the micro-batches the loop has taken, not those handed to the
+    loader: with loader workers the DataLoader draws `prefetch_factor x workers` micro-batches ahead of the loop,
+    and saving the drawn position would skip those on resume.
+
+    `begin_pass()` before each pass over the loader, `took(batch)` for each micro-batch the loop takes; the rest
+    (set_epoch, exhausted, epoch, ...) is the sampler's own. Rows count for StatefulDistributedSampler, whole
+    micro-batches for TokenBudgetBatchSampler: the units each one's position moves in."""
+
+    def __init__(self, sampler: "StatefulDistributedSampler | TokenBudgetBatchSampler"):
+        self.sampler = sampler
+        self.counts_rows = isinstance(sampler, StatefulDistributedSampler)
+        self.begin_pass()
+
+    def begin_pass(self) -> None:
+        self._start, self._taken = self.sampler.position, 0
+
+    def took(self, batch: dict) -> None:
+        self._taken += batch["rows"] if self.counts_rows else 1
+
+    @property
+    def position(self) -> int:
+        return self._start + self._taken * self.sampler.world_size
+
+    @property
+    def exhausted(self) -> bool:
+        """Every micro-batch of this epoch was taken (handed out is not enough: workers draw ahead)."""
+        return self.position >= self.sampler.epoch_units()
+
+    def state_dict(self) -> dict:
+        return {**self.sampler.state_dict(), "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state)
+        self.begin_pass()
+
+    def __iter__(self):
+        return iter(self.sampler)
+
+    def __getattr__(self, name: str):
+        return getattr(self.sampler, name)
 
 
 def epoch_order(num_rows: int, seed: int, shuffle: bool) -> list[int]:

@@ -33,7 +33,7 @@ from phalanx.checkpoint.resume import (
 from phalanx.config.schema import RunConfig
 from phalanx.data.collate import collate as collate_rows
 from phalanx.data.prepare import PreparedData, describe_report, prepare_data
-from phalanx.data.sampler import StatefulDistributedSampler, TokenBudgetBatchSampler, eval_shard
+from phalanx.data.sampler import StatefulDistributedSampler, TakenPosition, TokenBudgetBatchSampler, eval_shard
 from phalanx.errors import ConfigError
 from phalanx.models.adapters import apply_finetuning, trainable_parameter_count
 from phalanx.models.attention import enable_varlen_attention, packing_unsupported_reason
@@ -66,7 +66,7 @@ class Run:
     strategy: Strategy
     optimizer: torch.optim.Optimizer
     scheduler: Any
-    sampler: TrainSampler
+    sampler: TakenPosition  # the train sampler, its position counted in micro-batches the loop took
     train_loader: DataLoader
     eval_batches: Optional[DataLoader]
     reporter: Reporter
@@ -84,7 +84,9 @@ class Run:
     def steps_of_epoch(self) -> Iterator[list[dict]]:
         """This epoch's remaining micro-batches, grouped per optimizer step (the last group may be short)."""
         group: list[dict] = []
+        self.sampler.begin_pass()
         for batch in self.train_loader:
+            self.sampler.took(batch)
             group.append(batch)
             if len(group) == self.cfg.training.gradient_accumulation_steps:
                 yield group
@@ -109,7 +111,7 @@ def make_checkpointer(
     strategy: Strategy,
     optimizer: Any,
     scheduler: Any,
-    sampler: TrainSampler,
+    sampler: TakenPosition,
     tokenizer: Any,
     total_steps: int,
 ) -> Checkpointer:
@@ -196,20 +198,33 @@ def micro_batches_per_rank(sampler: TrainSampler, epoch: int, batch_size: int) -
     return math.ceil(sampler.total // sampler.world_size / batch_size)
 
 
-def make_train_loader(cfg: RunConfig, rows: Any, rank: rt.RankInfo, collate: Any) -> tuple[TrainSampler, DataLoader]:
+def loader_workers(setting: Optional[int], device: torch.device) -> int:
+    """training.loader_workers: as set, else one on CUDA (the next micro-batch is packed while the GPU works on this
+    one; a 4-row packed micro-batch takes ~4 ms of host time) and none elsewhere (a CPU rank has no idle core)."""
+    if setting is not None:
+        return setting
+    return 1 if device.type == "cuda" else 0
+
+
+def make_train_loader(cfg: RunConfig, rows: Any, rank: rt.RankInfo, collate: Any) -> tuple[TakenPosition, DataLoader]:
     """Micro-batches of batch_size rows, or of at most training.batch_tokens tokens, with a resumable position."""
     t = cfg.training
+    workers = loader_workers(t.loader_workers, rank.device)
     # The loader gets its own generator: drawing its base seed from the global RNG would shift dropout after a resume.
-    common = dict(
-        collate_fn=collate, pin_memory=rank.device.type == "cuda", generator=torch.Generator().manual_seed(t.seed)
+    common: dict = dict(
+        collate_fn=collate,
+        pin_memory=rank.device.type == "cuda",
+        generator=torch.Generator().manual_seed(t.seed),
+        num_workers=workers,
+        persistent_workers=workers > 0,
     )
     if t.batch_tokens:
         budget = TokenBudgetBatchSampler(
             [len(ids) for ids in rows["input_ids"]], t.batch_tokens, rank.rank, rank.world_size, seed=t.seed
         )
-        return budget, DataLoader(rows, batch_sampler=budget, **common)
+        return TakenPosition(budget), DataLoader(rows, batch_sampler=budget, **common)
     sampler = StatefulDistributedSampler(len(rows), rank.rank, rank.world_size, seed=t.seed)
-    return sampler, DataLoader(rows, batch_size=t.batch_size, sampler=sampler, **common)
+    return TakenPosition(sampler), DataLoader(rows, batch_size=t.batch_size, sampler=sampler, **common)
 
 
 def choose_packing(wanted: bool, model: torch.nn.Module, rank: rt.RankInfo) -> bool:
@@ -270,7 +285,7 @@ def build_run(cfg: RunConfig, preemption: Optional[PreemptionFlag] = None) -> Ru
         eval_batches = DataLoader(
             shard, batch_size=cfg.eval.eval_batch_size or cfg.training.batch_size, collate_fn=collate
         )
-    total_steps = count_total_steps(cfg, sampler)
+    total_steps = count_total_steps(cfg, sampler.sampler)
     scheduler = make_scheduler(optimizer, cfg.training, total_steps)
 
     output_dir = Path(cfg.output_dir)
@@ -345,7 +360,7 @@ def announce(run: Run) -> None:
         f"{run.strategy.precision.dtype or 'fp32'})"
     )
     if cfg.training.batch_tokens:
-        per_rank = micro_batches_per_rank(run.sampler, run.sampler.epoch, cfg.training.batch_size)
+        per_rank = micro_batches_per_rank(run.sampler.sampler, run.sampler.epoch, cfg.training.batch_size)
         say(
             f"   - Tokens per Micro-batch per GPU: at most {cfg.training.batch_tokens:,} "
             f"({len(run.data.train) / max(1, per_rank * run.rank.world_size):.1f} rows on average)"

@@ -1,0 +1,44 @@
+"""training.loader_workers: worker processes pack micro-batches ahead of the loop, and change neither the losses nor
+where a checkpoint resumes (the saved position counts micro-batches the loop took, not those the workers drew)."""
+
+import json
+
+import pytest
+
+from equivalence import COMMON, train
+from helpers import read_metrics, run_phalanx
+
+pytestmark = pytest.mark.system
+
+WORKERS = ["--training.loader_workers", "2", "--save_steps", "2"]
+
+
+def test_workers_give_the_same_steps_and_resume_at_the_micro_batch_taken(equivalence_data, tmp_path, single):
+    _, padded = single("lora")  # one process, batch 4, no workers, padded
+    out = tmp_path / "workers"
+    losses = train(equivalence_data, out, 1, 4, "lora", *WORKERS)
+    assert len(losses) == len(padded) == 5
+    assert max(abs(a - b) for a, b in zip(losses, padded)) < 1e-5, (losses, padded)
+    # Two steps of 4 rows were taken before checkpoint-2; the workers had drawn further (prefetch 2 x 2 workers).
+    state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["sampler"]["position"] == 8, state["sampler"]
+
+    proc = run_phalanx(
+        "train",
+        "--dataset_path",
+        str(equivalence_data),
+        "--output_dir",
+        str(out),
+        "--batch_size",
+        "4",
+        "--finetune",
+        "lora",
+        *COMMON,
+        *WORKERS,
+        "--force",
+        "--resume_from_checkpoint",
+        str(out / "checkpoint-2"),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    resumed = [r["loss"] for r in read_metrics(out)]
+    assert len(resumed) == 5 and max(abs(a - b) for a, b in zip(resumed, padded)) < 1e-5, (resumed, padded)
