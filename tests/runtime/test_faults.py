@@ -90,19 +90,21 @@ def rank_pids(launcher: subprocess.Popen) -> list[int]:
 
 @pytest.mark.parametrize(
     "sig, moment",
-    [(signal.SIGUSR1, "training"), (signal.SIGTERM, "start-up")],
-    ids=["SIGUSR1-while-training", "SIGTERM-while-starting"],
+    [(signal.SIGUSR1, "training"), (signal.SIGTERM, "start-up"), (signal.SIGTERM, "training, to the whole group")],
+    ids=["SIGUSR1-while-training", "SIGTERM-while-starting", "SIGTERM-to-ranks-and-loader-workers"],
 )
 def test_preemption_signal_saves_a_checkpoint_and_exits_for_requeue(sig, moment, dataset, tmp_path):
     """SLURM sends USR1 ahead of the time limit (--signal) and TERM on preemption or scancel: both save and exit 75.
 
     A signal that arrives while the ranks still import, tokenize and load (seconds on a real model) is kept, not
-    fatal: the ranks finish starting, train the first step, commit checkpoint-1 and exit 75."""
+    fatal: the ranks finish starting, train the first step, commit checkpoint-1 and exit 75. scancel signals every
+    process of the job, DataLoader workers too: they ignore it, and their rank saves."""
     out = tmp_path / "o"
     train_args = ["train", "--dataset_path", str(dataset), "--output_dir", str(out), *COMMON]
-    proc = start_phalanx(*train_args, "--max_steps", "200", "--save_steps", "1000", new_session=True)
+    workers = ["--training.loader_workers", "2"] if "group" in moment else []
+    proc = start_phalanx(*train_args, "--max_steps", "200", "--save_steps", "1000", *workers, new_session=True)
     deadline = time.monotonic() + 180
-    if moment == "training":
+    if moment.startswith("training"):
         while time.monotonic() < deadline and not ((out / "metrics.jsonl").is_file() and len(read_metrics(out)) >= 2):
             time.sleep(0.2)
     else:
@@ -110,12 +112,15 @@ def test_preemption_signal_saves_a_checkpoint_and_exits_for_requeue(sig, moment,
             time.sleep(0.05)
         time.sleep(1.0)  # the ranks are importing the model stack now
         assert not out.exists(), "the signal must reach the ranks before training starts"
-    os.kill(proc.pid, sig)  # SLURM signals the launcher (--signal=B:USR1, or TERM); it passes the signal to the ranks
+    if "group" in moment:
+        os.killpg(proc.pid, sig)  # the launcher, its ranks and their loader workers all get it
+    else:
+        os.kill(proc.pid, sig)  # SLURM signals the launcher (--signal=B:USR1, or TERM); it passes the signal on
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 75, stderr[-3000:]
     assert f"preempted ({sig.name})" in stderr
     steps = [s for s, _ in committed_step_checkpoints(out)]
-    assert len(steps) == 1 and (steps[0] >= 2 if moment == "training" else steps[0] == 1), steps
+    assert len(steps) == 1 and (steps[0] >= 2 if moment.startswith("training") else steps[0] == 1), steps
     resumed = run_phalanx(
         "train",
         "--dataset_path",

@@ -56,5 +56,13 @@ class PreemptionFlag:
         return True
 
 
+def ignore_preemption_signals(worker_id: int = 0) -> None:
+    """A helper process's (DataLoader worker's) answer to SIGTERM/SIGUSR1: none. SLURM and `kill -TERM -PGID` signal
+    every process of the job; a worker that died of it would fail the rank before it could save. The rank itself
+    stops its workers once its checkpoint is committed."""
+    for sig in PREEMPT_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 class Preempted(Exception):
     """Raised after the preemption checkpoint is committed; the CLI exits with PREEMPTED_EXIT_CODE."""

@@ -47,7 +47,7 @@ from phalanx.runtime import dist as rt
 from phalanx.runtime.durable import fsync_tree, write_json_atomic
 from phalanx.runtime.faults import Fault, planned_fault
 from phalanx.runtime.seed import seed_everything
-from phalanx.runtime.signals import PreemptionFlag
+from phalanx.runtime.signals import PreemptionFlag, ignore_preemption_signals
 from phalanx.runtime.watch import set_phase
 from phalanx.train.loss import install_target_head
 from phalanx.train.schedule import make_optimizer, make_scheduler
@@ -217,6 +217,7 @@ def make_train_loader(cfg: RunConfig, rows: Any, rank: rt.RankInfo, collate: Any
         generator=torch.Generator().manual_seed(t.seed),
         num_workers=workers,
         persistent_workers=workers > 0,
+        worker_init_fn=ignore_preemption_signals if workers else None,  # the rank saves, then stops its workers
     )
     if t.batch_tokens:
         budget = TokenBudgetBatchSampler(
