@@ -181,3 +181,19 @@ def test_kill_before_the_first_checkpoint_starts_over_and_keeps_the_crashed_logs
     for extra in ([], ["--resume_from_checkpoint", "latest"]):  # a finished run without checkpoint-N
         assert main([*flags, *extra]) == 2
         assert "holds a finished run" in capsys.readouterr().err
+
+
+def test_a_log_line_that_spans_the_resume_averages_every_step_it_covers(dataset, tmp_path):
+    """log_steps 3 with checkpoints every 2 steps: killed in step 5, resumed from checkpoint-4, the line at step 6
+    still averages steps 4-6 (step 4's loss came back with the checkpoint), as the uninterrupted run's does."""
+    every_third = ("--log_steps", "3")
+    reference = tmp_path / "reference"
+    assert train(dataset, reference, *every_third, world=1).returncode == 0
+    out = tmp_path / "run"
+    killed = train(dataset, out, *every_third, world=1, fault="kill@step=5")
+    assert killed.returncode != 0 and [r["step"] for r in read_metrics(out)] == [3]
+    resumed = train(dataset, out, *every_third, world=1)
+    assert resumed.returncode == 0 and "checkpoint-4 at step 4" in resumed.stdout, resumed.stderr[-3000:]
+    expected = [(r["step"], r["loss"]) for r in read_metrics(reference)]
+    assert [r["step"] for r in read_metrics(reference)] == [3, 6, 8]
+    assert [(r["step"], r["loss"]) for r in read_metrics(out)] == expected

@@ -121,7 +121,7 @@ def train(run: Run) -> None:
     # from_pretrained hands back a model in eval mode: without this, dropout and activation checkpointing
     # (which transformers applies only in training mode) would silently be off for the whole run.
     run.model.train()
-    window = {"loss": 0.0, "steps": 0, "tokens": 0, "start": time.perf_counter()}
+    window = {"tokens": 0, "start": time.perf_counter()}  # throughput since the last log line
     started = False
     while state.global_step < run.total_steps:
         run.sampler.set_epoch(state.epoch)
@@ -139,9 +139,7 @@ def train(run: Run) -> None:
                 started = True
             state.global_step += 1
             state.tokens_seen += metrics["target_tokens"]
-            state.add_epoch_loss(metrics["loss"])
-            window["loss"] += metrics["loss"]
-            window["steps"] += 1
+            state.add_loss(metrics["loss"])
             window["tokens"] += metrics["input_tokens"]
             tokens_per_s = window["tokens"] / max(time.perf_counter() - window["start"], 1e-9)
             reporter.advance(
@@ -152,7 +150,7 @@ def train(run: Run) -> None:
                 reporter.log(
                     step,
                     {
-                        "loss": window["loss"] / window["steps"],
+                        "loss": state.take_log_mean(),
                         "lr": metrics["lr"],
                         "grad_norm": float(metrics["grad_norm"]),
                         "tokens_per_s": tokens_per_s,
@@ -161,7 +159,7 @@ def train(run: Run) -> None:
                     },
                     kind="train",
                 )
-                window = {"loss": 0.0, "steps": 0, "tokens": 0, "start": time.perf_counter()}
+                window = {"tokens": 0, "start": time.perf_counter()}
             if step % cfg.eval.eval_steps == 0 or last:
                 run_eval(run)
             run.checkpointer.maybe_save(step, stopping=metrics["preempt"])  # preempted: committed before exiting

@@ -19,10 +19,22 @@ class TrainerState:
     # the whole epoch (the same float, summed in the same order), not over the steps since the resume.
     epoch_loss_sum: float = 0.0
     epoch_loss_steps: int = 0
+    # Likewise the steps since the last train log line: a resume between two log steps still logs their mean.
+    log_loss_sum: float = 0.0
+    log_loss_steps: int = 0
 
-    def add_epoch_loss(self, loss: float) -> None:
+    def add_loss(self, loss: float) -> None:
+        """A finished step's global loss, into the epoch's mean and the next log line's."""
         self.epoch_loss_sum += loss
         self.epoch_loss_steps += 1
+        self.log_loss_sum += loss
+        self.log_loss_steps += 1
+
+    def take_log_mean(self) -> float:
+        """The mean step loss since the last log line; the sums start over."""
+        mean = self.log_loss_sum / max(self.log_loss_steps, 1)
+        self.log_loss_sum, self.log_loss_steps = 0.0, 0
+        return mean
 
     def end_epoch(self) -> float:
         """The epoch's mean step loss; the sums start over and the epoch counter advances."""
