@@ -489,3 +489,20 @@ def test_hybrid_shard_needs_several_nodes(command, in_project, capsys, tmp_path)
     )
     assert code == 0, err
     assert "HYBRID_SHARD" in (tmp_path / "two.sh").read_text()
+
+
+def test_slurm_checks_relative_paths_from_the_folder_the_job_runs_in(in_project, capsys, tmp_path):
+    """With --chdir the ranks read a relative --chat_template from that folder: it is checked there, not here."""
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (job_dir / "mine.jinja").write_text(template)
+    (in_project / "only_here.jinja").write_text(template)
+    config = str(in_project / "train.yaml")
+    common = ["slurm", "--config", config, "--num_gpus_per_node", "0", "--chdir", str(job_dir)]
+    code, _, err = cli(capsys, *common, "--output", str(tmp_path / "a.sh"), "--", "--chat_template", "mine.jinja")
+    assert code == 0, err
+    assert "--chat_template mine.jinja" in (tmp_path / "a.sh").read_text()
+    code, _, err = cli(capsys, *common, "--output", str(tmp_path / "b.sh"), "--", "--chat_template", "only_here.jinja")
+    assert code == 2 and "data.chat_template" in err and "only_here.jinja" in err, err
+    assert not (tmp_path / "b.sh").exists() and Path.cwd() == in_project

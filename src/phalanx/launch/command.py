@@ -8,6 +8,7 @@ against the config schema here, so a typo is reported now rather than on the clu
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import stat
 import sys
@@ -106,16 +107,31 @@ def layout(args: argparse.Namespace) -> tuple[int, int]:
 
 
 def check_training(
-    config: Optional[str], train_args: list[str], num_nodes: int, nproc_per_node: int, gpus: int
+    config: Optional[str],
+    train_args: list[str],
+    num_nodes: int,
+    nproc_per_node: int,
+    gpus: int,
+    run_dir: Optional[Path] = None,
 ) -> RunConfig:
     """Load the config with the extra flags exactly as `phalanx train` will, and check it against the job's layout
-    (nodes, ranks, GPUs) as the ranks would; returns the RunConfig."""
+    (nodes, ranks, GPUs) as the ranks would; returns the RunConfig.
+
+    run_dir: the folder the job runs in (the script cds there). Relative paths in the config and flags (a
+    --chat_template file) are checked from there when it exists here, as the ranks will read them."""
     from phalanx.config.loader import config_from_args
     from phalanx.parallel import check_before_launch
 
     if config is not None and not Path(config).is_file():
         raise ConfigError(f"--config {config}: no such file (expected a training YAML such as configs/demo.yaml)")
-    cfg = config_from_args(train_args, flags_only=True, config_path=config)[0]
+    config = None if config is None else str(Path(config).resolve())
+    here = Path.cwd()
+    try:
+        if run_dir is not None and run_dir.is_dir():
+            os.chdir(run_dir)
+        cfg = config_from_args(train_args, flags_only=True, config_path=config)[0]
+    finally:
+        os.chdir(here)
     cfg.check_nodes(num_nodes)
     check_before_launch(cfg, num_nodes * nproc_per_node, on_gpu=gpus > 0)
     return cfg
@@ -189,7 +205,7 @@ def checked_job(flags: JobFlags, project_dir: Path, restarts: bool) -> tuple[Job
     restarts: whether the job may run its command again (--max_restarts, a SLURM requeue), so that a config which
     would start over instead of resuming is warned about."""
     args = flags.args
-    cfg = check_training(args.config, flags.train_args, args.num_nodes, flags.nproc, flags.gpus)
+    cfg = check_training(args.config, flags.train_args, args.num_nodes, flags.nproc, flags.gpus, run_dir=project_dir)
     warn_if_restarts_start_over(cfg, restarts)
     note_launcher_and_strategy(cfg, args.use_deepspeed)
     job = Job(
