@@ -34,12 +34,12 @@ for part in $parts; do
       python3 -c "import torch, transformers, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
       python3 -c "import trl; print('trl', trl.__version__)" || echo "trl missing: the TRL arm will fail (carry .whl/trl-*.whl)"
       python3 -c "import liger_kernel; print('liger-kernel importable')" || echo "liger-kernel missing: TRL runs without Liger"
-      step lora-trainer-trl 250 python3 benchmarks/train_vs_hf.py --gpu-shape qwen2.5-1.5b --steps 20 --warmup 5 \
+      step lora-trainer-trl 250 python3 benchmarks/train_vs_hf.py --gpu-shape r1-distill-qwen-1.5b --steps 20 --warmup 5 \
         --orders phalanx-first --with-trl --note "gpu_suite arms"
-      step qlora-full 200 python3 benchmarks/phalanx_arms.py --gpu-shape qwen2.5-1.5b --arms qlora,full --steps 12 \
+      step qlora-full 200 python3 benchmarks/phalanx_arms.py --gpu-shape r1-distill-qwen-1.5b --arms qlora,full --steps 12 \
         --warmup 4 --arm-timeout 95 --work_dir /tmp/phalanx-bench --note "gpu_suite arms"
       step generate 90 python3 benchmarks/generate_vs_loop.py --device cuda --dtype bfloat16 \
-        --model_name /tmp/phalanx-bench/qwen2.5-1.5b-random --num_questions 8 --repeats 1 --skip-k-loop --note "gpu_suite arms"
+        --model_name /tmp/phalanx-bench/r1-distill-qwen-1.5b-random --num_questions 8 --repeats 1 --skip-k-loop --note "gpu_suite arms"
       if python3 -c "import unsloth" 2>/dev/null; then
         echo "=== unsloth imports, but benchmarks/ has no Unsloth arm yet: not measured"
       else
@@ -56,23 +56,23 @@ for part in $parts; do
       step resume-bf16 120 python3 -m phalanx train configs/demo.yaml --world_size 1 --max_steps 16 --eval_steps 6 \
           --save_steps 6 --mixed_precision bf16 --output_dir /tmp/smoke-bf16 --force --logging.progress_bar false ;;
     speed)
-      step train_vs_hf 540 python3 benchmarks/train_vs_hf.py --gpu-shape qwen2.5-1.5b --steps 30 --no-results --orders phalanx-first --with-unpacked ;;
+      step train_vs_hf 540 python3 benchmarks/train_vs_hf.py --gpu-shape r1-distill-qwen-1.5b --steps 30 --no-results --orders phalanx-first --with-unpacked ;;
     speed-hf-first)  # the same comparison in the other order: the first run on a fresh machine pays its warm-up
-      step train_vs_hf_hf_first 540 python3 benchmarks/train_vs_hf.py --gpu-shape qwen2.5-1.5b --steps 30 --no-results --orders hf-first --with-unpacked ;;
+      step train_vs_hf_hf_first 540 python3 benchmarks/train_vs_hf.py --gpu-shape r1-distill-qwen-1.5b --steps 30 --no-results --orders hf-first --with-unpacked ;;
     profile)  # cProfile of rank 0 on both sides (timings perturbed); .prof files under $OUT/prof
-      step profile 300 python3 benchmarks/train_vs_hf.py --gpu-shape qwen2.5-1.5b --steps 15 --no-results --profile "$OUT/prof" ;;
+      step profile 300 python3 benchmarks/train_vs_hf.py --gpu-shape r1-distill-qwen-1.5b --steps 15 --no-results --profile "$OUT/prof" ;;
     qlora)  # 4-bit NF4 base vs plain LoRA on the 1.5B shape: peak memory and time (model folder from the speed part)
       for q in true false; do
-        step "qlora-$q" 180 python3 -m phalanx train --model_name /tmp/phalanx-bench/qwen2.5-1.5b-random --max_steps 12 \
+        step "qlora-$q" 180 python3 -m phalanx train --model_name /tmp/phalanx-bench/r1-distill-qwen-1.5b-random --max_steps 12 \
           --batch_size 4 --max_length 2048 --test_size 0 --eval_steps 100 --save_steps 100 --mixed_precision bf16 \
           --output_dir /tmp/qlora-$q --overwrite_output_dir --logging.progress_bar false --load_in_4bit $q
       done ;;
     strategies)
-      step strategies-lora 480 python3 benchmarks/strategies.py --gpu-shape qwen2.5-1.5b --world_size 1 --batch_size 4 \
+      step strategies-lora 480 python3 benchmarks/strategies.py --gpu-shape r1-distill-qwen-1.5b --world_size 1 --batch_size 4 \
         --steps 12 --warmup 3 --offload --only ddp "fsdp FULL_SHARD" "ZeRO-2" "ZeRO-3" "fsdp FULL_SHARD + offload" \
         "ZeRO-3 + param/optimizer offload" ;;
     strategies-full)
-      step strategies-full 480 python3 benchmarks/strategies.py --gpu-shape qwen2.5-1.5b --world_size 1 --batch_size 4 \
+      step strategies-full 480 python3 benchmarks/strategies.py --gpu-shape r1-distill-qwen-1.5b --world_size 1 --batch_size 4 \
         --steps 8 --warmup 3 --finetune full --gradient_checkpointing --offload --only ddp "fsdp FULL_SHARD" \
         "fsdp FULL_SHARD + offload" "ZeRO-3" ;;
     *) echo "unknown part $part"; exit 2 ;;

@@ -12,7 +12,7 @@ causal mask). N counts the output head once and not the input embedding (untied:
 embedding; tied: all parameters), as issue 15 asks. Peak: the GPU's dense bf16 TFLOP/s (989 on H100 SXM).
 
   .venv/bin/python benchmarks/phalanx_arms.py                              # CPU: the embedded tiny model, fp32, 1 rank
-  python benchmarks/phalanx_arms.py --gpu-shape qwen2.5-1.5b --arms lora,qlora,full --steps 20
+  python benchmarks/phalanx_arms.py --gpu-shape r1-distill-qwen-1.5b --arms lora,qlora,full --steps 20
 Results are appended to benchmarks/RESULTS.md (reported, never asserted).
 """
 
@@ -40,6 +40,7 @@ from train_vs_hf import (  # noqa: E402
     cpu_model,
     load_average,
     make_plan,
+    matmul_parameters,
     peak_tflops_for,
     sh,
 )
@@ -87,15 +88,11 @@ def flops_n(model_path: str) -> tuple[int, int, int]:
     config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    total = sum(p.numel() for p in model.parameters())
-    embed = model.get_input_embeddings().weight
-    head = model.get_output_embeddings()
-    tied = head is not None and head.weight is embed
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     width = int(text.num_attention_heads) * int(
         getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     )
-    return (total if tied else total - embed.numel()), int(text.num_hidden_layers), width
+    return matmul_parameters(model), int(text.num_hidden_layers), width
 
 
 def run_arm(name: str, flags: list[str], out: Path, timeout: float, nproc: int) -> dict:

@@ -9,7 +9,7 @@ one's step time and memory relative to the first variant (DDP). Timings are repo
 
   .venv/bin/python benchmarks/strategies.py                  # 2 CPU ranks, LoRA, 20 steps
   .venv/bin/python benchmarks/strategies.py --finetune full --steps 10
-  python benchmarks/strategies.py --gpu-shape qwen2.5-1.5b --world_size 1 --offload   # one GPU, bf16, seq 2048
+  python benchmarks/strategies.py --gpu-shape r1-distill-qwen-1.5b --world_size 1 --offload   # one GPU, bf16, seq 2048
 
 On one rank, 'ddp' is plain single-process training; fsdp and deepspeed run on a one-rank group, where
 what they can add is CPU offload (`--offload` adds those variants).

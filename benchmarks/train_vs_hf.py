@@ -34,13 +34,14 @@ needs for the same data. Both running orders are measured in one call by default
 phalanx then Trainer, then Trainer then phalanx) and the time-per-row ratio is reported per order and as
 their geometric mean: on a shared machine one order alone is not a comparison.
 
-`--gpu-shape qwen2.5-1.5b` builds a Qwen2-architecture model with Qwen2.5-1.5B's shape (random weights),
-runs at sequence length 2048 in bf16 on CUDA and adds MFU. `--dry-run` prints the plan (and builds the
+`--gpu-shape r1-distill-qwen-1.5b` builds a Qwen2-architecture model with DeepSeek-R1-Distill-Qwen-1.5B's shape
+(random weights, untied head; `qwen2.5-1.5b` is the tied one of the earlier entries), runs at sequence length 2048
+in bf16 on CUDA and adds MFU. `--dry-run` prints the plan (and builds the
 model on CPU in gpu-shape mode) without training.
 
 Run from the repository root:
   .venv/bin/python benchmarks/train_vs_hf.py                # 2 CPU ranks, 30 steps, batch 4, max_length 2048, both orders
-  .venv/bin/python benchmarks/train_vs_hf.py --gpu-shape qwen2.5-1.5b --dry-run
+  .venv/bin/python benchmarks/train_vs_hf.py --gpu-shape r1-distill-qwen-1.5b --dry-run
 Results are appended to benchmarks/RESULTS.md (never asserted: timings are reported, not tested).
 """
 
@@ -80,6 +81,22 @@ GPU_SHAPES = {
         rms_norm_eps=1e-6,
         hidden_act="silu",
         tie_word_embeddings=True,
+    ),
+    # The seeds' model, DeepSeek-R1-Distill-Qwen-1.5B (its config.json): Qwen2.5-1.5B's sizes with an untied output
+    # head (a second 151,936 x 1,536 matrix: 0.47 GB more in bf16) and rope_theta 10,000.
+    "r1-distill-qwen-1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        max_position_embeddings=131072,
+        rope_theta=10_000.0,
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        use_sliding_window=False,
     ),
 }
 
@@ -225,13 +242,24 @@ def construct_gpu_shape_on_cpu(shape: str, layers: Optional[int]) -> tuple[int, 
     config = Qwen2Config(**values)
     start = time.perf_counter()
     model = Qwen2ForCausalLM(config).to(torch.bfloat16)
-    n = sum(p.numel() for p in model.parameters())
+    total = sum(p.numel() for p in model.parameters())
     print(
-        f"   built {type(model).__name__} on CPU in {time.perf_counter() - start:.1f}s: {n:,} parameters "
-        f"({n * 2 / 2**30:.2f} GiB in bf16)"
+        f"   built {type(model).__name__} on CPU in {time.perf_counter() - start:.1f}s: {total:,} parameters "
+        f"({total * 2 / 2**30:.2f} GiB in bf16)"
     )
+    n = matmul_parameters(model)
     del model
     return n, values
+
+
+def matmul_parameters(model) -> int:
+    """N of the FLOP count: every parameter, the output head once, the input embedding not at all (a lookup, no
+    matmul). A tied head is the embedding matrix: counted once, as the head; an untied one (R1-Distill) adds its own."""
+    total = sum(p.numel() for p in model.parameters())
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is embed
+    return total if tied else total - embed.numel()
 
 
 def lora_flops(n_params: int, layers: int, attn_width: int, tokens: int, sq_lengths: int) -> float:
@@ -995,17 +1023,14 @@ def main(argv=None) -> None:
             from transformers import AutoConfig, AutoModelForCausalLM
 
             with torch.device("meta"):
-                n_params = sum(
-                    p.numel()
-                    for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path)).parameters()
-                )
+                n_params = matmul_parameters(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path)))
         layers = values["num_hidden_layers"]
         attn_width = values["hidden_size"]  # heads * head_dim = 12 * 128
         peak = args.peak_tflops or (peak_tflops_for(torch.cuda.get_device_name(0)) if cuda else None)
         flops_note = (
             f"MFU = model FLOPs / (seconds x ranks x peak). LoRA FLOPs per sequence of t tokens = "
-            f"4*N*t + 12*L*(heads*head_dim)*t^2 with N = {n_params:,} base parameters (tied embedding "
-            f"counted once: it is the LM-head matmul), L = {layers}, heads*head_dim = {attn_width}; "
+            f"4*N*t + 12*L*(heads*head_dim)*t^2 with N = {n_params:,} base parameters (the output head once, the "
+            f"input embedding not counted), L = {layers}, heads*head_dim = {attn_width}; "
             f"peak assumed: {f'{peak:g} TFLOP/s dense bf16 per GPU' if peak else 'unknown (pass --peak-tflops)'}"
         )
         print("-- " + flops_note)
