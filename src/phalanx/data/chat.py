@@ -295,8 +295,21 @@ def _output_start(r: _Renderer, i: int, prompt: str, context: str, view: str, ow
     # Certain only when the view leads into the message with the header the generation prompt writes: the output
     # starts after the last such header, and what the template writes between it and the message's text (an
     # empty think block, a channel name) is the model's to write.
-    header = prompt[_common_prefix(prompt, context) :]
-    at = view.rfind(header, shared, own) if header else own
+    opens = _common_prefix(prompt, context)  # where the generation prompt starts adding to the context
+    header = prompt[opens:]
+    # The header may start before the part where the view and the prompt differ, as long as it reaches into it
+    # (Bielik leaves a tool output unclosed before an assistant turn: `}<|im_start|>` vs the prompt's `}<|im_end|>`
+    # part inside `<|im_`): any occurrence that ends in the shared part belongs to the context.
+    at = view.rfind(header, max(0, shared - len(header) + 1), own) if header else own
+    if at < 0:
+        # The view renders the context as the prompt does and starts the turn with part of the prompt's header, then
+        # writes something else where the prompt opens a reasoning block (the same message with reasoning renders
+        # the whole prompt): GLM-4.7's prompt ends `<|assistant|><think>`, its turn without reasoning is
+        # `<|assistant|></think>7`; Nemotron 3's prompt ends `<think>\n`, the turn `<think></think>7`. The output
+        # starts where they part: the rest is what the model writes for a turn without reasoning.
+        part = _snap_back(view, shared, r.specials())
+        if opens < part <= own and _prompt_opens_reasoning(r, i, prompt):
+            return part
     if at < 0:
         raise DataError(
             f"{r.where}: messages[{i}] (assistant): the chat template's generation prompt (add_generation_prompt=True) "
@@ -305,6 +318,14 @@ def _output_start(r: _Renderer, i: int, prompt: str, context: str, view: str, ow
             "assistant turns (--chat_template)."
         )
     return at + len(header) if header else own
+
+
+def _prompt_opens_reasoning(r: _Renderer, i: int, prompt: str) -> bool:
+    """Whether message i, given reasoning, renders everything the generation prompt writes (then what the prompt adds
+    past the message's own rendering opens the reasoning block)."""
+    probe = dict(r.messages[i], reasoning_content=SENTINEL)
+    rendered = r.try_render(r.messages[:i] + [probe], False)
+    return rendered is not None and rendered.startswith(prompt)
 
 
 def _output_end(r: _Renderer, i: int, prompt: str, context: str, view: str, own_end: int) -> int:

@@ -427,6 +427,30 @@ CASES = [
             "</TOOL_RESPONSE>",
         ),
     ),
+    # ---- added from a second trial on unseen templates (real/README.md)
+    TemplateCase("Bielik-11B-v3.0-Instruct", False, "<s>", "<|im_end|>", None, {k: FULL for k in ALL_ROWS}),
+    TemplateCase(
+        "GLM-4.7-Flash",
+        False,
+        None,
+        "<|endoftext|>",
+        None,
+        {
+            **{k: Match("full", unterminated=3) for k in ("plain", "nosys", "tool", "two_assistants")},
+            # think/think_tool left out: the template parses a <think> block in content into reasoning and renders it
+            # after the '<think>' its generation prompt pre-fills, but the masker trains that '<think>' as the start of
+            # the message's own words (as for QwQ, whose content is written as it is): not yet told apart.
+            **{k: Match("per_turn", unterminated=3) for k in ("reasoning", "reasoning_tool")},
+        },
+        specials=(
+            "[gMASK]",
+            "<sop>",
+            "<arg_key>",
+            "</arg_key>",
+            "<arg_value>",
+            "</arg_value>",
+        ),
+    ),
 ]
 CASE = {c.name: c for c in CASES}
 
