@@ -451,6 +451,19 @@ CASES = [
             "</arg_value>",
         ),
     ),
+    # Qwen3-Coder: handled before these tests; guards XML tool calls (<function=...><parameter=...>) written after a
+    # header whose newline the tool call writes, and a template that ignores reasoning_content.
+    TemplateCase(
+        "Qwen3-Coder",
+        False,
+        None,
+        "<|im_end|>",
+        None,
+        {
+            k: FULL
+            for k in ("plain", "nosys", "tool", "reasoning", "reasoning_tool", "think", "think_tool", "two_assistants")
+        },
+    ),
 ]
 CASE = {c.name: c for c in CASES}
 
