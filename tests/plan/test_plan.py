@@ -182,7 +182,7 @@ def test_single_process_estimates_within_25_percent(tmp_path, small_model):
 
 @pytest.mark.distributed
 def test_ddp_estimate_within_25_percent_on_two_ranks(tmp_path, small_model):
-    """Two gloo ranks under DDP, full fine-tuning: a replica each, plus DDP's gradient buckets."""
+    """Two gloo ranks under DDP, full fine-tuning: a replica each, the gradients as views into DDP's buckets."""
     cases = {
         "ddp full, 12.7M params, 2x128": (
             run_config(

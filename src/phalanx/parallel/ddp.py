@@ -47,11 +47,14 @@ class DDPStrategy(Strategy):
             # a broadcast would copy the packed 4-bit bytes without their scales (QLoRA's base stays out of DDP).
             DDP._set_params_and_buffers_to_ignore_for_model(model, quantized)
         # Adapter first, DDP second: only the trainable (LoRA) weights get gradient buckets, so no unused-parameter search.
+        # gradient_as_bucket_view: each .grad is a view into DDP's all-reduce bucket instead of a second copy of it
+        # (full fine-tuning of 1.5B parameters: 6.2 GB less per rank); optimizer and clipping see the same tensors.
         ddp = DDP(
             model,
             device_ids=[self.rank.device.index] if on_cuda else None,
             output_device=self.rank.device.index if on_cuda else None,
             find_unused_parameters=False,
+            gradient_as_bucket_view=True,
             **buffers,
         )
         if self.comm_hook != "none":
