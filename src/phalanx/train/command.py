@@ -99,7 +99,7 @@ def train_worker(cfg: RunConfig, preemption: PreemptionFlag) -> int:
     from phalanx.runtime.signals import PREEMPTED_EXIT_CODE, Preempted
     from phalanx.runtime.watch import describe_ranks
     from phalanx.train.loop import train
-    from phalanx.train.run import build_run, finish_run
+    from phalanx.train.run import build_run, finish_run, stop_loader_workers
 
     rank, world = env_rank_info()[:2]
     run = None
@@ -134,6 +134,7 @@ def train_worker(cfg: RunConfig, preemption: PreemptionFlag) -> int:
     finally:
         if run is not None:
             run.reporter.close()  # a failed run keeps the metrics and TensorBoard events it logged
+            stop_loader_workers(run.train_loader)  # before exit: see stop_loader_workers
         # Free DDP (its reducer holds the process group) before destroying the group: the other order can
         # tear gloo down inside a Python destructor, where its threads wait for the GIL we hold: a hang at exit.
         del run

@@ -228,6 +228,22 @@ def make_train_loader(cfg: RunConfig, rows: Any, rank: rt.RankInfo, collate: Any
     return TakenPosition(sampler), DataLoader(rows, batch_size=t.batch_size, sampler=sampler, **common)
 
 
+def stop_loader_workers(loader: DataLoader) -> None:
+    """Stop the loader's persistent worker processes now, while the interpreter still runs. At exit torch leaves
+    them to multiprocessing, which sends SIGTERM, which they ignore (runtime.signals.ignore_preemption_signals: a
+    job-wide SIGTERM must not kill them before their rank saves), and then waits for them forever."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is None:
+        return
+    workers = list(getattr(iterator, "_workers", ()))
+    iterator._shutdown_workers()  # the graceful way: tell each worker to stop, join it
+    for worker in workers:
+        if worker.is_alive():  # did not stop in time: SIGKILL is the one signal it cannot ignore
+            worker.kill()
+            worker.join(timeout=5)
+    loader._iterator = None
+
+
 def choose_packing(wanted: bool, model: torch.nn.Module, rank: rt.RankInfo) -> bool:
     """Packed (padding-free) micro-batches when asked for and the model supports them; the attention is switched to
     a varlen one. A model that cannot pack trains padded, and rank 0 says why."""
