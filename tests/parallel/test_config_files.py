@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from equivalence import COMMON
 from helpers import read_metrics, run_phalanx
@@ -60,7 +61,9 @@ def test_deepspeed_parser_accepts_the_file_once_autos_are_filled(tmp_path, flags
     out = tmp_path / "ds.json"
     assert config_main(["deepspeed", *flags, "--output", str(out)]) == 0
     cfg = RunConfig.model_validate({"distributed": {"deepspeed_config": str(out)}, "training": {"batch_size": 2}})
-    merged = build_ds_config(cfg, world_size=1, precision=Precision(None))
+    # The run's precision matches the file's (a file that disagrees with the run is refused, as tested elsewhere).
+    dtype = torch.bfloat16 if "--bf16" in flags else torch.float16 if "--fp16" in flags else None
+    merged = build_ds_config(cfg, world_size=1, precision=Precision(dtype))
     parsed = DeepSpeedConfig(merged)
     assert parsed.train_micro_batch_size_per_gpu == 2
     assert parsed.zero_optimization_stage == int(flags[1])

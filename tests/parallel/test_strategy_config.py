@@ -100,6 +100,20 @@ def test_user_deepspeed_json_autos_are_filled_and_unset_fields_taken_from_it(tmp
     assert "zero_optimization.stage is 3 in the JSON but 2" in str(err.value)
 
 
+def test_a_deepspeed_json_whose_precision_differs_from_the_runs_is_refused(tmp_path):
+    """Seed 003's `phalanx config deepspeed --bf16` JSON on CPU ranks, mixed_precision left at auto (fp32 there): the
+    engine would train bf16 while the loop and banner say fp32. Refused by name; "auto" takes the run's value."""
+    from phalanx.parallel.deepspeed import build_ds_config
+
+    path = tmp_path / "ds.json"
+    path.write_text('{"bf16": {"enabled": true}, "zero_optimization": {"stage": 2}}')
+    cfg = load_config(None, {"distributed.strategy": "deepspeed", "distributed.deepspeed_config": str(path)})
+    with pytest.raises(ConfigError, match="bf16.enabled is True in the JSON but False from training.mixed_precision"):
+        build_ds_config(cfg, world_size=1, precision=Precision(None))
+    path.write_text('{"bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2}}')
+    assert build_ds_config(cfg, world_size=1, precision=Precision(None))["bf16"] == {"enabled": False}
+
+
 def test_each_configured_strategy_name_builds_its_class_from_the_config(tmp_path):
     """make_strategy is a lookup: every `distributed.strategy` value has a registered class, built by from_config."""
     import typing

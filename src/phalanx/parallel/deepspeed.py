@@ -83,8 +83,15 @@ DECIDED_BY = {
     "zero_optimization.offload_optimizer": "distributed.offload_optimizer",
     "zero_optimization.offload_param": "distributed.offload_param",
 }
-# The loop groups micro-batches itself, so these must agree with the run even when the run only has defaults.
-BINDING = {"train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"}
+# The loop groups micro-batches itself, and its autocast and the banner follow the run's precision (mixed_precision
+# auto resolved on this device: fp32 on CPU), so these must agree with the run even when the run only has defaults.
+BINDING = {
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "train_batch_size",
+    "bf16.enabled",
+    "fp16.enabled",
+}
 
 
 def explicit_fields(cfg: RunConfig) -> set[str]:
