@@ -1,5 +1,6 @@
 """The config loader: YAML + flags + dotted overrides, and errors that point at the problem."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -146,3 +147,33 @@ def test_text_fields_get_the_text_typed_and_bool_fields_keep_yes_no(tmp_path: Pa
     assert "'No'" in str(err.value) and "'auto', 'no', 'fp16' or 'bf16'" in str(err.value)
     with pytest.raises(ConfigError, match=r"field 'training.max_steps' = 'yes': Input should be a valid integer"):
         load_config(None, overrides_from_flags([("max_steps", "yes")]))  # not silently 1
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (
+            "training:\n  learning_rate: 1e-4\ntraining:\n  batch_size: 2\n",
+            "line 3: 'training' is given twice (first at line 1)",
+        ),
+        (
+            "training:\n  learning_rate: 1e-4\n  learning_rate: 2e-4\n",
+            "line 3: 'training.learning_rate' is given twice",
+        ),
+    ],
+    ids=["section-twice", "key-twice"],
+)
+def test_a_key_given_twice_is_refused_with_both_lines(tmp_path: Path, text, message):
+    """YAML keeps the last of two equal keys: a section written twice would silently lose the first one's settings."""
+    path = tmp_path / "twice.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(str(path))
+
+
+def test_a_check_across_fields_names_no_empty_field_and_prints_no_config_dump():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides_from_flags([("world_size", "3"), ("offload_optimizer", "true")]))
+    text = str(err.value)
+    assert "command line: CPU offload needs a sharding strategy" in text
+    assert "field ''" not in text and "{'" not in text

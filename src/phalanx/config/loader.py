@@ -120,6 +120,29 @@ def _yaml_lines(text: str) -> dict[tuple, int]:
     return lines
 
 
+def _refuse_duplicate_keys(text: str, path: str) -> None:
+    """A key given twice in one mapping (a section written twice, say) would silently keep only the last one."""
+
+    def walk(node: Any, where: tuple) -> None:
+        if isinstance(node, yaml.MappingNode):
+            first: dict[str, int] = {}
+            for key, value in node.value:
+                line = key.start_mark.line + 1
+                name = ".".join((*where, str(key.value)))
+                if key.value in first:
+                    raise ConfigError(
+                        f"{path} line {line}: '{name}' is given twice (first at line {first[key.value]}); YAML "
+                        "would keep only the second one. Merge them into one."
+                    )
+                first[key.value] = line
+                walk(value, (*where, str(key.value)))
+        elif isinstance(node, yaml.SequenceNode):
+            for item in node.value:
+                walk(item, where)
+
+    walk(yaml.compose(text), ())
+
+
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     node = tree
@@ -258,6 +281,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[dict[str, Any]] 
             loaded = yaml.safe_load(text)
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        _refuse_duplicate_keys(text, path)
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
@@ -298,7 +322,10 @@ def _explain(exc: ValidationError, source: str, lines: dict[tuple, int], from_cl
             value = err.get("input")
             # A validator's own message needs no "Value error, " in front (pydantic's wording for ValueError).
             message = err["msg"].removeprefix("Value error, ")
-            problems.append(f"{where}: field '{dotted}' = {value!r}: {message}")
+            if isinstance(value, dict):  # a check across fields (of the section `dotted`, or of the whole config)
+                problems.append(f"{where}: {f'{dotted}: ' if dotted else ''}{message}")
+            else:
+                problems.append(f"{where}: field '{dotted}' = {value!r}: {message}")
     return "invalid configuration:\n  " + "\n  ".join(problems)
 
 
