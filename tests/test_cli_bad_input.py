@@ -356,3 +356,14 @@ def test_deepseek_r1_distill_template_that_drops_tool_calls_is_refused(tmp_path,
     )
     assert "--chat_template deepseek-r1-distill" in out
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["is-a-file", "under-a-file"])
+def test_an_output_dir_that_is_or_sits_under_a_file_is_refused_by_name(tmp_path, capsys, inside):
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("keep me")
+    out = blocker / "run" if inside else blocker
+    code, text = run_main(["train", "--output_dir", str(out), "--max_steps", "1"], capsys)
+    named = f"{blocker} is a file" if inside else "it is a file"
+    assert code == 2 and f"output_dir = '{out}': {named}, not a folder" in text, text
+    assert "Traceback" not in text and blocker.read_text() == "keep me"

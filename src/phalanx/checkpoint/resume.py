@@ -166,6 +166,13 @@ def resume_point(cfg: RunConfig) -> Optional[Path]:
     """The checkpoint folder to resume from, None for a fresh start; ConfigError when neither is right."""
     out = Path(cfg.output_dir)
     requested = cfg.checkpoint.resume_from_checkpoint
+    # The run writes inside output_dir: a file there, or on the way there, stops it before anything is written.
+    blocker = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ConfigError(
+            f"output_dir = {str(out)!r}: {'it' if blocker == out else str(blocker)} is a file, not a folder; "
+            "give a folder (it is created if missing)"
+        )
     if cfg.overwrite_output_dir:
         if requested:
             raise ConfigError("--overwrite_output_dir starts over, --resume_from_checkpoint continues: choose one")
