@@ -197,3 +197,18 @@ def test_a_log_line_that_spans_the_resume_averages_every_step_it_covers(dataset,
     expected = [(r["step"], r["loss"]) for r in read_metrics(reference)]
     assert [r["step"] for r in read_metrics(reference)] == [3, 6, 8]
     assert [(r["step"], r["loss"]) for r in read_metrics(out)] == expected
+
+
+@pytest.mark.parametrize("damaged", ["optimizer.pt", "adapter_model.safetensors"])
+def test_a_damaged_file_in_the_newest_checkpoint_is_named_with_the_way_on(dataset, killed, tmp_path, damaged):
+    """A committed checkpoint whose file was truncated later (a disk fault, a copy cut short): every rank stops with
+    the file's name and how to resume from an earlier checkpoint, not a traceback from torch's zip reader."""
+    out = tmp_path / "run"
+    shutil.copytree(killed, out)
+    path = out / "checkpoint-4" / damaged
+    path.write_bytes(path.read_bytes()[:100])
+    proc = train(dataset, out)
+    assert proc.returncode != 0
+    assert f"{path} cannot be read" in proc.stderr and "--resume_from_checkpoint" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert (out / "checkpoint-2" / "phalanx_checkpoint.json").is_file()

@@ -295,9 +295,24 @@ def load_checkpoint(
     else:
         load_model_weights(model, folder, finetune)
     for name, obj in stateful.items():
-        obj.load_state_dict(load_state_file(folder / state_file(name)))
+        obj.load_state_dict(read_or_explain(folder / state_file(name), load_state_file))
     load_rng_file(folder, rank)
-    return json.loads((folder / TRAINER_STATE).read_text(encoding="utf-8"))
+    return read_or_explain(folder / TRAINER_STATE, lambda path: json.loads(path.read_text(encoding="utf-8")))
+
+
+def read_or_explain(path: Path, read: Callable[[Path], Any]) -> Any:
+    """`read(path)`, or a PhalanxError naming the damaged file and the way on (a committed checkpoint whose file was
+    truncated or overwritten later: a disk fault, a copy cut short). Refusals of the restricted loader pass as they are."""
+    try:
+        return read(path)
+    except PhalanxError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - torch's zip reader, safetensors and json each raise their own kind
+        raise PhalanxError(
+            f"{path} cannot be read ({type(exc).__name__}: {exc}): this checkpoint is damaged. Resume from an earlier "
+            f"one with --resume_from_checkpoint {path.parent.parent}/checkpoint-N, or start over with "
+            "--overwrite_output_dir"
+        ) from None
 
 
 def load_rng_file(folder: Path, rank: rt.RankInfo) -> bool:
@@ -306,7 +321,7 @@ def load_rng_file(folder: Path, rank: rt.RankInfo) -> bool:
     path = Path(folder) / rng_file(rank.rank)
     if not path.is_file():
         return False
-    load_rng_state(_native_rng(load_state_file(path)))
+    load_rng_state(_native_rng(read_or_explain(path, load_state_file)))
     return True
 
 
@@ -315,7 +330,7 @@ def load_model_weights(model: nn.Module, folder: Path, finetune: str) -> None:
     if finetune == "lora":
         from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
-        state = load_file(folder / ADAPTER_WEIGHTS)
+        state = read_or_explain(folder / ADAPTER_WEIGHTS, load_file)
         check_same_shapes(folder, state, get_peft_model_state_dict(model), allow_missing=set())
         set_peft_model_state_dict(model, state)
         return
@@ -325,7 +340,7 @@ def load_model_weights(model: nn.Module, folder: Path, finetune: str) -> None:
             "that saved it. Resume it with that strategy (any number of ranks), or write the weights first "
             f"with: phalanx export {folder} OUT_DIR"
         )
-    state = load_file(folder / WEIGHTS)
+    state = read_or_explain(folder / WEIGHTS, load_file)
     own = model.state_dict()
     # save_pretrained leaves out weights tied to others (the output head tied to the embeddings).
     check_same_shapes(folder, state, own, allow_missing={k for k in own if _is_tied(model, k)})
