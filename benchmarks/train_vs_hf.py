@@ -82,22 +82,15 @@ GPU_SHAPES = {
         hidden_act="silu",
         tie_word_embeddings=True,
     ),
-    # The seeds' model, DeepSeek-R1-Distill-Qwen-1.5B (its config.json): Qwen2.5-1.5B's sizes with an untied output
-    # head (a second 151,936 x 1,536 matrix: 0.47 GB more in bf16) and rope_theta 10,000.
-    "r1-distill-qwen-1.5b": dict(
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        max_position_embeddings=131072,
-        rope_theta=10_000.0,
-        rms_norm_eps=1e-6,
-        hidden_act="silu",
-        tie_word_embeddings=False,
-        use_sliding_window=False,
-    ),
+}
+# The seeds' model, DeepSeek-R1-Distill-Qwen-1.5B (its config.json): Qwen2.5-1.5B's sizes with an untied output head
+# (a second 151,936 x 1,536 matrix: 0.47 GB more in bf16) and rope_theta 10,000.
+GPU_SHAPES["r1-distill-qwen-1.5b"] = {
+    **GPU_SHAPES["qwen2.5-1.5b"],
+    "max_position_embeddings": 131072,
+    "rope_theta": 10_000.0,
+    "tie_word_embeddings": False,
+    "use_sliding_window": False,
 }
 
 # Dense bf16 tensor-core peak per GPU (no structured sparsity), from the vendors' data sheets.
