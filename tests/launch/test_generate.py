@@ -505,4 +505,5 @@ def test_slurm_checks_relative_paths_from_the_folder_the_job_runs_in(in_project,
     assert "--chat_template mine.jinja" in (tmp_path / "a.sh").read_text()
     code, _, err = cli(capsys, *common, "--output", str(tmp_path / "b.sh"), "--", "--chat_template", "only_here.jinja")
     assert code == 2 and "data.chat_template" in err and "only_here.jinja" in err, err
+    assert f"relative paths were read from {job_dir}" in err, err
     assert not (tmp_path / "b.sh").exists() and Path.cwd() == in_project

@@ -126,14 +126,19 @@ def check_training(
         raise ConfigError(f"--config {config}: no such file (expected a training YAML such as configs/demo.yaml)")
     config = None if config is None else str(Path(config).resolve())
     here = Path.cwd()
+    elsewhere = run_dir is not None and run_dir.is_dir() and run_dir.resolve() != here.resolve()
     try:
-        if run_dir is not None and run_dir.is_dir():
+        if elsewhere:
             os.chdir(run_dir)
         cfg = config_from_args(train_args, flags_only=True, config_path=config)[0]
+        cfg.check_nodes(num_nodes)
+        check_before_launch(cfg, num_nodes * nproc_per_node, on_gpu=gpus > 0)  # files it reads too (DeepSpeed JSON)
+    except ConfigError as exc:
+        if not elsewhere:
+            raise
+        raise ConfigError(f"{exc}\n  (relative paths were read from {run_dir}, the folder the job runs in)") from None
     finally:
         os.chdir(here)
-    cfg.check_nodes(num_nodes)
-    check_before_launch(cfg, num_nodes * nproc_per_node, on_gpu=gpus > 0)
     return cfg
 
 
