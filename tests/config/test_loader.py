@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from phalanx.config.flags import split_flags
 from phalanx.config.loader import FLAT_FLAGS, all_dotted_fields, load_config, overrides_from_flags, parse_value
 from phalanx.errors import ConfigError
 
@@ -107,6 +108,20 @@ def test_unknown_flag_suggests_nearest():
     with pytest.raises(ConfigError) as err:
         overrides_from_flags([("learning_rat", "1")])
     assert "--learning_rat" in str(err.value) and "learning_rate" in str(err.value)
+
+
+def test_flag_without_value_is_refused_unless_it_is_a_switch():
+    _, pairs = split_flags(["--overwrite_output_dir", "--learning_rate"])
+    with pytest.raises(ConfigError) as err:
+        overrides_from_flags(pairs)
+    assert "--learning_rate was given no value" in str(err.value) and "takes a number" in str(err.value)
+    _, pairs = split_flags(["--mixed_precision", "--overwrite_output_dir"])
+    with pytest.raises(ConfigError, match="one of 'auto', 'no', 'fp16', 'bf16'"):
+        overrides_from_flags(pairs)
+    # A switch at the end of the line, or before another flag, is on; a typed 'true' still reaches a text field.
+    _, pairs = split_flags(["--overwrite_output_dir", "--seed", "3"])
+    assert overrides_from_flags(pairs) == {"overwrite_output_dir": True, "training.seed": 3}
+    assert overrides_from_flags([("dataset_name", "true")])["data.dataset_name"] == "true"
 
 
 def test_missing_config_file_is_named(tmp_path: Path):

@@ -15,7 +15,7 @@ from typing import Any, Collection, Literal, Optional, Sequence, Union
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from phalanx.config.flags import split_flags
+from phalanx.config.flags import BareSwitch, split_flags
 from phalanx.config.schema import RunConfig
 from phalanx.errors import ConfigError
 
@@ -204,6 +204,25 @@ def _takes_text(annotation: Any) -> bool:
     return False
 
 
+def _accepted(annotation: Any) -> str:
+    """What a field takes, in words, for an error about a missing value."""
+    kinds: list[str] = []
+    for member in _union_args(annotation):
+        if typing.get_origin(member) is Literal:
+            kinds.append("one of " + ", ".join(repr(c) for c in typing.get_args(member)))
+        elif member in (int, float):
+            kinds.append("a number")
+        elif member is Path:
+            kinds.append("a path")
+        elif member is str:
+            kinds.append("a text")
+        elif typing.get_origin(member) is list:
+            kinds.append("a list such as [a, b]")
+        elif member is not type(None):
+            kinds.append(getattr(member, "__name__", str(member)))
+    return " or ".join(dict.fromkeys(kinds)) or "a value"
+
+
 def _list_item(annotation: Any) -> Any:
     for member in _union_args(annotation):
         if typing.get_origin(member) is list and typing.get_args(member):
@@ -255,6 +274,16 @@ def field_annotation(dotted: str) -> Any:
             return None
         annotation = section.model_fields[part].annotation
     return annotation
+
+
+def _field_summary(dotted: str) -> str:
+    """The first sentence of a field's description."""
+    section: Any = RunConfig
+    *parents, name = dotted.split(".")
+    for part in parents:
+        section = section.model_fields[part].annotation
+    description = section.model_fields[name].description or dotted
+    return description.split(". ")[0].rstrip(".")
 
 
 def parse_flag_value(dotted: str, text: str) -> Any:
@@ -344,10 +373,14 @@ def overrides_from_flags(pairs: list[tuple[str, str]]) -> dict[str, Any]:
     dotted_fields = all_dotted_fields()
     out: dict[str, Any] = {}
     for flag, raw in pairs:
-        if flag in FLAT_FLAGS:
-            out[FLAT_FLAGS[flag]] = parse_flag_value(FLAT_FLAGS[flag], raw)
-        elif flag in dotted_fields:
-            out[flag] = parse_flag_value(flag, raw)
+        dotted = FLAT_FLAGS.get(flag, flag if flag in dotted_fields else None)
+        if dotted is not None:
+            if isinstance(raw, BareSwitch) and bool not in _union_args(field_annotation(dotted)):
+                raise ConfigError(
+                    f"--{flag} was given no value: it sets {dotted}, which takes {_accepted(field_annotation(dotted))} "
+                    f"({_field_summary(dotted)}); write --{flag} VALUE"
+                )
+            out[dotted] = parse_flag_value(dotted, raw)
         else:
             hint = _nearest(flag, list(FLAT_FLAGS) + dotted_fields)
             raise ConfigError(
