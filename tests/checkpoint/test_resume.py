@@ -55,10 +55,12 @@ def uninterrupted(dataset, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def killed(dataset, tmp_path_factory):
-    """A run whose every rank is SIGKILLed in the middle of step 5 (after forward, before the update)."""
+    """A run whose every rank is SIGKILLed in the middle of step 5 (after forward, before the update). It passes
+    --resume_from_checkpoint latest, as a requeue script does every time; its first start says there is none yet."""
     out = tmp_path_factory.mktemp("killed")
-    proc = train(dataset, out, fault="kill@step=5")
+    proc = train(dataset, out, "--resume_from_checkpoint", "latest", fault="kill@step=5")
     assert proc.returncode != 0 and "killed by SIGKILL" in proc.stderr, proc.stderr[-3000:]
+    assert f"{out} holds no committed checkpoint yet; starting at step 0" in proc.stdout, proc.stdout[-3000:]
     return out
 
 

@@ -399,6 +399,11 @@ def announce(run: Run) -> None:
             f"↩️  Resuming from {run.resumed_from} at step {run.state.global_step} (epoch {run.state.epoch}, "
             f"{run.state.tokens_seen:,} tokens seen, best eval loss {run.state.best_eval_loss})"
         )
+    elif cfg.checkpoint.resume_from_checkpoint == "latest":
+        # A requeue script passes 'latest' every time; its first start has nothing to resume, and should say so.
+        say(
+            f"↩️  --resume_from_checkpoint latest: {cfg.output_dir} holds no committed checkpoint yet; starting at step 0"
+        )
     say("🚀 Starting distributed training...")
 
 
