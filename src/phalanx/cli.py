@@ -6,6 +6,7 @@ import sys
 from typing import Callable, Optional, Sequence, Union
 
 from phalanx.errors import PhalanxError
+from phalanx.runtime.quiet import quiet_import_notes
 
 
 def cmd_config_docs(args: Sequence[str]) -> int:
@@ -90,6 +91,7 @@ def run_command(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print(usage(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    quiet_import_notes()
     try:
         return resolve_command(argv[0])(argv[1:])
     except PhalanxError as exc:

@@ -3,6 +3,15 @@
 from __future__ import annotations
 
 
+def quiet_import_notes() -> None:
+    """Before anything imports peft: on CPUs with AVX512-bf16, importing bitsandbytes (peft does) warns that an
+    optional kernel package is missing, though its 4-bit CPU path works without it; a line on every command that
+    asks nothing of the user. Costs no import, so the CLI calls it first."""
+    import logging
+
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
+
 def quiet_libraries() -> None:
     """Turn off the progress bars and deprecation chatter of transformers and datasets (a no-op without them).
 
@@ -11,6 +20,7 @@ def quiet_libraries() -> None:
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning)
+    quiet_import_notes()
     try:
         import datasets
         import transformers
