@@ -282,8 +282,8 @@ def render(plan: Plan) -> str:
         )
     if any(r.strategy.startswith("ZeRO") for r in plan.rows):
         lines.append(
-            "  ZeRO rows include DeepSpeed's reduce bucket (reduce_bucket_size elements, 5e8 unless a "
-            "--deepspeed_config sets it)"
+            "  ZeRO rows include DeepSpeed's reduce bucket (reduce_bucket_size elements: what trains, at most 5e8, "
+            "unless a --deepspeed_config sets it)"
         )
     lines.append("")
     r = plan.recommended

@@ -17,6 +17,7 @@ from phalanx.config.schema import RunConfig
 from phalanx.errors import ConfigError
 from phalanx.models.compile import compile_wanted
 from phalanx.models.lora_fused import REDRAW_MASK_ON
+from phalanx.parallel.deepspeed import reduce_bucket_elements
 from phalanx.plan.model import ModelFacts
 from phalanx.train.loss import CHUNK_LOGITS, chunk_rows
 
@@ -28,9 +29,9 @@ FP32 = 4
 OVERHEAD_BYTES = {"cuda": int(1.0 * GiB), "cpu": int(0.6 * GiB)}
 # The CUDA caching allocator reserves more than the tensors it hands out (block rounding, fragmentation).
 ALLOCATOR_SLACK = {"cuda": 0.10, "cpu": 0.0}
-# DeepSpeed's defaults (deepspeed.runtime.zero.config) for the knobs phalanx leaves unset.
+# DeepSpeed's defaults (deepspeed.runtime.zero.config) for the knobs phalanx leaves unset; the reduce bucket is
+# sized by the strategy (reduce_bucket_elements).
 DS_DEFAULTS = {
-    "reduce_bucket_size": 500_000_000,
     "stage3_prefetch_bucket_size": 50_000_000,
     "stage3_param_persistence_threshold": 100_000,
 }
@@ -414,7 +415,7 @@ def strategy_rows(m: ModelFacts, s: Setup, *, device_memory: int, ds_config: Opt
         )
     )
 
-    knobs = _ds_knobs(ds_config)
+    knobs = _ds_knobs(ds_config, m.trainable_params)
     ds_act = activation_bytes(m, s, stream=c, compute=c)
     for stage, off_opt, off_param in (
         (1, False, False),
@@ -434,10 +435,11 @@ def strategy_rows(m: ModelFacts, s: Setup, *, device_memory: int, ds_config: Opt
     return rows
 
 
-def _ds_knobs(ds_config: Optional[dict]) -> dict[str, int]:
-    """DeepSpeed's bucket sizes in elements: the user's JSON where it gives numbers ("auto" means the default)."""
+def _ds_knobs(ds_config: Optional[dict], trainable: int) -> dict[str, int]:
+    """DeepSpeed's bucket sizes in elements: the user's JSON where it gives numbers ("auto" means the default), and
+    the reduce bucket the strategy gives the engine."""
     zero = (ds_config or {}).get("zero_optimization") or {}
-    out = {}
+    out = {"reduce_bucket_size": reduce_bucket_elements(ds_config or {}, trainable)}
     for key, default in DS_DEFAULTS.items():
         value = zero.get(key, default)
         out[key] = int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
@@ -448,7 +450,7 @@ def _zero_row(
     stage: int, off_opt: bool, off_param: bool, m: ModelFacts, s: Setup, act: Activations, knobs: dict[str, int]
 ) -> Row:
     """DeepSpeed ZeRO: the model in the compute dtype, an fp32 master copy of the rank's partition of what trains,
-    AdamW on that copy, and a reduce bucket of reduce_bucket_size elements allocated whole, whatever the model."""
+    AdamW on that copy, and a reduce bucket of reduce_bucket_size elements allocated whole (reduce_bucket_elements)."""
     n, c, T, P = s.world, s.compute_bytes, m.trainable_params, m.total_params
     label = f"ZeRO-{stage}" + (" +offload opt" if off_opt else "") + ("+param" if off_param else "")
     part = _shard(T, n)
