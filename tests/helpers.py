@@ -1,11 +1,13 @@
 """Helpers the tests share: run the CLI as a user would, read metrics back."""
 
+import contextlib
 import json
 import os
 import pickle
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -188,3 +190,19 @@ def write_payload(path: Path, marker: Path) -> None:
         path.write_bytes(pickle.dumps(Payload(marker), protocol=4))
     else:
         torch.save({"state": Payload(marker)}, path)
+
+
+@contextlib.contextmanager
+def lock_held_elsewhere(lock_file: Path) -> Iterator[int]:
+    """Another process holds `lock_file` (runtime.output_lock) while the block runs; yields its pid. It is SIGKILLed
+    after, so no clean-up of its own runs: the kernel alone lets go of the lock."""
+    code = "import sys, time; from phalanx.runtime.output_lock import hold_lock; hold_lock(sys.argv[1], 'x'); print(1, flush=True); time.sleep(600)"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code, str(lock_file)], stdout=subprocess.PIPE, text=True, env=phalanx_env()
+    )
+    try:
+        assert holder.stdout.readline().strip() == "1", "the holder did not take the lock"
+        yield holder.pid
+    finally:
+        holder.kill()
+        holder.wait()

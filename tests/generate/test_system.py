@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import chat_row, run_phalanx, start_phalanx
+from helpers import chat_row, lock_held_elsewhere, run_phalanx, start_phalanx
 from phalanx.cli import main as phalanx_main
 from phalanx.data.chat import IGNORE_INDEX, tokenize_conversation
 from phalanx.data.formats import to_conversation
 from phalanx.models.load import load_tokenizer, resolve_model_path
+from phalanx.runtime.output_lock import output_file_lock
 
 pytestmark = pytest.mark.system
 
@@ -115,6 +116,17 @@ def test_one_and_two_ranks_write_identical_files(runs):
     # Sequences of a prompt differ from each other.
     first = [r["messages"][-1]["content"] for r in train if r["metadata"]["prompt_id"] == 0]
     assert len(set(first)) == K
+
+
+def test_a_second_job_on_a_running_jobs_output_is_refused(runs, capsys):
+    """Two jobs on one --output would append to the same shards: the second is refused, on one rank or several."""
+    root, prompts, _, _ = runs
+    output = root / "locked" / "traj_chat.jsonl"
+    with lock_held_elsewhere(output_file_lock(output)) as holder:
+        for extra in ([], ["--world_size", "2"]):
+            code, text = run_in_process(generate_args(prompts, output, *extra), capsys)
+            assert code == 2 and f"--output {output} is in use by another run (pid {holder} on " in text, text
+    assert not (root / "locked" / "traj_chat.jsonl.shards").exists()  # nothing written
 
 
 def test_records_train_as_they_are(runs):

@@ -18,6 +18,7 @@ from phalanx.checkpoint.commit import committed_step_checkpoints, is_committed
 from phalanx.checkpoint.layout import BEST, TRAINER_STATE
 from phalanx.config.schema import RunConfig
 from phalanx.errors import ConfigError
+from phalanx.runtime.output_lock import check_free, training_lock
 
 # Fields that may change between the run that saved and the run that resumes.
 RESUME_FREE = (
@@ -173,6 +174,8 @@ def resume_point(cfg: RunConfig) -> Optional[Path]:
             f"output_dir = {str(out)!r}: {'it' if blocker == out else str(blocker)} is a file, not a folder; "
             "give a folder (it is created if missing)"
         )
+    # A run that is still going owns what is there: nothing below may judge it crashed, finished or different.
+    check_free(training_lock(out), f"--output_dir {out}")
     if cfg.overwrite_output_dir:
         if requested:
             raise ConfigError("--overwrite_output_dir starts over, --resume_from_checkpoint continues: choose one")

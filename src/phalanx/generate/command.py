@@ -168,12 +168,14 @@ def main(argv: Sequence[str]) -> int:
         from phalanx.generate.shards import check_manifest
         from phalanx.launch.local import launch_local
         from phalanx.runtime.dist import check_world_fits
+        from phalanx.runtime.output_lock import check_free, output_file_lock
 
         quiet_libraries()
         # Check what can be checked before any rank starts, so bad input is reported once; write nothing.
         check_world_fits(args.world_size, "auto")
         job = plan_job(args, warn=lambda message: None)
         check_manifest(job.folder, job.output, job.settings, args.overwrite)
+        check_free(output_file_lock(job.output), f"--output {job.output}")
         try:
             code = launch_local(
                 ["generate", *argv], args.world_size, args.master_port, shutdown_timeout_s=args.shutdown_timeout_s
@@ -197,6 +199,7 @@ def run(args: argparse.Namespace, preemption) -> int:
     """One rank's part (or the whole job in one process); returns 0, or 75 when a signal stopped it."""
     from phalanx.generate.job import plan_job
     from phalanx.runtime import dist as rt
+    from phalanx.runtime.output_lock import output_file_lock, release_lock
     from phalanx.runtime.signals import PREEMPTED_EXIT_CODE
 
     rank_id = rt.env_rank_info()[0]
@@ -217,6 +220,7 @@ def run(args: argparse.Namespace, preemption) -> int:
             _finish(job, rank.world_size, everyone, len(done), say)
         rt.barrier()
     finally:
+        release_lock(output_file_lock(job.output))
         rt.shutdown()
     return 0
 
@@ -225,10 +229,13 @@ def _agree_on_state(job, rank, overwrite: bool) -> set[tuple[int, int]]:
     """Rank 0 checks and prepares the shard folder and finds what is done; every rank gets the answer or the error."""
     from phalanx.generate.shards import check_manifest, prepare_folder, scan_folder
     from phalanx.runtime.dist import broadcast_object
+    from phalanx.runtime.output_lock import hold_lock, output_file_lock
 
     answer: object = None
     if rank.is_main:
         try:
+            # Held until this process ends: a second job on this output would append to the same shards.
+            hold_lock(output_file_lock(job.output), f"--output {job.output}")
             action = check_manifest(job.folder, job.output, job.settings, overwrite)
             prepare_folder(job.folder, job.settings, action)
             expected = set(job.pairs())

@@ -63,7 +63,7 @@ def launch_train_ranks(cfg: RunConfig, args: Sequence[str]) -> int:
 
     check_world_fits(cfg.distributed.world_size, cfg.distributed.backend)
     check_before_launch(cfg, cfg.distributed.world_size, on_gpu=resolve_backend(cfg.distributed.backend) == "nccl")
-    resume_point(cfg)  # an output_dir that holds another run is refused here, once, before any rank starts
+    resume_point(cfg)  # an output_dir that holds another run, or is in use, is refused here, before any rank starts
     return launch_local(
         ["train", *args],
         cfg.distributed.world_size,
@@ -96,6 +96,7 @@ def train_rank(args: Sequence[str], preemption: PreemptionFlag) -> int:
 def train_worker(cfg: RunConfig, preemption: PreemptionFlag) -> int:
     """One rank's whole run. A failure is reported with what every rank was doing, so the stuck one is named."""
     from phalanx.runtime.dist import env_rank_info, shutdown
+    from phalanx.runtime.output_lock import release_lock, training_lock
     from phalanx.runtime.signals import PREEMPTED_EXIT_CODE, Preempted
     from phalanx.runtime.watch import describe_ranks
     from phalanx.train.loop import train
@@ -135,6 +136,7 @@ def train_worker(cfg: RunConfig, preemption: PreemptionFlag) -> int:
         if run is not None:
             run.reporter.close()  # a failed run keeps the metrics and TensorBoard events it logged
             stop_loader_workers(run.train_loader)  # before exit: see stop_loader_workers
+        release_lock(training_lock(cfg.output_dir))  # for a next run in this process (exit frees it anyway)
         # Free DDP (its reducer holds the process group) before destroying the group: the other order can
         # tear gloo down inside a Python destructor, where its threads wait for the GIL we hold: a hang at exit.
         del run

@@ -46,6 +46,7 @@ from phalanx.parallel import Precision, Strategy, make_strategy
 from phalanx.runtime import dist as rt
 from phalanx.runtime.durable import fsync_tree, write_json_atomic
 from phalanx.runtime.faults import Fault, planned_fault
+from phalanx.runtime.output_lock import hold_on_main_rank, training_lock
 from phalanx.runtime.seed import seed_everything
 from phalanx.runtime.signals import PreemptionFlag, ignore_preemption_signals
 from phalanx.runtime.watch import set_phase
@@ -274,6 +275,7 @@ def build_run(cfg: RunConfig, preemption: Optional[PreemptionFlag] = None) -> Ru
     rank = rt.init_runtime(
         cfg.distributed.backend, cfg.distributed.init_timeout_minutes, group_of_one=cfg.distributed.strategy != "ddp"
     )
+    hold_on_main_rank(training_lock(cfg.output_dir), f"--output_dir {cfg.output_dir}", rank.is_main)
     set_phase(rank.rank, "starting")
     seed_everything(cfg.training.seed)
     precision = Precision.choose(cfg.training.mixed_precision, rank.device)

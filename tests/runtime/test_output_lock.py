@@ -1,0 +1,46 @@
+"""One run per output: a second run on a live run's output_dir is refused by name; a killed run frees it."""
+
+import json
+import time
+
+import pytest
+
+from helpers import lock_held_elsewhere, run_phalanx, start_phalanx, tiny_run
+from phalanx.errors import ConfigError
+from phalanx.runtime.output_lock import check_free, hold_lock, release_lock, training_lock
+
+
+def test_a_lock_is_refused_while_held_and_free_once_its_holder_is_killed(tmp_path):
+    lock = training_lock(tmp_path / "out")
+    with lock_held_elsewhere(lock) as holder:
+        for attempt in (check_free, hold_lock):
+            with pytest.raises(ConfigError) as err:
+                attempt(lock, "--output_dir out")
+            assert f"--output_dir out is in use by another run (pid {holder} on " in str(err.value)
+    check_free(lock, "--output_dir out")  # the holder was SIGKILLed: no clean-up of its own ran
+    hold_lock(lock, "--output_dir out")
+    assert json.loads(lock.read_text())["pid"] != holder  # the new holder's record
+    release_lock(lock)
+    assert lock.is_file()  # kept: only the flock says who holds it
+
+
+def test_a_second_run_on_a_live_runs_output_dir_is_refused_and_touches_nothing(tmp_path):
+    out = tmp_path / "run"
+    flags = ["train", "--output_dir", str(out), *tiny_run({"max_steps": 400})]
+    first = start_phalanx(*flags, output=False)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").is_file():  # training: the lock is held and a step is logged
+            assert first.poll() is None and time.monotonic() < deadline, "the first run did not start"
+            time.sleep(0.5)
+        before = sorted(p.name for p in out.iterdir())
+        for extra in (["--force"], ["--world_size", "2", "--overwrite_output_dir"]):  # one rank, and the preflight
+            second = run_phalanx(*flags, "--max_steps", "3", *extra)
+            assert second.returncode == 2, (extra, second.stderr[-2000:])
+            assert f"--output_dir {out} is in use by another run (pid {first.pid} on " in second.stderr, second.stderr
+            assert f"phalanx train --output_dir {out}" in second.stderr  # the holder's command, to find it by
+        assert first.poll() is None, "the refused runs disturbed the first"
+        assert sorted(p.name for p in out.iterdir()) == before  # nothing moved aside or deleted
+    finally:
+        first.kill()
+        first.wait()
