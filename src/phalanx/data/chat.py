@@ -188,6 +188,7 @@ class _Renderer:
         self._prefixes: dict[tuple[int, bool], str] = {}
         self._specials: Optional[list[str]] = None
         self._canonical: Optional[tuple[str, str]] = None
+        self._turn_header: Optional[str] = None
 
     def prefix(self, n: int, generation_prompt: bool) -> str:
         key = (n, generation_prompt)
@@ -229,6 +230,20 @@ class _Renderer:
         """What the generation prompt adds after a user message ('' when the template cannot say)."""
         without, with_prompt = self.canonical_contexts()
         return with_prompt[_common_prefix(without, with_prompt) :]
+
+    def turn_header(self) -> str:
+        """The part of assistant_header() that a finished assistant turn writes too, before its text (Apriel 1.6's
+        prompt adds 'Here are my reasoning steps:\\n' after `<|begin_assistant|>\\n`, which no finished turn writes)."""
+        if self._turn_header is None:
+            header = self.assistant_header()
+            _, with_prompt = self.canonical_contexts()
+            user = {"role": "user", "content": SENTINEL}
+            turn = self.try_render([user, {"role": "assistant", "content": SENTINEL}], False)
+            if header and turn is not None:
+                shared = _snap_back(turn, _common_prefix(with_prompt, turn), self.specials())
+                header = header[: max(0, shared - (len(with_prompt) - len(header)))]
+            self._turn_header = header
+        return self._turn_header
 
     def specials(self) -> list[str]:
         """The tokenizer's special and added tokens longer than one character (a position inside one snaps)."""
@@ -281,9 +296,13 @@ def _output_start(r: _Renderer, i: int, prompt: str, context: str, view: str, ow
         # An answer may itself begin like the end of a pre-filling prompt ("<think>\n..."): it starts at its own words.
         start = min(len(prompt), words)
         # After an assistant message some templates write no generation prompt, and the turn writes its own header
-        # (Apriel): the output starts after the header a generation prompt writes after a user message.
+        # (Apriel): the output starts after the header a generation prompt writes after a user message, or after the
+        # part of it a finished turn writes when that prompt also pre-fills the answer (Apriel 1.6).
         header = r.assistant_header()
         at = view.rfind(header, start, own) if header and own > start else -1
+        if at < 0 and own > start and r.turn_header().strip():
+            header = r.turn_header()
+            at = view.rfind(header, start, own)
         return at + len(header) if at >= 0 else start
     shared = _common_prefix(prompt, view)
     if shared >= own:

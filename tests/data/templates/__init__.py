@@ -464,6 +464,23 @@ CASES = [
             for k in ("plain", "nosys", "tool", "reasoning", "reasoning_tool", "think", "think_tool", "two_assistants")
         },
     ),
+    # ---- added from a third trial on unseen templates (real/README.md)
+    # Apriel 1.6 (llama.cpp's fixed copy): its generation prompt pre-fills 'Here are my reasoning steps:\n', which no
+    # finished turn writes, and after an assistant message it writes none, so the next message's own header
+    # (`\n<|begin_assistant|>\n`, after the `\n<|end|>\n` that closes the first) is not output. A turn gets its end
+    # marker only once a message follows it: every turn is unterminated. Reasoning and tool-call ids are written in
+    # the last message only: per_turn.
+    TemplateCase(
+        "Apriel-1.6-15b-Thinker-fixed",
+        False,
+        "<s>",
+        "</s>",
+        None,
+        {
+            **{k: Match("full", unterminated=3) for k in ("plain", "nosys", "think", "two_assistants")},
+            **{k: Match("per_turn", unterminated=3) for k in ("tool", "reasoning", "reasoning_tool", "think_tool")},
+        },
+    ),
 ]
 CASE = {c.name: c for c in CASES}
 
