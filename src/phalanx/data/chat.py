@@ -12,7 +12,9 @@ rendered reasoning, content, tool calls, end-of-turn marker) is located as:
   when the view starts with it. A generation prompt that also pre-fills the start of an answer
   the finished turn does not render (DeepSeek-R1-Distill's ``<｜Assistant｜><think>\\n``) is
   accepted when it covers everything before the first character the message itself decides
-  (found by rendering a sentinel message in its place); the output then starts there. When the
+  (found by rendering a sentinel message in its place), or when it ends with exactly the text the
+  turn writes before that character (DeepSeek-V3.2: prompt ``<｜Assistant｜><think></think>``, turn
+  ``<｜Assistant｜></think>answer``); the output then starts there. When the
   context before the turn renders differently in the view (Mistral's moved system prompt, an
   earlier turn's dropped reasoning), the output starts after the generation prompt's header,
   which must lead into the message's text.
@@ -329,6 +331,11 @@ def _output_start(r: _Renderer, i: int, prompt: str, context: str, view: str, ow
         part = _snap_back(view, shared, r.specials())
         if opens < part <= own and _prompt_opens_reasoning(r, i, prompt):
             return part
+        # Or the prompt writes other text there but ends with exactly what the view writes between that point and the
+        # message's own text (DeepSeek-V3.2 without thinking: the prompt ends `<｜Assistant｜><think></think>`, a turn
+        # is `<｜Assistant｜></think>7`): the message's text follows the same text in both, so the output starts at it.
+        if opens < part < own and prompt[part:].endswith(view[part:own]):
+            return own
     if at < 0:
         raise DataError(
             f"{r.where}: messages[{i}] (assistant): the chat template's generation prompt (add_generation_prompt=True) "

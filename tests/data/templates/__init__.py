@@ -481,6 +481,18 @@ CASES = [
             **{k: Match("per_turn", unterminated=3) for k in ("tool", "reasoning", "reasoning_tool", "think_tool")},
         },
     ),
+    # DeepSeek-V3.2 (llama.cpp's port of the official encoding): without thinking its generation prompt ends
+    # `<｜Assistant｜><think></think>` (after a tool output `\n\n<think></think>`) while a finished turn writes only
+    # `</think>` there: the answer follows the same `</think>` in both, so it starts the output.
+    TemplateCase(
+        "deepseek-ai-DeepSeek-V3.2",
+        False,
+        "<｜begin▁of▁sentence｜>",
+        "<｜end▁of▁sentence｜>",
+        None,
+        {k: FULL for k in ALL_ROWS},
+        specials=("<think>", "</think>"),
+    ),
 ]
 CASE = {c.name: c for c in CASES}
 
