@@ -155,8 +155,30 @@ def test_a_file_path_wins_and_bad_values_name_the_field(tmp_path):
     broken.write_text("{% for m in messages %}\n{{ m.content }\n{% endfor %}")
     with pytest.raises(ConfigError, match=r"broken.jinja line 2 is not valid jinja: unexpected '}'"):
         resolve_chat_template(str(broken))
+    # jinja, but not what transformers renders: a filter or tag of another engine is named
+    other = tmp_path / "other.jinja"
+    other.write_text("{% for m in messages %}\n{{ m.content | from_json }}{% endfor %}")
+    with pytest.raises(
+        ConfigError, match=r"other.jinja line 2 cannot be rendered by transformers: .*filter 'from_json'"
+    ):
+        resolve_chat_template(str(other))
+    other.write_text("{% set seen = [] %}\n{% do seen.append(1) %}")
+    with pytest.raises(
+        ConfigError, match=r"other.jinja line 2 cannot be rendered by transformers: .*the jinja tag 'do'"
+    ):
+        resolve_chat_template(str(other))
     with pytest.raises(ConfigError, match="is a folder"):
         resolve_chat_template(str(tmp_path))
+
+
+def test_the_tokenizer_records_which_template_it_was_given(tmp_path):
+    """So a template that cannot be rendered is named in the refusal (phalanx.data.chat.template_name)."""
+    from phalanx.data.chat import template_name
+    from phalanx.models.load import load_tokenizer
+
+    assert template_name(load_tokenizer("embedded:tiny-qwen3")).startswith("the chat template of ")
+    tok = load_tokenizer("embedded:tiny-qwen3", chat_template="deepseek-r1-distill")
+    assert template_name(tok) == "the chat template 'deepseek-r1-distill' (data.chat_template)"
 
 
 def test_checked_when_the_config_is_read_and_before_launch():

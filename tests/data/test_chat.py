@@ -176,6 +176,33 @@ def test_template_errors_become_data_errors(make_tokenizer, tool_row):
         tokenize_conversation(make_tokenizer(INST), to_conversation(tool_row, WHERE), WHERE)
 
 
+@pytest.mark.parametrize(
+    "needs,missing",
+    [
+        ("{% set seen = [] %}{% for m in messages %}{% set _ = seen.append(m.role) %}{% endfor %}", "append"),
+        ("{{ today() }}", "it reads 'today', which transformers' apply_chat_template does not define"),
+        ("{% if messages is nonempty %}{% endif %}", "it uses the jinja test 'nonempty', which transformers"),
+        ("{{ messages[0].content | from_json }}", "it uses the jinja filter 'from_json', which transformers"),
+    ],
+)
+def test_a_template_that_needs_what_transformers_lacks_is_named_with_what_it_lacks(
+    make_tokenizer, chatml, chat_row, needs, missing
+):
+    """Templates written for another engine (llama.cpp's minja, vLLM) fail on every row: the refusal names the
+    template (the --chat_template value it was loaded with, else the model's) and what transformers does not have."""
+    tok = make_tokenizer(needs + chatml)
+    tok.chat_template_source = "mine.jinja"  # as phalanx.models.load records --chat_template
+    with pytest.raises(DataError) as info:
+        tokenize_conversation(tok, to_conversation(chat_row(1), WHERE), WHERE)
+    message = str(info.value)
+    assert message.startswith(f"{WHERE}: the chat template 'mine.jinja' (data.chat_template) cannot be rendered by")
+    assert missing in message and "transformers renders chat templates in a sandboxed jinja2 environment" in message
+
+    del tok.chat_template_source
+    with pytest.raises(DataError, match=rf"^{WHERE}: the chat template of ByT5Tokenizer cannot be rendered"):
+        tokenize_conversation(tok, to_conversation(chat_row(1), WHERE), WHERE)
+
+
 def test_plain_text_trains_on_every_token_and_ends_with_eos(make_tokenizer):
     tok = make_tokenizer(None)  # text rows need no chat template
     result = one(tokenize_conversation(tok, to_conversation({"text": "héllo world"}, WHERE), WHERE))

@@ -12,14 +12,20 @@ writes it into every checkpoint and the final output.
 from __future__ import annotations
 
 import json
+import re
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from phalanx.errors import ConfigError
 
 FIELD = "data.chat_template"
 SUFFIX = ".jinja"
+SANDBOX = (
+    "transformers renders chat templates in a sandboxed jinja2 environment: jinja's own filters and tests, the tojson "
+    "filter, the functions raise_exception, strftime_now, namespace and dict, the break/continue and generation tags; "
+    "lists and dicts cannot be changed in place (.append, .update: build them with set or namespace attributes)"
+)
 
 
 class ChatTemplateError(ConfigError):
@@ -81,6 +87,27 @@ def resolve_chat_template(value: str) -> str:
     return text
 
 
+def sandbox_gap(error: Exception) -> Optional[str]:
+    """What a template that failed with ``error`` needs that transformers' chat-template sandbox lacks (a filter, test,
+    tag or function of another engine, or a change in place); None when the error is about something else (the
+    template raised on purpose, or the data does not fit it)."""
+    import jinja2
+
+    text = str(error)
+    if isinstance(error, jinja2.exceptions.SecurityError):
+        return f"it does something the sandbox forbids ({text})"
+    missing = re.match(r"No (filter|test) named '([^']+)'", text)
+    if missing:
+        return f"it uses the jinja {missing[1]} '{missing[2]}', which transformers does not provide"
+    tag = re.match(r"Encountered unknown tag '([^']+)'", text)
+    if tag:
+        return f"it uses the jinja tag '{tag[1]}', which transformers does not enable"
+    name = re.fullmatch(r"'(\w+)' is undefined", text)
+    if isinstance(error, jinja2.exceptions.UndefinedError) and name:
+        return f"it reads '{name[1]}', which transformers' apply_chat_template does not define"
+    return None
+
+
 def _accepted() -> str:
     names = shipped_templates()
     listed = "; ".join(f"{name} ({about})" for name, about in names.items())
@@ -110,4 +137,9 @@ def _check_syntax(value: str, text: str, where: str) -> None:
     try:
         env.from_string(text)
     except jinja2.TemplateSyntaxError as exc:
+        gap = sandbox_gap(exc)
+        if gap:
+            raise ChatTemplateError(
+                value, f"{where} line {exc.lineno} cannot be rendered by transformers: {gap} ({SANDBOX})"
+            ) from None
         raise ChatTemplateError(value, f"{where} line {exc.lineno} is not valid jinja: {exc.message}") from None

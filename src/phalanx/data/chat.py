@@ -55,6 +55,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
+from phalanx.config.chat_templates import SANDBOX, sandbox_gap
 from phalanx.data.formats import REASONING_KEYS, Conversation
 from phalanx.errors import DataError
 
@@ -202,6 +203,12 @@ class _Renderer:
         try:
             return self._apply(messages, generation_prompt)
         except Exception as e:  # noqa: BLE001 - template errors (raise_exception, jinja) are the row's problem
+            gap = sandbox_gap(e)
+            if gap:  # then no row renders: say which template and what it lacks
+                raise DataError(
+                    f"{self.where}: {template_name(self.tokenizer)} cannot be rendered by transformers: {gap} "
+                    f"({SANDBOX}). Use a template written for transformers (--chat_template FILE)."
+                ) from None
             raise DataError(
                 f"{self.where}: the tokenizer's chat template failed on messages[:{len(messages)}] "
                 f"(roles: {', '.join(m['role'] for m in messages) or 'none'}): {type(e).__name__}: {e}"
@@ -255,6 +262,15 @@ class _Renderer:
             names |= {getattr(t, "content", str(t)) for t in added.values()}
             self._specials = sorted((s for s in names if len(s) > 1), key=len, reverse=True)
         return self._specials
+
+
+def template_name(tokenizer: Any) -> str:
+    """The chat template a tokenizer carries, named for messages: the --chat_template value it was loaded with
+    (phalanx.models.load records it), else its model's."""
+    source = getattr(tokenizer, "chat_template_source", None)
+    if source:
+        return f"the chat template {source!r} (data.chat_template)"
+    return f"the chat template of {getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__}"
 
 
 def _locate_turn(r: _Renderer, i: int) -> _Turn:

@@ -73,6 +73,7 @@ def load_tokenizer(
         from phalanx.config.chat_templates import resolve_chat_template
 
         tokenizer.chat_template = resolve_chat_template(chat_template)
+        tokenizer.chat_template_source = chat_template  # messages about the template name it (phalanx.data.chat)
     return tokenizer
 
 
