@@ -214,3 +214,27 @@ def test_a_damaged_file_in_the_newest_checkpoint_is_named_with_the_way_on(datase
     assert f"{path} cannot be read" in proc.stderr and "--resume_from_checkpoint" in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert (out / "checkpoint-2" / "phalanx_checkpoint.json").is_file()
+
+
+def test_a_folder_with_model_files_and_no_run_is_refused_before_the_final_save_replaces_them(tmp_path):
+    """output_dir = the base model's folder, or a folder with the user's README.md: refused at the start (the final
+    save would write over them), allowed with --overwrite_output_dir; files no save writes (a config.yaml) are fine."""
+    from phalanx.checkpoint.resume import resume_point
+    from phalanx.config.loader import load_config
+    from phalanx.errors import ConfigError
+
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "README.md").write_text("my notes\n")
+    (out / "model-00001-of-00002.safetensors").write_bytes(b"")
+    (out / "run.yaml").write_text("output_dir: .\n")
+    with pytest.raises(ConfigError) as err:
+        resume_point(load_config(None, {"output_dir": str(out)}))
+    message = str(err.value)
+    assert f"output_dir {out} holds files of a model folder that the final save would replace" in message
+    assert "(README.md, model-00001-of-00002.safetensors)" in message and "--overwrite_output_dir" in message
+    assert resume_point(load_config(None, {"output_dir": str(out), "overwrite_output_dir": True})) is None
+    (out / "README.md").unlink()
+    (out / "model-00001-of-00002.safetensors").unlink()
+    assert resume_point(load_config(None, {"output_dir": str(out)})) is None
+    assert (out / "run.yaml").is_file()

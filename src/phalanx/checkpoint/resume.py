@@ -46,6 +46,29 @@ FINAL_OUTPUTS = (
     "model.safetensors.index.json",
 )
 RUN_RECORD = "training_info.json"  # written when a run starts, with its config, and at every save
+# What save_pretrained of a model, an adapter or a tokenizer writes, and so what the final save may write into
+# output_dir itself (besides FINAL_OUTPUTS).
+MODEL_FOLDER_FILES = (
+    "README.md",
+    "config.json",
+    "generation_config.json",
+    "adapter_config.json",
+    "adapter_model.safetensors",
+    "adapter_model.bin",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+)
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
@@ -76,6 +99,13 @@ def existing_run_artifacts(output_dir: Path) -> list[str]:
     if not output_dir.is_dir():
         return []
     return sorted(p.name for p in output_dir.iterdir() if p.name in RUN_ARTIFACTS or p.name.startswith("checkpoint-"))
+
+
+def model_folder_files(output_dir: Path) -> list[str]:
+    if not output_dir.is_dir():
+        return []
+    shards = sorted(p.name for p in output_dir.glob("model-*-of-*.safetensors"))
+    return [name for name in MODEL_FOLDER_FILES if (output_dir / name).exists()] + shards
 
 
 def saved_config(folder: Path) -> dict:
@@ -109,9 +139,19 @@ def check_start_over(out: Path, cfg: RunConfig, requested: Optional[str]) -> Non
     """output_dir holds no committed checkpoint-N: a fresh start is right when it holds nothing, or a crashed run of
     this config (its logs are set aside at start). A finished run, or one of another config, is refused."""
     found = existing_run_artifacts(out)
-    if not found:
-        return  # nothing to resume, nothing to lose ('latest' included: there is no checkpoint yet)
     flag = "--resume_from_checkpoint latest: " if requested == "latest" else ""
+    if not found:
+        # No run of ours, nothing to resume ('latest' included: there is no checkpoint yet). What a model folder
+        # holds is someone else's (the base model's own folder, a model downloaded there, notes in a README.md),
+        # and the final save would write over it.
+        theirs = model_folder_files(out)
+        if theirs:
+            raise ConfigError(
+                f"{flag}output_dir {out} holds files of a model folder that the final save would replace "
+                f"({', '.join(theirs[:6])}{', ...' if len(theirs) > 6 else ''}), and no phalanx run. Choose an empty "
+                "or new --output_dir, or pass --overwrite_output_dir to let the run replace them."
+            )
+        return
     finished = [name for name in FINAL_OUTPUTS if (out / name).exists()]
     if finished:
         raise ConfigError(
