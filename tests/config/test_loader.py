@@ -124,6 +124,15 @@ def test_flag_without_value_is_refused_unless_it_is_a_switch():
     assert overrides_from_flags([("dataset_name", "true")])["data.dataset_name"] == "true"
 
 
+def test_chat_template_kwargs_take_the_templates_own_variables_only():
+    flags = overrides_from_flags([("chat_template_kwargs", "{enable_thinking: false, reasoning_effort: low}")])
+    cfg = load_config(None, flags)
+    assert cfg.data.chat_template_kwargs == {"enable_thinking": False, "reasoning_effort": "low"}
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides_from_flags([("chat_template_kwargs", "{add_generation_prompt: true}")]))
+    assert "data.chat_template_kwargs" in str(err.value) and "add_generation_prompt: set by phalanx" in str(err.value)
+
+
 def test_missing_config_file_is_named(tmp_path: Path):
     with pytest.raises(ConfigError) as err:
         load_config(str(tmp_path / "nope.yaml"))

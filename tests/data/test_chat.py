@@ -505,3 +505,19 @@ def test_consecutive_assistant_messages(make_tokenizer, chat_row):
     tok = make_tokenizer(header_with_turn)
     result = tokenize_conversation(tok, to_conversation(row, WHERE), WHERE)
     assert result.policy == "full" and target_runs(tok, result.examples[0]) == ["fine 1<|end|>\n", "B<|end|>\n"]
+
+
+def test_template_variables_reach_every_rendering_qwen3_without_thinking():
+    """data.chat_template_kwargs: Qwen3's non-thinking mode pre-fills an empty think block in the generation prompt,
+    so it is prompt, not output; by default the model writes that block itself and is trained on it."""
+    from data.templates import build_tokenizer
+    from helpers import shared_template
+
+    tok = build_tokenizer(shared_template("Qwen-Qwen3-0.6B").read_text(encoding="utf-8"))
+    conv = {"messages": [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello, Ann."}]}
+    thinking = trained_runs(tok, one(tokenize_conversation(tok, conv, "row 1")))
+    plain = trained_runs(
+        tok, one(tokenize_conversation(tok, conv, "row 1", template_kwargs={"enable_thinking": False}))
+    )
+    assert thinking == ["<think>\n\n</think>\n\nHello, Ann.<|im_end|>\n"]
+    assert plain == ["Hello, Ann.<|im_end|>\n"]

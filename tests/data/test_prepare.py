@@ -208,6 +208,8 @@ def test_cache_is_hit_and_follows_settings_content_and_tokenizer(
 
     other_template = make_tokenizer(tokenizer.chat_template.replace("<|im_end|>", "<|end|>"))
     assert not _prepare(_cfg(dataset_path=str(f)), other_template, tmp_path).report.cache_hit
+    variables = _cfg(dataset_path=str(f), chat_template_kwargs={"enable_thinking": False})
+    assert not _prepare(variables, tokenizer, tmp_path).report.cache_hit  # they can change every rendering
 
     write_jsonl(f, [chat_row(i, "changed") for i in range(5)])
     changed = _prepare(_cfg(dataset_path=str(f)), tokenizer, tmp_path)

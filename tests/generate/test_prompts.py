@@ -124,3 +124,27 @@ def test_digest_follows_content(tmp_path, tok):
     a = read_prompts(str(write(tmp_path / "a.jsonl", {"question": "x"}, {"question": "y"})), tok)
     b = read_prompts(str(write(tmp_path / "b.jsonl", {"question": "x"}, {"question": "z"})), tok)
     assert prompts_digest(a) == prompts_digest(read_prompts(str(tmp_path / "a.jsonl"), tok)) != prompts_digest(b)
+
+
+def test_template_variables_shape_the_prompt_and_default_to_the_adapters_run(tmp_path):
+    """Qwen3 with enable_thinking false pre-fills an empty think block, as training masked it; an adapter's run
+    record gives the variables when --chat_template_kwargs is not given; reserved names are refused by flag."""
+    from data.templates import build_tokenizer
+    from helpers import run_phalanx, shared_template
+    from phalanx.generate.job import adapter_template_kwargs
+
+    qwen3 = build_tokenizer(shared_template("Qwen-Qwen3-0.6B").read_text(encoding="utf-8"))
+    prompts = write(tmp_path / "p.jsonl", {"question": "Hi?"})
+    plain = read_prompts(str(prompts), qwen3, template_kwargs={"enable_thinking": False})[0]
+    thinking = read_prompts(str(prompts), qwen3)[0]
+    assert qwen3.decode(list(plain.input_ids)).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert qwen3.decode(list(thinking.input_ids)).endswith("<|im_start|>assistant\n")
+
+    record = {"config": {"data": {"chat_template_kwargs": {"enable_thinking": False}}}}
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "training_info.json").write_text(json.dumps(record))
+    assert adapter_template_kwargs(str(tmp_path / "run")) == {"enable_thinking": False}
+    assert adapter_template_kwargs(str(tmp_path)) == {} and adapter_template_kwargs(None) == {}
+
+    refused = run_phalanx("generate", "--chat_template_kwargs", "{messages: []}")
+    assert refused.returncode == 2 and "--chat_template_kwargs: messages: set by phalanx" in refused.stderr

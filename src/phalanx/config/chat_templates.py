@@ -143,3 +143,41 @@ def _check_syntax(value: str, text: str, where: str) -> None:
                 value, f"{where} line {exc.lineno} cannot be rendered by transformers: {gap} ({SANDBOX})"
             ) from None
         raise ChatTemplateError(value, f"{where} line {exc.lineno} is not valid jinja: {exc.message}") from None
+
+
+# apply_chat_template's own arguments, which phalanx sets for every rendering: not template variables a user gives.
+TEMPLATE_ARGUMENTS_OF_OURS = frozenset(
+    (
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    )
+)
+
+
+def template_variables_problem(value: Any) -> Optional[str]:
+    """What is wrong with chat-template variables (data.chat_template_kwargs, generate --chat_template_kwargs)."""
+    if not isinstance(value, dict):
+        return f"{value!r} is not a mapping of template variables, e.g. {{enable_thinking: false}}"
+    bad = [key for key in value if not (isinstance(key, str) and key.isidentifier())]
+    if bad:
+        return f"{bad}: a template variable is a name (letters, digits, _)"
+    reserved = sorted(set(value) & TEMPLATE_ARGUMENTS_OF_OURS)
+    if reserved:
+        return (
+            f"{', '.join(reserved)}: set by phalanx for each rendering (the messages, tools and generation prompt "
+            "come from the data); give only the template's own variables, e.g. {enable_thinking: false}"
+        )
+    return None

@@ -42,6 +42,7 @@ FLAT_FLAGS: dict[str, str] = {
     "truncation": "data.truncation",
     "on_bad_row": "data.on_bad_row",
     "chat_template": "data.chat_template",
+    "chat_template_kwargs": "data.chat_template_kwargs",
     "multi_turn": "data.multi_turn",
     "packing": "data.packing",
     "num_epochs": "training.num_epochs",

@@ -6,7 +6,7 @@ so the documentation cannot drift from what is validated.
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union, get_args
+from typing import Any, Literal, Optional, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -99,6 +99,12 @@ class DataConfig(Section):
         description="Replace the tokenizer's chat template: a jinja file, or the name of a template phalanx ships "
         "(`phalanx data templates` lists them). The template used is saved with the tokenizer in every checkpoint.",
     )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Variables passed to the chat template at every rendering, as apply_chat_template's keyword "
+        "arguments: e.g. {enable_thinking: false} for Qwen3's non-thinking mode. Give the same to `phalanx generate "
+        "--chat_template_kwargs` (it reads them from an adapter's training_info.json by default).",
+    )
     multi_turn: Literal["auto", "full", "per_turn"] = Field(
         "auto",
         description="How conversations with several assistant turns train: 'full' = one row, every assistant turn "
@@ -113,6 +119,16 @@ class DataConfig(Section):
         "goes to padding; the same rows per micro-batch, the same loss. Model types not checked for it train padded "
         "(the run says so). false: right-pad each micro-batch to its longest row.",
     )
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, value: dict[str, Any]) -> dict[str, Any]:
+        from phalanx.config.chat_templates import template_variables_problem
+
+        problem = template_variables_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
 
     @field_validator("chat_template")
     @classmethod

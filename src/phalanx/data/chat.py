@@ -92,8 +92,15 @@ class _Turn:
         return self.view[self.start : self.end]
 
 
-def tokenize_conversation(tokenizer: Any, conv: Conversation, where: str, multi_turn: str = "auto") -> Tokenized:
-    """The rows (``{"input_ids", "labels"}``) of one normalised conversation or plain text row."""
+def tokenize_conversation(
+    tokenizer: Any,
+    conv: Conversation,
+    where: str,
+    multi_turn: str = "auto",
+    template_kwargs: Optional[dict[str, Any]] = None,
+) -> Tokenized:
+    """The rows (``{"input_ids", "labels"}``) of one normalised conversation or plain text row. `template_kwargs`:
+    variables every rendering passes to the template (data.chat_template_kwargs, e.g. Qwen3's enable_thinking)."""
     if conv.get("text") is not None:
         return Tokenized([_tokenize_text(tokenizer, conv["text"])], "text")
     if multi_turn not in MULTI_TURN_POLICIES:
@@ -110,24 +117,26 @@ def tokenize_conversation(tokenizer: Any, conv: Conversation, where: str, multi_
     # writes Python's repr: both get the JSON text instead, as the data wrote it.
     as_text = _with_text_arguments(conv)
     try:
-        result, texts = _tokenize_chat(tokenizer, conv, where, multi_turn)
+        result, texts = _tokenize_chat(tokenizer, conv, where, multi_turn, template_kwargs)
     except DataError as error:
         if as_text is None:
             raise
         try:
-            return _tokenize_chat(tokenizer, as_text, where, multi_turn)[0]
+            return _tokenize_chat(tokenizer, as_text, where, multi_turn, template_kwargs)[0]
         except DataError:
             raise error from None
     if as_text is not None and _writes_python_mappings(conv, texts):
         try:
-            return _tokenize_chat(tokenizer, as_text, where, multi_turn)[0]
+            return _tokenize_chat(tokenizer, as_text, where, multi_turn, template_kwargs)[0]
         except DataError:
             pass
     return result
 
 
-def _tokenize_chat(tokenizer: Any, conv: Conversation, where: str, multi_turn: str) -> tuple[Tokenized, list[str]]:
-    renderer = _Renderer(tokenizer, conv["messages"], conv.get("tools"), where)
+def _tokenize_chat(
+    tokenizer: Any, conv: Conversation, where: str, multi_turn: str, template_kwargs: Optional[dict[str, Any]]
+) -> tuple[Tokenized, list[str]]:
+    renderer = _Renderer(tokenizer, conv["messages"], conv.get("tools"), where, template_kwargs)
     turns = [_locate_turn(renderer, i) for i, m in enumerate(conv["messages"]) if m["role"] == "assistant"]
     dropped = sum(_check_rendered(renderer, turn, where) for turn in turns)
     unterminated = sum(turn.end == turn.own_end for turn in turns)
@@ -186,8 +195,16 @@ def _writes_python_mappings(conv: Conversation, texts: list[str]) -> bool:
 class _Renderer:
     """Renders variations of one conversation with the tokenizer's template; prefixes are cached."""
 
-    def __init__(self, tokenizer: Any, messages: list[dict], tools: Optional[list[dict]], where: str) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        messages: list[dict],
+        tools: Optional[list[dict]],
+        where: str,
+        template_kwargs: Optional[dict[str, Any]] = None,
+    ) -> None:
         self.tokenizer, self.messages, self.tools, self.where = tokenizer, messages, tools, where
+        self.template_kwargs = template_kwargs or {}
         self._prefixes: dict[tuple[int, bool], str] = {}
         self._specials: Optional[list[str]] = None
         self._canonical: Optional[tuple[str, str]] = None
@@ -223,7 +240,7 @@ class _Renderer:
 
     def _apply(self, messages: list[dict], generation_prompt: bool) -> str:
         out = self.tokenizer.apply_chat_template(
-            messages, tools=self.tools, add_generation_prompt=generation_prompt, tokenize=False
+            messages, tools=self.tools, add_generation_prompt=generation_prompt, tokenize=False, **self.template_kwargs
         )
         return out if isinstance(out, str) else out[0]  # some versions hand back a list for batched input
 

@@ -198,6 +198,7 @@ def _cache_key(cfg: DataConfig, tokenizer: Any, seed: int, train: DataSource, ev
             "truncation": cfg.truncation,
             "on_bad_row": cfg.on_bad_row,
             "multi_turn": cfg.multi_turn,
+            "chat_template_kwargs": cfg.chat_template_kwargs,
             "test_size": None if eval_ else cfg.test_size,
         },
         "seed": seed,
@@ -342,7 +343,7 @@ def iter_outcomes(source: DataSource, cfg: DataConfig, tokenizer: Any, counts: R
             if fmt == "auto":  # the first readable row decides for the whole source
                 fmt, detected_at = detect_format(row, where), where
             conv = _convert(row, where, fmt, detected_at)
-            result = tokenize_conversation(tokenizer, conv, where, cfg.multi_turn)
+            result = tokenize_conversation(tokenizer, conv, where, cfg.multi_turn, cfg.chat_template_kwargs)
             counts.lengths += [len(ex["input_ids"]) for ex in result.examples]  # as rendered, before max_length
             if cfg.truncation == "keep_recent" and _too_long(result.examples, cfg):
                 result = _keep_recent(tokenizer, conv, result, where, cfg, counts)
@@ -496,7 +497,9 @@ def _keep_recent(
             ]
             for k in starts:
                 shorter = {**conv, "messages": system + [m for m in messages[k : end + 1] if m["role"] != "system"]}
-                rows = tokenize_conversation(tokenizer, shorter, where, result.policy).examples
+                rows = tokenize_conversation(
+                    tokenizer, shorter, where, result.policy, cfg.chat_template_kwargs
+                ).examples
                 example = rows[-1] if result.policy == "per_turn" else rows[0]
                 if len(example["input_ids"]) <= cfg.max_length:
                     counts.shortened += 1

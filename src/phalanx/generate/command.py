@@ -61,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
         "ships (default: the template saved with --adapter, else the model's own).",
     )
     add(
+        "chat_template_kwargs",
+        default=None,
+        help="Template variables as a YAML/JSON mapping, e.g. '{enable_thinking: false}' (default: what the "
+        "--adapter's run trained with, data.chat_template_kwargs, else none).",
+    )
+    add(
         "prompts",
         default="bundled:health-agent",
         help="jsonl / folder / save_to_disk / .txt of prompts (default: the bundled health-agent chats).",
@@ -141,6 +147,18 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    if args.chat_template_kwargs is not None:
+        import yaml
+
+        from phalanx.config.chat_templates import template_variables_problem
+
+        try:
+            args.chat_template_kwargs = yaml.safe_load(args.chat_template_kwargs)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--chat_template_kwargs: not YAML/JSON ({exc})") from None
+        problem = template_variables_problem(args.chat_template_kwargs)
+        if problem:
+            raise ConfigError(f"--chat_template_kwargs: {problem}")
     if args.chat_template is not None:
         from phalanx.config.chat_templates import ChatTemplateError, resolve_chat_template
 

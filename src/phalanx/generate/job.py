@@ -82,6 +82,20 @@ def adapter_chat_template(adapter: Optional[str]) -> Optional[str]:
     return str(saved) if saved.is_file() else None
 
 
+def adapter_template_kwargs(adapter: Optional[str]) -> dict:
+    """The template variables the adapter's run rendered its rows with (data.chat_template_kwargs), as recorded in
+    its output_dir (training_info.json) or checkpoint (trainer_state.json); none when there is no record."""
+    for name in ("training_info.json", "trainer_state.json"):
+        path = Path(adapter) / name if adapter else None
+        if path is not None and path.is_file():
+            try:
+                config = json.loads(path.read_text(encoding="utf-8")).get("config") or {}
+            except (OSError, ValueError):
+                continue
+            return dict((config.get("data") or {}).get("chat_template_kwargs") or {})
+    return {}
+
+
 def adapter_digest(adapter: str) -> str:
     h = hashlib.sha256()
     for name in ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin"):
@@ -135,7 +149,10 @@ def plan_job(args, warn: Callable[[str], None]) -> Job:
             "'role: content' lines ending in 'assistant: '. The records are chat rows: to train on them, use a "
             "tokenizer with a chat template."
         )
-    prompts = read_prompts(args.prompts, tokenizer, args.num_questions, warn)
+    template_kwargs = (
+        args.chat_template_kwargs if args.chat_template_kwargs is not None else adapter_template_kwargs(args.adapter)
+    )
+    prompts = read_prompts(args.prompts, tokenizer, args.num_questions, warn, template_kwargs)
     check_lengths(prompts, model_name, args.max_new_tokens)
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,

@@ -46,8 +46,10 @@ def read_prompts(
     tokenizer: Any,
     num_questions: Optional[int] = None,
     warn: Callable[[str], None] = print,
+    template_kwargs: Optional[dict[str, Any]] = None,
 ) -> list[Prompt]:
-    """The first `num_questions` prompts of `source` (a path or 'bundled:health-agent'), tokenized."""
+    """The first `num_questions` prompts of `source` (a path or 'bundled:health-agent'), tokenized; `template_kwargs`:
+    variables for the chat template (e.g. enable_thinking), as training rendered its rows with."""
     rows = _iter_source(source)
     prompts: list[Prompt] = []
     for where, row in rows:
@@ -68,7 +70,7 @@ def read_prompts(
                 messages,
                 tools,
                 text,
-                tuple(render_prompt(tokenizer, messages, tools, text, where)),
+                tuple(render_prompt(tokenizer, messages, tools, text, where, template_kwargs)),
             )
         )
     if not prompts:
@@ -177,7 +179,12 @@ def has_chat_template(tokenizer: Any) -> bool:
 
 
 def render_prompt(
-    tokenizer: Any, messages: Optional[list[dict]], tools: Optional[list[dict]], text: Optional[str], where: str
+    tokenizer: Any,
+    messages: Optional[list[dict]],
+    tools: Optional[list[dict]],
+    text: Optional[str],
+    where: str,
+    template_kwargs: Optional[dict[str, Any]] = None,
 ) -> list[int]:
     """Token ids the model continues: the chat template with its generation prompt, or the plain text."""
     # add_special_tokens=False as in training: templates write their own BOS.
@@ -189,7 +196,9 @@ def render_prompt(
         return ids
     if has_chat_template(tokenizer):
         try:
-            rendered = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+            rendered = tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
+            )
         except Exception as e:  # noqa: BLE001 - template errors (raise_exception, jinja) are the row's problem
             raise DataError(
                 f"{where}: the tokenizer's chat template failed on this prompt "
