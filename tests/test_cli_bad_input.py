@@ -195,6 +195,14 @@ def test_batch_size_zero(tmp_path, capsys):
     assert code == 2 and "training.batch_size" in out and "greater than 0" in out
 
 
+def test_a_mistyped_or_missing_command_is_named_with_the_nearest(capsys):
+    assert main(["trian", "--max_steps", "3"]) == 2
+    assert "error: unknown command 'trian'. Did you mean 'train'?" in capsys.readouterr().err
+    assert main(["--max_steps", "3"]) == 2
+    assert "The command comes first: phalanx train --max_steps 3" in capsys.readouterr().err
+    assert main(["--help"]) == 0 and "commands:" in capsys.readouterr().out
+
+
 def test_existing_run_is_not_overwritten_silently(earlier_run, capsys):
     before = tree_digest(earlier_run)
     code, out = run_main(["train", "--output_dir", str(earlier_run)], capsys)

@@ -88,9 +88,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def run_command(argv: list[str]) -> int:
     # Commands that load models quiet the libraries themselves (runtime.quiet), after installing their signal
     # handlers: the imports take seconds, and a preemption signal must not be lost in them.
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print(usage(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
-        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    if argv[0] not in COMMANDS:
+        import difflib
+
+        near = difflib.get_close_matches(argv[0], list(COMMANDS), n=1)
+        hint = f" Did you mean '{near[0]}'?" if near else ""
+        if argv[0].startswith("-"):
+            hint = f" The command comes first: phalanx train {' '.join(argv)}"
+        print(f"{usage()}\nerror: unknown command {argv[0]!r}.{hint}", file=sys.stderr)
+        return 2
     quiet_import_notes()
     try:
         return resolve_command(argv[0])(argv[1:])
