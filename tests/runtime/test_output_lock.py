@@ -34,11 +34,12 @@ def test_a_second_run_on_a_live_runs_output_dir_is_refused_and_touches_nothing(t
             assert first.poll() is None and time.monotonic() < deadline, "the first run did not start"
             time.sleep(0.5)
         before = sorted(p.name for p in out.iterdir())
-        for extra in (["--force"], ["--world_size", "2", "--overwrite_output_dir"]):  # one rank, and the preflight
-            second = run_phalanx(*flags, "--max_steps", "3", *extra)
-            assert second.returncode == 2, (extra, second.stderr[-2000:])
-            assert f"--output_dir {out} is in use by another run (pid {first.pid} on " in second.stderr, second.stderr
-            assert f"phalanx train --output_dir {out}" in second.stderr  # the holder's command, to find it by
+        # --overwrite_output_dir would delete the first run's files, a different config would be called a crashed
+        # run to move aside: the lock is checked before either (one rank checks it the same way: resume_point).
+        second = run_phalanx(*flags, "--max_steps", "3", "--world_size", "2", "--overwrite_output_dir")
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert f"--output_dir {out} is in use by another run (pid {first.pid} on " in second.stderr, second.stderr
+        assert f"phalanx train --output_dir {out}" in second.stderr  # the holder's command, to find it by
         assert first.poll() is None, "the refused runs disturbed the first"
         assert sorted(p.name for p in out.iterdir()) == before  # nothing moved aside or deleted
     finally:

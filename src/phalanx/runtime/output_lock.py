@@ -56,7 +56,8 @@ def hold_lock(lock_file: Path, subject: str) -> None:
         return
     os.ftruncate(fd, 0)
     record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-    command = " ".join(["phalanx", *sys.argv[1:]] if sys.argv[0].endswith(("phalanx", "__main__.py")) else sys.argv)
+    by_name = sys.argv[0].endswith(("/phalanx", "phalanx/__main__.py")) or sys.argv[0] == "phalanx"
+    command = " ".join(["phalanx", *sys.argv[1:]] if by_name else sys.argv)
     os.write(fd, (json.dumps({**record, "command": command}) + "\n").encode())
     _held[lock_file] = fd
 
