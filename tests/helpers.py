@@ -7,7 +7,7 @@ import pickle
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -206,3 +206,47 @@ def lock_held_elsewhere(lock_file: Path) -> Iterator[int]:
     finally:
         holder.kill()
         holder.wait()
+
+
+def catches_stop_signals(pid: int) -> bool:
+    """True once `pid` (a phalanx process) has installed its stop-signal handler: Python catches SIGINT from its
+    first moment, SIGUSR1 only once runtime.signals.PreemptionFlag is installed (with SIGINT's handler)."""
+    import signal
+
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = int(next(line for line in status.splitlines() if line.startswith("SigCgt:")).split()[1], 16)
+    return bool(caught & (1 << (signal.SIGUSR1 - 1)))
+
+
+def wait_for_text(path: Path, text: str, proc: subprocess.Popen, timeout: float) -> None:
+    """Wait until the file `path` (a process's captured output) holds `text`; fail if `proc` ends first."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while text not in path.read_text(errors="replace"):
+        assert proc.poll() is None, (
+            f"ended with {proc.returncode} before printing {text!r}:\n{path.read_text()[-3000:]}"
+        )
+        assert time.monotonic() < deadline, f"{text!r} not printed within {timeout} s:\n{path.read_text()[-3000:]}"
+        time.sleep(0.05)
+
+
+def ctrl_c_twice_while_starting(proc: subprocess.Popen, stderr: Path, ranks: Callable[[], list[int]]) -> float:
+    """Press Ctrl-C twice as a terminal does (SIGINT to the foreground process group, `proc`'s) while the ranks
+    start: once they catch stop signals, then again once rank 0 has answered the first. Starting takes seconds,
+    so the second press comes long before a save could. Returns the time of the second press."""
+    import signal
+    import time
+
+    deadline = time.monotonic() + 120
+    while not ((pids := ranks()) and all(catches_stop_signals(pid) for pid in pids)):
+        assert proc.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGINT)
+    wait_for_text(stderr, "press Ctrl-C again", proc, 30)
+    time.sleep(0.5)  # every rank has answered it too (rank 0 alone prints)
+    os.killpg(proc.pid, signal.SIGINT)
+    return time.monotonic()

@@ -73,8 +73,8 @@ def resolve_command(name: str) -> Callable[[Sequence[str]], int]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv is not None:
         return run_command(list(argv))
-    from phalanx.launch.local import record_exit, start_rank_process
-    from phalanx.runtime.exit import exit_without_teardown
+    from phalanx.launch.local import start_rank_process
+    from phalanx.runtime.exit import exit_without_teardown, record_exit
 
     start_rank_process()  # a rank of `--world_size N`: stop if the launcher dies
     try:
@@ -82,7 +82,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except BaseException:
         record_exit(1)  # what the interpreter exits with on an uncaught exception
         raise
-    exit_without_teardown(code, record_exit)  # last, a rank's record says it is done (its checkpoint is committed)
+    exit_without_teardown(code)  # last, a rank's record says it is done (its checkpoint is committed)
 
 
 def run_command(argv: list[str]) -> int:

@@ -4,13 +4,23 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import chat_row, lock_held_elsewhere, run_phalanx, start_phalanx
+from helpers import (
+    ROOT,
+    chat_row,
+    ctrl_c_twice_while_starting,
+    lock_held_elsewhere,
+    phalanx_env,
+    run_phalanx,
+    start_phalanx,
+)
 from phalanx.cli import main as phalanx_main
 from phalanx.data.chat import IGNORE_INDEX, tokenize_conversation
 from phalanx.data.formats import to_conversation
@@ -261,8 +271,7 @@ def test_killed_launcher_then_preempted_launch_then_rerun_completes_without_dupl
             os.kill(pid, signal.SIGCONT)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 75, stderr[-3000:]
-    assert "preempted (SIGTERM): every rank committed the batch it was generating" in stderr, stderr[-3000:]
-    assert "launcher received SIGTERM; the ranks saved their progress and stopped; rerun" in stderr, stderr[-3000:]
+    assert stderr.count("preempted (SIGTERM): every rank committed the batch it was generating") == 1, stderr[-3000:]
 
     done = committed_pairs(shards)
     assert at_signal < done < PROMPTS * K and not out.exists(), (at_signal, done)  # the batches in flight are kept
@@ -282,6 +291,36 @@ def test_killed_launcher_then_preempted_launch_then_rerun_completes_without_dupl
     # Same pairs, once each, and the very bytes of the uninterrupted runs.
     for name in ("traj_chat.jsonl", "traj_val.jsonl"):
         assert (out.parent / name).read_bytes() == (root / "w1" / name).read_bytes(), name
+
+
+def test_ctrl_c_twice_while_the_ranks_start_stops_them_at_once(tmp_path):
+    """Generation ranks answer Ctrl-C as training ranks do (the same flag): the first asks them to commit the batch
+    they are generating and stop; a second one, pressed while they still start, stops them at once. The launcher
+    exits 130, rank 0 says so in one line, and nothing is merged."""
+    prompts = write_prompts(tmp_path / "prompts.jsonl")
+    out, log = tmp_path / "c" / "traj_chat.jsonl", tmp_path / "stderr.log"
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "phalanx", *generate_args(prompts, out, "--world_size", "2")],
+            cwd=ROOT,
+            env=phalanx_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=sink,
+            start_new_session=True,
+        )
+    try:
+        ctrl_c_twice_while_starting(proc, log, lambda: ranks if len(ranks := children(proc.pid)) == 2 else [])
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            for pid in [proc.pid, *children(proc.pid)]:
+                os.kill(pid, signal.SIGKILL)
+    stderr = log.read_text()
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "finishing the batch being generated and committing it before stopping" in stderr, stderr[-3000:]
+    assert stderr.count("Ctrl-C again: stopped at once, without saving") == 1, stderr[-3000:]
+    assert "Traceback" not in stderr and "error:" not in stderr, stderr[-3000:]
+    assert not out.exists()
 
 
 def test_generate_then_train_then_generate_with_the_adapter(runs, tmp_path, capsys):

@@ -78,14 +78,19 @@ def test_a_torch_without_the_setting_keeps_30_s_and_says_so(capsys):
     assert shutdown_timeout_option(OldLaunchConfig, 30) == {} and not capsys.readouterr().err
 
 
-def test_status_after_sigterm_follows_the_ranks_exit_records(capsys):
-    assert after_stop_signal("SIGTERM", {0: 75, 1: 75}) == 75
-    assert after_stop_signal("SIGTERM", {0: 75, 1: None}) == 75  # rank 0 exits 75 only once all work is committed
-    assert "rank 1 (killed: no exit status) after that" in capsys.readouterr().err
-    assert after_stop_signal("SIGTERM", {0: 0, 1: 0}) == 0  # both had finished
+def test_status_after_a_stop_signal_follows_the_ranks_exit_records(capsys):
+    assert after_stop_signal("SIGTERM", {"rank 0": 75, "rank 1": 75}) == 75
+    assert not capsys.readouterr().err, "rank 0 has said it saved: the launcher adds nothing"
+    # rank 0 exits 75 only once all work is committed
+    assert after_stop_signal("SIGTERM", {"rank 0": 75, "local rank 1": None}) == 75
+    assert "after the ranks saved their progress, local rank 1 (killed: no exit status)" in capsys.readouterr().err
+    assert after_stop_signal("SIGTERM", {"rank 0": 0, "rank 1": 0}) == 0  # both had finished
+    # A second Ctrl-C stopped them before they saved: rank 0 said so
+    assert after_stop_signal("SIGINT", {"rank 0": 130, "rank 1": 130}) == 130
+    assert after_stop_signal("SIGINT", {"rank 0": 75, "rank 1": 130}) == 75  # rank 0 had saved for everyone
     with pytest.raises(
         PhalanxError,
         match=r"without saving their progress for it: rank 0 \(exit code 1\), "
         r"rank 1 \(killed by SIGKILL\)",
     ):
-        after_stop_signal("SIGTERM", {0: 1, 1: -9})
+        after_stop_signal("SIGTERM", {"rank 0": 1, "rank 1": -9})

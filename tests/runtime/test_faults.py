@@ -8,12 +8,23 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from helpers import descendants, read_metrics, run_phalanx, start_phalanx, tiny_run, write_chat_jsonl
+from helpers import (
+    ROOT,
+    ctrl_c_twice_while_starting,
+    descendants,
+    phalanx_env,
+    read_metrics,
+    run_phalanx,
+    start_phalanx,
+    tiny_run,
+    write_chat_jsonl,
+)
 from phalanx.checkpoint.commit import committed_step_checkpoints
 
 pytestmark = pytest.mark.distributed
@@ -137,6 +148,71 @@ def test_preemption_signal_saves_a_checkpoint_and_exits_for_requeue(sig, moment,
         "--force",
     )
     assert resumed.returncode == 0 and f"checkpoint-{steps[0]} at step {steps[0]}" in resumed.stdout
+
+
+def tree_digest(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("world_size", [1, 2], ids=["one-process", "world_size-2"])
+def test_ctrl_c_saves_and_a_second_ctrl_c_stops_at_once(world_size, dataset, tmp_path):
+    """Ctrl-C at a terminal signals its foreground process group: the one process and its DataLoader workers, or the
+    `--world_size` launcher (torch starts the ranks in sessions of their own; the launcher passes it on). The first
+    Ctrl-C is a preemption: the ranks finish the step, commit a checkpoint and exit 75, and rank 0 alone says so.
+    A second one stops at once: exit 130, one line, no traceback; pressed while a rerun starts, it leaves the
+    committed checkpoint as it was."""
+    out = tmp_path / "o"
+    train_args = ["train", "--dataset_path", str(dataset), "--output_dir", str(out), *COMMON]
+    train_args += ["--world_size", str(world_size), "--max_steps", "200", "--save_steps", "1000"]
+    train_args += ["--training.loader_workers", "2"]  # workers must outlive the Ctrl-C until their rank has saved
+    proc = start_phalanx(*train_args, new_session=True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and not ((out / "metrics.jsonl").is_file() and len(read_metrics(out)) >= 2):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 75, stderr[-3000:]
+    assert (
+        stderr.count(
+            "⏸️  Ctrl-C: finishing this step and saving a checkpoint before stopping; press Ctrl-C again to stop at once without saving"
+        )
+        == 1
+    ), stderr[-3000:]
+    assert stderr.count("preempted (SIGINT) at step") == 1, "one line for all ranks"
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    [(step, checkpoint)] = committed_step_checkpoints(out)
+    before = tree_digest(out / checkpoint.name)
+
+    # The same command again (it would resume from the checkpoint), pressed twice while it starts.
+    log = tmp_path / "rerun.log"
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "phalanx", *train_args],
+            cwd=ROOT,
+            env=phalanx_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=sink,
+            start_new_session=True,
+        )
+    try:
+        ranks = (
+            (lambda: [proc.pid]) if world_size == 1 else (lambda: rank_pids(proc) if len(rank_pids(proc)) == 2 else [])
+        )
+        pressed = ctrl_c_twice_while_starting(proc, log, ranks)
+        proc.wait(timeout=60)
+        stopped_in = time.monotonic() - pressed
+    finally:
+        if proc.poll() is None:
+            for pid in [proc.pid, *descendants(proc.pid)]:
+                os.kill(pid, signal.SIGKILL)
+    stderr = log.read_text()
+    assert proc.returncode == 130, stderr[-3000:]
+    assert stopped_in < 10, stopped_in
+    assert stderr.count("Ctrl-C again: stopped at once, without saving") == 1, stderr[-3000:]
+    assert "Traceback" not in stderr and "error:" not in stderr, stderr[-3000:]
+    assert committed_step_checkpoints(out) == [(step, checkpoint)]
+    assert tree_digest(out / checkpoint.name) == before
 
 
 @pytest.fixture

@@ -24,6 +24,8 @@ from typing import Sequence
 from phalanx.errors import ConfigError, PhalanxError
 
 DEFAULT_OUTPUT = "data/traj_chat.jsonl"
+# What a rank does when asked to stop (the first Ctrl-C says it): each batch is committed whole or not started.
+WORK = "finishing the batch being generated and committing it"
 
 
 def _bool(value: str) -> bool:
@@ -179,7 +181,7 @@ def main(argv: Sequence[str]) -> int:
     # imported, as `phalanx train` does: a signal that comes while it starts is kept, not fatal. The `--world_size`
     # launcher leaves them to torch's agent, which passes them on to the ranks.
     is_rank = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # runtime.dist.launched_by_torchrun, without torch
-    preemption = PreemptionFlag().install() if is_rank else None
+    preemption = PreemptionFlag(WORK).install() if is_rank else None
     args = parse_args(argv)
     if args.world_size > 1 and not is_rank:
         from phalanx.generate.job import plan_job
@@ -195,20 +197,13 @@ def main(argv: Sequence[str]) -> int:
         check_manifest(job.folder, job.output, job.settings, args.overwrite)
         check_free(output_file_lock(job.output), f"--output {job.output}")
         try:
-            code = launch_local(
+            # 75 or 130 when a signal stopped the ranks: rank 0 has said so
+            return launch_local(
                 ["generate", *argv], args.world_size, args.master_port, shutdown_timeout_s=args.shutdown_timeout_s
             )
         except PhalanxError as exc:
             raise PhalanxError(f"phalanx generate: {exc}") from None
-        if code:
-            print(
-                f"phalanx generate was interrupted; committed batches are kept in {job.folder}: rerun the same "
-                "command to resume",
-                file=sys.stderr,
-                flush=True,
-            )
-        return code or 0
-    preemption = preemption or PreemptionFlag().install()
+    preemption = preemption or PreemptionFlag(WORK).install()
     quiet_libraries()
     return run(args, preemption)
 

@@ -18,20 +18,23 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from phalanx.errors import PhalanxError
+from phalanx.runtime.exit import EXIT_RECORDS, rank_exit_record
 
 # Set for the ranks `launch_local` starts: they leave printing bad input to it.
 PARENT_REPORTS = "PHALANX_LAUNCHER_REPORTS_ERRORS"
 # Also set for them: the launcher's pid (a rank stops when it is gone) and where each rank records its exit status
-# (after a SIGTERM the agent has reaped the ranks and keeps their exit codes to itself).
+# (runtime.exit.EXIT_RECORDS).
 LAUNCHER_PID = "PHALANX_LAUNCHER_PID"
-EXIT_RECORDS = "PHALANX_RANK_EXIT_RECORDS"
 ORPHAN_POLL_S = 0.25
 BAD_INPUT_EXIT_CODE = 2  # what the CLI returns for any PhalanxError
 # How long ranks get to finish (a preempted rank commits its checkpoint or batch) once the launcher stops them.
 DEFAULT_SHUTDOWN_TIMEOUT_S = 300
+# The signals torch's agent turns into its shutdown (it passes them to the ranks, waits, then kills): all of its
+# defaults but SIGINT, which the launcher handles itself (StopSignals: a second Ctrl-C must stop the ranks at once).
+AGENT_SIGNALS = "SIGTERM,SIGHUP,SIGQUIT"
 
 
 def free_port() -> int:
@@ -47,81 +50,124 @@ def launch_local(
     max_restarts: int = 0,
     shutdown_timeout_s: int = DEFAULT_SHUTDOWN_TIMEOUT_S,
 ) -> int:
-    """Run `python -m phalanx <module_args>` as `nproc` ranks; returns 0, or the preemption status when the ranks
-    saved and stopped on a signal; raises PhalanxError naming the ranks that failed otherwise.
+    """Run `python -m phalanx <module_args>` as `nproc` ranks; returns 0, the preemption status when the ranks
+    saved and stopped on a signal, or 130 after a second Ctrl-C; raises PhalanxError naming the ranks that failed
+    otherwise.
 
-    `shutdown_timeout_s`: after a SIGTERM (or once a rank has exited), how long the agent waits for the ranks to
-    finish before it kills them; a preempted rank saves in that time. torch's own default is 30 s."""
-    import signal
-
+    `shutdown_timeout_s`: after a SIGTERM or Ctrl-C (or once a rank has exited), how long the agent waits for the
+    ranks to finish before it kills them; a preempted rank saves in that time. torch's own default is 30 s."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from phalanx.runtime.signals import PREEMPTED_EXIT_CODE
 
     if master_port:
         from phalanx.launch.preflight import check_port_free
 
         check_port_free(master_port)  # c10d would join whatever listens there as a client, and wait forever
     port = master_port or free_port()
-    # The agent keeps each rank's error file under this folder; torch's default (a new /tmp/torchelastic_*
-    # per run) is never removed.
-    logs = tempfile.mkdtemp(prefix="phalanx-launch-")
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=f"phalanx-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{port}",
-        max_restarts=max_restarts,
-        monitor_interval=0.2,  # notice a dead rank quickly and stop the others
-        logs_specs=DefaultLogsSpecs(log_dir=logs),
-        **shutdown_timeout_option(LaunchConfig, shutdown_timeout_s),
-    )
-    from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    # The elastic agent starts each rank in its own session, so a signal sent to this launcher's process group
-    # never reaches them: pass SIGUSR1 (SLURM's usual warning) on; the ranks save a checkpoint and stop.
-    signal.signal(signal.SIGUSR1, forward_to_children)
-    records = Path(logs) / "exit"
-    records.mkdir()
-    # The agent copies this process's environment into each rank's.
-    rank_env = {PARENT_REPORTS: "1", LAUNCHER_PID: str(os.getpid()), EXIT_RECORDS: str(records)}
-    os.environ.update(rank_env)
-    restore_levels = quiet_agent_logs()
-    try:
+    def start(scratch: Path) -> None:
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=nproc,
+            run_id=f"phalanx-{uuid.uuid4().hex[:8]}",
+            rdzv_backend="c10d",
+            rdzv_endpoint=f"127.0.0.1:{port}",
+            max_restarts=max_restarts,
+            monitor_interval=0.2,  # notice a dead rank quickly and stop the others
+            # The agent keeps each rank's error file here; torch's default (a new /tmp/torchelastic_* per run) is
+            # never removed.
+            logs_specs=DefaultLogsSpecs(log_dir=str(scratch / "logs")),
+            **shutdown_timeout_option(LaunchConfig, shutdown_timeout_s),
+            **agent_signals_option(LaunchConfig),
+        )
         elastic_launch(config, entrypoint=sys.executable)("-m", "phalanx", *module_args)
-    except SignalException as exc:
-        # SIGTERM/SIGINT: the agent passed SIGTERM to the ranks and waited for them (killing those still running after
-        # its shutdown timeout). What each rank did is in its exit record.
-        return after_stop_signal(exc.sigval.name, read_exit_records(records, nproc))
-    except ChildFailedError as exc:
-        codes = {f.exitcode for f in exc.failures.values()}
-        # A rank exits 75 only after every rank's work is committed (see after_stop_signal); the agent then stops
-        # the ranks still tearing down, which is no failure.
-        if PREEMPTED_EXIT_CODE in codes:
-            return PREEMPTED_EXIT_CODE
-        reported = reported_bad_input(exc.failures)
-        if reported:
-            raise PhalanxError(reported) from None
-        failed = ", ".join(f"rank {rank} ({describe_exit(f.exitcode)})" for rank, f in sorted(exc.failures.items()))
-        raise PhalanxError(f"failed on {failed}; the other ranks were stopped. See the rank's message above.") from None
+
+    return supervise_ranks(start, nproc)
+
+
+def supervise_ranks(start: Callable[[Path], None], local_ranks: int) -> int:
+    """Run torch's elastic agent in this process, `start(scratch)`, as phalanx's launcher: the ranks record their
+    exit status and stop if this process dies; SIGUSR1 and Ctrl-C reach them (StopSignals); the status says what
+    they did. Returns 0, 75 (the ranks saved their progress and stopped on a signal) or 130 (a second Ctrl-C
+    stopped them at once); raises PhalanxError naming the ranks that failed or the bad input they found.
+
+    `scratch` is this launch's folder, removed at the end."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from phalanx.runtime.signals import PREEMPTED_EXIT_CODE
+
+    scratch = Path(tempfile.mkdtemp(prefix="phalanx-launch-"))
+    try:
+        records = scratch / "exit"
+        records.mkdir()
+        stop = StopSignals()
+        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGUSR1, signal.SIGINT)}
+        # The agent copies this process's environment into each rank's.
+        rank_env = {PARENT_REPORTS: "1", LAUNCHER_PID: str(os.getpid()), EXIT_RECORDS: str(records)}
+        os.environ.update(rank_env)
+        restore_levels = quiet_agent_logs()
+        try:
+            start(scratch)
+        except SignalException as exc:
+            # SIGTERM, or Ctrl-C: the agent passed it to the ranks and waited for them (killing those still running
+            # after its shutdown timeout). What each rank did is in its exit record.
+            return after_stop_signal(exc.sigval.name, read_exit_records(records, local_ranks))
+        except ChildFailedError as exc:
+            codes = {f.exitcode for f in exc.failures.values()}
+            # A rank exits 75 only after every rank's work is committed (see after_stop_signal); the agent then
+            # stops the ranks still tearing down, which is no failure.
+            if PREEMPTED_EXIT_CODE in codes:
+                return PREEMPTED_EXIT_CODE
+            reported = reported_bad_input(exc.failures)
+            if reported:
+                raise PhalanxError(reported) from None
+            failed = ", ".join(f"rank {rank} ({describe_exit(f.exitcode)})" for rank, f in sorted(exc.failures.items()))
+            raise PhalanxError(
+                f"failed on {failed}; the other ranks were stopped. See the rank's message above."
+            ) from None
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            for name in rank_env:
+                os.environ.pop(name, None)
+            restore_levels()
     finally:
-        for name in rank_env:
-            os.environ.pop(name, None)
-        restore_levels()
-        shutil.rmtree(logs, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
     return 0
+
+
+class StopSignals:
+    """The launcher's handler for SIGUSR1 and Ctrl-C (SIGINT). The agent starts each rank in a session of its own,
+    so a signal to the launcher's process group (a terminal's Ctrl-C) reaches no rank: the launcher passes it on.
+
+    SIGUSR1 (SLURM's usual warning) goes straight to the ranks, which save and stop. The first Ctrl-C is raised as
+    torch's own handler would raise it: the agent passes SIGINT to the ranks, which save and stop, and waits for
+    them, restarting none. A second Ctrl-C comes while the agent waits: it goes straight to the ranks, which stop
+    at once (runtime.signals)."""
+
+    def __init__(self) -> None:
+        self.interrupts = 0
+
+    def __call__(self, signum: int, frame) -> None:
+        import signal
+
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        if signum == signal.SIGINT:
+            self.interrupts += 1
+            if self.interrupts == 1:
+                raise SignalException(f"Process {os.getpid()} got signal: SIGINT", sigval=signal.SIGINT)
+        forward_to_children(signum)
 
 
 def shutdown_timeout_option(launch_config: type, seconds: int) -> dict:
     """LaunchConfig's `shutdown_timeout` (torch's SIGTERM-to-SIGKILL grace for the ranks), where this torch has it.
     Older ones always wait 30 s: say so when the setting asks for more."""
-    import dataclasses
-
-    if "shutdown_timeout" in {f.name for f in dataclasses.fields(launch_config)}:
+    if "shutdown_timeout" in fields_of(launch_config):
         return {"shutdown_timeout": int(seconds)}
     if seconds > 30:
         import torch
@@ -135,28 +181,39 @@ def shutdown_timeout_option(launch_config: type, seconds: int) -> dict:
     return {}
 
 
-def after_stop_signal(signal_name: str, codes: dict[int, Optional[int]]) -> int:
-    """The launcher's status after a SIGTERM/SIGINT, from each rank's exit code (None: no record, the rank was killed).
+def agent_signals_option(launch_config: type) -> dict:
+    """LaunchConfig's `signals_to_handle` without SIGINT (AGENT_SIGNALS), where this torch has it (2.9 and later).
+    An older agent takes Ctrl-C itself: the first one works the same, a second one waits for the ranks' save."""
+    return {"signals_to_handle": AGENT_SIGNALS} if "signals_to_handle" in fields_of(launch_config) else {}
+
+
+def fields_of(launch_config: type) -> set[str]:
+    import dataclasses
+
+    return {f.name for f in dataclasses.fields(launch_config)}
+
+
+def after_stop_signal(signal_name: str, codes: dict[str, Optional[int]]) -> int:
+    """The launcher's status after a SIGTERM or Ctrl-C, from each rank's exit code ({"rank 1": 75}; None: no record,
+    the rank was killed).
 
     75 only when a rank exited 75: it did so once every rank's work was committed (train: the preemption checkpoint,
     whose save ends in a barrier; generate: each rank's last batch, before the gather they all meet in), so a requeue
-    resumes from it. Ranks that died without saving are a failure, named."""
-    from phalanx.runtime.signals import PREEMPTED_EXIT_CODE
+    resumes from it; rank 0 has said so. 130 when a second Ctrl-C stopped the ranks before that; rank 0 has said so
+    too. Ranks that died without saving are a failure, named."""
+    from phalanx.runtime.signals import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 
-    unclean = {rank: code for rank, code in sorted(codes.items()) if code not in (0, PREEMPTED_EXIT_CODE)}
+    unclean = {rank: code for rank, code in codes.items() if code not in (0, PREEMPTED_EXIT_CODE)}
     described = ", ".join(
-        f"rank {rank} ({'killed: no exit status' if code is None else describe_exit(code)})"
+        f"{rank} ({'killed: no exit status' if code is None else describe_exit(code)})"
         for rank, code in unclean.items()
     )
     if PREEMPTED_EXIT_CODE in codes.values():
-        note = f" ({described} after that)" if unclean else ""
-        print(
-            f"launcher received {signal_name}; the ranks saved their progress and stopped{note}; rerun the same "
-            "command to resume from it",
-            file=sys.stderr,
-            flush=True,
-        )
+        if unclean:
+            print(f"note: after the ranks saved their progress, {described}", file=sys.stderr, flush=True)
         return PREEMPTED_EXIT_CODE
+    if INTERRUPTED_EXIT_CODE in codes.values():
+        return INTERRUPTED_EXIT_CODE
     if not unclean:
         return 0  # every rank had finished when the signal came
     raise PhalanxError(
@@ -165,30 +222,17 @@ def after_stop_signal(signal_name: str, codes: dict[int, Optional[int]]) -> int:
     )
 
 
-def read_exit_records(folder: Path, nproc: int) -> dict[int, Optional[int]]:
-    codes: dict[int, Optional[int]] = {}
-    for rank in range(nproc):
+def read_exit_records(folder: Path, local_ranks: int) -> dict[str, Optional[int]]:
+    """Each local rank's exit status (runtime.exit.record_exit) under its global rank's name; a rank that left no
+    record is named by its local rank."""
+    codes: dict[str, Optional[int]] = {}
+    for local in range(local_ranks):
         try:
-            codes[rank] = int((folder / f"rank-{rank}").read_text(encoding="utf-8"))
+            code, rank = (folder / f"local-rank-{local}").read_text(encoding="utf-8").split()
+            codes[f"rank {rank}"] = int(code)
         except (OSError, ValueError):
-            codes[rank] = None
+            codes[f"local rank {local}"] = None
     return codes
-
-
-def rank_exit_record() -> Optional[Path]:
-    """Where this process, a rank that `launch_local` started, records its exit status (None elsewhere)."""
-    folder, rank = os.environ.get(EXIT_RECORDS), os.environ.get("RANK")
-    return Path(folder) / f"rank-{rank}" if folder and rank is not None else None
-
-
-def record_exit(code: int) -> None:
-    """Called as a `phalanx` process exits: a rank of `launch_local` leaves its exit status for the launcher."""
-    record = rank_exit_record()
-    if record is not None:
-        try:
-            record.write_text(str(code), encoding="utf-8")
-        except OSError:
-            pass  # the launcher then reports this rank as killed: a worse message, not a wrong status
 
 
 def start_rank_process() -> None:
@@ -319,7 +363,7 @@ def child_pids(parent: int) -> list[int]:
     return children
 
 
-def forward_to_children(signum, frame) -> None:
+def forward_to_children(signum: int) -> None:
     for pid in child_pids(os.getpid()):
         try:
             os.kill(pid, signum)

@@ -1,26 +1,55 @@
-"""How a `phalanx` process ends once its command has returned: fast, and late enough that a launcher blames the right rank."""
+"""How a `phalanx` process ends once its command has returned (fast, and late enough that a launcher blames the
+right rank), and how a rank of phalanx's own launcher leaves its exit status for it."""
 
 from __future__ import annotations
 
+import os
 import sys
-from typing import Callable, NoReturn
+from pathlib import Path
+from typing import NoReturn, Optional
 
 # A launcher (torchrun, `--world_size`) polls its ranks about once a second and reports the first one that exited
 # as the cause. A rank that failed has often failed because a peer died first (killed, out of memory): it leaves
 # this much later, so that the launcher names the peer, not the ranks that lost it.
 FAILED_RANK_EXIT_DELAY_S = 2.0
 
+# Set by phalanx's launcher (launch.local) for its ranks: the folder where each rank records its exit status. After
+# a stop signal torch's agent reaps the ranks and keeps their exit codes to itself.
+EXIT_RECORDS = "PHALANX_RANK_EXIT_RECORDS"
 
-def exit_without_teardown(code: int, record_exit: Callable[[int], None]) -> NoReturn:
+
+def rank_exit_record() -> Optional[Path]:
+    """Where this process, a rank of phalanx's launcher, records its exit status (None elsewhere). Named by the local
+    rank, which the launcher on this node knows; the file holds the exit status and the global rank."""
+    folder, local_rank = os.environ.get(EXIT_RECORDS), os.environ.get("LOCAL_RANK")
+    return Path(folder) / f"local-rank-{local_rank}" if folder and local_rank is not None else None
+
+
+def record_exit(code: int) -> None:
+    """Called as a `phalanx` process exits: a rank of phalanx's launcher leaves its exit status there."""
+    record = rank_exit_record()
+    if record is not None:
+        try:
+            record.write_text(f"{code} {os.environ.get('RANK', '?')}", encoding="utf-8")
+        except OSError:
+            pass  # the launcher then reports this rank as killed: a worse message, not a wrong status
+
+
+def exit_at_once(code: int) -> NoReturn:
+    """End this process now, from anywhere (a signal handler): no teardown, no waiting for threads. Its record
+    says how it ended."""
+    record_exit(code)
+    os._exit(code)
+
+
+def exit_without_teardown(code: int) -> NoReturn:
     """End the `phalanx` program once its command has returned, skipping the interpreter's teardown.
 
     Finalizing the modules torch, transformers and peft import takes 1.5-2 s per process (every rank, every run).
     Everything the command wrote is closed by now; what teardown would still do that matters is done here: wait
-    for non-daemon threads (a checkpoint being written in the background), run the atexit handlers, flush.
-    `record_exit(code)` runs last (launch.local's: a rank's record says it is done, so a preempted rank's
-    checkpoint is committed)."""
+    for non-daemon threads (a checkpoint being written in the background), run the atexit handlers, flush. The
+    exit record is written last: a rank's record says it is done, so a preempted rank's checkpoint is committed."""
     import atexit
-    import os
     import threading
     import time
 
@@ -35,5 +64,4 @@ def exit_without_teardown(code: int, record_exit: Callable[[int], None]) -> NoRe
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
-    record_exit(code)
-    os._exit(code)
+    exit_at_once(code)

@@ -1,37 +1,58 @@
-"""Preemption: SIGTERM / SIGUSR1 (what SLURM and Kubernetes send) ask the run to save and stop.
+"""Stop signals: SIGTERM / SIGUSR1 (what SLURM and Kubernetes send) and Ctrl-C ask the run to save and stop.
 
 The handler only sets a flag. Training folds the flag into the step's collective, so every rank
 learns of the request in the same step and all of them stop together. Generation ranks meet in no
 collective between batches (each commits to its own shard), so a rank that was signalled also
 raises the flag in the process group's store, where the others see it before their next batch
 (`requested_anywhere`).
+
+Ctrl-C (SIGINT) is the same request from a person at a terminal, who may not want to wait: the first
+one asks for the save, and says so; a second one ends the process at once, without saving. What was
+committed before stays valid (commits are atomic).
 """
 
 from __future__ import annotations
 
+import os
 import signal
 
 # Exit status of a run that saved a checkpoint because it was asked to stop: EX_TEMPFAIL,
 # "try again later". A requeue (SLURM, torchrun --max-restarts) resumes from that checkpoint.
 PREEMPTED_EXIT_CODE = 75
+# Exit status after a second Ctrl-C: 128 + SIGINT, what a shell reports for a program that Ctrl-C ended.
+INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# SIGUSR1's handler is installed last: a process that catches it catches all of them (Python catches SIGINT anyway).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 _STORE_KEY = "phalanx/preempt"
 
 
 class PreemptionFlag:
-    def __init__(self) -> None:
+    """`work`: what this process does before it stops, as the first Ctrl-C's line tells the user."""
+
+    def __init__(self, work: str = "finishing this step and saving a checkpoint") -> None:
         self.requested = False
         self.signal_name = ""
+        self.interrupts = 0
+        self.work = work
         self._published = False
 
     def install(self) -> "PreemptionFlag":
-        for sig in PREEMPT_SIGNALS:
+        for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGINT:
+            self.interrupts += 1
+            if self.interrupts > 1:
+                say_once("⏹️  Ctrl-C again: stopped at once, without saving; what was committed earlier is kept")
+                from phalanx.runtime.exit import exit_at_once
+
+                exit_at_once(INTERRUPTED_EXIT_CODE)
+            say_once(f"⏸️  Ctrl-C: {self.work} before stopping; press Ctrl-C again to stop at once without saving")
         self.requested = True
         self.signal_name = signal.Signals(signum).name
 
@@ -56,11 +77,26 @@ class PreemptionFlag:
         return True
 
 
+def say_once(line: str) -> None:
+    """Print `line` from a signal handler, on rank 0 only (every rank gets the signal; one line is enough).
+
+    One write(2) to the file descriptor: the handler may run while the main thread is inside a print to stderr,
+    where a second buffered write would fail. On a terminal the line starts afresh (a progress bar may be drawn)."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    start = "\n" if os.isatty(2) else ""
+    try:
+        os.write(2, f"{start}{line}\n".encode())
+    except OSError:
+        pass
+
+
 def ignore_preemption_signals(worker_id: int = 0) -> None:
-    """A helper process's (DataLoader worker's) answer to SIGTERM/SIGUSR1: none. SLURM and `kill -TERM -PGID` signal
-    every process of the job; a worker that died of it would fail the rank before it could save. The rank itself
-    stops its workers once its checkpoint is committed."""
-    for sig in PREEMPT_SIGNALS:
+    """A helper process's (DataLoader worker's) answer to SIGTERM, SIGUSR1 and Ctrl-C: none. SLURM, `kill -TERM
+    -PGID` and a terminal's Ctrl-C signal every process of the job or of the foreground process group; a worker
+    that died of it would fail the rank before it could save. The rank itself stops its workers once its
+    checkpoint is committed."""
+    for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
 
 

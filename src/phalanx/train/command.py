@@ -109,9 +109,13 @@ def train_worker(cfg: RunConfig, preemption: PreemptionFlag) -> int:
         train(run)
         finish_run(run)
     except Preempted as exc:
-        print(
-            f"⏸️  {exc}; exiting with status {PREEMPTED_EXIT_CODE} so a requeue resumes it", file=sys.stderr, flush=True
-        )
+        if rank == 0:  # every rank stopped at the same step, for the same request: one line says it
+            print(
+                f"⏸️  {exc}; exiting with status {PREEMPTED_EXIT_CODE}: rerun the same command (or requeue the job) "
+                "to resume from it",
+                file=sys.stderr,
+                flush=True,
+            )
         return PREEMPTED_EXIT_CODE
     except PhalanxError:
         raise
