@@ -52,7 +52,7 @@ def test_launcher_single_node_writes_sh_and_bat(in_project, capsys, tmp_path):
     assert sh.stat().st_mode & 0o111, "the script is executable"
     bash_syntax_ok(sh)
     text = sh.read_text()
-    assert "-m torch.distributed.run" in text and "-m phalanx train train.yaml --max_steps 3" in text
+    assert "-m phalanx.launch.torchrun" in text and "-m phalanx train train.yaml --max_steps 3" in text
     assert 'NPROC_PER_NODE="${PHALANX_NPROC_PER_NODE:-2}"' in text and "--backend gloo" in text
     assert 'export CUDA_VISIBLE_DEVICES=""' in text, "CPU ranks never touch a GPU"
     assert "phalanx.launch.preflight" in text
@@ -195,7 +195,7 @@ def test_launcher_elastic_uses_c10d_with_fresh_stores(in_project, capsys, tmp_pa
     # torchrun's grace between SIGTERM and SIGKILL (torch's default 30 s) is distributed.shutdown_timeout_s.
     assert 'SHUTDOWN_TIMEOUT="${PHALANX_SHUTDOWN_TIMEOUT:-300}"' in text
     assert text.index('export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="$SHUTDOWN_TIMEOUT"') < text.index(
-        "-m torch.distributed.run"
+        "-m phalanx.launch.torchrun"
     )
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from phalanx.checkpoint.commit import is_committed
+from helpers import ctrl_c_twice_while_starting
+from phalanx.checkpoint.commit import committed_step_checkpoints, is_committed
 
 pytestmark = pytest.mark.system
 
@@ -158,6 +159,81 @@ def test_killed_rank_restarts_and_resumes_under_max_restarts(project, generate, 
     assert [resumed[s] for s in sorted(resumed)] == pytest.approx(
         [reference_run[s] for s in sorted(reference_run)], abs=1e-5
     )
+
+
+def start_script(support, project: Path, log: Path, *args: str, **env: str) -> subprocess.Popen:
+    """`bash SCRIPT ARGS` in a process group of its own (as a terminal's foreground job), output into `log`."""
+    with open(log, "w") as sink:
+        return subprocess.Popen(
+            ["bash", *args],
+            cwd=project,
+            env=support.local_env(**env),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def test_script_status_tells_a_requeue_what_the_ranks_did(project, generate, support):
+    """What a requeue wrapper reads: SIGTERM mid-run (a scheduler's preemption) makes every rank commit a checkpoint
+    and exit 75, and the script exits 75 too, saying so once, without a traceback. Ctrl-C twice (a terminal's SIGINT
+    to its foreground process group) stops it at once: 130, one line. A rank that fails: 2, naming it."""
+    generate(
+        "launcher",
+        "--config",
+        "train.yaml",
+        "--num_gpus_per_node",
+        "0",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(support.free_port()),
+        "--output",
+        "scripts/status.sh",
+    )
+    out, log = project / "runs" / "status-term", project / "status-term.log"
+    proc = start_script(support, project, log, "scripts/status.sh", "--output_dir", str(out), "--max_steps", "200")
+    try:
+        deadline = time.monotonic() + 180
+        while not is_committed(out / f"checkpoint-{support.SAVE_STEPS}"):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)  # the script's process: torchrun, which bash exec'd
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            support.kill_tree(proc)
+    text = log.read_text()
+    assert rc == 75, text[-4000:]
+    assert text.count("preempted (SIGTERM) at step") == 1 and "Traceback" not in text, text[-4000:]
+    assert committed_step_checkpoints(out)[-1][0] > support.SAVE_STEPS, "the ranks saved when they stopped"
+
+    out, log = project / "runs" / "status-int", project / "status-int.log"
+    proc = start_script(support, project, log, "scripts/status.sh", "--output_dir", str(out))
+    try:
+        ranks = lambda: list(worker_pids(proc.pid).values())  # noqa: E731
+        ctrl_c_twice_while_starting(proc, log, lambda: ranks() if len(ranks()) == 2 else [])
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            support.kill_tree(proc)
+    text = log.read_text()
+    assert rc == 130, text[-4000:]
+    assert text.count("Ctrl-C again: stopped at once, without saving") == 1 and "Traceback" not in text, text[-4000:]
+
+    out = project / "runs" / "status-fail"
+    proc, _ = run_script(
+        support,
+        project,
+        support.local_env(PHALANX_FAULT="raise@step=2,rank=1"),
+        "scripts/status.sh",
+        "--output_dir",
+        str(out),
+    )
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 2, text[-4000:]
+    assert "rank 1 failed: RuntimeError: injected fault in forward at step 2" in text, text[-4000:]
+    assert "error: failed on rank" in text and "Traceback" not in text, text[-4000:]
 
 
 def test_deepspeed_launcher_script_trains_cpu_ranks_with_the_deepspeed_engine(

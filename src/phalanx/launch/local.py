@@ -86,13 +86,14 @@ def launch_local(
     return supervise_ranks(start, nproc)
 
 
-def supervise_ranks(start: Callable[[Path], None], local_ranks: int) -> int:
+def supervise_ranks(start: Callable[[Path], None], local_ranks: int, quiet_agent: bool = True) -> int:
     """Run torch's elastic agent in this process, `start(scratch)`, as phalanx's launcher: the ranks record their
     exit status and stop if this process dies; SIGUSR1 and Ctrl-C reach them (StopSignals); the status says what
     they did. Returns 0, 75 (the ranks saved their progress and stopped on a signal) or 130 (a second Ctrl-C
     stopped them at once); raises PhalanxError naming the ranks that failed or the bad input they found.
 
-    `scratch` is this launch's folder, removed at the end."""
+    `scratch` is this launch's folder, removed at the end. `quiet_agent`: silence the agent's own log lines
+    (quiet_agent_logs)."""
     import signal
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -109,7 +110,7 @@ def supervise_ranks(start: Callable[[Path], None], local_ranks: int) -> int:
         # The agent copies this process's environment into each rank's.
         rank_env = {PARENT_REPORTS: "1", LAUNCHER_PID: str(os.getpid()), EXIT_RECORDS: str(records)}
         os.environ.update(rank_env)
-        restore_levels = quiet_agent_logs()
+        restore_levels = quiet_agent_logs() if quiet_agent else lambda: None
         try:
             start(scratch)
         except SignalException as exc:

@@ -221,8 +221,10 @@ def render_launcher_sh(spec: LaunchSpec, script: Path) -> str:
         "fi",
         "",
         *SHUTDOWN_LINES,
-        "# torchrun (python -m torch.distributed.run) starts NPROC_PER_NODE ranks of `phalanx train` here.",
-        'exec "$PYTHON" -m torch.distributed.run --nnodes "$NUM_NODES" --nproc_per_node "$NPROC_PER_NODE" "${RDZV[@]}" \\',
+        "# torchrun starts NPROC_PER_NODE ranks of `phalanx train` here, through phalanx.launch.torchrun (torchrun's",
+        "# own flags) so that the status says what the ranks did: 75 when a SIGTERM, SIGUSR1 or Ctrl-C made them save",
+        "# and stop (a requeue resumes), 130 after a second Ctrl-C, 2 with a message when they failed, 0 when done.",
+        'exec "$PYTHON" -m phalanx.launch.torchrun --nnodes "$NUM_NODES" --nproc_per_node "$NPROC_PER_NODE" "${RDZV[@]}" \\',
         f'    {_train_words(job)} "${{TRAIN_BACKEND[@]}}" "$@"',
     ]
     return "\n".join(lines) + "\n"
