@@ -21,7 +21,6 @@ import inspect
 import os
 import pickle
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -69,10 +68,11 @@ def launch_distributed_training(
         return train_fn(0, 1, **_with_backend(train_fn, kwargs, backend))
     method = _start_method(start_method, train_fn, kwargs)
     from phalanx.launch.local import free_port
+    from phalanx.launch.scratch import launcher_scratch
 
     port = free_port()
-    with tempfile.TemporaryDirectory(prefix="phalanx-launch-") as tmp:
-        result_file = Path(tmp) / "rank0.pkl"
+    with launcher_scratch() as scratch:  # a later launch removes it if this process is killed
+        result_file = scratch / "rank0.pkl"
         context = torch.multiprocessing.start_processes(
             _rank_entry,
             args=(world_size, port, backend, train_fn, kwargs, str(result_file)),

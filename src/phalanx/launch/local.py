@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -92,17 +90,17 @@ def supervise_ranks(start: Callable[[Path], None], local_ranks: int, quiet_agent
     they did. Returns 0, 75 (the ranks saved their progress and stopped on a signal) or 130 (a second Ctrl-C
     stopped them at once); raises PhalanxError naming the ranks that failed or the bad input they found.
 
-    `scratch` is this launch's folder, removed at the end. `quiet_agent`: silence the agent's own log lines
-    (quiet_agent_logs)."""
+    `scratch` is this launch's folder, removed at the end (and by a later launch when this one is killed).
+    `quiet_agent`: silence the agent's own log lines (quiet_agent_logs)."""
     import signal
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from phalanx.launch.scratch import launcher_scratch
     from phalanx.runtime.signals import PREEMPTED_EXIT_CODE
 
-    scratch = Path(tempfile.mkdtemp(prefix="phalanx-launch-"))
-    try:
+    with launcher_scratch() as scratch:
         records = scratch / "exit"
         records.mkdir()
         stop = StopSignals()
@@ -136,8 +134,6 @@ def supervise_ranks(start: Callable[[Path], None], local_ranks: int, quiet_agent
             for name in rank_env:
                 os.environ.pop(name, None)
             restore_levels()
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
     return 0
 
 
