@@ -304,7 +304,7 @@ class DistributedConfig(Section):
     shutdown_timeout_s: int = Field(
         300,
         gt=0,
-        description="After a SIGTERM, how long the launcher (--world_size, and torchrun in `phalanx launcher` / `phalanx slurm` scripts) lets the ranks finish their step and commit the preemption checkpoint before it kills them; torch's own default is 30 s. Give it the time a save takes on your model.",
+        description="After a SIGTERM or Ctrl-C, how long the launcher (--world_size, and torchrun in `phalanx launcher` / `phalanx slurm` scripts) lets the ranks finish their step and commit the preemption checkpoint before it kills them; torch's own default is 30 s. Give it the time a save takes on your model.",
     )
     master_port: Optional[int] = Field(
         None, gt=0, lt=65536, description="Rendezvous port for --world_size; a free one when unset."
