@@ -6,10 +6,13 @@ world size 2, one rank per node. The losses must equal the single-node run of th
 batch (2 ranks x batch 2 there, 2 nodes x 1 rank x batch 2 here), step by step.
 """
 
+import signal
 import subprocess
 import time
 
 import pytest
+
+from phalanx.checkpoint.commit import committed_step_checkpoints, is_committed
 
 pytestmark = pytest.mark.system
 
@@ -114,3 +117,55 @@ def test_unreachable_master_ends_with_a_message_not_a_hang(project, generate, no
     assert f"cannot reach the master node at {master}:29500 after 4 s" in err and reason in err
     assert "PHALANX_RDZV_TIMEOUT" in err
     assert seconds < 30
+
+
+def test_sigterm_on_both_nodes_ends_each_script_with_75(project, generate, node_pair, support):
+    """A preemption reaches every node's script: the ranks commit one checkpoint together and each node's script
+    exits 75, node 1's too (its launcher reads the exit records of its own, local, ranks)."""
+    port = 29400 + support.free_port() % 500
+    for rank in (0, 1):
+        generate(
+            "launcher",
+            "--config",
+            "train.yaml",
+            "--num_gpus_per_node",
+            "0",
+            "--nproc_per_node",
+            "1",
+            "--num_nodes",
+            "2",
+            "--node_rank",
+            str(rank),
+            "--master_addr",
+            node_pair.addresses[0],
+            "--master_port",
+            str(port),
+            "--output",
+            f"scripts/stop{rank}.sh",
+        )
+    env = {k: v for k, v in support.local_env(OMP_NUM_THREADS="1").items() if k != "GLOO_SOCKET_IFNAME"}
+    out = project / "runs" / "two-nodes-stopped"
+    logs = [project / f"stop{rank}.log" for rank in (0, 1)]
+    procs = {}
+    for rank in (1, 0):
+        with open(logs[rank], "w") as sink:
+            procs[rank] = node_pair.popen(
+                rank,
+                ["bash", f"scripts/stop{rank}.sh", "--output_dir", str(out), "--max_steps", "200"],
+                cwd=project,
+                env=env,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+            )
+        time.sleep(0.5)
+    deadline = time.monotonic() + 200
+    while not is_committed(out / f"checkpoint-{support.SAVE_STEPS}"):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs.values()), logs[0].read_text()
+        time.sleep(0.1)
+    for proc in procs.values():
+        proc.send_signal(signal.SIGTERM)
+    codes = {rank: proc.wait(timeout=120) for rank, proc in procs.items()}
+    text = "\n".join(log.read_text()[-2500:] for log in logs)
+    assert codes == {0: 75, 1: 75}, text
+    assert text.count("preempted (SIGTERM) at step") == 1, text
+    assert committed_step_checkpoints(out)[-1][0] > support.SAVE_STEPS
