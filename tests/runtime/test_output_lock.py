@@ -45,3 +45,19 @@ def test_a_second_run_on_a_live_runs_output_dir_is_refused_and_touches_nothing(t
     finally:
         first.kill()
         first.wait()
+
+
+def test_only_rank_0_asks_whether_the_output_dir_is_free(tmp_path, monkeypatch):
+    """Ranks check output_dir before joining; where a job's ranks are already joined (a library call, an elastic
+    restart of some ranks), a rank other than 0 would find the lock its own rank 0 took and stop alone, leaving
+    rank 0 in a collective with a closed peer. Rank 0 asks; hold_on_main_rank tells every rank its answer."""
+    from phalanx.checkpoint.resume import resume_point
+    from phalanx.config.loader import load_config
+
+    cfg = load_config(None, {"output_dir": str(tmp_path / "out")})
+    with lock_held_elsewhere(training_lock(tmp_path / "out")):
+        monkeypatch.setenv("RANK", "1")
+        assert resume_point(cfg) is None
+        monkeypatch.setenv("RANK", "0")
+        with pytest.raises(ConfigError, match="is in use by another run"):
+            resume_point(cfg)

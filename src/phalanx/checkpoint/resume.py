@@ -215,7 +215,9 @@ def resume_point(cfg: RunConfig) -> Optional[Path]:
             "give a folder (it is created if missing)"
         )
     # A run that is still going owns what is there: nothing below may judge it crashed, finished or different.
-    check_free(training_lock(out), f"--output_dir {out}")
+    # Rank 0 (or the launcher) asks; another rank could find the lock taken by its own job's rank 0.
+    if os.environ.get("RANK", "0") == "0":
+        check_free(training_lock(out), f"--output_dir {out}")
     if cfg.overwrite_output_dir:
         if requested:
             raise ConfigError("--overwrite_output_dir starts over, --resume_from_checkpoint continues: choose one")
