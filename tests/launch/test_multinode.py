@@ -17,8 +17,8 @@ from phalanx.checkpoint.commit import committed_step_checkpoints, is_committed
 pytestmark = pytest.mark.system
 
 
-def test_two_nodes_train_like_one(project, generate, reference_run, node_pair, support):
-    port = 29400 + support.free_port() % 500  # any port: each namespace has its own
+def write_node_scripts(generate, node_pair, port: int, name: str) -> None:
+    """scripts/<name>0.sh and <name>1.sh: `phalanx launcher` for node 0 and node 1 of two, one CPU rank each."""
     for rank in (0, 1):
         generate(
             "launcher",
@@ -37,8 +37,13 @@ def test_two_nodes_train_like_one(project, generate, reference_run, node_pair, s
             "--master_port",
             str(port),
             "--output",
-            f"scripts/node{rank}.sh",
+            f"scripts/{name}{rank}.sh",
         )
+
+
+def test_two_nodes_train_like_one(project, generate, reference_run, node_pair, support):
+    port = 29400 + support.free_port() % 500  # any port: each namespace has its own
+    write_node_scripts(generate, node_pair, port, "node")
     # The two 'machines' share this one's cores: one thread per rank keeps them from fighting over them.
     env = {k: v for k, v in support.local_env(OMP_NUM_THREADS="1").items() if k != "GLOO_SOCKET_IFNAME"}
     env["PHALANX_RDZV_TIMEOUT"] = "120"
@@ -123,26 +128,7 @@ def test_sigterm_on_both_nodes_ends_each_script_with_75(project, generate, node_
     """A preemption reaches every node's script: the ranks commit one checkpoint together and each node's script
     exits 75, node 1's too (its launcher reads the exit records of its own, local, ranks)."""
     port = 29400 + support.free_port() % 500
-    for rank in (0, 1):
-        generate(
-            "launcher",
-            "--config",
-            "train.yaml",
-            "--num_gpus_per_node",
-            "0",
-            "--nproc_per_node",
-            "1",
-            "--num_nodes",
-            "2",
-            "--node_rank",
-            str(rank),
-            "--master_addr",
-            node_pair.addresses[0],
-            "--master_port",
-            str(port),
-            "--output",
-            f"scripts/stop{rank}.sh",
-        )
+    write_node_scripts(generate, node_pair, port, "stop")
     env = {k: v for k, v in support.local_env(OMP_NUM_THREADS="1").items() if k != "GLOO_SOCKET_IFNAME"}
     out = project / "runs" / "two-nodes-stopped"
     logs = [project / f"stop{rank}.log" for rank in (0, 1)]
