@@ -16,10 +16,23 @@ def phalanx_env(env: dict | None = None) -> dict:
     return {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
 
 
-def start_phalanx(*args: str, output: bool = True, new_session: bool = False) -> subprocess.Popen:
+def start_phalanx(
+    *args: str, output: bool = True, new_session: bool = False, stderr_to: Path | None = None
+) -> subprocess.Popen:
     """Start `python -m phalanx ARGS` in the background (to signal or kill it mid-run); text stdout/stderr pipes,
-    or none (`output=False`); `new_session`: its own process group, so the test can signal the whole tree."""
+    or none (`output=False`); `new_session`: its own process group, so the test can signal the whole tree;
+    `stderr_to`: stderr written to that file (read while it runs) and stdout dropped."""
     pipe = subprocess.PIPE if output else subprocess.DEVNULL
+    if stderr_to is not None:
+        with open(stderr_to, "w") as sink:
+            return subprocess.Popen(
+                [sys.executable, "-m", "phalanx", *args],
+                cwd=ROOT,
+                env=phalanx_env(),
+                stdout=subprocess.DEVNULL,
+                stderr=sink,
+                start_new_session=new_session,
+            )
     return subprocess.Popen(
         [sys.executable, "-m", "phalanx", *args],
         cwd=ROOT,

@@ -4,8 +4,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,11 +11,9 @@ import pytest
 import torch
 
 from helpers import (
-    ROOT,
     chat_row,
     ctrl_c_twice_while_starting,
     lock_held_elsewhere,
-    phalanx_env,
     run_phalanx,
     start_phalanx,
 )
@@ -299,15 +295,7 @@ def test_ctrl_c_twice_while_the_ranks_start_stops_them_at_once(tmp_path):
     exits 130, rank 0 says so in one line, and nothing is merged."""
     prompts = write_prompts(tmp_path / "prompts.jsonl")
     out, log = tmp_path / "c" / "traj_chat.jsonl", tmp_path / "stderr.log"
-    with open(log, "w") as sink:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "phalanx", *generate_args(prompts, out, "--world_size", "2")],
-            cwd=ROOT,
-            env=phalanx_env(),
-            stdout=subprocess.DEVNULL,
-            stderr=sink,
-            start_new_session=True,
-        )
+    proc = start_phalanx(*generate_args(prompts, out, "--world_size", "2"), new_session=True, stderr_to=log)
     try:
         ctrl_c_twice_while_starting(proc, log, lambda: ranks if len(ranks := children(proc.pid)) == 2 else [])
         proc.wait(timeout=60)

@@ -8,17 +8,14 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from helpers import (
-    ROOT,
     ctrl_c_twice_while_starting,
     descendants,
-    phalanx_env,
     read_metrics,
     run_phalanx,
     start_phalanx,
@@ -186,15 +183,7 @@ def test_ctrl_c_saves_and_a_second_ctrl_c_stops_at_once(world_size, dataset, tmp
 
     # The same command again (it would resume from the checkpoint), pressed twice while it starts.
     log = tmp_path / "rerun.log"
-    with open(log, "w") as sink:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "phalanx", *train_args],
-            cwd=ROOT,
-            env=phalanx_env(),
-            stdout=subprocess.DEVNULL,
-            stderr=sink,
-            start_new_session=True,
-        )
+    proc = start_phalanx(*train_args, new_session=True, stderr_to=log)
     try:
         ranks = (
             (lambda: [proc.pid]) if world_size == 1 else (lambda: rank_pids(proc) if len(rank_pids(proc)) == 2 else [])
