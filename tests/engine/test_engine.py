@@ -1,6 +1,7 @@
 """TrainingEngine in one process: EMA against a hand-computed reference, checkpoints and resume, fallbacks, API."""
 
 import os
+import re
 import warnings
 
 import pytest
@@ -11,6 +12,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 import phalanx
 from engine import engine_ranks
+from helpers import lock_held_elsewhere
 from phalanx.engine.checkpoint import load_weights
 from phalanx.engine.ema import ModelEMA
 from phalanx.engine.engine import DistributedFallbackWarning, TrainingEngine
@@ -18,6 +20,7 @@ from phalanx.engine.launch import distributed_train_worker, launch_distributed_t
 from phalanx.engine.metrics import MetricTotals, is_classification, reduce_tensor
 from phalanx.engine.syncbn import CPUSyncBatchNorm, convert_sync_batchnorm
 from phalanx.errors import ConfigError, PhalanxError
+from phalanx.runtime.output_lock import hold_lock, release_lock, training_lock
 
 QUIET = {"progress_bar": False, "tensorboard": False}
 
@@ -197,6 +200,21 @@ def test_uncommitted_checkpoints_are_refused(tmp_path):
     engine = TrainingEngine(nn.Linear(2, 2), "cpu", **QUIET)
     with pytest.raises(PhalanxError, match="not a committed"):
         engine.load_checkpoint(tmp_path / "half")
+
+
+def test_an_engine_refuses_an_output_another_run_holds_and_frees_its_own_when_done(tmp_path):
+    """Two engines on one output folder would rotate each other's checkpoints away: the second is refused before it
+    writes anything; a finished train() lets the next run (another engine, `phalanx train`) have the folder."""
+    folder = tmp_path / "resume"
+    with lock_held_elsewhere(training_lock(folder)) as holder:
+        with pytest.raises(
+            ConfigError, match=re.escape(f"output_dir {folder} is in use by another run (pid {holder} on ")
+        ):
+            resumable_run(tmp_path, epochs=1)
+        assert sorted(p.name for p in folder.iterdir()) == [".phalanx.lock"]  # no checkpoint, no metrics
+    resumable_run(tmp_path, epochs=1)
+    hold_lock(training_lock(folder), "x")  # released by the run that finished
+    release_lock(training_lock(folder))
 
 
 # ---- fallbacks and bad input ------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from phalanx.observe.metrics import Reporter
 from phalanx.parallel.base import Precision, Strategy
 from phalanx.runtime import dist as rt
 from phalanx.runtime.faults import Fault, kill_self, planned_fault
+from phalanx.runtime.output_lock import output_held, training_lock
 
 # launch_distributed_training tells its ranks the backend through this variable, so a train_fn
 # that calls TrainingEngine.setup_distributed(rank, world_size) without one gets the launcher's.
@@ -282,43 +283,48 @@ class TrainingEngine:
                 "records its position (phalanx.data.sampler.StatefulDistributedSampler, as make_loaders "
                 "builds); with another sampler, checkpoints can only be taken at the end of an epoch"
             )
-        self.attach(optimizer, scheduler)
-        self._check_batches_agree(train_loader)
-        self.fault = planned_fault()
-        if resume_from is not None:
-            self.load_checkpoint(resume_from)
-            self._restore_epoch_position(train_loader)
-        reporter = self._reporter(train_loader, num_epochs, resumed=resume_from is not None)
-        self._announce(reporter, train_loader, num_epochs)
-        for epoch in range(self.epochs_done, num_epochs):
-            started = time.perf_counter()
-            for loader in (train_loader, val_loader):
-                set_sampler_epoch(loader, epoch)
-            # A mid-epoch resume reports the rate the epoch started with, as the uninterrupted run does.
-            lr = self._resume["lr"] if self._resume else optimizer.param_groups[0]["lr"]
-            train_metrics = self.train_epoch(
-                train_loader,
-                criterion,
-                max_grad_norm,
-                scheduler_interval,
-                reporter,
-                save_steps=save_steps,
-                save_last=save_last,
-                lr=lr,
-            )
-            val_metrics = self.validate(val_loader, criterion) if val_loader is not None else None
-            record = self._record(epoch, train_metrics, val_metrics, lr, time.perf_counter() - started)
-            if scheduler is not None and scheduler_interval == "epoch":
-                step_scheduler(scheduler, record.get(self._monitor_key(monitor, record)))
-            reporter.log(self.global_step, record, kind="epoch")
-            reporter.say(epoch_line(record, num_epochs))
-            key = self._monitor_key(monitor, record) if save_best else None
-            if key and self.checkpointer.maybe_save_best(record[key], self.global_step, lower_is_better="loss" in key):
-                reporter.say(f"💾 New best {key} {self.best_metric:.4f}: {self.output_dir / BEST}")
-            if save_last:
-                self.save_checkpoint(LAST)
-        reporter.close()
-        return self.history
+        # One run per output folder: a second engine (or `phalanx train`) on it would rotate this run's
+        # checkpoints away and resume from its state. Held while train() runs.
+        with output_held(training_lock(self.output_dir), f"output_dir {self.output_dir}", self.is_main_process):
+            self.attach(optimizer, scheduler)
+            self._check_batches_agree(train_loader)
+            self.fault = planned_fault()
+            if resume_from is not None:
+                self.load_checkpoint(resume_from)
+                self._restore_epoch_position(train_loader)
+            reporter = self._reporter(train_loader, num_epochs, resumed=resume_from is not None)
+            self._announce(reporter, train_loader, num_epochs)
+            for epoch in range(self.epochs_done, num_epochs):
+                started = time.perf_counter()
+                for loader in (train_loader, val_loader):
+                    set_sampler_epoch(loader, epoch)
+                # A mid-epoch resume reports the rate the epoch started with, as the uninterrupted run does.
+                lr = self._resume["lr"] if self._resume else optimizer.param_groups[0]["lr"]
+                train_metrics = self.train_epoch(
+                    train_loader,
+                    criterion,
+                    max_grad_norm,
+                    scheduler_interval,
+                    reporter,
+                    save_steps=save_steps,
+                    save_last=save_last,
+                    lr=lr,
+                )
+                val_metrics = self.validate(val_loader, criterion) if val_loader is not None else None
+                record = self._record(epoch, train_metrics, val_metrics, lr, time.perf_counter() - started)
+                if scheduler is not None and scheduler_interval == "epoch":
+                    step_scheduler(scheduler, record.get(self._monitor_key(monitor, record)))
+                reporter.log(self.global_step, record, kind="epoch")
+                reporter.say(epoch_line(record, num_epochs))
+                key = self._monitor_key(monitor, record) if save_best else None
+                if key and self.checkpointer.maybe_save_best(
+                    record[key], self.global_step, lower_is_better="loss" in key
+                ):
+                    reporter.say(f"💾 New best {key} {self.best_metric:.4f}: {self.output_dir / BEST}")
+                if save_last:
+                    self.save_checkpoint(LAST)
+            reporter.close()
+            return self.history
 
     def train_epoch(
         self,

@@ -17,8 +17,9 @@ import os
 import socket
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 from phalanx.errors import ConfigError
 
@@ -77,6 +78,19 @@ def hold_on_main_rank(lock_file: Path, subject: str, is_main: bool) -> None:
     refusal = broadcast_object(refusal)
     if refusal:
         raise ConfigError(refusal)
+
+
+@contextmanager
+def output_held(lock_file: Path, subject: str, is_main: bool) -> Iterator[None]:
+    """hold_on_main_rank for the duration of a `with` block; released after it unless this process held the lock
+    before (a caller's own lock stays the caller's)."""
+    held_before = Path(lock_file).resolve() in _held
+    hold_on_main_rank(lock_file, subject, is_main)
+    try:
+        yield
+    finally:
+        if not held_before:
+            release_lock(lock_file)
 
 
 def release_lock(lock_file: Path) -> None:
