@@ -109,7 +109,7 @@ def run_command(argv: list[str]) -> int:
         rank = os.environ.get("RANK")
         prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
         print(f"{prefix}error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return exc.exit_code
 
 
 if __name__ == "__main__":

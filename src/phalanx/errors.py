@@ -2,7 +2,9 @@
 
 
 class PhalanxError(Exception):
-    """Bad input or an impossible request. The CLI prints the message (no traceback) and exits 2."""
+    """Bad input or an impossible request. The CLI prints the message (no traceback) and exits `exit_code`."""
+
+    exit_code = 2
 
 
 class ConfigError(PhalanxError):
@@ -11,3 +13,10 @@ class ConfigError(PhalanxError):
 
 class DataError(PhalanxError):
     """A dataset file, row or field is wrong."""
+
+
+class RanksFailed(PhalanxError):
+    """A launcher's rank crashed, was killed or stopped taking part (named in the message): exit 1, as a single
+    process that crashes, so that a requeue wrapper can tell it from bad input (2), which a rerun repeats."""
+
+    exit_code = 1

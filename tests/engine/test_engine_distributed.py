@@ -16,7 +16,7 @@ from dist_workers import run_ranks
 from engine import engine_ranks
 from phalanx import distributed_train_worker, launch_distributed_training
 from phalanx.engine.checkpoint import load_weights
-from phalanx.errors import PhalanxError
+from phalanx.errors import RanksFailed
 
 pytestmark = pytest.mark.distributed
 LOSS_TOL, WEIGHT_TOL = 1e-6, 1e-5
@@ -110,6 +110,6 @@ def test_launch_with_the_worker_matches_one_process(tmp_path):
 
 def test_a_failing_rank_stops_the_others_and_is_named():
     with pytest.raises(
-        PhalanxError, match=r"rank 1 failed; the other ranks were stopped(.|\n)*rank one fails on purpose"
+        RanksFailed, match=r"rank 1 failed; the other ranks were stopped(.|\n)*rank one fails on purpose"
     ):
         launch_distributed_training(engine_ranks.fail_on_rank_one, 2)

@@ -7,7 +7,7 @@
 torchrun. Processes are spawned, so `train_fn` and `kwargs` must pickle (module-level
 functions, classes, functools.partial); when something does not (a lambda, as in seed
 004's example) and this platform can fork with CUDA not yet initialised, the ranks are
-forked instead. If one rank fails, the others are stopped and PhalanxError names the rank
+forked instead. If one rank fails, the others are stopped and RanksFailed (a PhalanxError) names the rank
 with its traceback. Rank 0's return value is returned.
 
 `distributed_train_worker(rank, world_size, **config)` is the ready-made `train_fn`: it
@@ -29,7 +29,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from phalanx.engine.engine import BACKEND_ENV, TrainingEngine, warn_fallback
-from phalanx.errors import ConfigError, PhalanxError
+from phalanx.errors import ConfigError, RanksFailed
 
 CONFIG_KEYS = (
     "model_fn",
@@ -170,10 +170,10 @@ def _join(context: Any) -> None:
         raised = _raised(context)
         first = raised[0][0] if raised else exc.error_index
         details = "".join(f"\n\n-- rank {rank} raised:\n{trace}" for rank, trace in raised) or str(exc)
-        raise PhalanxError(f"rank {first} failed; the other ranks were stopped.{details}") from None
+        raise RanksFailed(f"rank {first} failed; the other ranks were stopped.{details}") from None
     except ProcessExitedException as exc:
         how = f"was killed by {exc.signal_name}" if exc.signal_name else f"exited with code {exc.exit_code}"
-        raise PhalanxError(f"rank {exc.error_index} {how}; the other ranks were stopped.") from None
+        raise RanksFailed(f"rank {exc.error_index} {how}; the other ranks were stopped.") from None
     finally:
         for process in context.processes:  # e.g. KeyboardInterrupt in the launcher: take the ranks down too
             if process.is_alive():

@@ -202,7 +202,7 @@ def main(argv: Sequence[str]) -> int:
                 ["generate", *argv], args.world_size, args.master_port, shutdown_timeout_s=args.shutdown_timeout_s
             )
         except PhalanxError as exc:
-            raise PhalanxError(f"phalanx generate: {exc}") from None
+            raise type(exc)(f"phalanx generate: {exc}") from None  # the class keeps the exit status
     preemption = preemption or PreemptionFlag(WORK).install()
     quiet_libraries()
     return run(args, preemption)

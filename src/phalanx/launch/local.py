@@ -18,7 +18,7 @@ import uuid
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from phalanx.errors import PhalanxError
+from phalanx.errors import PhalanxError, RanksFailed
 from phalanx.runtime.exit import EXIT_RECORDS, rank_exit_record
 
 # Set for the ranks `launch_local` starts: they leave printing bad input to it.
@@ -27,7 +27,7 @@ PARENT_REPORTS = "PHALANX_LAUNCHER_REPORTS_ERRORS"
 # (runtime.exit.EXIT_RECORDS).
 LAUNCHER_PID = "PHALANX_LAUNCHER_PID"
 ORPHAN_POLL_S = 0.25
-BAD_INPUT_EXIT_CODE = 2  # what the CLI returns for any PhalanxError
+BAD_INPUT_EXIT_CODE = PhalanxError.exit_code  # what the CLI returns for bad input
 # How long ranks get to finish (a preempted rank commits its checkpoint or batch) once the launcher stops them.
 DEFAULT_SHUTDOWN_TIMEOUT_S = 300
 # The signals torch's agent turns into its shutdown (it passes them to the ranks, waits, then kills): all of its
@@ -49,7 +49,7 @@ def launch_local(
     shutdown_timeout_s: int = DEFAULT_SHUTDOWN_TIMEOUT_S,
 ) -> int:
     """Run `python -m phalanx <module_args>` as `nproc` ranks; returns 0, the preemption status when the ranks
-    saved and stopped on a signal, or 130 after a second Ctrl-C; raises PhalanxError naming the ranks that failed
+    saved and stopped on a signal, or 130 after a second Ctrl-C; raises RanksFailed naming the ranks that failed
     otherwise.
 
     `shutdown_timeout_s`: after a SIGTERM or Ctrl-C (or once a rank has exited), how long the agent waits for the
@@ -88,7 +88,8 @@ def supervise_ranks(start: Callable[[Path], None], local_ranks: int, quiet_agent
     """Run torch's elastic agent in this process, `start(scratch)`, as phalanx's launcher: the ranks record their
     exit status and stop if this process dies; SIGUSR1 and Ctrl-C reach them (StopSignals); the status says what
     they did. Returns 0, 75 (the ranks saved their progress and stopped on a signal) or 130 (a second Ctrl-C
-    stopped them at once); raises PhalanxError naming the ranks that failed or the bad input they found.
+    stopped them at once); raises RanksFailed naming the ranks that failed, or PhalanxError with the bad input
+    they found.
 
     `scratch` is this launch's folder, removed at the end (and by a later launch when this one is killed).
     `quiet_agent`: silence the agent's own log lines (quiet_agent_logs)."""
@@ -125,7 +126,7 @@ def supervise_ranks(start: Callable[[Path], None], local_ranks: int, quiet_agent
             if reported:
                 raise PhalanxError(reported) from None
             failed = ", ".join(f"rank {rank} ({describe_exit(f.exitcode)})" for rank, f in sorted(exc.failures.items()))
-            raise PhalanxError(
+            raise RanksFailed(
                 f"failed on {failed}; the other ranks were stopped. See the rank's message above."
             ) from None
         finally:
@@ -213,7 +214,7 @@ def after_stop_signal(signal_name: str, codes: dict[str, Optional[int]]) -> int:
         return INTERRUPTED_EXIT_CODE
     if not unclean:
         return 0  # every rank had finished when the signal came
-    raise PhalanxError(
+    raise RanksFailed(
         f"launcher received {signal_name} and the ranks stopped without saving their progress for it: "
         f"{described}. What they committed earlier is kept; rerun the same command to continue from it."
     )

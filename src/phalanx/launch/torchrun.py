@@ -4,8 +4,8 @@ scripts of `phalanx launcher` start it, ending the way `phalanx train --world_si
 torchrun alone exits 1, with a traceback, after a SIGTERM even when every rank saved its progress and exited 75,
 so a requeue wrapper cannot tell a preemption from a crash; it also kills the ranks on SIGUSR1 and answers a
 second Ctrl-C by waiting for the save. Here the agent runs in this process under launch.local's supervision:
-status 75 when the ranks saved and stopped, 130 after a second Ctrl-C, 2 with the message when ranks failed or
-found bad input, 0 when they finished; SIGUSR1 and Ctrl-C reach the ranks, and ranks stop when this process dies.
+status 75 when the ranks saved and stopped, 130 after a second Ctrl-C, 1 with the message when ranks failed, 2
+when they found bad input, 0 when they finished; SIGUSR1 and Ctrl-C reach the ranks, and ranks stop when this process dies.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from phalanx.errors import PhalanxError
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from torch.distributed import run as torchrun
 
-    from phalanx.launch.local import AGENT_SIGNALS, BAD_INPUT_EXIT_CODE, supervise_ranks
+    from phalanx.launch.local import AGENT_SIGNALS, supervise_ranks
 
     args = torchrun.parse_args(list(sys.argv[1:] if argv is None else argv))
 
@@ -36,7 +36,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return supervise_ranks(start, torchrun.determine_local_world_size(args.nproc_per_node), quiet_agent=False)
     except PhalanxError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
-        return BAD_INPUT_EXIT_CODE
+        return exc.exit_code
 
 
 if __name__ == "__main__":
