@@ -9,7 +9,9 @@ stands once that message is written. In it the turn's output (what the model mus
 rendered reasoning, content, tool calls, end-of-turn marker) is located as:
 
 - start: the end of the generation prompt ``render(messages[:i], add_generation_prompt=True)``
-  when the view starts with it. A generation prompt that also pre-fills the start of an answer
+  when the view starts with it: what the prompt pre-fills is never trained, even when the message's
+  reasoning (as ``reasoning_content`` or as a ``<think>`` block opening its content) renders it too
+  (QwQ's and Nemotron 3's ``<think>\n``); only an answer whose own words start earlier starts there. A generation prompt that also pre-fills the start of an answer
   the finished turn does not render (DeepSeek-R1-Distill's ``<｜Assistant｜><think>\\n``) is
   accepted when it covers everything before the first character the message itself decides
   (found by rendering a sentinel message in its place), or when it ends with exactly the text the
@@ -303,8 +305,9 @@ def _locate_turn(r: _Renderer, i: int) -> _Turn:
         )
     own = _common_prefix(view, probe)  # first character the message decides
     own_end = len(view) - _common_suffix(view, probe, len(view) - own)  # and its last
-    # The same message with only its text replaced keeps what the template writes around reasoning and tool calls:
-    # where that probe parts from the view is where the message's own words start.
+    # The same message with only its text replaced keeps what the template writes around reasoning and tool calls
+    # (reasoning given in content as a <think> block too): where that probe parts from the view is where the
+    # message's own words start.
     shaped = r.try_render(r.messages[:i] + [_sentinel_like(r.messages[i], keep_reasoning=True)], False)
     words = _common_prefix(view, shaped) if shaped is not None else own
     start = _output_start(r, i, prompt, context, view, own, words)
@@ -451,15 +454,31 @@ def _locate_in_full(r: _Renderer, full: str, turns: list[_Turn]) -> tuple[Option
 
 
 def _sentinel_like(message: dict, keep_reasoning: bool = False) -> dict:
-    """The message with its own text replaced by the sentinel, keeping its shape (content or tool calls)."""
+    """The message with its own text replaced by the sentinel, keeping its shape (content or tool calls). With
+    `keep_reasoning`, its reasoning stays, given as a key or as a `<think>...</think>` block opening the content."""
     probe = copy.deepcopy(message)
     for key in () if keep_reasoning else REASONING_KEYS:
         probe.pop(key, None)
-    if (message.get("content") or "").strip() or not message.get("tool_calls"):
-        probe["content"] = SENTINEL
+    content = message.get("content") or ""
+    block, answer = _think_block(content) if keep_reasoning else ("", content)
+    if answer.strip() or not message.get("tool_calls"):
+        probe["content"] = block + SENTINEL
+    elif block:
+        probe["content"] = content  # reasoning and nothing else: the tool call's name is replaced instead
     for call in probe.get("tool_calls") or []:  # some templates ignore the content of a tool-calling message
         call["function"]["name"] = SENTINEL
     return probe
+
+
+def _think_block(content: str) -> tuple[str, str]:
+    """A content that opens with reasoning (`<think>...</think>`) split into that block, with the blank space after
+    it, and the answer; ("", content) when it does not."""
+    if "</think>" not in content or not content.lstrip().startswith("<think>"):
+        return "", content
+    cut = content.rindex("</think>") + len("</think>")
+    rest = content[cut:]
+    cut += len(rest) - len(rest.lstrip())
+    return content[:cut], content[cut:]
 
 
 # ---------------------------------------------------------------------------- checks

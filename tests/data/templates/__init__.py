@@ -235,7 +235,8 @@ AMBIGUOUS_END = Refuse(
 #   text. It ignores reasoning_content and cuts a <think> block from content except after a tool output.
 # - MiniMax-M2 pre-fills "<think>\n" in its generation prompt: when it writes a reasoning block (only after the
 #   last user message: per_turn), that "<think>\n" is the prompt's, not trained. A <think> block in content stays
-#   content (its split of content happens inside a for loop, where `set` does not last): "full".
+#   content (its split of content happens inside a for loop, where `set` does not last): "full", and its "<think>\n"
+#   is the prompt's too.
 # - Command R7B: every row refused (AMBIGUOUS_END).
 # - Nemotron Nano v2 writes the last assistant message apart, after "<think>\n\n" (pre-filled by its generation
 #   prompt); the turns' text is the same as in the whole rendering, so "full". It strips <think> from all but the
@@ -437,10 +438,9 @@ CASES = [
         None,
         {
             **{k: Match("full", unterminated=3) for k in ("plain", "nosys", "tool", "two_assistants")},
-            # think/think_tool left out: the template parses a <think> block in content into reasoning and renders it
-            # after the '<think>' its generation prompt pre-fills, but the masker trains that '<think>' as the start of
-            # the message's own words (as for QwQ, whose content is written as it is): not yet told apart.
-            **{k: Match("per_turn", unterminated=3) for k in ("reasoning", "reasoning_tool")},
+            # A <think> block in content is parsed into reasoning and rendered after the '<think>' the generation
+            # prompt pre-fills, as reasoning_content is: that '<think>' is not trained.
+            **{k: Match("per_turn", unterminated=3) for k in ("reasoning", "reasoning_tool", "think", "think_tool")},
         },
         specials=(
             "[gMASK]",
