@@ -24,7 +24,8 @@ rendered reasoning, content, tool calls, end-of-turn marker) is located as:
   conversation (Phi-3.5's final ``<|endoftext|>``: the context rendered without and with a
   generation prompt part there). Checked against the view followed by a user message: it may part
   earlier only inside the message's own text (the turn is rewritten once followed: Qwen3) or
-  before text written only after a final assistant message (gpt-oss's ``<|return|>``, trained);
+  before text written only after a final assistant message (gpt-oss's ``<|return|>``, trained;
+  Gemma 4's ``<|tool_response>`` after a last tool call, which opens the result the caller writes);
   parting anywhere else means the end is ambiguous (Command R writes the next header even without a
   generation prompt) and the row is refused. A part inside a special token snaps to its start.
 
@@ -88,6 +89,7 @@ class _Turn:
     start: int  # the output is view[start:end]
     end: int
     own_end: int  # where the message's own text ends; end == own_end: the template wrote no end-of-turn marker
+    # (for a tool call, its text ends with the calls when the turn then opens the tool result: Gemma 4)
 
     @property
     def output(self) -> str:
@@ -313,7 +315,46 @@ def _locate_turn(r: _Renderer, i: int) -> _Turn:
     start = _output_start(r, i, prompt, context, view, own, words)
     end = _output_end(r, i, prompt, context, view, own_end)
     _check_no_end_of_sequence_inside(r, i, view, start, end)
+    if end == own_end:
+        own_end = _tool_result_opened(r, i, view, start, end)
     return _Turn(i, view, start, end, own_end)
+
+
+def _tool_result_opened(r: _Renderer, i: int, view: str, start: int, end: int) -> int:
+    """Where a tool-calling turn that ends unlike a plain one starts to open the tool result, or `end`.
+
+    Gemma 4 ends a last tool call with `<|tool_response>`, the token its model stops at (the caller writes the result
+    after it), where a plain turn ends `<turn|>`. That this opens a tool result, unlike the closing of the calls
+    (GLM's `</tool_call>`, Apriel's `]</tool_calls>`, after which the model writes a stop of its own), shows in the
+    template: the turn ends with tokens that it writes before every tool result (found as the text that precedes both
+    of two results rendered after the turn)."""
+    call = (r.messages[i].get("tool_calls") or [None])[-1]
+    if call is None or not getattr(r.tokenizer, "is_fast", False):
+        return end
+    first, second = SENTINEL, SENTINEL.replace("sentinel", "sentinel-2")
+    results = [
+        {"role": "tool", "content": text, "name": call["function"]["name"]}
+        | ({"tool_call_id": call["id"]} if call.get("id") is not None else {})
+        for text in (first, second)
+    ]
+    two = r.try_render(r.messages[: i + 1] + results, False)
+    if two is None or two.count(first) != 1 or two.count(second) != 1:
+        return end
+    before_first, before_second = two[: two.index(first)], two[: two.index(second)]
+    opening = before_second[len(before_second) - _common_suffix(before_first, before_second, len(before_first)) :]
+    opening_ids = r.tokenizer(opening, add_special_tokens=False)["input_ids"]
+    enc = r.tokenizer(view[:end], add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets, found = enc["input_ids"], enc["offset_mapping"], end
+    for k in range(len(ids) - 1, -1, -1):
+        if offsets[k][0] < start or not _contains(opening_ids, ids[k:]):
+            break
+        if view[offsets[k][0] : end].strip():
+            found = offsets[k][0]
+    return found
+
+
+def _contains(seq: list[int], part: list[int]) -> bool:
+    return any(seq[j : j + len(part)] == part for j in range(len(seq) - len(part) + 1))
 
 
 def _check_no_end_of_sequence_inside(r: _Renderer, i: int, view: str, start: int, end: int) -> None:

@@ -493,6 +493,36 @@ CASES = [
         {k: FULL for k in ALL_ROWS},
         specials=("<think>", "</think>"),
     ),
+    # ---- added from a fourth trial on unseen templates (real/README.md)
+    # Gemma 4 writes the results of a tool call inside the calling turn, each opened by `<|tool_response>`, and ends a
+    # call that nothing follows with that token, which its model stops at: trained, and the turn is terminated. The
+    # generation prompt pre-fills an empty thought channel no finished turn writes; reasoning is rendered only in a
+    # tool-calling message after the last user message (per_turn). think_tool left out: a content written with tool
+    # calls moves behind the results once they follow, so the marked copy cannot mark that turn as one block.
+    TemplateCase(
+        "google-gemma-4-31B-it",
+        False,
+        "<bos>",
+        "<eos>",
+        "<pad>",
+        {
+            **{k: FULL for k in ("plain", "nosys", "tool", "reasoning", "think", "two_assistants")},
+            "reasoning_tool": PER_TURN,
+        },
+        specials=(
+            "<|turn>",
+            "<turn|>",
+            "<|tool>",
+            "<tool|>",
+            "<|tool_call>",
+            "<tool_call|>",
+            "<|tool_response>",
+            "<tool_response|>",
+            '<|"|>',
+            "<|channel>",
+            "<channel|>",
+        ),
+    ),
 ]
 CASE = {c.name: c for c in CASES}
 
