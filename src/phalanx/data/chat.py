@@ -11,10 +11,11 @@ rendered reasoning, content, tool calls, end-of-turn marker) is located as:
 - start: the end of the generation prompt ``render(messages[:i], add_generation_prompt=True)``
   when the view starts with it: what the prompt pre-fills is never trained, even when the message's
   reasoning (as ``reasoning_content`` or as a ``<think>`` block opening its content) renders it too
-  (QwQ's and Nemotron 3's ``<think>\n``); only an answer whose own words start earlier starts there. A generation prompt that also pre-fills the start of an answer
-  the finished turn does not render (DeepSeek-R1-Distill's ``<｜Assistant｜><think>\\n``) is
-  accepted when it covers everything before the first character the message itself decides
-  (found by rendering a sentinel message in its place), or when it ends with exactly the text the
+  (QwQ's and Nemotron 3's ``<think>\n``); only an answer whose own words start earlier starts there.
+  A generation prompt that also pre-fills the start of an answer the finished turn does not render
+  (DeepSeek-R1-Distill's ``<｜Assistant｜><think>\\n``) is accepted when it covers
+  everything before the first character the message itself decides (found by rendering a sentinel
+  message in its place), or when it ends with exactly the text the
   turn writes before that character (DeepSeek-V3.2: prompt ``<｜Assistant｜><think></think>``, turn
   ``<｜Assistant｜></think>answer``); the output then starts there. When the
   context before the turn renders differently in the view (Mistral's moved system prompt, an
