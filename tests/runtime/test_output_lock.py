@@ -61,3 +61,19 @@ def test_only_rank_0_asks_whether_the_output_dir_is_free(tmp_path, monkeypatch):
         monkeypatch.setenv("RANK", "0")
         with pytest.raises(ConfigError, match="is in use by another run"):
             resume_point(cfg)
+
+
+def test_a_lock_file_this_user_cannot_open_is_left_to_the_checks_that_follow(tmp_path, monkeypatch):
+    """Another user's run folder: root reads anything, so the refusal of os.open is simulated. check_free must not
+    end in a traceback; the output checks after it (or hold_lock) say what is wrong with the folder."""
+    import os
+
+    lock = training_lock(tmp_path / "out")
+    lock.parent.mkdir()
+    lock.write_text("{}")
+
+    def refused(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(os, "open", refused)
+    check_free(lock, "--output_dir out")  # returns: nothing is known to hold it

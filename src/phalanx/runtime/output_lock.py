@@ -106,7 +106,10 @@ def check_free(lock_file: Path, subject: str) -> None:
     lock_file = Path(lock_file).resolve()
     if lock_file in _held or not lock_file.is_file():
         return
-    fd = os.open(lock_file, os.O_RDONLY)
+    try:
+        fd = os.open(lock_file, os.O_RDONLY)
+    except OSError:
+        return  # unreadable (another user's run): hold_lock, or the output checks after it, say what is wrong
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
