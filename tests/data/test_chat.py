@@ -429,6 +429,39 @@ def test_turns_the_template_ends_with_nothing_are_counted(make_tokenizer, chat_r
     assert target_runs(make_tokenizer(NO_END_MARKER), result.examples[0]) == ["fine 1", "B"]
 
 
+# Apertus's habit: an assistant turn is closed by the end-of-sequence token, written only by a user message that follows.
+CLOSED_BY_NEXT = (
+    "{% for m in messages %}{% if m.role == 'user' %}"
+    "{% if loop.previtem is defined and loop.previtem.role == 'assistant' %}CLOSE{% endif %}<user>{{ m.content }}"
+    "{% else %}<assistant>{{ m.content }}{% endif %}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+@pytest.mark.parametrize("multi_turn", ["full", "per_turn"])
+def test_an_end_of_sequence_token_the_next_message_writes_first_closes_the_turn(make_tokenizer, chat_row, multi_turn):
+    tok = make_tokenizer(CLOSED_BY_NEXT.replace("CLOSE", "</s>"))  # ByT5's eos
+    row = {
+        "messages": chat_row(1)["messages"]
+        + [{"role": "user", "content": "more"}, {"role": "assistant", "content": "B"}]
+    }
+    result = tokenize_conversation(tok, to_conversation(row, WHERE), WHERE, multi_turn=multi_turn)
+    runs = [target_runs(tok, ex) for ex in result.examples]
+    assert runs == ([["fine 1</s>", "B"]] if multi_turn == "full" else [["fine 1</s>"], ["B"]])
+    assert result.unterminated == 1  # the last turn: nothing follows it
+    if multi_turn == "per_turn":  # the next message's rendering, cut after the close
+        assert tok.decode(result.examples[0]["input_ids"]) == "<user>question 1<assistant>fine 1</s>"
+
+
+def test_other_text_the_next_message_writes_first_is_not_the_turns(make_tokenizer, chat_row):
+    tok = make_tokenizer(CLOSED_BY_NEXT.replace("CLOSE", "<close>"))  # not the model's end-of-sequence token
+    row = {
+        "messages": chat_row(1)["messages"]
+        + [{"role": "user", "content": "more"}, {"role": "assistant", "content": "B"}]
+    }
+    result = tokenize_conversation(tok, to_conversation(row, WHERE), WHERE)
+    assert target_runs(tok, result.examples[0]) == ["fine 1", "B"] and result.unterminated == 2
+
+
 @pytest.mark.parametrize(
     "writes",
     ["' + tc.function.arguments + '", "{{ tc.function.arguments | string }}"],

@@ -29,6 +29,10 @@ rendered reasoning, content, tool calls, end-of-turn marker) is located as:
   Gemma 4's ``<|tool_response>`` after a last tool call, which opens the result the caller writes);
   parting anywhere else means the end is ambiguous (Command R writes the next header even without a
   generation prompt) and the row is refused. A part inside a special token snaps to its start.
+  A turn the template ends with nothing of its own may be closed by the next message: when that
+  message's rendering opens with the end-of-sequence token (Apertus writes ``<|assistant_end|>`` as a
+  following user message's first text), the token is the turn's stop and is trained with it (in a
+  per_turn row, the next message's rendering cut after it).
 
 How a conversation with several assistant turns becomes rows (``data.multi_turn``):
 
@@ -91,10 +95,18 @@ class _Turn:
     end: int
     own_end: int  # where the message's own text ends; end == own_end: the template wrote no end-of-turn marker
     # (for a tool call, its text ends with the calls when the turn then opens the tool result: Gemma 4)
+    close: str = ""  # the end-of-sequence token the next message writes first, right after the turn (Apertus)
 
     @property
     def output(self) -> str:
         return self.view[self.start : self.end]
+
+    def example(self) -> tuple[str, tuple[int, int]]:
+        """The turn's per_turn row and its trained span: the view, or with a close the view up to the turn's end and
+        the close (the next message's rendering cut after it: what the model wrote, stop included)."""
+        if self.close:
+            return self.view[: self.end] + self.close, (self.start, self.end + len(self.close))
+        return self.view, (self.start, self.end)
 
 
 def tokenize_conversation(
@@ -144,12 +156,14 @@ def _tokenize_chat(
     renderer = _Renderer(tokenizer, conv["messages"], conv.get("tools"), where, template_kwargs)
     turns = [_locate_turn(renderer, i) for i, m in enumerate(conv["messages"]) if m["role"] == "assistant"]
     dropped = sum(_check_rendered(renderer, turn, where) for turn in turns)
-    unterminated = sum(turn.end == turn.own_end for turn in turns)
     notes: list[str] = []
     if multi_turn in ("auto", "full"):
         full = renderer.prefix(len(conv["messages"]), False)
         spans, problem = _locate_in_full(renderer, full, turns)
         if spans is not None:
+            # A turn is terminated when the template ends it, or when the next message's close (the end-of-sequence
+            # token it writes first) follows it in the whole rendering and is trained with it.
+            unterminated = sum(t.end == t.own_end and e - s == t.end - t.start for t, (s, e) in zip(turns, spans))
             return Tokenized(
                 [_tokenize_spans(tokenizer, full, spans)],
                 "full",
@@ -165,7 +179,7 @@ def _tokenize_chat(
                 "multi_turn 'per_turn' (one row per assistant turn, each rendered as the model saw it) or 'auto'."
             )
         notes.append(problem)
-    examples = [_tokenize_spans(tokenizer, turn.view, [(turn.start, turn.end)]) for turn in turns]
+    examples = [_tokenize_spans(tokenizer, text, [span]) for text, span in (turn.example() for turn in turns)]
     views = [turn.view for turn in turns]
     return Tokenized(
         examples,
@@ -173,7 +187,7 @@ def _tokenize_chat(
         dropped,
         _system_dropped(conv["messages"], views),
         _tools_dropped(conv.get("tools"), views),
-        unterminated,
+        sum(turn.end == turn.own_end and not turn.close for turn in turns),
         notes,
     ), views
 
@@ -318,7 +332,30 @@ def _locate_turn(r: _Renderer, i: int) -> _Turn:
     _check_no_end_of_sequence_inside(r, i, view, start, end)
     if end == own_end:
         own_end = _tool_result_opened(r, i, view, start, end)
-    return _Turn(i, view, start, end, own_end)
+    return _Turn(i, view, start, end, own_end, _closed_by_next(r, i, view, end) if end == own_end else "")
+
+
+def _closed_by_next(r: _Renderer, i: int, view: str, end: int) -> str:
+    """The end-of-sequence token (with any blank space before it) that the next message writes first, right after
+    a turn the template ends with nothing of its own, or "".
+
+    Apertus closes an assistant turn only once a user message follows: that message opens with `<|assistant_end|>`,
+    the model's end-of-sequence token, before its own `<|user_start|>`. The model stops by writing it, so it is the
+    turn's output: trained in the whole rendering, and added to the turn's per_turn row (whose view ends before it).
+    The last turn of a conversation has none: nothing follows it.
+    """
+    eos = getattr(r.tokenizer, "eos_token", None)
+    if not eos or i + 1 >= len(r.messages):
+        return ""
+    try:
+        following = r.prefix(i + 2, False)
+    except DataError:
+        return ""
+    if not following.startswith(view[:end]):
+        return ""
+    rest = following[end:]
+    blank = len(rest) - len(rest.lstrip())
+    return rest[: blank + len(eos)] if rest.startswith(eos, blank) else ""
 
 
 def _tool_result_opened(r: _Renderer, i: int, view: str, start: int, end: int) -> int:
@@ -470,8 +507,9 @@ def _locate_in_full(r: _Renderer, full: str, turns: list[_Turn]) -> tuple[Option
     floor = 0  # spans are in order and do not overlap
     for turn in turns:
         if full.startswith(turn.view[: turn.end]):  # the same text up to the turn's end: the same place
-            spans.append((turn.start, turn.end))
-            floor = turn.end
+            end = turn.end + (len(turn.close) if turn.close and full.startswith(turn.close, turn.end) else 0)
+            spans.append((turn.start, end))
+            floor = end
             continue
         out, i = turn.output, turn.index
         probe_messages = list(r.messages)
@@ -490,8 +528,10 @@ def _locate_in_full(r: _Renderer, full: str, turns: list[_Turn]) -> tuple[Option
                 else "it renders differently once later messages follow it"
             )
             return None, f"messages[{i}] (assistant): {how} ({_divergence(view, full)})"
-        spans.append((found[0], found[0] + len(out)))
-        floor = found[0] + len(out)
+        end = found[0] + len(out)
+        end += len(turn.close) if turn.close and full.startswith(turn.close, end) else 0
+        spans.append((found[0], end))
+        floor = end
     return spans, ""
 
 
