@@ -163,13 +163,19 @@ def test_oracle_trains_exactly_the_reviewed_text(name, kind):
     text = tok.apply_chat_template(messages, tools=tools, tokenize=False)
     assert full["input_ids"] == tok(text, add_special_tokens=False)["input_ids"]
 
-    # per turn: example i is messages[:i+1] as the original renders it, trained on turn i only
+    # per turn: example i is messages[:i+1] as the original renders it, trained on turn i only; or, where the next
+    # message writes the turn's close (Apertus), messages[:i+2] as the original renders it, cut after that close
     per_turn = oracle_examples(tok, marked, messages, tools, "per_turn")
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     assert len(per_turn) == len(turns)
-    for i, example in zip(turns, per_turn):
+    for i, example, spans in zip(turns, per_turn, reviewed["per_turn"]):
         prefix = tok.apply_chat_template(messages[: i + 1], tools=tools, tokenize=False)
-        assert example["input_ids"] == tok(prefix, add_special_tokens=False)["input_ids"]
+        ids = tok(prefix, add_special_tokens=False)["input_ids"]
+        if example["input_ids"] != ids:
+            following = tok.apply_chat_template(messages[: i + 2], tools=tools, tokenize=False)
+            cut = following.index(spans[0], len(prefix) - len(spans[0])) + len(spans[0])
+            assert following.startswith(prefix) and cut > len(prefix)
+            assert example["input_ids"] == tok(following[:cut], add_special_tokens=False)["input_ids"]
     for example, spans in zip(per_turn, reviewed["per_turn"]):
         runs = trained_runs(tok, example)
         assert len(runs) == 1 and spans[0] in runs[0]  # tokens overlapping the span: the span, maybe a bit more

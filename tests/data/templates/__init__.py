@@ -523,6 +523,23 @@ CASES = [
             "<channel|>",
         ),
     ),
+    # ---- added from a fifth trial on unseen templates (real/README.md)
+    # Apertus writes `<|assistant_end|>`, its model's end-of-sequence token, only as the first text of a user message
+    # that follows an assistant turn: that close is the turn's (trained in the whole rendering, and in a per_turn row,
+    # which is then the next message's rendering cut after it). A conversation's last turn has none, nor a tool call
+    # (its results follow in the same assistant block, after `<|tools_suffix|>`), nor a turn another assistant message
+    # continues (no header between them): those are unterminated. It ignores reasoning_content.
+    TemplateCase(
+        "Apertus-8B-Instruct",
+        False,
+        "<s>",
+        "<|assistant_end|>",
+        "<pad>",
+        {
+            **{k: Match("full", unterminated=1) for k in ("plain", "nosys", "reasoning", "think")},
+            **{k: Match("full", unterminated=2) for k in ("tool", "reasoning_tool", "think_tool", "two_assistants")},
+        },
+    ),
 ]
 CASE = {c.name: c for c in CASES}
 
@@ -663,9 +680,25 @@ def oracle_spans(tokenizer, marked: str, messages: list[dict], tools: Optional[l
         for i, m in enumerate(messages):
             if m["role"] == "assistant":
                 text, spans = render_marked(tokenizer, marked, messages[: i + 1], tools)
-                out.append((text, spans[-1:]))  # turn i's block is the last one; earlier turns are context
+                out.append(_closed_by_next(tokenizer, marked, messages, tools, i, text, spans))
         return out
     raise ValueError(f"policy must be 'full' or 'per_turn', got {policy!r}")
+
+
+def _closed_by_next(
+    tokenizer, marked: str, messages: list[dict], tools: Optional[list], i: int, text: str, spans: list
+):
+    """Turn i's per_turn example: ``messages[:i+1]`` rendered, trained on its block (the last one; earlier turns are
+    context). Where the next message's rendering extends that block (Apertus's marked copy writes the
+    `<|assistant_end|>` its template writes as a following user message's first text in the turn's block), the example
+    is the next message's rendering cut at the block's end: the turn as the model writes it, stop included."""
+    start, end = spans[-1]
+    if i + 1 < len(messages):
+        following, after = render_marked(tokenizer, marked, messages[: i + 2], tools)
+        s, e = after[len(spans) - 1]
+        if s == start and e > end and following.startswith(text[:end]):
+            return following[:e], [(s, e)]
+    return text, spans[-1:]
 
 
 def oracle_examples(
