@@ -262,3 +262,21 @@ def test_tool_rows_train_with_exact_masks_under_the_corrected_template():
         f"<｜tool▁calls▁begin｜>{CALL_BMI}<｜tool▁calls▁end｜>{EOS}",
         f"same{EOS}",
     ]
+
+
+def test_a_templates_own_switches_are_the_names_it_reads_with_a_fallback():
+    """What data.chat_template_kwargs can set: names a template tests with `is defined` and never gets from
+    apply_chat_template (messages, tools, special tokens, transformers' functions), nor sets itself first."""
+    from phalanx.config.chat_templates import template_variables
+
+    assert template_variables(shared_template("Qwen-Qwen3-0.6B").read_text()) == ["enable_thinking"]
+    assert template_variables(shared_template("meta-llama-Llama-3.1-8B-Instruct").read_text()) == [
+        "builtin_tools",
+        "custom_tools",
+        "date_string",
+        "tools_in_user_message",
+    ]
+    assert template_variables(ORIGINAL) == []  # R1-Distill has none
+    own = "{% if tools is defined %}{{ bos_token }}{% endif %}{% if eos_token is defined and strftime_now is defined %}"
+    assert template_variables(own + "{% endif %}{% if mine is not defined %}x{% endif %}") == ["mine"]
+    assert template_variables("{% if broken") == []

@@ -6,6 +6,7 @@ import json
 import multiprocessing as mp
 import os
 import queue
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,8 @@ from phalanx.data import prepare as prepare_module
 from phalanx.data.chat import IGNORE_INDEX
 from phalanx.data.prepare import prepare_data
 from phalanx.errors import DataError
+
+REAL_TEMPLATES = Path(__file__).parent / "templates" / "real"
 
 
 def _cfg(**kw) -> DataConfig:
@@ -215,6 +218,50 @@ def test_cache_is_hit_and_follows_settings_content_and_tokenizer(
     changed = _prepare(_cfg(dataset_path=str(f)), tokenizer, tmp_path)
     assert not changed.report.cache_hit and _answers(changed.train, tokenizer)[0] == "changed 0<|im_end|>\n"
     assert not [p for p in (tmp_path / "cache").iterdir() if ".tmp-" in p.name]
+
+
+def test_a_phalanx_whose_masking_code_changed_tokenizes_again(tmp_path, tokenizer, write_jsonl, chat_row, monkeypatch):
+    """Rows masked by an older phalanx (a template it handled differently) are not reused: the cache key holds a hash
+    of the masking code (data/chat.py, data/formats.py), read from the files."""
+    f = write_jsonl(tmp_path / "train.jsonl", [chat_row(i) for i in range(3)])
+    first = _prepare(_cfg(dataset_path=str(f)), tokenizer, tmp_path)
+    assert _prepare(_cfg(dataset_path=str(f)), tokenizer, tmp_path).report.cache_hit
+    from phalanx.data import chat
+
+    source = Path(chat.__file__).read_bytes()
+    real_read = Path.read_bytes
+    monkeypatch.setattr(
+        Path, "read_bytes", lambda p: source + b"# changed" if p == Path(chat.__file__) else real_read(p)
+    )
+    prepare_module._tokenizing_code_digest.cache_clear()
+    try:
+        changed = _prepare(_cfg(dataset_path=str(f)), tokenizer, tmp_path)
+    finally:
+        prepare_module._tokenizing_code_digest.cache_clear()
+    assert not changed.report.cache_hit and changed.report.cache_dir != first.report.cache_dir
+
+
+def test_unterminated_turns_name_the_template_switches_that_may_close_them(tmp_path, write_jsonl, chat_row):
+    """A template that writes its end-of-turn marker only when a variable asks (Apriel 1.6's training_prompt): the
+    data summary names its switches and how to set one; set, the marker trains and the line is gone."""
+    from data.templates import build_tokenizer
+    from phalanx.data.prepare import describe_report
+
+    apriel = (REAL_TEMPLATES / "Apriel-1.6-15b-Thinker-fixed.jinja").read_text()
+    tok = build_tokenizer(apriel, bos_token="<s>", eos_token="</s>", pad_token=None)
+    f = write_jsonl(tmp_path / "train.jsonl", [chat_row(i) for i in range(3)])
+    cfg = _cfg(dataset_path=str(f))
+    plain = _prepare(cfg, tok, tmp_path)
+    assert plain.report.unterminated_turns == 3 and plain.report.template_variables == ["training_prompt"]
+    line = next(line for line in describe_report(plain.report, cfg) if "no end-of-turn marker" in line)
+    assert "it reads training_prompt: if one makes it write the marker, set it with " in line, line
+    assert "--chat_template_kwargs '{training_prompt: true}'" in line, line
+
+    switched = _cfg(dataset_path=str(f), chat_template_kwargs={"training_prompt": True})
+    closed = _prepare(switched, tok, tmp_path)
+    assert closed.report.unterminated_turns == 0 and closed.report.template_variables == []
+    assert all(answer.endswith("\n<|end|>\n") for answer in _answers(closed.train, tok)), _answers(closed.train, tok)
+    assert not [line for line in describe_report(closed.report, switched) if "no end-of-turn marker" in line]
 
 
 # Runs in a fresh interpreter. Test modules are not importable by name there (pytest imports them

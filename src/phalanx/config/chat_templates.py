@@ -115,8 +115,47 @@ def _accepted() -> str:
 
 
 def _check_syntax(value: str, text: str, where: str) -> None:
-    """Compile `text` in an environment like the one transformers renders chat templates in (trim_blocks,
-    lstrip_blocks, loop controls, {% generation %}, tojson), so a broken file is reported with its line now."""
+    """Compile `text` in an environment like the one transformers renders chat templates in, so a broken file is
+    reported with its line now."""
+    import jinja2
+
+    try:
+        _environment().from_string(text)
+    except jinja2.TemplateSyntaxError as exc:
+        gap = sandbox_gap(exc)
+        if gap:
+            raise ChatTemplateError(
+                value, f"{where} line {exc.lineno} cannot be rendered by transformers: {gap} ({SANDBOX})"
+            ) from None
+        raise ChatTemplateError(value, f"{where} line {exc.lineno} is not valid jinja: {exc.message}") from None
+
+
+def template_variables(text: str) -> list[str]:
+    """The variables a chat template reads that no rendering sets: its own switches (Qwen3's enable_thinking,
+    Apriel's training_prompt, Llama's date_string), which data.chat_template_kwargs can set. Special tokens and what
+    apply_chat_template passes are left out; [] for a template that does not parse."""
+    import jinja2
+    from jinja2 import meta, nodes
+
+    try:
+        tree = _environment().parse(text)
+    except jinja2.TemplateSyntaxError:
+        return []
+    # A switch is read with a fallback (`x is defined`); jinja's own list of undeclared names also holds names a
+    # template sets in one scope and reads in another, which no caller sets.
+    tested = {
+        test.node.name
+        for test in tree.find_all(nodes.Test)
+        if test.name in ("defined", "undefined") and isinstance(test.node, nodes.Name)
+    }
+    names = tested & meta.find_undeclared_variables(tree)
+    names -= TEMPLATE_ARGUMENTS_OF_OURS | {"raise_exception", "strftime_now"}  # transformers' functions
+    return sorted(name for name in names if not name.endswith(("_token", "_tokens")))
+
+
+def _environment() -> Any:
+    """An environment like the one transformers renders chat templates in: sandboxed, trim_blocks, lstrip_blocks,
+    loop controls, {% generation %}, tojson."""
     import jinja2
     from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -134,15 +173,7 @@ def _check_syntax(value: str, text: str, where: str) -> None:
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
     env.filters["tojson"] = json.dumps
-    try:
-        env.from_string(text)
-    except jinja2.TemplateSyntaxError as exc:
-        gap = sandbox_gap(exc)
-        if gap:
-            raise ChatTemplateError(
-                value, f"{where} line {exc.lineno} cannot be rendered by transformers: {gap} ({SANDBOX})"
-            ) from None
-        raise ChatTemplateError(value, f"{where} line {exc.lineno} is not valid jinja: {exc.message}") from None
+    return env
 
 
 # apply_chat_template's own arguments, which phalanx sets for every rendering: not template variables a user gives.

@@ -19,6 +19,7 @@ locking; give each machine a local ``cache_root`` when in doubt.)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -27,13 +28,14 @@ import os
 import random
 import shutil
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import datasets
 from filelock import FileLock
 
+from phalanx.config.chat_templates import template_variables
 from phalanx.config.schema import BUNDLED_DATASET, DataConfig
 from phalanx.data.chat import IGNORE_INDEX, Tokenized, tokenize_conversation
 from phalanx.data.formats import detect_format, to_conversation
@@ -50,7 +52,7 @@ from phalanx.runtime.durable import fsync_tree
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 2  # bump when tokenization or the cache layout changes meaning
+CACHE_VERSION = 2  # bump when the cache layout changes meaning (a change in masking code changes the key itself)
 MAX_SKIP_REASONS = 10
 _HASH_CONTENT_UP_TO = 64 * 2**20
 _FEATURES = datasets.Features(
@@ -82,6 +84,9 @@ class DataReport:
     train_target_tokens: int
     cache_hit: bool
     cache_dir: str
+    # the chat template's own switches (config.chat_templates.template_variables), named when turns are unterminated:
+    # some templates write the end-of-turn marker only when one is set (Apriel's training_prompt)
+    template_variables: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -189,6 +194,7 @@ def _file_identity(path: Path, root: Path) -> list:
 def _cache_key(cfg: DataConfig, tokenizer: Any, seed: int, train: DataSource, eval_: Optional[DataSource]) -> str:
     identity = {
         "version": CACHE_VERSION,
+        "code": _tokenizing_code_digest(),
         "train": train.identity(),
         "eval": eval_.identity() if eval_ else None,
         "tokenizer": tokenizer_fingerprint(tokenizer),
@@ -205,6 +211,18 @@ def _cache_key(cfg: DataConfig, tokenizer: Any, seed: int, train: DataSource, ev
     }
     blob = json.dumps(identity, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:20]
+
+
+@functools.cache
+def _tokenizing_code_digest() -> str:
+    """A hash of the modules that turn rows into ids and labels: a phalanx whose masking changed (a template handled
+    differently) re-tokenizes instead of training on rows an older version masked."""
+    from phalanx.data import chat, formats
+
+    digest = hashlib.blake2b(digest_size=16)
+    for module in (chat, formats):
+        digest.update(Path(module.__file__).read_bytes())
+    return digest.hexdigest()
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -304,6 +322,8 @@ def _build(cfg: DataConfig, tokenizer: Any, seed: int, train_source: DataSource,
             + (f"; first problem: {counts.reasons[0]}" if counts.reasons else "")
         )
     report = counts.report(train, eval_)
+    if counts.unterminated:
+        report["template_variables"] = template_variables(getattr(tokenizer, "chat_template", None) or "")
     if counts.skipped:
         log.warning("skipped %d bad rows; first: %s", counts.skipped, counts.reasons[0])
     return train, eval_, report
@@ -452,7 +472,14 @@ def describe_report(report: DataReport, cfg: DataConfig) -> list[str]:
     if r.unterminated_turns:
         lines.append(
             f"   no end-of-turn marker after the assistant's text: {r.unterminated_turns:,} turns (the template "
-            "writes none there, so these rows teach no stop; check the template if the model should learn one)"
+            "writes none there, so these rows teach no stop; check the template if the model should learn one"
+            + (
+                f"; it reads {', '.join(r.template_variables)}: if one makes it write the marker, set it with "
+                f"--chat_template_kwargs '{{{r.template_variables[0]}: true}}'"
+                if r.template_variables
+                else ""
+            )
+            + ")"
         )
     lines += [f"   refused: {reason}" for reason in r.skip_reasons]
     if r.rows_skipped > len(r.skip_reasons):
