@@ -20,6 +20,7 @@ from helpers import (
 from phalanx.cli import main as phalanx_main
 from phalanx.data.chat import IGNORE_INDEX, tokenize_conversation
 from phalanx.data.formats import to_conversation
+from phalanx.errors import DataError
 from phalanx.models.load import load_tokenizer, resolve_model_path
 from phalanx.runtime.output_lock import output_file_lock
 
@@ -380,6 +381,24 @@ def test_bad_input_is_reported_once_before_ranks_start(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.count("error:") == 1 and f"{prompts} line 2: malformed JSON" in proc.stderr
     assert not out.parent.exists()  # nothing written
+
+
+def test_a_rank_that_fails_is_status_1_and_bad_input_stays_2(tmp_path, capsys, monkeypatch):
+    """What the launcher says a rank did keeps its status through `phalanx generate`: a rank's crash (RanksFailed,
+    as launch_local raises it when a rank dies: tests/runtime/test_faults.py) is 1, bad input the ranks found is 2."""
+    from phalanx.errors import RanksFailed
+    from phalanx.launch import local
+
+    prompts = write_prompts(tmp_path / "prompts.jsonl")
+    argv = generate_args(prompts, tmp_path / "o" / "traj_chat.jsonl", "--world_size", "2")
+    for error, status in ((RanksFailed("failed on rank 1 (killed by SIGKILL)"), 1), (DataError("row 3: bad"), 2)):
+
+        def launch(*args, error=error, **kwargs):
+            raise error
+
+        monkeypatch.setattr(local, "launch_local", launch)
+        code, log = run_in_process(argv, capsys)
+        assert code == status and f"error: phalanx generate: {error}" in log, log
 
 
 def test_bad_flags_and_foreign_or_changed_outputs(runs, tmp_path, capsys):

@@ -202,7 +202,9 @@ def main(argv: Sequence[str]) -> int:
                 ["generate", *argv], args.world_size, args.master_port, shutdown_timeout_s=args.shutdown_timeout_s
             )
         except PhalanxError as exc:
-            raise type(exc)(f"phalanx generate: {exc}") from None  # the class keeps the exit status
+            error = PhalanxError(f"phalanx generate: {exc}")
+            error.exit_code = exc.exit_code  # a rank's crash (1) stays told apart from bad input (2)
+            raise error from None
     preemption = preemption or PreemptionFlag(WORK).install()
     quiet_libraries()
     return run(args, preemption)
