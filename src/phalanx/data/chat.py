@@ -415,12 +415,13 @@ def _output_start(r: _Renderer, i: int, prompt: str, context: str, view: str, ow
         # After an assistant message some templates write no generation prompt, and the turn writes its own header
         # (Apriel): the output starts after the header a generation prompt writes after a user message, or after the
         # part of it a finished turn writes when that prompt also pre-fills the answer (Apriel 1.6).
-        header = r.assistant_header()
-        at = view.rfind(header, start, own) if header and own > start else -1
-        if at < 0 and own > start and r.turn_header().strip():
-            header = r.turn_header()
-            at = view.rfind(header, start, own)
-        return at + len(header) if at >= 0 else start
+        # That header may begin with the closing of the message before it, which a prompt after an assistant message
+        # writes already (Qwen1.5 closes a message with `<|im_end|>\n` only once one follows: its header after a user
+        # message is `<|im_end|>\n<|im_start|>assistant\n`): a header that ends past the prompt counts.
+        end = _header_end(view, r.assistant_header(), start, own)
+        if end < 0 and r.turn_header().strip():
+            end = _header_end(view, r.turn_header(), start, own)
+        return end if end >= 0 else start
     shared = _common_prefix(prompt, view)
     if shared >= own:
         # The prompt covers the view up to the message's own text and pre-fills more (DeepSeek-R1-Distill's
@@ -459,6 +460,15 @@ def _output_start(r: _Renderer, i: int, prompt: str, context: str, view: str, ow
             "assistant turns (--chat_template)."
         )
     return at + len(header) if header else own
+
+
+def _header_end(view: str, header: str, start: int, own: int) -> int:
+    """The end of the last `header` in the view that ends past `start` and no later than `own` (it may begin before
+    `start`), or -1."""
+    if not header or own <= start:
+        return -1
+    at = view.rfind(header, max(0, start - len(header) + 1), own)
+    return at + len(header) if at >= 0 else -1
 
 
 def _prompt_opens_reasoning(r: _Renderer, i: int, prompt: str) -> bool:

@@ -540,6 +540,23 @@ CASES = [
             **{k: Match("full", unterminated=2) for k in ("tool", "reasoning_tool", "think_tool", "two_assistants")},
         },
     ),
+    # ---- added from a sixth trial on unseen templates (real/README.md)
+    # Qwen1.5 (its template of February to April 2024, when its end-of-sequence token was <|endoftext|>) closes a
+    # message with `<|im_end|>\n` only once another follows (or with the generation prompt), so its generation prompt
+    # after a user message is `<|im_end|>\n<|im_start|>assistant\n`, and after an assistant message it writes only the
+    # close: a second assistant message in a row writes its own `<|im_start|>assistant\n`, which is header, not output.
+    # The close is not the end-of-sequence token: every turn is unterminated. It drops tool calls and reasoning.
+    TemplateCase(
+        "Qwen-Qwen1.5-0.5B-Chat",
+        False,
+        None,
+        "<|endoftext|>",
+        "<|endoftext|>",
+        {
+            **{k: Match("full", unterminated=3) for k in ("plain", "nosys", "reasoning", "think", "two_assistants")},
+            **{k: VANISHED_CALL for k in ("tool", "reasoning_tool", "think_tool")},
+        },
+    ),
 ]
 CASE = {c.name: c for c in CASES}
 
