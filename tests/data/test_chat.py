@@ -172,8 +172,14 @@ def test_tokenizer_without_chat_template(make_tokenizer, tool_row):
 
 
 def test_template_errors_become_data_errors(make_tokenizer, tool_row):
-    with pytest.raises(DataError, match=rf"^{WHERE}: the tokenizer's chat template failed .*unsupported role tool"):
+    with pytest.raises(
+        DataError, match=rf"^{WHERE}: the tokenizer's chat template failed .*unsupported role tool"
+    ) as info:
         tokenize_conversation(make_tokenizer(INST), to_conversation(tool_row, WHERE), WHERE)
+    assert str(info.value).endswith(
+        "change the row to what it accepts (its error says what: a role it lacks, the order "
+        "of roles, a missing field) or use a template that takes it (--chat_template FILE|NAME)"
+    )
 
 
 @pytest.mark.parametrize(

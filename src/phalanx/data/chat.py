@@ -247,7 +247,9 @@ class _Renderer:
                 ) from None
             raise DataError(
                 f"{self.where}: the tokenizer's chat template failed on messages[:{len(messages)}] "
-                f"(roles: {', '.join(m['role'] for m in messages) or 'none'}): {type(e).__name__}: {e}"
+                f"(roles: {', '.join(m['role'] for m in messages) or 'none'}): {type(e).__name__}: {e}. The template "
+                "does not take the row as it is: change the row to what it accepts (its error says what: a role it "
+                "lacks, the order of roles, a missing field) or use a template that takes it (--chat_template FILE|NAME)"
             ) from None
 
     def try_render(self, messages: list[dict], generation_prompt: bool) -> Optional[str]:
