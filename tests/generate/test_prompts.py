@@ -148,3 +148,25 @@ def test_template_variables_shape_the_prompt_and_default_to_the_adapters_run(tmp
 
     refused = run_phalanx("generate", "--chat_template_kwargs", "{messages: []}")
     assert refused.returncode == 2 and "--chat_template_kwargs: messages: set by phalanx" in refused.stderr
+
+
+def test_a_prompt_the_template_raises_on_names_the_prompt_and_what_to_do():
+    """Gemma-like templates refuse a role: the prompt is named, with the template's words and the way on (the same
+    message a training row gets: data.chat.template_refused)."""
+    from transformers import AutoTokenizer
+
+    from phalanx.generate.prompts import render_prompt
+    from phalanx.models.load import resolve_model_path
+
+    strict = AutoTokenizer.from_pretrained(resolve_model_path("embedded:tiny-qwen3"))
+    strict.chat_template = (
+        "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('System role not supported') }}"
+        "{% endif %}{{ m.content }}{% endfor %}"
+    )
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    with pytest.raises(DataError) as err:
+        render_prompt(strict, messages, None, None, "prompts.jsonl line 4")
+    message = str(err.value)
+    assert message.startswith("prompts.jsonl line 4: the tokenizer's chat template failed on this prompt "), message
+    assert "(roles: system, user): TemplateError: System role not supported" in message, message
+    assert "or use a template that takes it (--chat_template FILE|NAME)" in message, message

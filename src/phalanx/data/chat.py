@@ -211,6 +211,17 @@ def _writes_python_mappings(conv: Conversation, texts: list[str]) -> bool:
 # ---------------------------------------------------------------------------- rendering
 
 
+def template_refused(where: str, subject: str, messages: list[dict], error: Exception) -> DataError:
+    """The error for a row a chat template raises on (a role it lacks, the order of roles, a missing field): the
+    template's own message, and what to do. For training rows and generation prompts alike."""
+    return DataError(
+        f"{where}: the tokenizer's chat template failed on {subject} "
+        f"(roles: {', '.join(m['role'] for m in messages) or 'none'}): {type(error).__name__}: {error}. The template "
+        "does not take the row as it is: change the row to what it accepts (its error says what: a role it "
+        "lacks, the order of roles, a missing field) or use a template that takes it (--chat_template FILE|NAME)"
+    )
+
+
 class _Renderer:
     """Renders variations of one conversation with the tokenizer's template; prefixes are cached."""
 
@@ -245,12 +256,7 @@ class _Renderer:
                     f"{self.where}: {template_name(self.tokenizer)} cannot be rendered by transformers: {gap} "
                     f"({SANDBOX}). Use a template written for transformers (--chat_template FILE)."
                 ) from None
-            raise DataError(
-                f"{self.where}: the tokenizer's chat template failed on messages[:{len(messages)}] "
-                f"(roles: {', '.join(m['role'] for m in messages) or 'none'}): {type(e).__name__}: {e}. The template "
-                "does not take the row as it is: change the row to what it accepts (its error says what: a role it "
-                "lacks, the order of roles, a missing field) or use a template that takes it (--chat_template FILE|NAME)"
-            ) from None
+            raise template_refused(self.where, f"messages[:{len(messages)}]", messages, e) from None
 
     def try_render(self, messages: list[dict], generation_prompt: bool) -> Optional[str]:
         """A probe rendering; None when the template refuses it (the caller then cannot be certain)."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from phalanx.data.chat import template_refused
 from phalanx.data.formats import to_conversation
 from phalanx.data.sources import bundled_dataset_path, iter_rows
 from phalanx.errors import DataError
@@ -200,10 +201,7 @@ def render_prompt(
                 messages, tools=tools, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
             )
         except Exception as e:  # noqa: BLE001 - template errors (raise_exception, jinja) are the row's problem
-            raise DataError(
-                f"{where}: the tokenizer's chat template failed on this prompt "
-                f"(roles: {', '.join(m['role'] for m in messages)}): {type(e).__name__}: {e}"
-            ) from None
+            raise template_refused(where, "this prompt", messages, e) from None
         if not isinstance(rendered, str):
             rendered = rendered[0]
     else:
