@@ -1,5 +1,7 @@
 """Start N ranks on this machine through torch's own elastic launcher (what torchrun uses), and report bad input
-that the ranks find once.
+that the ranks find once. What a launcher of phalanx ranks shares, whichever starts them (torch's agent here and in
+launch.torchrun, DeepSpeed's in launch.deepspeed_launcher): the ranks' environment and scratch folder, their exit
+records, and the status they add up to.
 
 The parent stays light: it imports torch's launcher, never the model or data stack, so the ranks start about as
 soon as they would under torchrun. The ranks check the data themselves; a bad row or field they meet is the same
@@ -9,6 +11,7 @@ it, and `launch_local` prints it once, whichever rank failed first and whichever
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -16,15 +19,15 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 from phalanx.errors import PhalanxError, RanksFailed
-from phalanx.runtime.exit import EXIT_RECORDS, rank_exit_record
+from phalanx.runtime.exit import EXIT_RECORDS, exit_record, rank_exit_record
 
 # Set for the ranks `launch_local` starts: they leave printing bad input to it.
 PARENT_REPORTS = "PHALANX_LAUNCHER_REPORTS_ERRORS"
-# Also set for them: the launcher's pid (a rank stops when it is gone) and where each rank records its exit status
-# (runtime.exit.EXIT_RECORDS).
+# Also set for them: the launcher's pid (a rank stops when it is no longer among the rank's ancestors) and where each
+# rank records its exit status (runtime.exit.EXIT_RECORDS).
 LAUNCHER_PID = "PHALANX_LAUNCHER_PID"
 ORPHAN_POLL_S = 0.25
 BAD_INPUT_EXIT_CODE = PhalanxError.exit_code  # what the CLI returns for bad input
@@ -98,37 +101,22 @@ def supervise_ranks(start: Callable[[Path], None], local_ranks: int, quiet_agent
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from phalanx.launch.scratch import launcher_scratch
-    from phalanx.runtime.signals import PREEMPTED_EXIT_CODE
-
-    with launcher_scratch() as scratch:
-        records = scratch / "exit"
-        records.mkdir()
+    with rank_records() as (scratch, rank_env):
         stop = StopSignals()
         previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGUSR1, signal.SIGINT)}
-        # The agent copies this process's environment into each rank's.
-        rank_env = {PARENT_REPORTS: "1", LAUNCHER_PID: str(os.getpid()), EXIT_RECORDS: str(records)}
-        os.environ.update(rank_env)
+        os.environ.update(rank_env)  # the agent copies this process's environment into each rank's
         restore_levels = quiet_agent_logs() if quiet_agent else lambda: None
         try:
             start(scratch)
         except SignalException as exc:
             # SIGTERM, or Ctrl-C: the agent passed it to the ranks and waited for them (killing those still running
             # after its shutdown timeout). What each rank did is in its exit record.
-            return after_stop_signal(exc.sigval.name, read_exit_records(records, local_ranks))
+            return after_stop_signal(exc.sigval.name, read_exit_records(Path(rank_env[EXIT_RECORDS]), local_ranks))
         except ChildFailedError as exc:
-            codes = {f.exitcode for f in exc.failures.values()}
-            # A rank exits 75 only after every rank's work is committed (see after_stop_signal); the agent then
-            # stops the ranks still tearing down, which is no failure.
-            if PREEMPTED_EXIT_CODE in codes:
-                return PREEMPTED_EXIT_CODE
-            reported = reported_bad_input(exc.failures)
-            if reported:
-                raise PhalanxError(reported) from None
-            failed = ", ".join(f"rank {rank} ({describe_exit(f.exitcode)})" for rank, f in sorted(exc.failures.items()))
-            raise RanksFailed(
-                f"failed on {failed}; the other ranks were stopped. See the rank's message above."
-            ) from None
+            failed = {f"rank {rank}": f.exitcode for rank, f in sorted(exc.failures.items())}
+            return after_rank_failure(
+                failed, reported_bad_input({rank: f.error_file_data for rank, f in exc.failures.items()})
+            )
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -136,6 +124,19 @@ def supervise_ranks(start: Callable[[Path], None], local_ranks: int, quiet_agent
                 os.environ.pop(name, None)
             restore_levels()
     return 0
+
+
+@contextlib.contextmanager
+def rank_records() -> Iterator[tuple[Path, dict[str, str]]]:
+    """This launch's scratch folder (launch.scratch: removed at the end, or by a later launch when this one is
+    killed) and the environment its ranks get: they leave bad input to this launcher (PARENT_REPORTS), stop when
+    this process is gone (LAUNCHER_PID) and record their exit status in the folder's `exit` (EXIT_RECORDS)."""
+    from phalanx.launch.scratch import launcher_scratch
+
+    with launcher_scratch() as scratch:
+        records = scratch / "exit"
+        records.mkdir()
+        yield scratch, {PARENT_REPORTS: "1", LAUNCHER_PID: str(os.getpid()), EXIT_RECORDS: str(records)}
 
 
 class StopSignals:
@@ -202,10 +203,7 @@ def after_stop_signal(signal_name: str, codes: dict[str, Optional[int]]) -> int:
     from phalanx.runtime.signals import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 
     unclean = {rank: code for rank, code in codes.items() if code not in (0, PREEMPTED_EXIT_CODE)}
-    described = ", ".join(
-        f"{rank} ({'killed: no exit status' if code is None else describe_exit(code)})"
-        for rank, code in unclean.items()
-    )
+    described = describe_rank_exits(unclean)
     if PREEMPTED_EXIT_CODE in codes.values():
         if unclean:
             print(f"note: after the ranks saved their progress, {described}", file=sys.stderr, flush=True)
@@ -220,13 +218,40 @@ def after_stop_signal(signal_name: str, codes: dict[str, Optional[int]]) -> int:
     )
 
 
+def after_rank_failure(failed: dict[str, Optional[int]], reported: Optional[str]) -> int:
+    """The launcher's status when ranks ended unsuccessfully without a stop signal to it: `failed`, the ranks that
+    failed first ({"rank 1": 2}; None: no record, the rank was killed), and `reported`, the bad input they found
+    (reported_bad_input).
+
+    75 when a rank exited 75: the ranks were signalled directly (SLURM signals every process of a step) and it did
+    so once every rank's work was committed; the launcher then stops the ranks still tearing down, which is no
+    failure. Bad input raises PhalanxError with the message (status 2: a rerun repeats it); anything else
+    RanksFailed naming the ranks (status 1)."""
+    from phalanx.runtime.signals import PREEMPTED_EXIT_CODE
+
+    if PREEMPTED_EXIT_CODE in failed.values():
+        return PREEMPTED_EXIT_CODE
+    if reported:
+        raise PhalanxError(reported)
+    raise RanksFailed(
+        f"failed on {describe_rank_exits(failed)}; the other ranks were stopped. See the rank's message above."
+    )
+
+
+def describe_rank_exits(codes: dict[str, Optional[int]]) -> str:
+    """'rank 1 (exit code 2), local rank 0 (killed: no exit status)'"""
+    return ", ".join(
+        f"{rank} ({'killed: no exit status' if code is None else describe_exit(code)})" for rank, code in codes.items()
+    )
+
+
 def read_exit_records(folder: Path, local_ranks: int) -> dict[str, Optional[int]]:
     """Each local rank's exit status (runtime.exit.record_exit) under its global rank's name; a rank that left no
     record is named by its local rank."""
     codes: dict[str, Optional[int]] = {}
     for local in range(local_ranks):
         try:
-            code, rank = (folder / f"local-rank-{local}").read_text(encoding="utf-8").split()
+            code, rank = exit_record(folder, local).read_text(encoding="utf-8").split()
             codes[f"rank {rank}"] = int(code)
         except (OSError, ValueError):
             codes[f"local rank {local}"] = None
@@ -245,12 +270,14 @@ def start_rank_process() -> None:
 
 def stop_when_orphaned(launcher: int) -> None:
     """A rank whose launcher died (SIGKILL, out of memory) has no one to report to or to stop it, and would go on
-    writing into the output a rerun is about to use (the agent starts each rank in a session of its own, so the
-    launcher's process group took none of them along). It stops at once; what it committed stays valid."""
+    writing into the output a rerun is about to use (the launcher's process group took none of its ranks along: torch's
+    agent starts each in a session of its own, launch.deepspeed_launcher starts DeepSpeed's in one). It stops at once
+    when the launcher is no longer among its ancestors (its parent under torch's agent; under DeepSpeed's, the
+    runner and its launch process stand between); what it committed stays valid."""
     import threading
 
     def watch() -> None:
-        while os.getppid() == launcher:
+        while descends_from(launcher):
             time.sleep(ORPHAN_POLL_S)
         print(
             f"[rank {os.environ.get('RANK')}] the launcher (pid {launcher}) is gone; stopping this rank",
@@ -260,6 +287,30 @@ def stop_when_orphaned(launcher: int) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="phalanx-launcher-watch", daemon=True).start()
+
+
+def descends_from(ancestor: int) -> bool:
+    """True while `ancestor` is this process's parent, or its parent's parent and so on (read from /proc; without
+    it, the parent alone counts). A process whose parent dies is adopted by init (or a subreaper), so the chain
+    from it no longer reaches the dead process, nor a new one that took its pid."""
+    pid = os.getppid()
+    for _ in range(64):
+        if pid == ancestor:
+            return True
+        if pid <= 1:
+            return False
+        pid = parent_pid(pid)
+        if pid is None:
+            return False
+    return False
+
+
+def parent_pid(pid: int) -> Optional[int]:
+    """The parent of `pid` (/proc, Linux); None when it has ended or cannot be read."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def quiet_agent_logs():
@@ -290,19 +341,22 @@ def report_bad_input(exc: PhalanxError, rank: int) -> int:
     """In a rank of a multi-rank run: say what is wrong with the input once for the whole job, return the exit code.
 
     Bad input (a config field, a data row) is the same on every rank, so printing it on each would repeat it N
-    times. The message goes to torch's per-rank error file when a torch launcher set one (`launch_local` prints
-    it once; torchrun shows it in its failure summary). Otherwise rank 0 prints it, and the other ranks print
-    it too only where nothing would relay it (the DeepSpeed launcher): a message shown twice beats one lost.
+    times. The message goes to the rank's error file (runtime.exit.rank_error_file): torch's per-rank one when a
+    torch launcher set it (phalanx's launchers print it once; torchrun shows it in its failure summary), or the
+    one beside its exit record under launch.deepspeed_launcher. Otherwise rank 0 prints it, and the other ranks
+    print it too only where nothing would relay it (DeepSpeed's own launcher): a message shown twice beats one lost.
     """
+    from phalanx.runtime.exit import rank_error_file
+
     message = str(exc)
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    error_file = rank_error_file()
     relayed = False
     if error_file:
         try:
-            Path(error_file).parent.mkdir(parents=True, exist_ok=True)
+            error_file.parent.mkdir(parents=True, exist_ok=True)
             # torch's own layout (ErrorHandler.record_exception), so torchrun's summary shows the message as the
-            # rank's "traceback"; the "phalanx" key tells launch_local that the message is ours to print.
-            Path(error_file).write_text(
+            # rank's "traceback"; the "phalanx" key tells phalanx's launcher that the message is ours to print.
+            error_file.write_text(
                 json.dumps(
                     {
                         "message": {
@@ -317,7 +371,7 @@ def report_bad_input(exc: PhalanxError, rank: int) -> int:
         except OSError:
             pass
     if relayed and os.environ.get(PARENT_REPORTS) == "1":
-        pass  # launch_local prints it
+        pass  # phalanx's launcher prints it
     elif rank == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
     elif not relayed:
@@ -325,12 +379,12 @@ def report_bad_input(exc: PhalanxError, rank: int) -> int:
     return BAD_INPUT_EXIT_CODE
 
 
-def reported_bad_input(failures: dict) -> Optional[str]:
-    """The bad-input message(s) the failed ranks left in their error files (see report_bad_input), once each."""
+def reported_bad_input(error_files: dict[int, object]) -> Optional[str]:
+    """The bad-input message(s) that failed ranks left in their error files (see report_bad_input), once each;
+    `error_files` holds what each rank's file says ({rank: parsed JSON}, None or anything else where it said nothing)."""
     by_message: dict[str, list[int]] = {}
-    for rank, failure in sorted(failures.items()):
-        data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
-        ours = data.get("phalanx")
+    for rank, data in sorted(error_files.items()):
+        ours = data.get("phalanx") if isinstance(data, dict) else None
         if isinstance(ours, dict) and isinstance(ours.get("message"), str):
             by_message.setdefault(ours["message"], []).append(rank)
     if not by_message:
@@ -349,7 +403,14 @@ def describe_exit(code: int) -> str:
 
 
 def child_pids(parent: int) -> list[int]:
-    """Direct children of `parent`, read from /proc (Linux)."""
+    """Direct children of `parent`, read from /proc (Linux): the lists the kernel keeps for each of its threads
+    (CONFIG_PROC_CHILDREN, the usual setting), else the parent of every process."""
+    lists = list(Path(f"/proc/{parent}/task").glob("*/children"))
+    if lists:
+        try:
+            return [int(pid) for listed in lists for pid in listed.read_text().split()]
+        except OSError:
+            pass  # a thread of `parent` ended while we looked: read every process
     children = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -359,6 +420,19 @@ def child_pids(parent: int) -> list[int]:
         if int(fields[1]) == parent:
             children.append(int(stat.parent.name))
     return children
+
+
+def catches_stop_signals(pid: int) -> bool:
+    """True once `pid`, a phalanx process, catches the stop signals (runtime.signals.PreemptionFlag installs
+    SIGUSR1's handler last); before that a stop signal would kill it, or be lost where it inherited SIGUSR1 ignored."""
+    import signal
+
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        caught = int(next(line for line in status.splitlines() if line.startswith("SigCgt:")).split()[1], 16)
+    except (OSError, StopIteration, IndexError, ValueError):
+        return False
+    return bool(caught & (1 << (signal.SIGUSR1 - 1)))
 
 
 def forward_to_children(signum: int) -> None:

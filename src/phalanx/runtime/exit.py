@@ -13,8 +13,9 @@ from typing import NoReturn, Optional
 # this much later, so that the launcher names the peer, not the ranks that lost it.
 FAILED_RANK_EXIT_DELAY_S = 2.0
 
-# Set by phalanx's launcher (launch.local) for its ranks: the folder where each rank records its exit status. After
-# a stop signal torch's agent reaps the ranks and keeps their exit codes to itself.
+# Set by phalanx's launchers (launch.local, launch.deepspeed_launcher) for their ranks: the folder where each rank
+# records its exit status. After a stop signal torch's agent reaps the ranks and keeps their exit codes to itself;
+# DeepSpeed's launcher reports one code at most.
 EXIT_RECORDS = "PHALANX_RANK_EXIT_RECORDS"
 
 
@@ -22,7 +23,28 @@ def rank_exit_record() -> Optional[Path]:
     """Where this process, a rank of phalanx's launcher, records its exit status (None elsewhere). Named by the local
     rank, which the launcher on this node knows; the file holds the exit status and the global rank."""
     folder, local_rank = os.environ.get(EXIT_RECORDS), os.environ.get("LOCAL_RANK")
-    return Path(folder) / f"local-rank-{local_rank}" if folder and local_rank is not None else None
+    return exit_record(Path(folder), local_rank) if folder and local_rank is not None else None
+
+
+def exit_record(folder: Path, local_rank: int | str) -> Path:
+    """The exit record of local rank `local_rank` in the launcher's folder `folder`."""
+    return folder / f"local-rank-{local_rank}"
+
+
+def error_file_beside(record: Path) -> Path:
+    """The error file of the rank whose exit record is `record`, where no torch launcher gave it one."""
+    return record.with_name(f"{record.name}.error")
+
+
+def rank_error_file() -> Optional[Path]:
+    """Where this rank leaves the message of the bad input it found for its launcher to print once
+    (launch.local.report_bad_input): torch's per-rank error file where a torch launcher set one, else, under
+    phalanx's DeepSpeed launcher (which sets none), the file beside its exit record. None elsewhere."""
+    torch_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if torch_file:
+        return Path(torch_file)
+    record = rank_exit_record()
+    return error_file_beside(record) if record is not None else None
 
 
 def record_exit(code: int) -> None:
