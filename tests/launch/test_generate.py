@@ -102,7 +102,7 @@ def test_launcher_multi_node_and_deepspeed(in_project, capsys, tmp_path):
         'NODE_RANK="${PHALANX_NODE_RANK:-1}"',
         'MASTER_ADDR="${PHALANX_MASTER_ADDR:-192.168.1.100}"',
         'NPROC_PER_NODE="${PHALANX_NPROC_PER_NODE:-8}"',
-        "-m deepspeed.launcher.runner",
+        "-m phalanx.launch.deepspeed_launcher",
         "--no_ssh",
         "--no_local_rank",
         "--module phalanx train train.yaml",
@@ -161,14 +161,14 @@ def test_deepspeed_launcher_on_cpu_nodes(in_project, capsys, tmp_path):
         for expected in (
             "export DS_ACCELERATOR=cpu",
             'export CUDA_VISIBLE_DEVICES=""',
-            "-m deepspeed.launcher.runner",
+            "-m phalanx.launch.deepspeed_launcher",
             "--no_local_rank",
             "--module phalanx train",
             "--backend gloo",
         ):
             assert expected in text, (script.name, expected)
     step = job.read_text().split("STEP='", 1)[1].split("'\n", 1)[0]
-    assert 'exec "$PYTHON" -m deepspeed.launcher.runner' in step and "slots=2" in step
+    assert 'exec "$PYTHON" -m phalanx.launch.deepspeed_launcher' in step and "slots=2" in step
 
 
 def test_launcher_elastic_uses_c10d_with_fresh_stores(in_project, capsys, tmp_path):
@@ -309,7 +309,7 @@ def test_slurm_script_like_seed_003(in_project, capsys, tmp_path):
         "NCCL_IB_DISABLE",
         "NCCL_DEBUG",
         "export OMP_NUM_THREADS=8",
-        "-m deepspeed.launcher.runner",
+        "-m phalanx.launch.deepspeed_launcher",
         "--no_ssh",
         '--node_rank "$SLURM_NODEID"',
         "slots=8",

@@ -240,7 +240,10 @@ def test_deepspeed_launcher_script_trains_cpu_ranks_with_the_deepspeed_engine(
     project, generate, reference_run, support
 ):
     """`--use_deepspeed` on a CPU node: the script starts the real DeepSpeed launcher (its CPU accelerator over
-    gloo), which starts 2 ranks that train with strategy deepspeed, the same losses as the torchrun reference."""
+    gloo), which starts 2 ranks that train with strategy deepspeed, the same losses as the torchrun reference. Its
+    status tells a requeue what the ranks did, as the torchrun script's does: a SIGTERM to the script's process alone
+    (DeepSpeed's own runner would die of it and leave the ranks training) makes them commit a checkpoint and exit 75,
+    said once; a rank that fails ends it with 1, naming the rank."""
     out = generate(
         "launcher",
         "--config",
@@ -278,3 +281,33 @@ def test_deepspeed_launcher_script_trains_cpu_ranks_with_the_deepspeed_engine(
     assert [losses[s] for s in sorted(losses)] == pytest.approx(
         [reference_run[s] for s in sorted(reference_run)], abs=1e-5
     )
+
+    out, log = project / "runs" / "deepspeed-term", project / "deepspeed-term.log"
+    proc = start_script(support, project, log, "scripts/deepspeed.sh", "--output_dir", str(out), "--max_steps", "200")
+    try:
+        deadline = time.monotonic() + 180
+        while not is_committed(out / f"checkpoint-{support.SAVE_STEPS}"):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)  # the script's process alone: bash exec'd phalanx's DeepSpeed launcher
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            support.kill_tree(proc)
+    text = log.read_text()
+    assert rc == 75, text[-4000:]
+    assert text.count("preempted (SIGTERM) at step") == 1 and "Traceback" not in text, text[-4000:]
+    assert committed_step_checkpoints(out)[-1][0] > support.SAVE_STEPS, "the ranks saved when they stopped"
+
+    proc, _ = run_script(
+        support,
+        project,
+        support.local_env(PHALANX_FAULT="raise@step=2,rank=1"),
+        "scripts/deepspeed.sh",
+        "--output_dir",
+        str(project / "runs" / "deepspeed-fail"),
+    )
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 1, text[-4000:]  # a rank's crash, told apart from bad input (2)
+    assert "rank 1 failed: RuntimeError: injected fault in forward at step 2" in text, text[-4000:]
+    assert "error: failed on rank 1 (" in text and "Traceback" not in text, text[-4000:]

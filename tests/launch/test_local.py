@@ -1,14 +1,27 @@
 """`--world_size N` (launch/local.py) without starting ranks: what reaches torch's elastic agent, and the status after a
-SIGTERM read from the ranks' exit records. The real launches are in tests/runtime/test_faults.py and
-tests/generate/test_system.py."""
+SIGTERM or a failure read from the ranks' exit records (also what launch.deepspeed_launcher makes of them). The real
+launches are in tests/runtime/test_faults.py, tests/generate/test_system.py and tests/launch/test_launcher_run.py."""
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 
 from phalanx.cli import main
-from phalanx.errors import PhalanxError
-from phalanx.launch.local import after_stop_signal, shutdown_timeout_option
+from phalanx.errors import DataError, PhalanxError, RanksFailed
+from phalanx.launch import deepspeed_launcher
+from phalanx.launch.local import (
+    after_rank_failure,
+    after_stop_signal,
+    descends_from,
+    report_bad_input,
+    shutdown_timeout_option,
+)
+from phalanx.runtime.exit import EXIT_RECORDS, record_exit
 
 
 @pytest.fixture
@@ -94,3 +107,69 @@ def test_status_after_a_stop_signal_follows_the_ranks_exit_records(capsys):
         r"rank 1 \(killed by SIGKILL\)",
     ):
         after_stop_signal("SIGTERM", {"rank 0": 1, "rank 1": -9})
+
+
+def test_status_after_a_rank_failure_names_it_and_tells_bad_input_apart():
+    assert after_rank_failure({"rank 1": 75}, None) == 75  # signalled directly (SLURM): it saved for everyone
+    with pytest.raises(
+        RanksFailed, match=r"failed on rank 1 \(exit code 2\), local rank 0 \(killed: no exit status\);"
+    ):
+        after_rank_failure({"rank 1": 2, "local rank 0": None}, None)
+    with pytest.raises(PhalanxError, match="^bad row 3$") as raised:
+        after_rank_failure({"rank 0": 2, "rank 1": 2}, "bad row 3")
+    assert raised.value.exit_code == 2
+
+
+def test_deepspeed_ranks_leave_bad_input_and_their_status_beside_their_exit_records(tmp_path, monkeypatch, capsys):
+    """Under DeepSpeed's launcher no rank has torch's error file: bad input goes beside the exit record, and the
+    launcher prints it once (status 2); a crash names the rank that recorded its failure first (status 1)."""
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    monkeypatch.setenv(EXIT_RECORDS, str(tmp_path))
+    monkeypatch.setenv("PHALANX_LAUNCHER_REPORTS_ERRORS", "1")
+    for local in (1, 0):  # rank 1 first
+        monkeypatch.setenv("LOCAL_RANK", str(local))
+        monkeypatch.setenv("RANK", str(local))
+        record_exit(report_bad_input(DataError("bad row 3"), local))
+        time.sleep(0.01)
+    assert not capsys.readouterr().err, "the launcher says it"
+    assert json.loads((tmp_path / "local-rank-0.error").read_text())["phalanx"]["message"] == "bad row 3"
+    codes = {"rank 0": 2, "rank 1": 2}
+    with pytest.raises(PhalanxError, match="^bad row 3$"):
+        deepspeed_launcher.after_runner(2, codes, tmp_path)
+    for local in (0, 1):
+        (tmp_path / f"local-rank-{local}.error").unlink()
+    with pytest.raises(RanksFailed, match=r"failed on rank 1 \(exit code 2\); the other ranks were stopped"):
+        deepspeed_launcher.after_runner(2, codes, tmp_path)
+    assert deepspeed_launcher.after_runner(0, {"rank 0": 0, "rank 1": 0}, tmp_path) == 0
+    assert deepspeed_launcher.after_runner(2, {"local rank 0": None}, tmp_path) == 2, "DeepSpeed's own usage error"
+    with pytest.raises(RanksFailed, match=r"ended \(killed by SIGKILL\) and no rank of this node left an exit status"):
+        deepspeed_launcher.after_runner(-9, {"local rank 0": None}, tmp_path)
+
+
+def test_deepspeed_launcher_counts_the_ranks_of_this_node(tmp_path, monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert deepspeed_launcher.local_rank_count(["--num_gpus", "3", "--module", "phalanx"]) == 3
+    assert deepspeed_launcher.local_rank_count(["--num_accelerators=2"]) == 2
+    assert deepspeed_launcher.local_rank_count(["--module", "phalanx"]) is None
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert deepspeed_launcher.local_rank_count(["--module", "phalanx"]) == 4
+    (tmp_path / "local-rank-1").write_text("0 1")
+    assert deepspeed_launcher.recorded_ranks(tmp_path) == 2
+
+
+def test_a_rank_watches_its_launcher_through_the_processes_between():
+    """DeepSpeed's runner and launch process stand between phalanx's launcher and a rank: the launcher is an
+    ancestor, not the parent; a process that is no ancestor (a sibling, a dead one) does not count."""
+    assert descends_from(os.getppid())
+    # A grandchild: sh forks python (a command follows), as DeepSpeed's processes start a rank.
+    code = f"from phalanx.launch.local import descends_from; import os; print(os.getppid() != {os.getpid()}, descends_from({os.getpid()}))"
+    child = subprocess.run(
+        ["sh", "-c", f'"{sys.executable}" -c "{code}"; exit'], capture_output=True, text=True, check=True
+    )
+    assert child.stdout.split() == ["True", "True"], child.stdout + child.stderr
+    sibling = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"])
+    try:
+        assert not descends_from(sibling.pid)
+    finally:
+        sibling.kill()
+        sibling.wait()

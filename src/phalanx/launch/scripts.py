@@ -143,6 +143,15 @@ def deepspeed_lines(node_rank: str, nproc: str, cpu: bool) -> list[str]:
     ]
 
 
+# No single quotes: SLURM embeds them in a quoted string.
+DEEPSPEED_STATUS_LINES = [
+    "# The DeepSpeed launcher (its own flags) runs under phalanx.launch.deepspeed_launcher so that the status says",
+    "# what the ranks did: 75 when a SIGTERM, SIGUSR1 or Ctrl-C made them save and stop (a requeue resumes), 130 after",
+    "# a second Ctrl-C, 1 naming the rank that failed, 2 for bad input, 0 when done. After a SIGTERM, or once a rank",
+    "# has exited, DeepSpeed gives the other ranks 30 s (its own grace, fixed) before it kills them.",
+]
+
+
 def render_launcher_sh(spec: LaunchSpec, script: Path) -> str:
     """A bash script for node `spec.node_rank`: preflight checks, then torchrun (or the DeepSpeed launcher)."""
     job = spec.job
@@ -199,7 +208,8 @@ def render_launcher_sh(spec: LaunchSpec, script: Path) -> str:
     ]
     if job.use_deepspeed:
         lines += deepspeed_lines('"$NODE_RANK"', "$NPROC_PER_NODE", job.cpu) + [
-            'exec "$PYTHON" -m deepspeed.launcher.runner "${DS[@]}" --master_port "$MASTER_PORT" --no_local_rank '
+            *DEEPSPEED_STATUS_LINES,
+            'exec "$PYTHON" -m phalanx.launch.deepspeed_launcher "${DS[@]}" --master_port "$MASTER_PORT" --no_local_rank '
             f"{_train_words(job, '--module')} \\",
             '    "${TRAIN_BACKEND[@]}" "$@"',
         ]
@@ -395,11 +405,17 @@ def render_slurm(spec: SlurmSpec, script: Path) -> str:
                 '    scancel --signal=TERM "$SLURM_JOB_ID"',
             ]
         else:
-            stop = [
-                "    # Steps only (not this script): every process of the steps gets it; torchrun ignores it (below),",
-                "    # so the ranks take the time they need to save, then exit and end the step.",
-                '    scancel --signal=USR1 "$SLURM_JOB_ID"',
-            ]
+            stop = (
+                [
+                    "    # Steps only (not this script): every process of the steps gets it; torchrun ignores it (below),",
+                    "    # so the ranks take the time they need to save, then exit and end the step.",
+                ]
+                if not job.use_deepspeed
+                else [
+                    "    # Steps only (not this script): every process of the steps gets it; the DeepSpeed launcher passes it",
+                    "    # on too (a rank takes it once), so the ranks take the time they need to save, then exit and end the step.",
+                ]
+            ) + ['    scancel --signal=USR1 "$SLURM_JOB_ID"']
         lines += [
             "PREEMPTED=0",
             "on_usr1() {",
@@ -412,7 +428,9 @@ def render_slurm(spec: SlurmSpec, script: Path) -> str:
         ]
     # Per node: preflight (devices, port on the master, master reachable), then the launcher.
     step = [
-        "# Runs once per node. torchrun ignores USR1 so that the ranks (which save on it) decide when to stop.",
+        "# Runs once per node. torchrun ignores USR1 so that the ranks (which save on it) decide when to stop."
+        if not job.use_deepspeed
+        else "# Runs once per node; USR1 is ignored until the DeepSpeed launcher below takes it and passes it on.",
         'STEP=\'trap "" USR1',
         *preflight_lines(job.num_gpus_per_node, str(ranks), '"$SLURM_NODEID"'),
         'echo "phalanx: node $SLURM_NODEID of $NUM_NODES ($(hostname)), master $MASTER_ADDR:$MASTER_PORT reached from $LOCAL_ADDR ($NET_IFNAME)"',
@@ -420,7 +438,8 @@ def render_slurm(spec: SlurmSpec, script: Path) -> str:
     ]
     if job.use_deepspeed:
         step += deepspeed_lines('"$SLURM_NODEID"', str(ranks), job.cpu) + [
-            'exec "$PYTHON" -m deepspeed.launcher.runner "${DS[@]}" --master_port "$MASTER_PORT" --no_local_rank \\',
+            *DEEPSPEED_STATUS_LINES,
+            'exec "$PYTHON" -m phalanx.launch.deepspeed_launcher "${DS[@]}" --master_port "$MASTER_PORT" --no_local_rank \\',
             '    --module phalanx train "$@"\'',
         ]
     else:
