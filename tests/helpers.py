@@ -224,14 +224,9 @@ def lock_held_elsewhere(lock_file: Path) -> Iterator[int]:
 def catches_stop_signals(pid: int) -> bool:
     """True once `pid` (a phalanx process) has installed its stop-signal handler: Python catches SIGINT from its
     first moment, SIGUSR1 only once runtime.signals.PreemptionFlag is installed (with SIGINT's handler)."""
-    import signal
+    from phalanx.launch.local import catches_stop_signals as catches
 
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
-    caught = int(next(line for line in status.splitlines() if line.startswith("SigCgt:")).split()[1], 16)
-    return bool(caught & (1 << (signal.SIGUSR1 - 1)))
+    return catches(pid)
 
 
 def wait_for_text(path: Path, text: str, proc: subprocess.Popen, timeout: float) -> None:
