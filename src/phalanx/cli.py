@@ -74,8 +74,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv is not None:
         return run_command(list(argv))
     from phalanx.launch.local import start_rank_process
+    from phalanx.models.packages import command_owns_process
     from phalanx.runtime.exit import exit_without_teardown, record_exit
 
+    command_owns_process()  # the program, not a library call: its command may decide what this process loads
     start_rank_process()  # a rank of `--world_size N`: stop if the launcher dies
     try:
         code = run_command(sys.argv[1:])

@@ -174,6 +174,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str]) -> int:
     import os
 
+    from phalanx.models.packages import leave_out_bitsandbytes
     from phalanx.runtime.quiet import quiet_libraries
     from phalanx.runtime.signals import PreemptionFlag
 
@@ -206,6 +207,7 @@ def main(argv: Sequence[str]) -> int:
             error.exit_code = exc.exit_code  # a rank's crash (1) stays told apart from bad input (2)
             raise error from None
     preemption = preemption or PreemptionFlag(WORK).install()
+    leave_out_bitsandbytes()  # generation loads no 4-bit model: a second less per rank
     quiet_libraries()
     return run(args, preemption)
 

@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 from phalanx.errors import ConfigError
+
+# Set by the `phalanx` program (cli.main) in its own process: what one command decides for the process (which
+# libraries it loads) then holds for that process alone, never for a caller that imports phalanx as a library.
+_COMMAND_OWNS_PROCESS = False
+
+
+def command_owns_process() -> None:
+    global _COMMAND_OWNS_PROCESS
+    _COMMAND_OWNS_PROCESS = True
 
 
 def require_4bit_packages() -> None:
@@ -15,3 +25,15 @@ def require_4bit_packages() -> None:
             f"model.load_in_4bit needs {' and '.join(missing)}, not installed here: "
             f"pip install 'phalanx[qlora]' (or pip install {' '.join(missing)})"
         )
+
+
+def leave_out_bitsandbytes() -> None:
+    """In a `phalanx` process that quantizes nothing: make bitsandbytes look absent, as where it is not installed.
+
+    peft (and transformers) import it whenever it is installed, and it compiles kernels with torch.compile as it
+    imports: about a second per process, every rank of every run, for QLoRA's library. Its entry in sys.modules set
+    to None makes `importlib.util.find_spec` answer None, which is how they all ask. Called before transformers or
+    peft is imported, so that every one of them asks after it; only where the command owns the process (the CLI),
+    since a caller's later QLoRA in the same process would find it gone."""
+    if _COMMAND_OWNS_PROCESS and not {"bitsandbytes", "peft", "transformers"} & set(sys.modules):
+        sys.modules["bitsandbytes"] = None

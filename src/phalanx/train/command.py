@@ -49,8 +49,17 @@ def main(args: Sequence[str]) -> int:
     if cfg.distributed.world_size > 1:
         return launch_train_ranks(cfg, args)
     preemption = PreemptionFlag().install()
+    load_only_what_the_run_needs(cfg)
     quiet_libraries()
     return train_worker(cfg, preemption)
+
+
+def load_only_what_the_run_needs(cfg: RunConfig) -> None:
+    """Before the model stack is imported: a run without a 4-bit base leaves bitsandbytes out (a second per rank)."""
+    if not cfg.model.load_in_4bit:
+        from phalanx.models.packages import leave_out_bitsandbytes
+
+        leave_out_bitsandbytes()
 
 
 def launch_train_ranks(cfg: RunConfig, args: Sequence[str]) -> int:
@@ -83,6 +92,7 @@ def train_rank(args: Sequence[str], preemption: PreemptionFlag) -> int:
     rank, world = env_rank_info()[:2]
     try:
         cfg = config_from_args(args)[0]
+        load_only_what_the_run_needs(cfg)
         quiet_libraries()
         return train_worker(cfg, preemption)
     except (ConfigError, DataError) as exc:
