@@ -10,8 +10,7 @@ from helpers import phalanx_env, tiny_run
 PROBE = """
 import sys
 from phalanx.models import packages
-if sys.argv[1] == "program":
-    packages.command_owns_process()  # what cli.main does in the `phalanx` program
+packages.command_owns_process()  # what cli.main does in the `phalanx` program
 from phalanx.cli import run_command
 code = run_command(["train", "--output_dir", sys.argv[2], *sys.argv[3:]])
 import peft, transformers.utils
@@ -40,7 +39,21 @@ def test_a_run_without_a_4bit_base_leaves_bitsandbytes_out_of_its_process(tmp_pa
     assert probe(tmp_path, "program") == "0 hidden False False"
 
 
-def test_a_library_caller_keeps_bitsandbytes_for_a_later_qlora_run(tmp_path):
-    """Only the `phalanx` program decides for its process: a script that calls phalanx and then quantizes in the
-    same process finds bitsandbytes as installed."""
-    assert probe(tmp_path, "library") == "0 loaded True True"
+def test_a_library_caller_keeps_bitsandbytes_for_a_later_qlora_run(monkeypatch):
+    """Only the `phalanx` program decides for its process (cli.main): in a script that calls phalanx (this test
+    process is one) and may quantize later, bitsandbytes stays as installed."""
+    import sys
+
+    from phalanx.models import packages
+
+    for name in ("bitsandbytes", "peft", "transformers"):  # as before anything imported them (restored after)
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setattr(packages, "_COMMAND_OWNS_PROCESS", False)
+    packages.leave_out_bitsandbytes()
+    assert "bitsandbytes" not in sys.modules  # nothing hidden: an import finds it
+    monkeypatch.setattr(packages, "_COMMAND_OWNS_PROCESS", True)  # the program, by contrast
+    try:
+        packages.leave_out_bitsandbytes()
+        assert sys.modules["bitsandbytes"] is None
+    finally:
+        del sys.modules["bitsandbytes"]  # this process's later QLoRA tests import it (monkeypatch restores the rest)
