@@ -4,12 +4,14 @@ Every script here is the file `phalanx launcher` wrote, started with bash as a u
 with 2 CPU ranks over gloo (`--num_gpus_per_node 0`). Ports are free ones on loopback.
 """
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -124,16 +126,7 @@ def test_killed_rank_restarts_and_resumes_under_max_restarts(project, generate, 
     )
     out = project / "runs" / "elastic"
     log = project / "elastic.log"
-    with open(log, "w") as sink:
-        proc = subprocess.Popen(
-            ["bash", "scripts/elastic.sh", "--output_dir", str(out)],
-            cwd=project,
-            env=support.local_env(),
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
+    with running_script(support, project, log, "scripts/elastic.sh", "--output_dir", str(out)) as proc:
         deadline = time.monotonic() + 180
         killed = None
         while time.monotonic() < deadline and proc.poll() is None:
@@ -146,9 +139,6 @@ def test_killed_rank_restarts_and_resumes_under_max_restarts(project, generate, 
             time.sleep(0.1)
         assert killed, "rank 1 was not found running after the first checkpoint:\n" + log.read_text()[-3000:]
         rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        if proc.poll() is None:
-            support.kill_tree(proc)
     text = log.read_text()
     assert rc == 0, text[-4000:]
     assert "-9" in text or "SIGKILL" in text, "torchrun saw the killed rank"
@@ -161,34 +151,37 @@ def test_killed_rank_restarts_and_resumes_under_max_restarts(project, generate, 
     )
 
 
-def start_script(support, project: Path, log: Path, *args: str, **env: str) -> subprocess.Popen:
-    """`bash SCRIPT ARGS` in a process group of its own (as a terminal's foreground job), output into `log`."""
+@contextlib.contextmanager
+def running_script(support, project: Path, log: Path, *args: str) -> Iterator[subprocess.Popen]:
+    """`bash SCRIPT ARGS` in a process group of its own (as a terminal's foreground job), output into `log`; its
+    whole process tree is killed if it still runs when the block ends (a failed assertion)."""
     with open(log, "w") as sink:
-        return subprocess.Popen(
+        proc = subprocess.Popen(
             ["bash", *args],
             cwd=project,
-            env=support.local_env(**env),
+            env=support.local_env(),
             stdout=sink,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            support.kill_tree(proc)
 
 
 def sigterm_after_a_checkpoint_ends_with_75(support, project: Path, script: str, name: str) -> None:
     """Start `script` for a long run, send its process a SIGTERM once a checkpoint is committed: every rank commits
     another and the script exits 75, saying so once, without a traceback."""
     out, log = project / "runs" / name, project / f"{name}.log"
-    proc = start_script(support, project, log, script, "--output_dir", str(out), "--max_steps", "200")
-    try:
+    with running_script(support, project, log, script, "--output_dir", str(out), "--max_steps", "200") as proc:
         deadline = time.monotonic() + 180
         while not is_committed(out / f"checkpoint-{support.SAVE_STEPS}"):
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.1)
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            support.kill_tree(proc)
     text = log.read_text()
     assert rc == 75, text[-4000:]
     assert text.count("preempted (SIGTERM) at step") == 1 and "Traceback" not in text, text[-4000:]
@@ -216,14 +209,10 @@ def test_script_status_tells_a_requeue_what_the_ranks_did(project, generate, sup
     sigterm_after_a_checkpoint_ends_with_75(support, project, "scripts/status.sh", "status-term")
 
     out, log = project / "runs" / "status-int", project / "status-int.log"
-    proc = start_script(support, project, log, "scripts/status.sh", "--output_dir", str(out))
-    try:
+    with running_script(support, project, log, "scripts/status.sh", "--output_dir", str(out)) as proc:
         ranks = lambda: list(worker_pids(proc.pid).values())  # noqa: E731
         ctrl_c_twice_while_starting(proc, log, lambda: ranks() if len(ranks()) == 2 else [])
         rc = proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            support.kill_tree(proc)
     text = log.read_text()
     assert rc == 130, text[-4000:]
     assert text.count("Ctrl-C again: stopped at once, without saving") == 1 and "Traceback" not in text, text[-4000:]
