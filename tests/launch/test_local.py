@@ -15,11 +15,17 @@ from phalanx.cli import main
 from phalanx.errors import DataError, PhalanxError, RanksFailed
 from phalanx.launch import deepspeed_launcher
 from phalanx.launch.local import (
+    STOPPED_FOR_LOST_PEER,
     after_rank_failure,
     after_stop_signal,
     descends_from,
+    lost_peers,
     report_bad_input,
+    reported_bad_input,
     shutdown_timeout_option,
+    stopped_for_lost_peer,
+    write_rank_message,
+    write_rank_pid,
 )
 from phalanx.runtime.exit import EXIT_RECORDS, record_exit
 
@@ -118,6 +124,47 @@ def test_status_after_a_rank_failure_names_it_and_tells_bad_input_apart():
     with pytest.raises(PhalanxError, match="^bad row 3$") as raised:
         after_rank_failure({"rank 0": 2, "rank 1": 2}, "bad row 3")
     assert raised.value.exit_code == 2
+    # Only killed ranks: none wrote a message, so the status says where the cause is written instead.
+    with pytest.raises(RanksFailed, match=r"rank 1 \(killed by SIGKILL\); .* out-of-memory killer \(`dmesg`"):
+        after_rank_failure({"rank 1": -9}, None)
+
+
+def test_a_rank_names_the_peers_of_its_attempt_that_were_killed(tmp_path, monkeypatch):
+    """Each rank says which process is its local rank (and in which attempt); a peer whose process is gone without an
+    exit record was killed. A peer that recorded its exit, one still running, and one of an earlier attempt are not."""
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    me = tmp_path / "local-rank-0"
+    write_rank_pid(me)
+    assert (tmp_path / "local-rank-0.pid").read_text() == f"{os.getpid()} 1"
+    peers = {local: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for local in (1, 2, 3, 4)}
+    try:
+        for local, peer in peers.items():
+            attempt = "0" if local == 4 else "1"
+            (tmp_path / f"local-rank-{local}.pid").write_text(f"{peer.pid} {attempt}")
+        assert lost_peers(me) == []  # all running
+        for local in (1, 2, 4):
+            peers[local].kill()
+            peers[local].wait()
+        (tmp_path / "local-rank-2").write_text("1 2")  # rank 2 recorded its exit: it ended, it was not killed
+        assert lost_peers(me) == [f"local rank 1 (pid {peers[1].pid})"]
+    finally:
+        for peer in peers.values():
+            peer.kill()
+            peer.wait()
+
+
+def test_a_rank_that_stopped_for_a_killed_peer_is_not_named_as_a_failure(tmp_path, monkeypatch):
+    """Its error file says why it stopped; the launchers name the killed peer, and do not take its line for bad input."""
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    monkeypatch.setenv(EXIT_RECORDS, str(tmp_path))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert write_rank_message(STOPPED_FOR_LOST_PEER, "stopped: local rank 1 (pid 7) ended without an exit status", 0)
+    record_exit(1)
+    files = {0: json.loads((tmp_path / "local-rank-0.error").read_text()), 1: None}
+    assert stopped_for_lost_peer(files) == {0} and reported_bad_input(files) is None
+    # Under DeepSpeed's launcher: rank 0 recorded 1, rank 1 left no record.
+    with pytest.raises(RanksFailed, match=r"failed on local rank 1 \(killed: no exit status\); the other ranks"):
+        deepspeed_launcher.after_runner(1, {"rank 0": 1, "local rank 1": None}, tmp_path)
 
 
 def test_deepspeed_ranks_leave_bad_input_and_their_status_beside_their_exit_records(tmp_path, monkeypatch, capsys):

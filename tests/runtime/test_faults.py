@@ -55,6 +55,26 @@ def test_rank_killed_mid_step_is_named(dataset, tmp_path):
     assert proc.returncode == 1 and "rank 1 (killed by SIGKILL)" in proc.stderr, proc.stderr[-2000:]
 
 
+def test_rank_killed_while_the_others_start_is_named_and_they_stop_at_once(dataset, tmp_path):
+    """A rank killed while the ranks still import and meet (the out-of-memory killer during model load, say): the
+    launcher asks the others to stop, but they wait in the rendezvous, where no signal handler runs. Each sees that
+    its peer is gone and stops at once, not when torch's agent kills it 30 s later; only the killed rank is named."""
+    proc = start_phalanx("train", "--dataset_path", str(dataset), "--output_dir", str(tmp_path / "o"), *COMMON)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(rank_pids(proc)) < 2:
+        time.sleep(0.05)
+    time.sleep(1.0)  # the ranks are importing the model stack now
+    victim = next(pid for pid in rank_pids(proc) if environment(pid).get("RANK") == "1")
+    os.kill(victim, signal.SIGKILL)
+    killed = time.monotonic()
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1, stderr[-2000:]
+    assert time.monotonic() - killed < 15, "rank 0 waited for torch's agent to kill it"
+    assert f"[rank 0] local rank 1 (pid {victim}) ended without an exit status (killed)" in stderr, stderr[-2000:]
+    assert "error: failed on rank 1 (killed by SIGKILL); the other ranks were stopped" in stderr, stderr[-2000:]
+    assert "out-of-memory killer" in stderr
+
+
 def test_rank_that_stops_taking_part_is_named_within_the_timeout(dataset, tmp_path):
     """Rank 1 leaves the loop at step 3 (fewer batches than rank 0); rank 0 waits in a collective until the timeout."""
     proc, elapsed = train(
@@ -84,16 +104,17 @@ def test_nan_loss_with_stop_policy_saves_and_exits(dataset, tmp_path):
     assert [s for s, _ in committed_step_checkpoints(out)] == [2]
 
 
+def environment(pid: int) -> dict[str, str]:
+    try:
+        items = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return {}
+    return dict(item.decode(errors="replace").split("=", 1) for item in items if b"=" in item)
+
+
 def rank_pids(launcher: subprocess.Popen) -> list[int]:
     """The ranks below a `--world_size` launcher (processes whose environment holds RANK)."""
-    pids = []
-    for pid in descendants(launcher.pid):
-        try:
-            if any(item.startswith(b"RANK=") for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")):
-                pids.append(pid)
-        except OSError:
-            pass
-    return pids
+    return [pid for pid in descendants(launcher.pid) if "RANK" in environment(pid)]
 
 
 @pytest.mark.parametrize(

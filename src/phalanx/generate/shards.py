@@ -163,7 +163,7 @@ class ShardWriter:
 
     The file stays locked while it is open: a rank of an earlier run that is still alive (its
     launcher was killed, not the rank) and a rank of the rerun never write one file together.
-    Such a rank stops on its own within a moment (launch.local.stop_when_orphaned), so the lock
+    Such a rank stops on its own within a moment (launch.local.watch_launcher_and_peers), so the lock
     is waited for, LOCK_WAIT_S at most, before the rerun gives up.
     """
 

@@ -30,7 +30,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Collection, Optional, Sequence
 
 from phalanx.errors import PhalanxError, RanksFailed
 
@@ -139,7 +139,7 @@ def recorded_ranks(records: Path) -> int:
 def after_runner(status: int, codes: dict[str, Optional[int]], records: Path) -> int:
     """The status when no stop signal came to this process, from what the ranks recorded (DeepSpeed's runner exits
     with the code of the first rank that failed, and 0 when its launch process was killed)."""
-    from phalanx.launch.local import after_rank_failure, describe_exit, reported_bad_input
+    from phalanx.launch.local import after_rank_failure, describe_exit, reported_bad_input, stopped_for_lost_peer
 
     if codes and all(code == 0 for code in codes.values()):
         return 0
@@ -150,13 +150,19 @@ def after_runner(status: int, codes: dict[str, Optional[int]], records: Path) ->
             f"the DeepSpeed launcher ended ({describe_exit(status)}) and no rank of this node left an exit status; "
             "see its messages above"
         )
-    return after_rank_failure(first_failures(codes, records), reported_bad_input(error_files(records, len(codes))))
+    messages = error_files(records, len(codes))
+    # A rank that stopped because a peer was killed is not what failed: the peer is named (no record: killed).
+    stopped = {f"rank {rank}" for rank in stopped_for_lost_peer(messages)}
+    return after_rank_failure(first_failures(codes, records, stopped), reported_bad_input(messages))
 
 
-def first_failures(codes: dict[str, Optional[int]], records: Path) -> dict[str, Optional[int]]:
+def first_failures(
+    codes: dict[str, Optional[int]], records: Path, stopped: Collection[str] = ()
+) -> dict[str, Optional[int]]:
     """The ranks to name after a failure: the first to record one (a rank that fails because a peer is gone leaves
     later, runtime.exit.FAILED_RANK_EXIT_DELAY_S; DeepSpeed then stops the others), those that left no record
-    (killed), and those that exited 75 (they saved: see launch.local.after_rank_failure)."""
+    (killed), and those that exited 75 (they saved: see launch.local.after_rank_failure). `stopped`: ranks that said
+    they stopped because a peer was killed (launch.local.stopped_for_lost_peer), left out where a killed one is named."""
     from phalanx.runtime.exit import exit_record
     from phalanx.runtime.signals import PREEMPTED_EXIT_CODE
 
@@ -167,7 +173,12 @@ def first_failures(codes: dict[str, Optional[int]], records: Path) -> dict[str, 
             return 0
 
     # read_exit_records lists the ranks in local rank order.
-    failed = [(when(local), name, code) for local, (name, code) in enumerate(codes.items()) if code not in (0, None)]
+    killed = any(code is None for code in codes.values())
+    failed = [
+        (when(local), name, code)
+        for local, (name, code) in enumerate(codes.items())
+        if code not in (0, None) and not (killed and name in stopped)
+    ]
     named = {name: code for _, name, code in sorted(failed)[:1]}
     named.update({name: code for name, code in codes.items() if code in (None, PREEMPTED_EXIT_CODE)})
     return named

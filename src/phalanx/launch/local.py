@@ -30,6 +30,8 @@ PARENT_REPORTS = "PHALANX_LAUNCHER_REPORTS_ERRORS"
 # rank records its exit status (runtime.exit.EXIT_RECORDS).
 LAUNCHER_PID = "PHALANX_LAUNCHER_PID"
 ORPHAN_POLL_S = 0.25
+# The kind a rank gives its error-file message when it stopped because a peer on its node was killed.
+STOPPED_FOR_LOST_PEER = "stopped-for-lost-peer"
 BAD_INPUT_EXIT_CODE = PhalanxError.exit_code  # what the CLI returns for bad input
 # How long ranks get to finish (a preempted rank commits its checkpoint or batch) once the launcher stops them.
 DEFAULT_SHUTDOWN_TIMEOUT_S = 300
@@ -113,10 +115,11 @@ def supervise_ranks(start: Callable[[Path], None], local_ranks: int, quiet_agent
             # after its shutdown timeout). What each rank did is in its exit record.
             return after_stop_signal(exc.sigval.name, read_exit_records(Path(rank_env[EXIT_RECORDS]), local_ranks))
         except ChildFailedError as exc:
-            failed = {f"rank {rank}": f.exitcode for rank, f in sorted(exc.failures.items())}
-            return after_rank_failure(
-                failed, reported_bad_input({rank: f.error_file_data for rank, f in exc.failures.items()})
-            )
+            error_files = {rank: f.error_file_data for rank, f in exc.failures.items()}
+            stopped = stopped_for_lost_peer(error_files)
+            failed = {f"rank {rank}": f.exitcode for rank, f in sorted(exc.failures.items()) if rank not in stopped}
+            failed = failed or {f"rank {rank}": f.exitcode for rank, f in sorted(exc.failures.items())}
+            return after_rank_failure(failed, reported_bad_input(error_files))
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -233,9 +236,15 @@ def after_rank_failure(failed: dict[str, Optional[int]], reported: Optional[str]
         return PREEMPTED_EXIT_CODE
     if reported:
         raise PhalanxError(reported)
-    raise RanksFailed(
-        f"failed on {describe_rank_exits(failed)}; the other ranks were stopped. See the rank's message above."
-    )
+    if all(code is None or code < 0 for code in failed.values()):
+        # A rank killed by a signal wrote nothing: say where its cause is written instead.
+        see = (
+            "A killed rank leaves no message: SIGKILL is often the kernel's out-of-memory killer (`dmesg` says so), "
+            "and `phalanx plan` estimates what a run needs."
+        )
+    else:
+        see = "See the rank's message above."
+    raise RanksFailed(f"failed on {describe_rank_exits(failed)}; the other ranks were stopped. {see}")
 
 
 def describe_rank_exits(codes: dict[str, Optional[int]]) -> str:
@@ -259,34 +268,97 @@ def read_exit_records(folder: Path, local_ranks: int) -> dict[str, Optional[int]
 
 
 def start_rank_process() -> None:
-    """Called first in every `phalanx` process. In a rank of `launch_local`: drop the record an earlier attempt
-    (--max_restarts) left, and stop when the launcher is gone."""
+    """Called first in every `phalanx` process. In a rank of `launch_local` (or launch.deepspeed_launcher): drop the
+    record an earlier attempt (--max_restarts) left, say which process this local rank is, and stop when the launcher
+    is gone or when a peer was killed while this rank was asked to stop."""
     launcher = os.environ.get(LAUNCHER_PID)
-    if not launcher or rank_exit_record() is None:
+    record = rank_exit_record()
+    if not launcher or record is None:
         return
-    rank_exit_record().unlink(missing_ok=True)
-    stop_when_orphaned(int(launcher))
+    record.unlink(missing_ok=True)
+    write_rank_pid(record)
+    watch_launcher_and_peers(int(launcher), record)
 
 
-def stop_when_orphaned(launcher: int) -> None:
-    """A rank whose launcher died (SIGKILL, out of memory) has no one to report to or to stop it, and would go on
-    writing into the output a rerun is about to use (the launcher's process group took none of its ranks along: torch's
-    agent starts each in a session of its own, launch.deepspeed_launcher starts DeepSpeed's in one). It stops at once
-    when the launcher is no longer among its ancestors (its parent under torch's agent; under DeepSpeed's, the
-    runner and its launch process stand between); what it committed stays valid."""
+def watch_launcher_and_peers(launcher: int, record: Path) -> None:
+    """Stop this rank at once, from a thread, when it can do nothing more that anyone would keep:
+
+    - the launcher died (SIGKILL, out of memory): a rank has no one to report to or to stop it, and would go on
+      writing into the output a rerun is about to use (the launcher's process group took none of its ranks along:
+      torch's agent starts each in a session of its own, launch.deepspeed_launcher starts DeepSpeed's in one). It
+      stops when the launcher is no longer among its ancestors (its parent under torch's agent; under DeepSpeed's,
+      the runner and its launch process stand between).
+    - a peer on this node was killed (it left no exit record) and this rank has been sent a stop signal: that is how
+      the launcher stops the others after a rank died. The step, the rendezvous or the save this rank is in needs
+      every rank, so it would wait there, where no signal handler runs, until the launcher kills it (30 s later,
+      torch's agent): it stops now instead. A rank killed while the others were still importing no longer costs
+      half a minute. A stop signal alone (preemption) still saves: every rank takes part and records its exit.
+
+    What the rank committed stays valid either way (commits are atomic)."""
     import threading
 
+    from phalanx.runtime.exit import exit_at_once
+    from phalanx.runtime.signals import stop_signal_received
+
     def watch() -> None:
-        while descends_from(launcher):
+        while True:
+            if not descends_from(launcher):
+                say = f"the launcher (pid {launcher}) is gone"
+                break
+            lost = lost_peers(record) if stop_signal_received() else []
+            if lost:
+                say = f"{', '.join(lost)} ended without an exit status (killed), and nothing more can finish without it"
+                write_rank_message(STOPPED_FOR_LOST_PEER, f"stopped: {say}", int(os.environ.get("RANK", "0")))
+                break
             time.sleep(ORPHAN_POLL_S)
-        print(
-            f"[rank {os.environ.get('RANK')}] the launcher (pid {launcher}) is gone; stopping this rank",
-            file=sys.stderr,
-            flush=True,
-        )
-        os._exit(1)
+        print(f"[rank {os.environ.get('RANK')}] {say}; stopping this rank", file=sys.stderr, flush=True)
+        exit_at_once(1)
 
     threading.Thread(target=watch, name="phalanx-launcher-watch", daemon=True).start()
+
+
+def rank_pid_file(record: Path) -> Path:
+    """Beside a rank's exit record: the pid of the process that is that local rank now, and its attempt."""
+    return record.with_name(f"{record.name}.pid")
+
+
+def write_rank_pid(record: Path) -> None:
+    try:
+        rank_pid_file(record).write_text(f"{os.getpid()} {attempt()}", encoding="utf-8")
+    except OSError:
+        pass  # no peer watch for this rank: the launcher still stops it, later
+
+
+def attempt() -> str:
+    """Which start of the ranks this is (torch's agent counts its restarts; DeepSpeed's launcher does not restart)."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
+def lost_peers(record: Path) -> list[str]:
+    """The local ranks of this node, started in this attempt, whose process is gone without an exit record: killed
+    (SIGKILL, the out-of-memory killer), as "local rank 1 (pid 4242)"."""
+    lost = []
+    for pid_file in sorted(record.parent.glob("local-rank-*.pid")):
+        if pid_file == rank_pid_file(record):
+            continue
+        try:
+            pid, started = pid_file.read_text(encoding="utf-8").split()
+        except (OSError, ValueError):
+            continue
+        exit_record_file = pid_file.with_suffix("")
+        if started == attempt() and not exit_record_file.exists() and not process_running(int(pid)):
+            if not exit_record_file.exists():  # it may have recorded its exit just before it ended
+                lost.append(f"{exit_record_file.name.replace('-', ' ')} (pid {pid})")
+    return lost
+
+
+def process_running(pid: int) -> bool:
+    """True while `pid` exists and has not ended (a zombie, ended but not yet reaped by its parent, counts as ended)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
 
 
 def descends_from(ancestor: int) -> bool:
@@ -346,30 +418,8 @@ def report_bad_input(exc: PhalanxError, rank: int) -> int:
     one beside its exit record under launch.deepspeed_launcher. Otherwise rank 0 prints it, and the other ranks
     print it too only where nothing would relay it (DeepSpeed's own launcher): a message shown twice beats one lost.
     """
-    from phalanx.runtime.exit import rank_error_file
-
     message = str(exc)
-    error_file = rank_error_file()
-    relayed = False
-    if error_file:
-        try:
-            error_file.parent.mkdir(parents=True, exist_ok=True)
-            # torch's own layout (ErrorHandler.record_exception), so torchrun's summary shows the message as the
-            # rank's "traceback"; the "phalanx" key tells phalanx's launcher that the message is ours to print.
-            error_file.write_text(
-                json.dumps(
-                    {
-                        "message": {
-                            "message": message,
-                            "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))},
-                        },
-                        "phalanx": {"rank": rank, "kind": type(exc).__name__, "message": message},
-                    }
-                )
-            )
-            relayed = True
-        except OSError:
-            pass
+    relayed = write_rank_message(type(exc).__name__, message, rank)
     if relayed and os.environ.get(PARENT_REPORTS) == "1":
         pass  # phalanx's launcher prints it
     elif rank == 0:
@@ -379,13 +429,56 @@ def report_bad_input(exc: PhalanxError, rank: int) -> int:
     return BAD_INPUT_EXIT_CODE
 
 
+def write_rank_message(kind: str, message: str, rank: int) -> bool:
+    """Leave `message` in this rank's error file (runtime.exit.rank_error_file) for its launcher; False where it has
+    none or it cannot be written. `kind`: the error class's name for bad input, STOPPED_FOR_LOST_PEER for a rank
+    that stopped because a peer was killed (its launcher names the peer, not it)."""
+    from phalanx.runtime.exit import rank_error_file
+
+    error_file = rank_error_file()
+    if not error_file:
+        return False
+    try:
+        error_file.parent.mkdir(parents=True, exist_ok=True)
+        # torch's own layout (ErrorHandler.record_exception), so torchrun's summary shows the message as the rank's
+        # "traceback"; the "phalanx" key tells phalanx's launcher that the message is ours.
+        error_file.write_text(
+            json.dumps(
+                {
+                    "message": {
+                        "message": message,
+                        "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))},
+                    },
+                    "phalanx": {"rank": rank, "kind": kind, "message": message},
+                }
+            )
+        )
+    except OSError:
+        return False
+    return True
+
+
+def stopped_for_lost_peer(error_files: dict[int, object]) -> set[int]:
+    """The ranks whose error file says they stopped because a peer was killed (watch_launcher_and_peers)."""
+    return {
+        rank
+        for rank, data in error_files.items()
+        if isinstance(data, dict) and isinstance(data.get("phalanx"), dict)
+        if data["phalanx"].get("kind") == STOPPED_FOR_LOST_PEER
+    }
+
+
 def reported_bad_input(error_files: dict[int, object]) -> Optional[str]:
     """The bad-input message(s) that failed ranks left in their error files (see report_bad_input), once each;
     `error_files` holds what each rank's file says ({rank: parsed JSON}, None or anything else where it said nothing)."""
     by_message: dict[str, list[int]] = {}
     for rank, data in sorted(error_files.items()):
         ours = data.get("phalanx") if isinstance(data, dict) else None
-        if isinstance(ours, dict) and isinstance(ours.get("message"), str):
+        if (
+            isinstance(ours, dict)
+            and isinstance(ours.get("message"), str)
+            and ours.get("kind") != STOPPED_FOR_LOST_PEER
+        ):
             by_message.setdefault(ours["message"], []).append(rank)
     if not by_message:
         return None

@@ -28,6 +28,15 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 _STORE_KEY = "phalanx/preempt"
 
+# The stop signal this process has been sent (its name), whichever PreemptionFlag caught it: a rank's watcher thread
+# reads it (launch.local.watch_launcher_and_peers) while the main thread may be blocked where no handler runs.
+_stop_signal_received: str = ""
+
+
+def stop_signal_received() -> str:
+    """The name of the stop signal this process has been sent ("" for none yet)."""
+    return _stop_signal_received
+
 
 class PreemptionFlag:
     """`work`: what this process does before it stops, as the first Ctrl-C's line tells the user."""
@@ -53,8 +62,9 @@ class PreemptionFlag:
 
                 exit_at_once(INTERRUPTED_EXIT_CODE)
             say_once(f"⏸️  Ctrl-C: {self.work} before stopping; press Ctrl-C again to stop at once without saving")
+        global _stop_signal_received
         self.requested = True
-        self.signal_name = signal.Signals(signum).name
+        self.signal_name = _stop_signal_received = signal.Signals(signum).name
 
     def requested_anywhere(self) -> bool:
         """This rank's request, or one another rank published: one round trip to the process group's store (none
