@@ -452,10 +452,52 @@ def test_an_end_of_sequence_token_the_next_message_writes_first_closes_the_turn(
     }
     result = tokenize_conversation(tok, to_conversation(row, WHERE), WHERE, multi_turn=multi_turn)
     runs = [target_runs(tok, ex) for ex in result.examples]
-    assert runs == ([["fine 1</s>", "B"]] if multi_turn == "full" else [["fine 1</s>"], ["B"]])
-    assert result.unterminated == 1  # the last turn: nothing follows it
+    # The last turn, which nothing follows, is closed as a user message after it would close it.
+    assert runs == ([["fine 1</s>", "B</s>"]] if multi_turn == "full" else [["fine 1</s>"], ["B</s>"]])
+    assert result.unterminated == 0
     if multi_turn == "per_turn":  # the next message's rendering, cut after the close
         assert tok.decode(result.examples[0]["input_ids"]) == "<user>question 1<assistant>fine 1</s>"
+    assert tok.decode(result.examples[-1]["input_ids"]).endswith("<user>more<assistant>B</s>")
+
+
+# Hunyuan 3's habit: an answer ends with the end-of-sequence token unless it is the conversation's last message (for a
+# prompt that continues it); a tool call always ends with it.
+STOP_UNLESS_LAST = (
+    "{% for m in messages %}{% if m.role == 'user' %}<user>{{ m.content }}"
+    "{% elif m.role == 'tool' %}<result>{{ m.content }}"
+    "{% elif m.tool_calls %}<assistant><call>{{ m.tool_calls[0].function | tojson }}</s>"
+    "{% else %}<assistant>{{ m.content }}{% if not loop.last %}</s>{% endif %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+@pytest.mark.parametrize("multi_turn", ["full", "per_turn"])
+def test_a_single_turn_row_learns_the_stop_the_template_writes_once_a_message_follows(
+    make_tokenizer, chat_row, multi_turn
+):
+    tok = make_tokenizer(STOP_UNLESS_LAST)
+    result = tokenize_conversation(tok, to_conversation(chat_row(1), WHERE), WHERE, multi_turn=multi_turn)
+    assert [target_runs(tok, ex) for ex in result.examples] == [["fine 1</s>"]]
+    assert result.unterminated == 0
+    assert tok.decode(result.examples[0]["input_ids"]) == "<user>question 1<assistant>fine 1</s>"
+
+
+def test_a_turn_that_ends_with_the_end_of_sequence_token_is_terminated(make_tokenizer):
+    # A plain message in the tool call's place ends with nothing (it is last), the tool call with </s>: a stop.
+    tok = make_tokenizer(STOP_UNLESS_LAST)
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    row = {
+        "messages": [
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+            {"role": "assistant", "content": "Sunny."},
+        ]
+    }
+    result = tokenize_conversation(tok, to_conversation(row, WHERE), WHERE, multi_turn="full")
+    call_text = '<call>{"name": "get_weather", "arguments": {"city": "Paris"}}</s>'
+    assert target_runs(tok, result.examples[0]) == [call_text, "Sunny.</s>"]
+    assert result.unterminated == 0
 
 
 def test_other_text_the_next_message_writes_first_is_not_the_turns(make_tokenizer, chat_row):

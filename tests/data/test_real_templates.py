@@ -22,6 +22,7 @@ from data.templates import (
     CASE,
     CASES,
     IGNORE_INDEX,
+    PROBE_USER,
     SHARED_ENV,
     Match,
     Refuse,
@@ -153,18 +154,27 @@ def test_oracle_trains_exactly_the_reviewed_text(name, kind):
     for policy in ("full", "per_turn"):
         assert trained_texts(tok, marked, messages, tools, policy) == reviewed[policy], policy
 
-    # transformers' own mask for the marked copy is the oracle's "full" labels, over the original's text
+    # transformers' own mask for the marked copy is the oracle's "full" labels, over the original's text; or, where a
+    # user message after the last turn writes its close first (Apertus), over that rendering cut after the close
     [full] = oracle_examples(tok, marked, messages, tools, "full")
-    enc = tok.apply_chat_template(
-        messages, tools=tools, chat_template=marked, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-    )
-    assert full["input_ids"] == list(enc["input_ids"])
-    assert [int(label != IGNORE_INDEX) for label in full["labels"]] == list(enc["assistant_masks"])
     text = tok.apply_chat_template(messages, tools=tools, tokenize=False)
-    assert full["input_ids"] == tok(text, add_special_tokens=False)["input_ids"]
+    rendered = messages
+    if full["input_ids"] != tok(text, add_special_tokens=False)["input_ids"]:
+        rendered = messages + [PROBE_USER]
+        following = tok.apply_chat_template(rendered, tools=tools, tokenize=False)
+        last = reviewed["full"][0][-1]
+        cut = following.index(last, len(text) - len(last)) + len(last)
+        assert following.startswith(text) and cut > len(text)
+        assert full["input_ids"] == tok(following[:cut], add_special_tokens=False)["input_ids"]
+    enc = tok.apply_chat_template(
+        rendered, tools=tools, chat_template=marked, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    n = len(full["input_ids"])
+    assert full["input_ids"] == list(enc["input_ids"])[:n] and (rendered is not messages or n == len(enc["input_ids"]))
+    assert [int(label != IGNORE_INDEX) for label in full["labels"]] == list(enc["assistant_masks"])[:n]
 
     # per turn: example i is messages[:i+1] as the original renders it, trained on turn i only; or, where the next
-    # message writes the turn's close (Apertus), messages[:i+2] as the original renders it, cut after that close
+    # message (for the last turn, PROBE_USER) writes the turn's close (Apertus), that rendering cut after the close
     per_turn = oracle_examples(tok, marked, messages, tools, "per_turn")
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     assert len(per_turn) == len(turns)
@@ -172,7 +182,8 @@ def test_oracle_trains_exactly_the_reviewed_text(name, kind):
         prefix = tok.apply_chat_template(messages[: i + 1], tools=tools, tokenize=False)
         ids = tok(prefix, add_special_tokens=False)["input_ids"]
         if example["input_ids"] != ids:
-            following = tok.apply_chat_template(messages[: i + 2], tools=tools, tokenize=False)
+            after = messages[: i + 2] if i + 1 < len(messages) else messages + [PROBE_USER]
+            following = tok.apply_chat_template(after, tools=tools, tokenize=False)
             cut = following.index(spans[0], len(prefix) - len(spans[0])) + len(spans[0])
             assert following.startswith(prefix) and cut > len(prefix)
             assert example["input_ids"] == tok(following[:cut], add_special_tokens=False)["input_ids"]

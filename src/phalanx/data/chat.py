@@ -32,7 +32,8 @@ rendered reasoning, content, tool calls, end-of-turn marker) is located as:
   A turn the template ends with nothing of its own may be closed by the next message: when that
   message's rendering opens with the end-of-sequence token (Apertus writes ``<|assistant_end|>`` as a
   following user message's first text), the token is the turn's stop and is trained with it (in a
-  per_turn row, the next message's rendering cut after it).
+  per_turn row, the next message's rendering cut after it). A conversation's last message is probed with a
+  user message after it, and its close is added after it.
 
 How a conversation with several assistant turns becomes rows (``data.multi_turn``):
 
@@ -161,6 +162,7 @@ def _tokenize_chat(
         full = renderer.prefix(len(conv["messages"]), False)
         spans, problem = _locate_in_full(renderer, full, turns)
         if spans is not None:
+            full, spans = _close_last(full, spans, turns, len(conv["messages"]))
             # A turn is terminated when the template ends it, or when the next message's close (the end-of-sequence
             # token it writes first) follows it in the whole rendering and is trained with it.
             unterminated = sum(t.end == t.own_end and e - s == t.end - t.start for t, (s, e) in zip(turns, spans))
@@ -338,6 +340,12 @@ def _locate_turn(r: _Renderer, i: int) -> _Turn:
     start = _output_start(r, i, prompt, context, view, own, words)
     end = _output_end(r, i, prompt, context, view, own_end)
     _check_no_end_of_sequence_inside(r, i, view, start, end)
+    eos = getattr(r.tokenizer, "eos_token", None)
+    text = view[start:end].rstrip()
+    if end == own_end and eos and text.endswith(eos) and len(text) > len(eos):
+        # The probe, a plain message, may end without the end-of-sequence token this turn writes (Hunyuan 3 closes a
+        # tool call with it always, an answer only once a message follows): the token is a stop, not the message's.
+        own_end = start + len(text) - len(eos)
     if end == own_end:
         own_end = _tool_result_opened(r, i, view, start, end)
     return _Turn(i, view, start, end, own_end, _closed_by_next(r, i, view, end) if end == own_end else "")
@@ -350,16 +358,22 @@ def _closed_by_next(r: _Renderer, i: int, view: str, end: int) -> str:
     Apertus closes an assistant turn only once a user message follows: that message opens with `<|assistant_end|>`,
     the model's end-of-sequence token, before its own `<|user_start|>`. The model stops by writing it, so it is the
     turn's output: trained in the whole rendering, and added to the turn's per_turn row (whose view ends before it).
-    The last turn of a conversation has none: nothing follows it.
+    A conversation's last message is followed by a probe user message instead, and its close is added after it in the
+    whole rendering as in its per_turn row: a single-turn row is all last message (Hunyuan 3, too, writes its
+    end-of-sequence token after an answer only once a message follows, unless its own `is_training` is set).
     """
     eos = getattr(r.tokenizer, "eos_token", None)
-    if not eos or i + 1 >= len(r.messages):
+    if not eos:
         return ""
-    try:
-        following = r.prefix(i + 2, False)
-    except DataError:
-        return ""
-    if not following.startswith(view[:end]):
+    following: Optional[str]
+    if i + 1 < len(r.messages):
+        try:
+            following = r.prefix(i + 2, False)
+        except DataError:
+            return ""
+    else:
+        following = r.try_render(r.messages[: i + 1] + [{"role": "user", "content": SENTINEL}], False)
+    if following is None or not following.startswith(view[:end]):
         return ""
     rest = following[end:]
     blank = len(rest) - len(rest.lstrip())
@@ -551,6 +565,19 @@ def _locate_in_full(r: _Renderer, full: str, turns: list[_Turn]) -> tuple[Option
         spans.append((found[0], end))
         floor = end
     return spans, ""
+
+
+def _close_last(
+    full: str, spans: list[tuple[int, int]], turns: list[_Turn], n_messages: int
+) -> tuple[str, list[tuple[int, int]]]:
+    """The whole rendering with the close of a last assistant message put after its output (only the template's
+    trailer follows it there), as its per_turn row has it; unchanged when it has none."""
+    if not turns or not turns[-1].close or turns[-1].index != n_messages - 1:
+        return full, spans
+    (start, end), close = spans[-1], turns[-1].close
+    if full.startswith(close, end):
+        return full, spans
+    return full[:end] + close, spans[:-1] + [(start, end + len(close))]
 
 
 def _sentinel_like(message: dict, keep_reasoning: bool = False) -> dict:

@@ -526,9 +526,10 @@ CASES = [
     # ---- added from a fifth trial on unseen templates (real/README.md)
     # Apertus writes `<|assistant_end|>`, its model's end-of-sequence token, only as the first text of a user message
     # that follows an assistant turn: that close is the turn's (trained in the whole rendering, and in a per_turn row,
-    # which is then the next message's rendering cut after it). A conversation's last turn has none, nor a tool call
-    # (its results follow in the same assistant block, after `<|tools_suffix|>`), nor a turn another assistant message
-    # continues (no header between them): those are unterminated. It ignores reasoning_content.
+    # which is then the next message's rendering cut after it). A conversation's last turn gets the close a user message
+    # after it would write (the oracle probes with PROBE_USER). A tool call has none (its results follow in the same
+    # assistant block, after `<|tools_suffix|>`), nor a turn another assistant message continues (no header between
+    # them): those are unterminated. It ignores reasoning_content.
     TemplateCase(
         "Apertus-8B-Instruct",
         False,
@@ -536,8 +537,8 @@ CASES = [
         "<|assistant_end|>",
         "<pad>",
         {
-            **{k: Match("full", unterminated=1) for k in ("plain", "nosys", "reasoning", "think")},
-            **{k: Match("full", unterminated=2) for k in ("tool", "reasoning_tool", "think_tool", "two_assistants")},
+            **{k: FULL for k in ("plain", "nosys", "reasoning", "think")},
+            **{k: Match("full", unterminated=1) for k in ("tool", "reasoning_tool", "think_tool", "two_assistants")},
         },
     ),
     # ---- added from a sixth trial on unseen templates (real/README.md)
@@ -556,6 +557,46 @@ CASES = [
             **{k: Match("full", unterminated=3) for k in ("plain", "nosys", "reasoning", "think", "two_assistants")},
             **{k: VANISHED_CALL for k in ("tool", "reasoning_tool", "think_tool")},
         },
+    ),
+    # ---- added from a seventh trial on unseen templates (real/README.md)
+    # Hunyuan 3 (Hy3) sets its own special tokens (`<｜hy_eos:opensource｜>` and the rest, built with `.format`, so
+    # MARKER_PATTERNS cannot see them: listed in specials). Its generation prompt pre-fills `<think:opensource></think:
+    # opensource>` (reasoning_effort no_think, the default), which a turn without reasoning writes too; a turn with
+    # reasoning writes `<think:opensource>` then the reasoning, so the output starts after that opening. It writes the
+    # end-of-sequence token after an answer only when a message follows (or with its own is_training), after a tool call
+    # always: a conversation's last answer gets the close a user message after it would write. Reasoning is rendered
+    # after the last user message only, unless tools are given (preserved_thinking): the reasoning row is per_turn, and
+    # its turns, rewritten once followed (their reasoning dropped), get no close: unterminated.
+    TemplateCase(
+        "tencent-Hy3",
+        False,
+        "<｜hy_begin_of_sentence:opensource｜>",
+        "<｜hy_eos:opensource｜>",
+        "<｜hy_pad:opensource｜>",
+        {
+            **{k: FULL for k in ALL_ROWS if k != "reasoning"},
+            "reasoning": Match("per_turn", unterminated=3),
+        },
+        specials=(
+            "<｜hy_User:opensource｜>",
+            "<｜hy_Assistant:opensource｜>",
+            "<｜reasoning_mode:opensource｜>",
+            "<think:opensource>",
+            "</think:opensource>",
+            "<tool_calls:opensource>",
+            "</tool_calls:opensource>",
+            "<tool_call:opensource>",
+            "</tool_call:opensource>",
+            "<tool_sep:opensource>",
+            "<arg_key:opensource>",
+            "</arg_key:opensource>",
+            "<arg_value:opensource>",
+            "</arg_value:opensource>",
+            "<tool_responses:opensource>",
+            "</tool_responses:opensource>",
+            "<tool_response:opensource>",
+            "</tool_response:opensource>",
+        ),
     ),
 ]
 CASE = {c.name: c for c in CASES}
@@ -687,10 +728,16 @@ def labelled(tokenizer, text: str, spans: list[tuple[int, int]]) -> dict[str, li
     return {"input_ids": list(enc["input_ids"]), "labels": labels}
 
 
+PROBE_USER = {"role": "user", "content": "Next question."}
+
+
 def oracle_spans(tokenizer, marked: str, messages: list[dict], tools: Optional[list], policy: str):
     """``[(text, trained_spans)]``, one per example of ``policy``."""
     if policy == "full":
         text, spans = render_marked(tokenizer, marked, messages, tools)
+        if messages and messages[-1]["role"] == "assistant":  # its close, as a user message after it extends it
+            text, last = _closed_by_next(tokenizer, marked, messages, tools, len(messages) - 1, text, spans)
+            spans = spans[:-1] + last
         return [(text, spans)]
     if policy == "per_turn":
         out = []
@@ -708,13 +755,14 @@ def _closed_by_next(
     """Turn i's per_turn example: ``messages[:i+1]`` rendered, trained on its block (the last one; earlier turns are
     context). Where the next message's rendering extends that block (Apertus's marked copy writes the
     `<|assistant_end|>` its template writes as a following user message's first text in the turn's block), the example
-    is the next message's rendering cut at the block's end: the turn as the model writes it, stop included."""
+    is the next message's rendering cut at the block's end: the turn as the model writes it, stop included. A
+    conversation's last message is followed by a probe user message (`PROBE_USER`) instead."""
     start, end = spans[-1]
-    if i + 1 < len(messages):
-        following, after = render_marked(tokenizer, marked, messages[: i + 2], tools)
-        s, e = after[len(spans) - 1]
-        if s == start and e > end and following.startswith(text[:end]):
-            return following[:e], [(s, e)]
+    following_messages = messages[: i + 2] if i + 1 < len(messages) else messages[: i + 1] + [PROBE_USER]
+    following, after = render_marked(tokenizer, marked, following_messages, tools)
+    s, e = after[len(spans) - 1]
+    if s == start and e > end and following.startswith(text[:end]):
+        return following[:e], [(s, e)]
     return text, spans[-1:]
 
 
