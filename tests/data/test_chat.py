@@ -482,6 +482,28 @@ def test_a_single_turn_row_learns_the_stop_the_template_writes_once_a_message_fo
     assert tok.decode(result.examples[0]["input_ids"]) == "<user>question 1<assistant>fine 1</s>"
 
 
+def test_a_turn_rewritten_once_followed_gets_the_close_of_the_message_it_then_renders_as(make_tokenizer):
+    # Hunyuan 3 also drops an answer's reasoning once a message follows: the turn with its reasoning is never followed
+    # by the close, but it renders then as the same message without reasoning does, and that one is closed by </s>.
+    template = STOP_UNLESS_LAST.replace(
+        "<assistant>{{ m.content }}",
+        "<assistant>{% if loop.last and m.reasoning_content %}{{ m.reasoning_content }}|{% endif %}{{ m.content }}",
+    )
+    tok = make_tokenizer(template)
+    row = {
+        "messages": [
+            {"role": "user", "content": "one"},
+            {"role": "assistant", "content": "A", "reasoning_content": "r1"},
+            {"role": "user", "content": "two"},
+            {"role": "assistant", "content": "B", "reasoning_content": "r2"},
+        ]
+    }
+    result = tokenize_conversation(tok, to_conversation(row, WHERE), WHERE)
+    assert result.policy == "per_turn" and result.unterminated == 0
+    assert [target_runs(tok, ex) for ex in result.examples] == [["r1|A</s>"], ["r2|B</s>"]]
+    assert tok.decode(result.examples[0]["input_ids"]) == "<user>one<assistant>r1|A</s>"
+
+
 def test_a_turn_that_ends_with_the_end_of_sequence_token_is_terminated(make_tokenizer):
     # A plain message in the tool call's place ends with nothing (it is last), the tool call with </s>: a stop.
     tok = make_tokenizer(STOP_UNLESS_LAST)

@@ -14,6 +14,7 @@ and transformers' own ``assistant_masks`` for the marked copy agree with the ora
 from __future__ import annotations
 
 import functools
+import os
 import re
 
 import pytest
@@ -155,38 +156,47 @@ def test_oracle_trains_exactly_the_reviewed_text(name, kind):
         assert trained_texts(tok, marked, messages, tools, policy) == reviewed[policy], policy
 
     # transformers' own mask for the marked copy is the oracle's "full" labels, over the original's text; or, where a
-    # user message after the last turn writes its close first (Apertus), over that rendering cut after the close
+    # user message after the last turn writes its close (Apertus, Hunyuan 3), the original's text up to the last turn's
+    # end, then that close (the last trained run ends with it); transformers' mask then holds over the rendering with
+    # the user message when that rendering starts with it (not when it rewrites the last turn: Hunyuan 3's reasoning)
     [full] = oracle_examples(tok, marked, messages, tools, "full")
     text = tok.apply_chat_template(messages, tools=tools, tokenize=False)
     rendered = messages
     if full["input_ids"] != tok(text, add_special_tokens=False)["input_ids"]:
+        closed = tok.decode(full["input_ids"])
+        cut = len(os.path.commonprefix([closed, text]))
+        assert cut < len(closed) and reviewed["full"][0][-1].endswith(closed[cut:])
+        assert full["input_ids"] == tok(closed, add_special_tokens=False)["input_ids"]
         rendered = messages + [PROBE_USER]
-        following = tok.apply_chat_template(rendered, tools=tools, tokenize=False)
-        last = reviewed["full"][0][-1]
-        cut = following.index(last, len(text) - len(last)) + len(last)
-        assert following.startswith(text) and cut > len(text)
-        assert full["input_ids"] == tok(following[:cut], add_special_tokens=False)["input_ids"]
     enc = tok.apply_chat_template(
         rendered, tools=tools, chat_template=marked, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
     )
     n = len(full["input_ids"])
-    assert full["input_ids"] == list(enc["input_ids"])[:n] and (rendered is not messages or n == len(enc["input_ids"]))
-    assert [int(label != IGNORE_INDEX) for label in full["labels"]] == list(enc["assistant_masks"])[:n]
+    rewritten = not tok.apply_chat_template(rendered, tools=tools, tokenize=False).startswith(text)
+    if not rewritten:
+        assert full["input_ids"] == list(enc["input_ids"])[:n] and (
+            rendered is not messages or n == len(enc["input_ids"])
+        )
+        assert [int(label != IGNORE_INDEX) for label in full["labels"]] == list(enc["assistant_masks"])[:n]
 
     # per turn: example i is messages[:i+1] as the original renders it, trained on turn i only; or, where the next
-    # message (for the last turn, PROBE_USER) writes the turn's close (Apertus), that rendering cut after the close
+    # message (for the last turn, PROBE_USER) writes the turn's close (Apertus), that rendering cut after the close;
+    # where it also rewrites the turn (Hunyuan 3 drops its reasoning), the turn as messages[:i+1] renders it, then it
     per_turn = oracle_examples(tok, marked, messages, tools, "per_turn")
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     assert len(per_turn) == len(turns)
     for i, example, spans in zip(turns, per_turn, reviewed["per_turn"]):
         prefix = tok.apply_chat_template(messages[: i + 1], tools=tools, tokenize=False)
         ids = tok(prefix, add_special_tokens=False)["input_ids"]
-        if example["input_ids"] != ids:
+        if example["input_ids"] != ids:  # the turn, then the close the following message writes
+            closed = tok.decode(example["input_ids"])
+            cut = len(os.path.commonprefix([closed, prefix]))
+            assert cut < len(closed) and spans[0].endswith(closed[cut:])
+            assert example["input_ids"] == tok(closed, add_special_tokens=False)["input_ids"]
             after = messages[: i + 2] if i + 1 < len(messages) else messages + [PROBE_USER]
             following = tok.apply_chat_template(after, tools=tools, tokenize=False)
-            cut = following.index(spans[0], len(prefix) - len(spans[0])) + len(spans[0])
-            assert following.startswith(prefix) and cut > len(prefix)
-            assert example["input_ids"] == tok(following[:cut], add_special_tokens=False)["input_ids"]
+            if following.startswith(prefix):  # not rewritten by it (Apertus): that rendering, cut after the close
+                assert following.startswith(closed)
     for example, spans in zip(per_turn, reviewed["per_turn"]):
         runs = trained_runs(tok, example)
         assert len(runs) == 1 and spans[0] in runs[0]  # tokens overlapping the span: the span, maybe a bit more

@@ -365,19 +365,45 @@ def _closed_by_next(r: _Renderer, i: int, view: str, end: int) -> str:
     eos = getattr(r.tokenizer, "eos_token", None)
     if not eos:
         return ""
-    following: Optional[str]
-    if i + 1 < len(r.messages):
-        try:
-            following = r.prefix(i + 2, False)
-        except DataError:
-            return ""
-    else:
-        following = r.try_render(r.messages[: i + 1] + [{"role": "user", "content": SENTINEL}], False)
-    if following is None or not following.startswith(view[:end]):
+    after = r.messages[i + 1 : i + 2] or [{"role": "user", "content": SENTINEL}]
+    try:
+        following = (
+            r.prefix(i + 2, False) if i + 1 < len(r.messages) else r.try_render(r.messages[: i + 1] + after, False)
+        )
+    except DataError:
         return ""
-    rest = following[end:]
+    close = _close_after(following, view[:end], eos)
+    bare = _without_reasoning(r.messages[i])
+    if close or following is None or bare == r.messages[i]:
+        return close
+    # The message that follows may rewrite this turn: Hunyuan 3 drops an answer's reasoning once a message follows it
+    # (its is_training keeps both). When the turn then renders exactly as the same message without its reasoning,
+    # that message's close, found the same way, is this turn's.
+    bare_view = r.try_render(r.messages[:i] + [bare], False)
+    if bare_view is None or r.try_render(r.messages[:i] + [bare] + after, False) != following:
+        return ""
+    trailer = view[end:]
+    if not bare_view.endswith(trailer):
+        return ""
+    return _close_after(following, bare_view[: len(bare_view) - len(trailer)], eos)
+
+
+def _close_after(following: Optional[str], turn: str, eos: str) -> str:
+    """The end-of-sequence token (with any blank space before it) that `following` writes right after `turn`, or ""."""
+    if following is None or not following.startswith(turn):
+        return ""
+    rest = following[len(turn) :]
     blank = len(rest) - len(rest.lstrip())
     return rest[: blank + len(eos)] if rest.startswith(eos, blank) else ""
+
+
+def _without_reasoning(message: dict) -> dict:
+    """The message without its reasoning (the keys, and a `<think>...</think>` block opening its content)."""
+    bare = {k: v for k, v in message.items() if k not in REASONING_KEYS}
+    block, answer = _think_block(bare.get("content") or "")
+    if block:
+        bare["content"] = answer
+    return bare
 
 
 def _tool_result_opened(r: _Renderer, i: int, view: str, start: int, end: int) -> int:

@@ -566,7 +566,8 @@ CASES = [
     # end-of-sequence token after an answer only when a message follows (or with its own is_training), after a tool call
     # always: a conversation's last answer gets the close a user message after it would write. Reasoning is rendered
     # after the last user message only, unless tools are given (preserved_thinking): the reasoning row is per_turn, and
-    # its turns, rewritten once followed (their reasoning dropped), get no close: unterminated.
+    # its turns, rewritten once followed (their reasoning dropped, as the same message without reasoning renders), get
+    # that message's close.
     TemplateCase(
         "tencent-Hy3",
         False,
@@ -575,7 +576,7 @@ CASES = [
         "<｜hy_pad:opensource｜>",
         {
             **{k: FULL for k in ALL_ROWS if k != "reasoning"},
-            "reasoning": Match("per_turn", unterminated=3),
+            "reasoning": PER_TURN,
         },
         specials=(
             "<｜hy_User:opensource｜>",
@@ -763,7 +764,26 @@ def _closed_by_next(
     s, e = after[len(spans) - 1]
     if s == start and e > end and following.startswith(text[:end]):
         return following[:e], [(s, e)]
+    # The following message may rewrite the turn (Hunyuan 3 drops an answer's reasoning once one follows): when it then
+    # renders as the same message without reasoning does, that message's close is the turn's, after the turn's text.
+    bare = [*messages[:i], _without_reasoning(messages[i])]
+    if bare[-1] != messages[i]:
+        bare_text, bare_spans = render_marked(tokenizer, marked, bare, tools)
+        bare_following, bare_after = render_marked(tokenizer, marked, bare + following_messages[i + 1 :], tools)
+        (bs, be), (s, e) = bare_spans[-1], bare_after[len(spans) - 1]
+        if bare_following == following and s == bs and e > be and bare_text[be:] == text[end:]:
+            if bare_following.startswith(bare_text[:be]):
+                return text[:end] + bare_following[be:e], [(start, end + e - be)]
     return text, spans[-1:]
+
+
+def _without_reasoning(message: dict) -> dict:
+    """The message without reasoning: its reasoning keys, and a <think>...</think> block opening its content."""
+    bare = {k: v for k, v in message.items() if k not in ("reasoning_content", "reasoning", "thinking")}
+    content = bare.get("content") or ""
+    if content.lstrip().startswith("<think>") and "</think>" in content:
+        bare["content"] = content[content.rindex("</think>") + len("</think>") :].lstrip()
+    return bare
 
 
 def oracle_examples(
