@@ -435,6 +435,17 @@ def test_turns_the_template_ends_with_nothing_are_counted(make_tokenizer, chat_r
     assert target_runs(make_tokenizer(NO_END_MARKER), result.examples[0]) == ["fine 1", "B"]
 
 
+def test_a_turn_that_ends_with_blank_space_only_is_counted_as_unterminated(make_tokenizer, chat_row):
+    # DeciLM writes a newline after every message and no end-of-turn marker: the newline is trained, but it is no stop.
+    tok = make_tokenizer(NO_END_MARKER.replace("{{ m.content }}", "{{ m.content }}\n"))
+    result = tokenize_conversation(tok, to_conversation(chat_row(1), WHERE), WHERE)
+    assert target_runs(tok, result.examples[0]) == ["fine 1\n"]
+    assert result.unterminated == 1
+    # Unless the end-of-sequence token is that blank space (RWKV World's is "\n\n"): then it is the stop.
+    tok.eos_token = "\n"
+    assert tokenize_conversation(tok, to_conversation(chat_row(1), WHERE), WHERE).unterminated == 0
+
+
 # Apertus's habit: an assistant turn is closed by the end-of-sequence token, written only by a user message that follows.
 CLOSED_BY_NEXT = (
     "{% for m in messages %}{% if m.role == 'user' %}"

@@ -94,9 +94,13 @@ class _Turn:
     view: str  # render(messages[:index + 1])
     start: int  # the output is view[start:end]
     end: int
-    own_end: int  # where the message's own text ends; end == own_end: the template wrote no end-of-turn marker
+    own_end: int  # where the message's own text ends; only blank space after it up to end: no end-of-turn marker
     # (for a tool call, its text ends with the calls when the turn then opens the tool result: Gemma 4)
     close: str = ""  # the end-of-sequence token the next message writes first, right after the turn (Apertus)
+    # The template writes nothing but blank space after the message's own text (DeciLM ends a turn with the newline
+    # before the next `### User:`; an end-of-sequence token that is blank, RWKV's "\n\n", is a stop): none to learn,
+    # unless a close follows.
+    unmarked: bool = False
 
     @property
     def output(self) -> str:
@@ -165,7 +169,7 @@ def _tokenize_chat(
             full, spans = _close_last(full, spans, turns, len(conv["messages"]))
             # A turn is terminated when the template ends it, or when the next message's close (the end-of-sequence
             # token it writes first) follows it in the whole rendering and is trained with it.
-            unterminated = sum(t.end == t.own_end and e - s == t.end - t.start for t, (s, e) in zip(turns, spans))
+            unterminated = sum(t.unmarked and e - s == t.end - t.start for t, (s, e) in zip(turns, spans))
             return Tokenized(
                 [_tokenize_spans(tokenizer, full, spans)],
                 "full",
@@ -189,7 +193,7 @@ def _tokenize_chat(
         dropped,
         _system_dropped(conv["messages"], views),
         _tools_dropped(conv.get("tools"), views),
-        sum(turn.end == turn.own_end and not turn.close for turn in turns),
+        sum(turn.unmarked and not turn.close for turn in turns),
         notes,
     ), views
 
@@ -348,7 +352,9 @@ def _locate_turn(r: _Renderer, i: int) -> _Turn:
         own_end = start + len(text) - len(eos)
     if end == own_end:
         own_end = _tool_result_opened(r, i, view, start, end)
-    return _Turn(i, view, start, end, own_end, _closed_by_next(r, i, view, end) if end == own_end else "")
+    tail = view[own_end:end]
+    unmarked = not tail.strip() and not (eos and not eos.strip() and eos in tail)
+    return _Turn(i, view, start, end, own_end, _closed_by_next(r, i, view, end) if end == own_end else "", unmarked)
 
 
 def _closed_by_next(r: _Renderer, i: int, view: str, end: int) -> str:
