@@ -435,6 +435,30 @@ def test_turns_the_template_ends_with_nothing_are_counted(make_tokenizer, chat_r
     assert target_runs(make_tokenizer(NO_END_MARKER), result.examples[0]) == ["fine 1", "B"]
 
 
+# Mistral's parallel-tools template: no generation prompt, the system prompt written into the conversation's last
+# message when it is a user message (so the context renders differently once a turn follows), " " before an answer.
+NO_PROMPT_SYSTEM_LAST = (
+    "{% for m in messages %}{% if m.role == 'user' %}[INST] {% if loop.last %}SYS {% endif %}{{ m.content }}[/INST]"
+    "{% elif m.role == 'assistant' %}{{ ' ' + m.content + '</s>' }}{% endif %}{% endfor %}"
+)
+
+
+def test_with_no_generation_prompt_the_text_a_turn_writes_before_the_message_is_output(make_tokenizer):
+    tok = make_tokenizer(NO_PROMPT_SYSTEM_LAST)
+    row = {
+        "messages": [
+            {"role": "user", "content": "one"},
+            {"role": "assistant", "content": "A"},
+            {"role": "user", "content": "two"},
+            {"role": "assistant", "content": "B"},
+        ]
+    }
+    result = tokenize_conversation(tok, to_conversation(row, WHERE), WHERE)
+    # What the model writes after [/INST] is " A</s>", space included. Each turn's view renders its context unlike its
+    # prompt (SYS moves to the last message), so the output is found after the prompt's header, which is empty.
+    assert target_runs(tok, result.examples[0]) == [" A</s>", " B</s>"]
+
+
 def test_a_turn_that_ends_with_blank_space_only_is_counted_as_unterminated(make_tokenizer, chat_row):
     # DeciLM writes a newline after every message and no end-of-turn marker: the newline is trained, but it is no stop.
     tok = make_tokenizer(NO_END_MARKER.replace("{{ m.content }}", "{{ m.content }}\n"))

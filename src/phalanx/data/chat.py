@@ -304,6 +304,22 @@ class _Renderer:
             self._turn_header = header
         return self._turn_header
 
+    def turn_lead(self) -> str:
+        """What a finished assistant turn writes before its text after a user message, beyond what the conversation
+        ending with that user message writes after it ('' when the template cannot say)."""
+        user = {"role": "user", "content": SENTINEL}
+        second = SENTINEL.replace("sentinel", "sentinel-2")
+        context, _ = self.canonical_contexts()
+        turn = self.try_render([user, {"role": "assistant", "content": second}], False)
+        if not context or turn is None or turn.count(second) != 1 or SENTINEL not in context:
+            return ""
+        before = turn[: turn.index(second)]
+        after_user, ends = (
+            before[before.rindex(SENTINEL) + len(SENTINEL) :],
+            context[context.rindex(SENTINEL) + len(SENTINEL) :],
+        )
+        return after_user[len(ends) :] if after_user.startswith(ends) else ""
+
     def specials(self) -> list[str]:
         """The tokenizer's special and added tokens longer than one character (a position inside one snaps)."""
         if self._specials is None:
@@ -513,7 +529,12 @@ def _output_start(r: _Renderer, i: int, prompt: str, context: str, view: str, ow
             "the assistant's output cannot be located. Use a template whose generation prompt matches how it renders "
             "assistant turns (--chat_template)."
         )
-    return at + len(header) if header else own
+    if header:
+        return at + len(header)
+    # A template with no generation prompt at all (not even after a user message): the output is everything the turn
+    # writes before the message's text too (Mistral's " " before an answer), as when the view starts with the prompt.
+    lead = "" if r.assistant_header() else r.turn_lead()
+    return own - len(lead) if lead and view.endswith(lead, 0, own) else own
 
 
 def _header_end(view: str, header: str, start: int, own: int) -> int:
