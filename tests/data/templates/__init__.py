@@ -599,6 +599,31 @@ CASES = [
             "</tool_response:opensource>",
         ),
     ),
+    # DeciLM writes "### Assistant:\n" + content and a newline, and no end-of-turn marker (its end-of-sequence token
+    # </s> is never written): every turn is unterminated, though a newline follows it. It drops tool calls.
+    TemplateCase(
+        "Deci-DeciLM-7B-instruct",
+        False,
+        "<s>",
+        "</s>",
+        None,
+        {
+            **{k: Match("full", unterminated=3) for k in ("plain", "nosys", "reasoning", "think", "two_assistants")},
+            **{k: VANISHED_CALL for k in ("tool", "reasoning_tool", "think_tool")},
+        },
+    ),
+    # vLLM's Mistral parallel-tools template has no generation prompt and writes the system prompt into the
+    # conversation's last message when it is a user message, so every turn's view renders its context unlike its
+    # prompt; an answer is " " + content + </s>, and the model writes that space too. It raises on two assistant
+    # messages in a row and drops reasoning; tool calls are `[TOOL_CALLS] [...]` with the call's id.
+    TemplateCase(
+        "vllm-tool_chat_template_mistral_parallel",
+        False,
+        "<s>",
+        "</s>",
+        None,
+        {**{k: FULL for k in ALL_ROWS if k != "two_assistants"}, "two_assistants": ALTERNATION},
+    ),
 ]
 CASE = {c.name: c for c in CASES}
 
