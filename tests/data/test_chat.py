@@ -459,6 +459,27 @@ def test_with_no_generation_prompt_the_text_a_turn_writes_before_the_message_is_
     assert target_runs(tok, result.examples[0]) == [" A</s>", " B</s>"]
 
 
+def test_a_tool_call_written_only_once_a_message_follows_is_refused_saying_so(make_tokenizer):
+    # vLLM's Nemotron JSON template writes a conversation's last assistant message apart, without its tool calls.
+    template = (
+        "{% for m in messages %}{% if m.role == 'assistant' %}<assistant>{{ m.content }}"
+        "{% if m.tool_calls and not loop.last %}<call>{{ m.tool_calls[0].function.name }}{% endif %}</s>"
+        "{% else %}<{{ m.role }}>{{ m.content }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {}}}
+    row = {
+        "messages": [
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+            {"role": "assistant", "content": "Sunny."},
+        ]
+    }
+    with pytest.raises(DataError, match=r"get_weather.*writes it once another message follows"):
+        tokenize_conversation(make_tokenizer(template), to_conversation(row, WHERE), WHERE)
+
+
 def test_a_turn_that_ends_with_blank_space_only_is_counted_as_unterminated(make_tokenizer, chat_row):
     # DeciLM writes a newline after every message and no end-of-turn marker: the newline is trained, but it is no stop.
     tok = make_tokenizer(NO_END_MARKER.replace("{{ m.content }}", "{{ m.content }}\n"))

@@ -693,6 +693,11 @@ def _check_rendered(r: _Renderer, turn: _Turn, where: str) -> bool:
                 if "<｜tool▁calls▁begin｜>" in (r.tokenizer.chat_template or "")
                 else ""
             )
+            if fn["name"] not in out and _written_once_followed(r, i, j):
+                hint += (
+                    " The template writes it once another message follows: it renders the conversation's last "
+                    "assistant message without its tool calls, so the turn as the model writes it cannot be rendered."
+                )
             if call.get("id") and str(call["id"]) in out and fn["name"] not in out:
                 hint += (
                     f" The template writes the call's id ({call['id']!r}) where the name belongs: it expects ids "
@@ -707,6 +712,18 @@ def _check_rendered(r: _Renderer, turn: _Turn, where: str) -> bool:
     if reasoning is None and "</think>" in content:
         reasoning = content.split("</think>")[0].split("<think>")[-1]
     return bool(reasoning and reasoning.strip() and reasoning.strip() not in out)
+
+
+def _written_once_followed(r: _Renderer, i: int, j: int) -> bool:
+    """Whether tool call j of message i, missing from its turn view, is written once the next message follows (vLLM's
+    Nemotron JSON template writes a conversation's last assistant message apart, with its content only): its name,
+    replaced by the sentinel, shows in that rendering."""
+    if i + 1 >= len(r.messages):
+        return False
+    probe = copy.deepcopy(r.messages[i])
+    probe["tool_calls"][j]["function"]["name"] = SENTINEL
+    rendered = r.try_render(r.messages[:i] + [probe, r.messages[i + 1]], False)
+    return rendered is not None and SENTINEL in rendered
 
 
 def _system_dropped(messages: list[dict], texts: list[str]) -> bool:
