@@ -420,7 +420,8 @@ def test_a_template_that_always_writes_the_next_header_is_refused(make_tokenizer
         DataError,
         match=r"messages\[1\] \(assistant\): where this turn ends is ambiguous: the template "
         r"writes '<EOT><SOT><assistant>' after the message's text when it ends the conversation, and a "
-        r"following message's rendering keeps only '<EOT><SOT><' of that",
+        r"following message's rendering keeps only '<EOT><SOT><' of that .*: the template writes text after whatever "
+        r"message ends a conversation even without add_generation_prompt",
     ):
         tokenize_conversation(make_tokenizer(ALWAYS_WRITES_HEADER), to_conversation(chat_row(1), WHERE), WHERE)
 

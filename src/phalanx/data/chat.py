@@ -580,8 +580,9 @@ def _output_end(r: _Renderer, i: int, prompt: str, context: str, view: str, own_
     raise DataError(
         f"{r.where}: messages[{i}] (assistant): where this turn ends is ambiguous: the template writes "
         f"{view[own_end:]!r} after the message's text when it ends the conversation, and a following message's "
-        f"rendering keeps only {view[own_end:part]!r} of that ({_divergence(view, followed)}); a template "
-        "that writes the next header even without add_generation_prompt cannot be masked with certainty. Use a "
+        f"rendering keeps only {view[own_end:part]!r} of that ({_divergence(view, followed)}): the template writes "
+        "text after whatever message ends a conversation even without add_generation_prompt (the next header, or an "
+        "instruction turn as Command R's tool-use templates do), so it cannot be masked with certainty. Use a "
         "template that honours add_generation_prompt (--chat_template)."
     )
 
