@@ -46,3 +46,28 @@ def test_train_help_and_a_bad_flag_need_no_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "[0, 2] False"
+
+
+def test_a_rank_that_crashes_exits_1_not_the_bad_input_status(monkeypatch, tmp_path):
+    """A rank of a multi-rank run whose step raises (here as a peer's death does) is a crash: the CLI's status is 1,
+    as a single process that crashes, so neither the rank's own status nor torchrun's summary says "bad input"."""
+    import types
+
+    from phalanx.cli import run_command
+    from phalanx.errors import RanksFailed
+    from phalanx.train.command import train_worker
+
+    def peer_died(cfg, preemption):
+        raise RuntimeError("Connection closed by peer")
+
+    # Stand-ins for the run's modules, whose model stack takes seconds to import and plays no part here.
+    run_module = types.SimpleNamespace(build_run=peer_died, finish_run=None, stop_loader_workers=None)
+    monkeypatch.setitem(sys.modules, "phalanx.train.run", run_module)
+    monkeypatch.setitem(sys.modules, "phalanx.train.loop", types.SimpleNamespace(train=None))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = config_from_args(["--output_dir", str(tmp_path / "out")])[0]
+    with pytest.raises(RanksFailed, match="rank 0 failed: RuntimeError: Connection closed by peer") as caught:
+        train_worker(cfg, preemption=None)
+    assert caught.value.exit_code == 1
+    assert run_command(["train", "--output_dir", str(tmp_path / "out2")]) == 1

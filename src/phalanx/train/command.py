@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from phalanx.errors import PhalanxError
+from phalanx.errors import PhalanxError, RanksFailed
 
 if TYPE_CHECKING:
     from phalanx.config.schema import RunConfig
@@ -142,7 +142,9 @@ def train_worker(cfg: RunConfig, preemption: PreemptionFlag) -> int:
         ) from None
     except Exception as exc:
         if world > 1:
-            raise PhalanxError(
+            # A crash, often a peer's death seen from here: status 1 as a single process that crashes, never the
+            # bad-input 2 that tells a requeue wrapper (or torchrun's summary reader) a rerun would only repeat it.
+            raise RanksFailed(
                 f"rank {rank} failed: {type(exc).__name__}: {exc}\n  what each rank was doing: {describe_ranks(world)}"
             ) from exc
         raise
