@@ -139,6 +139,15 @@ def test_missing_config_file_is_named(tmp_path: Path):
     assert "nope.yaml does not exist" in str(err.value)
 
 
+def test_a_config_path_that_is_a_folder_or_not_text_is_named_for_what_it_is(tmp_path: Path):
+    with pytest.raises(ConfigError, match="is a folder, not a file .expected a YAML file"):
+        load_config(str(tmp_path))
+    binary = tmp_path / "model.yaml"
+    binary.write_bytes(b"training:\n  seed: 1\n\xf0\x28\x8c\x28\n")
+    with pytest.raises(ConfigError, match=r"model.yaml: not a UTF-8 text file \(byte 20\); expected a YAML file"):
+        load_config(str(binary))
+
+
 def test_both_dataset_sources_refused():
     with pytest.raises(ConfigError) as err:
         load_config(None, {"data.dataset_path": "a.jsonl", "data.dataset_name": "org/ds"})

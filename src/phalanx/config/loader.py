@@ -305,8 +305,14 @@ def load_config(path: Optional[str] = None, overrides: Optional[dict[str, Any]] 
     if path is not None:
         file = Path(path)
         if not file.is_file():
-            raise ConfigError(f"config file {path} does not exist (expected a YAML file such as configs/demo.yaml)")
-        text = file.read_text(encoding="utf-8")
+            what = "is a folder, not a file" if file.is_dir() else "does not exist"
+            raise ConfigError(f"config file {path} {what} (expected a YAML file such as configs/demo.yaml)")
+        try:
+            text = file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"{path}: not a UTF-8 text file (byte {exc.start}); expected a YAML file such as configs/demo.yaml"
+            ) from None
         try:
             loaded = yaml.safe_load(text)
         except yaml.YAMLError as exc:
