@@ -372,6 +372,30 @@ def test_an_output_dir_that_is_or_sits_under_a_file_is_refused_by_name(tmp_path,
     blocker.write_text("keep me")
     out = blocker / "run" if inside else blocker
     code, text = run_main(["train", "--output_dir", str(out), "--max_steps", "1"], capsys)
-    named = f"{blocker} is a file" if inside else "it is a file"
-    assert code == 2 and f"output_dir = '{out}': {named}, not a folder" in text, text
+    assert code == 2 and f"output_dir = '{out}': {blocker} is a file, not a folder" in text, text
     assert "Traceback" not in text and blocker.read_text() == "keep me"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["launcher", "--num_gpus_per_node", "0", "--output"],
+        ["config", "deepspeed", "--output"],
+        ["train", "--output_dir"],
+    ],
+    ids=["launcher", "config", "train"],
+)
+def test_an_output_that_cannot_be_created_is_refused_by_name(tmp_path, capsys, command):
+    """Under a file, or where no folder can be made (/proc takes no new entry, whoever runs this): status 2 and the
+    path, no traceback, nothing written."""
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("keep me")
+    config = tmp_path / "run.yaml"
+    config.write_text("training:\n  max_steps: 1\n")
+    before = sorted(tmp_path.iterdir())
+    for target, reason in [(blocker / "x" / "out", f"{blocker} is a file, not a folder"), (Path("/proc/nope/out"), "")]:
+        argv = [*command, str(target)] + (["--config", str(config)] if command[0] == "launcher" else [])
+        code, text = run_main(argv, capsys)
+        assert code == 2 and "Traceback" not in text, text
+        assert reason in text and (reason or "cannot create or write into /proc (") in text, text
+    assert sorted(tmp_path.iterdir()) == before and blocker.read_text() == "keep me"

@@ -134,6 +134,15 @@ def test_manifest_decides_fresh_resume_or_refuse(tmp_path):
         check_manifest(shard_dir(other), other, settings, overwrite=False)
 
 
+def test_an_output_under_a_file_is_refused_before_any_rank_writes(tmp_path):
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("keep me")
+    out = blocker / "traj_chat.jsonl"
+    for overwrite in (False, True):  # --overwrite true would otherwise fail only once rank 0 makes the folder
+        with pytest.raises(ConfigError, match=f"^--output {out}: {blocker} is a file, not a folder"):
+            check_manifest(shard_dir(out), out, {"seed": 1}, overwrite=overwrite)
+
+
 def prompt(i: int, length: int) -> Prompt:
     return Prompt(i, f"line {i + 1}", [{"role": "user", "content": "q"}], None, None, tuple(range(length)))
 

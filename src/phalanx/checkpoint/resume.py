@@ -18,6 +18,7 @@ from phalanx.checkpoint.commit import committed_step_checkpoints, is_committed
 from phalanx.checkpoint.layout import BEST, TRAINER_STATE
 from phalanx.config.schema import RunConfig
 from phalanx.errors import ConfigError
+from phalanx.runtime.durable import check_can_create
 from phalanx.runtime.output_lock import check_free, training_lock
 
 # Fields that may change between the run that saved and the run that resumes.
@@ -207,13 +208,9 @@ def resume_point(cfg: RunConfig) -> Optional[Path]:
     """The checkpoint folder to resume from, None for a fresh start; ConfigError when neither is right."""
     out = Path(cfg.output_dir)
     requested = cfg.checkpoint.resume_from_checkpoint
-    # The run writes inside output_dir: a file there, or on the way there, stops it before anything is written.
-    blocker = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
-    if blocker is not None:
-        raise ConfigError(
-            f"output_dir = {str(out)!r}: {'it' if blocker == out else str(blocker)} is a file, not a folder; "
-            "give a folder (it is created if missing)"
-        )
+    # The run writes inside output_dir: a file there or on the way there, or a folder that takes no new entry,
+    # stops it before anything is written.
+    check_can_create(out, f"output_dir = {str(out)!r}")
     # A run that is still going owns what is there: nothing below may judge it crashed, finished or different.
     # Rank 0 (or the launcher) asks; another rank could find the lock taken by its own job's rank 0.
     if os.environ.get("RANK", "0") == "0":

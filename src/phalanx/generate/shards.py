@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from phalanx.errors import ConfigError, DataError, PhalanxError
-from phalanx.runtime.durable import write_json_atomic
+from phalanx.runtime.durable import check_can_create, write_json_atomic
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -58,6 +58,7 @@ def default_val_output(output: Path) -> Path:
 def check_manifest(folder: Path, output: Path, settings: dict, overwrite: bool) -> str:
     """What to do with earlier state: 'fresh', 'resume' or 'overwrite'. Raises ConfigError when it is not ours."""
     manifest = folder / MANIFEST
+    check_can_create(folder, f"--output {output}")  # the shards folder sits beside the output file
     if overwrite:
         return "overwrite"
     if manifest.is_file():

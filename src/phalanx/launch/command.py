@@ -176,7 +176,9 @@ def config_for_script(config: Optional[str], project_dir: Path) -> Optional[str]
 
 def write_script(path: Path, text: str) -> None:
     """Write `text` byte for byte (a .bat keeps its CRLF line ends) and make it executable."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    from phalanx.runtime.durable import create_folder
+
+    create_folder(path.parent, f"--output {path}")
     with open(path, "w", encoding="utf-8", newline="") as f:
         f.write(text)
     path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)

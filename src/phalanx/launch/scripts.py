@@ -233,7 +233,8 @@ def render_launcher_sh(spec: LaunchSpec, script: Path) -> str:
         *SHUTDOWN_LINES,
         "# torchrun starts NPROC_PER_NODE ranks of `phalanx train` here, through phalanx.launch.torchrun (torchrun's",
         "# own flags) so that the status says what the ranks did: 75 when a SIGTERM, SIGUSR1 or Ctrl-C made them save",
-        "# and stop (a requeue resumes), 130 after a second Ctrl-C, 2 with a message when they failed, 0 when done.",
+        "# and stop (a requeue resumes), 130 after a second Ctrl-C, 1 naming the rank that crashed, 2 with the bad",
+        "# input they found (a rerun repeats it), 0 when done.",
         'exec "$PYTHON" -m phalanx.launch.torchrun --nnodes "$NUM_NODES" --nproc_per_node "$NPROC_PER_NODE" "${RDZV[@]}" \\',
         f'    {_train_words(job)} "${{TRAIN_BACKEND[@]}}" "$@"',
     ]

@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 
 from phalanx.config.schema import SHARDING_STRATEGIES
 from phalanx.errors import ConfigError
+from phalanx.runtime.durable import create_folder
 
 FSDP_MIXED_PRECISION = ("NO", "FP16", "BFLOAT16", "FP32")
 DEFAULT_LAYER_CLASSES = [
@@ -126,7 +127,7 @@ def _write(config: dict, output: Optional[str]) -> None:
         print(text, end="")
         return
     path = Path(output)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    create_folder(path.parent, f"--output {path}")
     path.write_text(text, encoding="utf-8")
     print(f"wrote {path}")
 

@@ -37,3 +37,35 @@ def write_json_atomic(path: Path, payload: dict) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def check_can_create(folder: Path, subject: str) -> None:
+    """Refuse now, naming `subject` (what the user gave, e.g. "output_dir = 'runs/a'"), a folder that cannot be
+    created and written to, before anything is written: a file on its path, or a nearest existing folder that takes
+    no new entry (no permission, a read-only or virtual file system). Tried with a temporary folder, removed at once,
+    so a refusal leaves nothing behind and a success creates nothing."""
+    import tempfile
+
+    from phalanx.errors import ConfigError
+
+    folder = Path(folder)
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), Path("."))
+    if not existing.is_dir():
+        raise ConfigError(f"{subject}: {existing} is a file, not a folder; give a folder (it is created if missing)")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".phalanx-write-check-", dir=existing))
+    except OSError as exc:
+        raise ConfigError(
+            f"{subject}: cannot create or write into {existing} ({exc.strerror}); give a folder this user can "
+            "write to (it is created if missing)"
+        ) from None
+
+
+def create_folder(folder: Path, subject: str) -> None:
+    """`folder.mkdir(parents=True, exist_ok=True)`, with a failure reported as bad input naming `subject` and the
+    path (check_can_create), not as a traceback."""
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    except OSError:
+        check_can_create(folder, subject)
+        raise
