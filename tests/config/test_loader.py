@@ -210,3 +210,19 @@ def test_a_check_across_fields_names_no_empty_field_and_prints_no_config_dump():
     text = str(err.value)
     assert "command line: CPU offload needs a sharding strategy" in text
     assert "field ''" not in text and "{'" not in text
+
+
+def test_seed_003s_config_and_deepspeed_flags_name_the_file_and_the_deepspeed_json(tmp_path: Path):
+    """Seed 003's train.py ran as `--config config.yaml --deepspeed config/ds_config.json`."""
+    from phalanx.config.loader import config_from_args
+
+    path = tmp_path / "config.yaml"
+    path.write_text("lora:\n  r: 2\n")
+    cfg, config_path, pairs = config_from_args(["--config", str(path), "--deepspeed", "ds.json", "--seed", "3"])
+    assert config_path == str(path) and pairs == [("deepspeed", "ds.json"), ("seed", "3")]
+    assert (cfg.lora.r, cfg.distributed.deepspeed_config, cfg.distributed.strategy) == (2, "ds.json", "deepspeed")
+    for args in ([str(path), "--config", str(path)], ["--config", "a.yaml", "--config", "b.yaml"], ["--config"]):
+        with pytest.raises(ConfigError, match="give the config file as CONFIG.yaml or --config CONFIG.yaml, once"):
+            config_from_args(args)
+    with pytest.raises(ConfigError, match="give the config file as the launcher's --config"):
+        config_from_args(["--config", "b.yaml"], flags_only=True, config_path=str(path))

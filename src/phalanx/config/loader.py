@@ -70,6 +70,7 @@ FLAT_FLAGS: dict[str, str] = {
     "offload_optimizer": "distributed.offload_optimizer",
     "offload_param": "distributed.offload_param",
     "deepspeed_config": "distributed.deepspeed_config",
+    "deepspeed": "distributed.deepspeed_config",  # seed 003's train.py --deepspeed config/ds_config.json
     "fsdp_config": "distributed.fsdp_config",
     "master_port": "distributed.master_port",
     "max_restarts": "distributed.max_restarts",
@@ -407,6 +408,12 @@ def config_from_args(
     flags_only: `args` are what a launcher passes on to `phalanx train` after its `--`; the file is `config_path`
     (the launcher's --config), and a file among `args` is refused."""
     path, pairs = split_flags(args)
+    named = [value for name, value in pairs if name == "config"]
+    if named:  # seed 003's train.py took `--config config.yaml`: the same file as the positional CONFIG.yaml
+        if flags_only or path is not None or len(named) > 1 or isinstance(named[0], BareSwitch):
+            where = "the launcher's --config" if flags_only else "CONFIG.yaml or --config CONFIG.yaml, once"
+            raise ConfigError(f"give the config file as {where}; found {[path, *named] if path else named}")
+        path, pairs = named[0], [(name, value) for name, value in pairs if name != "config"]
     if flags_only:
         if path is not None:
             raise ConfigError(

@@ -53,12 +53,10 @@ def _preview(args: list[str]) -> int:
     color, args = _take(args, "color", "auto", str, "auto, always or never")
     if color not in ("auto", "always", "never"):
         raise PhalanxError(f"--color {color!r}: accepted values are auto, always, never")
-    from phalanx.config.flags import split_flags
-    from phalanx.config.loader import load_config, overrides_from_flags
+    from phalanx.config.loader import config_from_args
     from phalanx.runtime.quiet import quiet_libraries
 
-    config_path, pairs = split_flags(args)
-    cfg = load_config(config_path, overrides_from_flags(pairs))
+    cfg = config_from_args(args)[0]  # the same config and flags as `phalanx train`
     quiet_libraries()
     from phalanx.models.load import load_tokenizer
 

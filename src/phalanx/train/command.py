@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 def train_help() -> str:
     from phalanx.config.docs import flags_table
 
-    return "usage: phalanx train [CONFIG.yaml] [--flag value ...]\n\n" + flags_table()
+    return "usage: phalanx train [CONFIG.yaml | --config CONFIG.yaml] [--flag value ...]\n\n" + flags_table()
 
 
 def main(args: Sequence[str]) -> int:
