@@ -226,3 +226,21 @@ def test_seed_003s_config_and_deepspeed_flags_name_the_file_and_the_deepspeed_js
             config_from_args(args)
     with pytest.raises(ConfigError, match="give the config file as the launcher's --config"):
         config_from_args(["--config", "b.yaml"], flags_only=True, config_path=str(path))
+
+
+def test_seed_003s_report_to_sets_tensorboard(tmp_path: Path):
+    """Seed 003: 'Enable with `report_to: "tensorboard"` in config'."""
+    path = tmp_path / "config.yaml"
+    for text, tensorboard in [
+        ('report_to: "tensorboard"\n', True),
+        ("report_to: none\n", False),
+        ("report_to: []\n", False),
+    ]:
+        path.write_text(f"logging:\n  log_steps: 5\n{text}")
+        assert load_config(str(path)).logging.tensorboard is tensorboard, text
+    path.write_text("report_to: wandb\n")
+    with pytest.raises(ConfigError, match=r"config.yaml: report_to \['wandb'\]: .*accepted: 'tensorboard', 'none'"):
+        load_config(str(path))
+    path.write_text("report_to: tensorboard\nlogging:\n  tensorboard: false\n")
+    with pytest.raises(ConfigError, match="report_to 'tensorboard' but logging.tensorboard is False; keep one"):
+        load_config(str(path))

@@ -317,6 +317,10 @@ class DistributedConfig(Section):
     )
 
 
+# What seed 003's `report_to` may name (Hugging Face's spelling): phalanx writes TensorBoard events or none.
+REPORT_TO = ("tensorboard", "none")
+
+
 class RunConfig(Section):
     output_dir: str = Field("./phalanx-output", description="Where checkpoints, the final model and logs go.")
     overwrite_output_dir: bool = Field(
@@ -333,10 +337,29 @@ class RunConfig(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    report_to: Optional[Union[str, list[str]]] = Field(
+        None,
+        description="Seed 003's switch: 'tensorboard' (or a list holding it) writes TensorBoard events, 'none' (or "
+        "[]) writes none; it sets logging.tensorboard. metrics.jsonl is written either way.",
+    )
 
     @model_validator(mode="after")
     def _seed_003_spellings_and_impossible_combinations(self) -> "RunConfig":
         d, t = self.distributed, self.training
+        if self.report_to is not None:
+            names = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)
+            unknown = [name for name in names if name not in REPORT_TO]
+            if unknown:
+                raise ValueError(
+                    f"report_to {unknown}: phalanx reports to TensorBoard (and metrics.jsonl, always); accepted: "
+                    "'tensorboard', 'none', or a list of them"
+                )
+            wanted = "tensorboard" in names
+            if "tensorboard" in self.logging.model_fields_set and self.logging.tensorboard != wanted:
+                raise ValueError(
+                    f"report_to {self.report_to!r} but logging.tensorboard is {self.logging.tensorboard}; keep one"
+                )
+            self.logging.tensorboard = wanted
         if d.use_deepspeed and d.use_fsdp:
             raise ValueError("distributed.use_deepspeed and distributed.use_fsdp are both true; pick one strategy")
         for flag, name in ((d.use_deepspeed, "deepspeed"), (d.use_fsdp, "fsdp")):
