@@ -2,9 +2,28 @@
 
 from __future__ import annotations
 
+import argparse
+import difflib
 from typing import Optional, Sequence
 
-from phalanx.errors import PhalanxError
+from phalanx.errors import ConfigError, PhalanxError
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse for a subcommand's own flags: bad input is a ConfigError (one clear line, exit 2, no usage dump),
+    and a mistyped flag names the nearest one, as `phalanx train` does."""
+
+    def error(self, message: str):
+        command = f"phalanx {self.prog.split()[-1]}"
+        hint = ""
+        if message.startswith("unrecognized arguments:"):
+            known = [name for action in self._actions for name in action.option_strings if name.startswith("--")]
+            for word in message.partition(":")[2].split():
+                near = difflib.get_close_matches(word.partition("=")[0], known, n=1) if word.startswith("--") else []
+                if near:
+                    hint = f" Did you mean {near[0]}?"
+                    break
+        raise ConfigError(f"{command}: {message}.{hint} `{command} --help` lists the flags.")
 
 
 class BareSwitch(str):

@@ -38,7 +38,9 @@ def _bool(value: str) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from phalanx.config.flags import CommandParser
+
+    parser = CommandParser(
         prog="phalanx generate",
         allow_abbrev=False,
         description="Answer every prompt num_sequences_per_question times, sharded over ranks and resumable; "

@@ -16,21 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
+from phalanx.config.flags import CommandParser
 from phalanx.errors import ConfigError
 from phalanx.launch import scripts
 from phalanx.launch.scripts import DEFAULT_PORT, DEFAULT_RDZV_TIMEOUT, Job, LaunchSpec, SlurmSpec
 
 if TYPE_CHECKING:
     from phalanx.config.schema import RunConfig
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse that reports bad input as a PhalanxError (one clear line, exit 2) instead of exiting itself."""
-
-    def error(self, message: str):
-        raise ConfigError(
-            f"phalanx {self.prog.split()[-1]}: {message}. `phalanx {self.prog.split()[-1]} --help` lists the flags."
-        )
 
 
 def split_train_args(args: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -236,7 +228,7 @@ def checked_job(flags: JobFlags, project_dir: Path, restarts: bool) -> tuple[Job
 
 
 def launcher_parser() -> argparse.ArgumentParser:
-    p = Parser(
+    p = CommandParser(
         prog="phalanx launcher",
         description="Write a script that starts training on this node "
         "(torchrun or the DeepSpeed launcher), plus a Windows .bat for single-node runs.",
@@ -305,7 +297,7 @@ def check_time_limit(value: str) -> str:
 
 
 def slurm_parser() -> argparse.ArgumentParser:
-    p = Parser(
+    p = CommandParser(
         prog="phalanx slurm",
         description="Write an sbatch script: one torchrun per node through srun, "
         "c10d rendezvous on the first node, NCCL settings, and save-then-requeue before the time limit.",
@@ -391,7 +383,7 @@ def slurm_main(argv: Sequence[str]) -> int:
 
 
 def env_parser() -> argparse.ArgumentParser:
-    p = Parser(
+    p = CommandParser(
         prog="phalanx env",
         description="Print versions, devices, backends and the rendezvous/NCCL/gloo "
         "environment; on several ranks, check an all-reduce across them and report bus bandwidth.",

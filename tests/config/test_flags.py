@@ -1,0 +1,39 @@
+"""The flag syntax the subcommands share: a subcommand's own flags, mistyped, name the nearest one."""
+
+import pytest
+
+from phalanx.config.flags import CommandParser
+from phalanx.errors import ConfigError
+
+
+def parser() -> CommandParser:
+    p = CommandParser(prog="phalanx generate", allow_abbrev=False)
+    p.add_argument("--num_questions", type=int)
+    p.add_argument("--num_sequences_per_question", type=int)
+    return p
+
+
+def test_a_mistyped_flag_names_the_nearest_one_and_the_help():
+    with pytest.raises(ConfigError) as err:
+        parser().parse_args(["--num_question", "8"])
+    assert str(err.value) == (
+        "phalanx generate: unrecognized arguments: --num_question 8. Did you mean --num_questions? "
+        "`phalanx generate --help` lists the flags."
+    )
+
+
+def test_a_bad_value_or_an_unlike_flag_is_said_without_a_guess():
+    with pytest.raises(ConfigError, match=r"argument --num_questions: invalid int value: 'x'\. `phalanx generate"):
+        parser().parse_args(["--num_questions", "x"])
+    with pytest.raises(ConfigError, match=r"unrecognized arguments: --zzz\. `phalanx generate --help`"):
+        parser().parse_args(["--zzz"])
+
+
+def test_phalanx_generate_and_launcher_use_it():
+    from phalanx.generate.command import build_parser
+    from phalanx.launch.command import launcher_parser
+
+    with pytest.raises(ConfigError, match="Did you mean --num_questions?"):
+        build_parser().parse_args(["--num_question", "8"])
+    with pytest.raises(ConfigError, match="Did you mean --master_addr?"):
+        launcher_parser().parse_args(["--num_gpus_per_node", "0", "--master_adr", "x"])
