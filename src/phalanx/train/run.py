@@ -466,12 +466,19 @@ def finish_run(run: Run) -> dict:
     s = run.state
     run.reporter.say(
         f"🏁 Done: {s.global_step} steps, {s.tokens_seen:,} target tokens in {elapsed:.1f}s; "
-        f"eval loss {s.last_eval_loss if s.last_eval_loss is None else round(s.last_eval_loss, 4)} "
-        f"(best {s.best_eval_loss if s.best_eval_loss is None else round(s.best_eval_loss, 4)} at step {s.best_step}); "
+        f"{describe_eval(s)}; "
         f"peak memory per rank (MB): {summary['peak_memory_mb_per_rank']}; outputs in {run.output_dir}"
     )
     rt.barrier()
     return {**info_payload(run), **summary}
+
+
+def describe_eval(state: TrainerState) -> str:
+    """The evaluation part of the closing line; a run that had no evaluation rows says so, not 'eval loss None'."""
+    if state.last_eval_loss is None:
+        return "no evaluation (no eval rows: the data summary above says where they went)"
+    best = "" if state.best_eval_loss is None else f" (best {state.best_eval_loss:.4f} at step {state.best_step})"
+    return f"eval loss {state.last_eval_loss:.4f}{best}"
 
 
 def save_final_model(run: Run, model_state: Optional[dict] = None) -> None:
