@@ -306,3 +306,15 @@ def test_two_processes_prepare_at_once_and_get_identical_data(tmp_path, write_js
     assert sorted(hit for hit, *_ in got) == [False, True]  # one tokenized, the other loaded its result
     assert got[0][1:] == got[1][1:]
     assert len(got[0][2]) == 135 and len(got[0][4]) == 15
+
+
+def test_a_missing_dataset_or_eval_dataset_is_named_by_its_field(tmp_path):
+    from phalanx.data.prepare import DataSource
+    from phalanx.errors import DataError
+
+    for source, field in [
+        (DataSource.for_training(DataConfig(dataset_path=str(tmp_path / "nope.jsonl"))), "data.dataset_path"),
+        (DataSource.path(str(tmp_path / "nope.jsonl"), "data.eval_dataset_path"), "data.eval_dataset_path"),
+    ]:
+        with pytest.raises(DataError, match=f"^{field} = '{tmp_path}/nope.jsonl': no such file or folder; accepted"):
+            source.identity()

@@ -100,7 +100,7 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, *, seed: int, cache_root: Path
     """Tokenized train (and eval) sets for ``cfg``, from the cache when an identical run made them before."""
     cache_root = Path(cache_root)
     train_source = DataSource.for_training(cfg)
-    eval_source = DataSource.path(cfg.eval_dataset_path) if cfg.eval_dataset_path else None
+    eval_source = DataSource.path(cfg.eval_dataset_path, "data.eval_dataset_path") if cfg.eval_dataset_path else None
     key = _cache_key(cfg, tokenizer, seed, train_source, eval_source)
     final = cache_root / key
     if final.is_dir():  # rename is atomic: an existing folder is complete
@@ -137,6 +137,7 @@ class DataSource:
     target: str
     split: str = "train"
     dataset: Any = None  # the loaded datasets.Dataset of a "name" source
+    field: str = "data.dataset_path"  # the config field that named it, for the messages
 
     @classmethod
     def for_training(cls, cfg: DataConfig) -> "DataSource":
@@ -153,8 +154,8 @@ class DataSource:
         return cls.path(str(bundled))
 
     @classmethod
-    def path(cls, path: str) -> "DataSource":
-        return cls("path", path)
+    def path(cls, path: str, field: str = "data.dataset_path") -> "DataSource":
+        return cls("path", path, field=field)
 
     def rows(self, on_bad_row):
         if self.kind == "name":
@@ -166,7 +167,7 @@ class DataSource:
             return {"name": self.target, "split": self.split, "fingerprint": self.dataset._fingerprint}
         root = Path(self.target)
         if not root.exists():
-            raise DataError(f"{root}: no such file or folder; {ACCEPTED_PATHS}")
+            raise DataError(f"{self.field} = {str(root)!r}: no such file or folder; {ACCEPTED_PATHS}")
         if root.is_file():
             files = [root]
         elif any((root / marker).is_file() for marker in DISK_MARKERS):  # save_to_disk: every file
