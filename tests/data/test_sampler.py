@@ -1,10 +1,13 @@
 """The distributed sampler: disjoint, equal shards that interleave into the single-process order; resumable."""
 
 import random
+from collections import Counter
 
 import pytest
 
-from phalanx.data.sampler import StatefulDistributedSampler, TokenBudgetBatchSampler, eval_shard
+from phalanx.data.chat import IGNORE_INDEX
+from phalanx.data.collate import batch_counts, collate
+from phalanx.data.sampler import StatefulDistributedSampler, TokenBudgetBatchSampler, WithPaddingRows, eval_shard
 
 
 def test_two_ranks_read_what_one_process_reads_per_global_batch():
@@ -21,6 +24,35 @@ def test_uneven_rows_give_every_rank_the_same_count():
     shards = [list(StatefulDistributedSampler(7, r, 3, seed=0)) for r in range(3)]
     assert [len(s) for s in shards] == [3, 3, 3]
     assert set().union(*shards) == set(range(7))
+
+
+def test_padding_is_marked_and_comes_back_with_no_target_so_each_row_trains_once():
+    """Fine-tuning marks the positions that only even out the ranks (row + num_rows); WithPaddingRows gives them back
+    with every label ignored. Fewer rows than ranks go round as often as it takes, so every rank still gets a row."""
+    shards = [list(StatefulDistributedSampler(3, r, 8, seed=0, mark_padding=True)) for r in range(8)]
+    assert all(len(s) == 1 for s in shards)
+    real = [i for s in shards for i in s if i < 3]
+    assert sorted(real) == [0, 1, 2], "each row once"
+    padding = Counter(i - 3 for s in shards for i in s if i >= 3)
+    assert set(padding) == {0, 1, 2} and sorted(padding.values()) == [1, 2, 2], "the order wraps round, twice over"
+    rows = [{"input_ids": [5, 6, 7, 8], "labels": [IGNORE_INDEX, IGNORE_INDEX, 7, 8]} for _ in range(3)]
+    rows[1] = {"input_ids": [9, 9], "labels": [IGNORE_INDEX, 9]}
+    dataset = WithPaddingRows(rows)
+    assert len(dataset) == 3 and dataset[1] == rows[1]
+    assert dataset.__getitems__([4, 0]) == [{"input_ids": [9, 9], "labels": [IGNORE_INDEX] * 2}, rows[0]]
+    for packing in (True, False):
+        batch = collate(dataset.__getitems__([0, 3]), pad_token_id=0, packing=packing)
+        assert batch_counts(batch)[0] == batch_counts(collate([rows[0]], pad_token_id=0, packing=packing))[0] == 2
+
+
+def test_padding_bins_are_marked_and_every_rank_gets_one_with_fewer_bins_than_ranks():
+    sampler = TokenBudgetBatchSampler([5, 5, 5], 10, world_size=4, seed=0, mark_padding=True)
+    bins = sampler.bins(0)
+    assert len(bins) == 4, "4 ranks, 2 bins: each rank needs one"
+    assert sorted(i for b in bins[:2] for i in b) == [0, 1, 2]
+    assert [[i - 3 for i in b] for b in bins[2:]] == bins[:2], "the padding bins are the first ones, marked"
+    one_bin = TokenBudgetBatchSampler([5], 10, world_size=4, seed=0)
+    assert one_bin.bins(0) == [[0]] * 4  # unmarked (a dataset phalanx does not control): the rows themselves
 
 
 def test_epochs_reshuffle_and_resume_continues_where_it_stopped():

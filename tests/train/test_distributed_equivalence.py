@@ -9,6 +9,7 @@ The ranks pack their micro-batches (the default), the reference pads: packed equ
 import pytest
 
 from equivalence import assert_saved_weights_match, train
+from helpers import read_metrics, write_chat_jsonl
 
 pytestmark = pytest.mark.distributed
 
@@ -48,3 +49,18 @@ def test_fp16_gradient_compression_stays_close(equivalence_data, tmp_path, singl
     _, reference = single("lora")
     losses = train(equivalence_data, tmp_path, 2, 2, "lora", "--ddp_comm_hook", "fp16", "--packing", "false")
     assert losses == pytest.approx(reference, abs=1e-2)
+
+
+def test_rows_the_ranks_do_not_divide_are_each_trained_once(tmp_path):
+    """7 rows, one epoch, 2 ranks x batch 2: the 8th position only evens out the ranks. It is computed (both ranks run
+    the same steps) but trains nothing, so the two steps equal one process's with batch 4 (4 rows, then 3) and the
+    step's target tokens are the 3 rows' only; a row trained twice would change the second step's loss."""
+    data = write_chat_jsonl(tmp_path / "train.jsonl", 7)
+    epoch = ("--max_steps", "2")  # one epoch of either
+    reference = train(data, tmp_path / "one", 1, 4, "lora", "--packing", "false", *epoch)
+    ranks = train(data, tmp_path / "two", 2, 2, "lora", *epoch)
+    assert len(reference) == len(ranks) == 2
+    assert ranks == pytest.approx(reference, abs=1e-5)
+    tokens = [[r["tokens_seen"] for r in read_metrics(tmp_path / out)] for out in ("one", "two")]
+    assert tokens[0] == tokens[1], tokens  # with the 8th position trained, the ranks' second step had one row more
+    assert_saved_weights_match(tmp_path / "one", tmp_path / "two", "lora")

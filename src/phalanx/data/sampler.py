@@ -5,6 +5,11 @@ wrapping around), so no rank runs out of batches while another waits in a collec
 Rank r takes positions p+r, p+r+W, p+r+2W ... of the epoch's permutation, so W ranks with
 batch b read exactly the rows one process with batch W*b reads, step for step.
 
+The padding is computed like any row (every rank runs the same steps) but, where the sampler marks it
+(`mark_padding`, fine-tuning), trains nothing: a padded position is handed out as `row + num_rows`, and
+`WithPaddingRows` gives it back with no target. So a row count that the ranks do not divide trains exactly
+what one process trains, each row once, instead of a few rows twice per epoch.
+
 The position p is global (rows of the epoch's order consumed by all ranks together), so
 a run saved with W ranks resumes with a different W on the same remaining rows.
 """
@@ -12,14 +17,28 @@ a run saved with W ranks resumes with a different W on the same remaining rows.
 from __future__ import annotations
 
 import math
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import Dataset, Sampler
+
+from phalanx.data.chat import IGNORE_INDEX
 
 
 class StatefulDistributedSampler(Sampler[int]):
-    def __init__(self, num_rows: int, rank: int = 0, world_size: int = 1, seed: int = 0, shuffle: bool = True):
+    """`mark_padding`: hand out the wrapped-around positions as `row + num_rows` (see the module's docstring), for a
+    dataset wrapped in WithPaddingRows; off, they are the rows themselves (torch's DistributedSampler's way, for
+    datasets whose loss phalanx does not control)."""
+
+    def __init__(
+        self,
+        num_rows: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        mark_padding: bool = False,
+    ):
         if num_rows <= 0:
             raise ValueError("the sampler needs at least one row")
         self.num_rows = num_rows
@@ -27,6 +46,7 @@ class StatefulDistributedSampler(Sampler[int]):
         self.world_size = world_size
         self.seed = seed
         self.shuffle = shuffle
+        self.mark_padding = mark_padding
         self.epoch = 0
         self.position = 0  # rows of this epoch's order handed out over all ranks
         self.total = math.ceil(num_rows / world_size) * world_size
@@ -38,9 +58,9 @@ class StatefulDistributedSampler(Sampler[int]):
 
     def _epoch_order(self) -> list[int]:
         order = epoch_order(self.num_rows, self.seed + self.epoch, self.shuffle)
-        while len(order) < self.total:  # wrap around so every rank gets the same count
-            order += order[: self.total - len(order)]
-        return order
+        # Wrap around so every rank gets the same count.
+        offset = self.num_rows if self.mark_padding else 0
+        return order + [row + offset for row in wrapped(order, self.total - len(order))]
 
     def __iter__(self) -> Iterator[int]:
         order = self._epoch_order()
@@ -91,7 +111,8 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     epoch only, never on the world size; rank r takes bins p+r, p+r+W, ... (p = bins handed out over all
     ranks). So W ranks with gradient accumulation a train the same bins per optimizer step as one process
     with accumulation W*a, and a run resumes exactly, with any W, from the bin position it saved. The last
-    bins wrap around to the first so every rank gets the same count.
+    bins wrap around to the first so every rank gets the same count; with `mark_padding` their rows are handed out
+    as `row + len(lengths)` (no targets: WithPaddingRows).
     """
 
     def __init__(
@@ -103,6 +124,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         seed: int = 0,
         shuffle: bool = True,
         lookahead: int = 64,
+        mark_padding: bool = False,
     ):
         if not lengths:
             raise ValueError("the sampler needs at least one row")
@@ -115,6 +137,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         self.seed = seed
         self.shuffle = shuffle
         self.lookahead = lookahead
+        self.mark_padding = mark_padding
         self.epoch = 0
         self.position = 0  # bins of this epoch handed out over all ranks
         self._bins_of: dict[int, list[list[int]]] = {}
@@ -141,7 +164,8 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
                     closed.append(open_bins.pop(0)[0])
         closed.extend(rows for rows, _ in open_bins)
         total = math.ceil(len(closed) / self.world_size) * self.world_size
-        return closed + closed[: total - len(closed)]
+        offset = len(self.lengths) if self.mark_padding else 0
+        return closed + [[row + offset for row in rows] for rows in wrapped(closed, total - len(closed))]
 
     def micro_batches_per_rank(self, epoch: int) -> int:
         return len(self.bins(epoch)) // self.world_size
@@ -232,6 +256,38 @@ class TakenPosition:
 
     def __getattr__(self, name: str):
         return getattr(self.sampler, name)
+
+
+def wrapped(order: list, count: int) -> list:
+    """`count` items wrapped around from the start of `order`, going round as often as it takes (fewer rows or bins
+    than ranks)."""
+    return [order[i % len(order)] for i in range(count)]
+
+
+class WithPaddingRows(Dataset):
+    """Tokenized rows (input_ids, labels, ...) as a sampler with `mark_padding` indexes them: `i` is row `i`, and
+    `i + len(rows)`, a position that only evens out the ranks, is row `i` with every label IGNORE_INDEX. It is
+    computed like any row, so every rank runs the same steps and collectives, but it has no target: it adds
+    nothing to the loss, the gradients or the step's target-token count."""
+
+    def __init__(self, rows: Any):
+        self.rows = rows
+        self.num_rows = len(rows)
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def __getitem__(self, index: int) -> dict:
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: list[int]) -> list[dict]:
+        rows = [index % self.num_rows for index in indices]
+        fetch = getattr(self.rows, "__getitems__", None)  # a datasets.Dataset reads many rows in one go
+        examples = fetch(rows) if fetch is not None else [self.rows[row] for row in rows]
+        return [
+            {**example, "labels": [IGNORE_INDEX] * len(example["labels"])} if index >= self.num_rows else example
+            for index, example in zip(indices, examples)
+        ]
 
 
 def epoch_order(num_rows: int, seed: int, shuffle: bool) -> list[int]:

@@ -33,7 +33,13 @@ from phalanx.checkpoint.resume import (
 from phalanx.config.schema import RunConfig
 from phalanx.data.collate import collate as collate_rows
 from phalanx.data.prepare import PreparedData, describe_report, prepare_data
-from phalanx.data.sampler import StatefulDistributedSampler, TakenPosition, TokenBudgetBatchSampler, eval_shard
+from phalanx.data.sampler import (
+    StatefulDistributedSampler,
+    TakenPosition,
+    TokenBudgetBatchSampler,
+    WithPaddingRows,
+    eval_shard,
+)
 from phalanx.errors import ConfigError
 from phalanx.models.adapters import apply_finetuning, trainable_parameter_count
 from phalanx.models.attention import enable_varlen_attention, packing_unsupported_reason
@@ -220,13 +226,19 @@ def make_train_loader(cfg: RunConfig, rows: Any, rank: rt.RankInfo, collate: Any
         persistent_workers=workers > 0,
         worker_init_fn=ignore_preemption_signals if workers else None,  # the rank saves, then stops its workers
     )
+    # The rows that only even out the ranks at an epoch's end train nothing (WithPaddingRows): no row counts twice.
     if t.batch_tokens:
         budget = TokenBudgetBatchSampler(
-            [len(ids) for ids in rows["input_ids"]], t.batch_tokens, rank.rank, rank.world_size, seed=t.seed
+            [len(ids) for ids in rows["input_ids"]],
+            t.batch_tokens,
+            rank.rank,
+            rank.world_size,
+            seed=t.seed,
+            mark_padding=True,
         )
-        return TakenPosition(budget), DataLoader(rows, batch_sampler=budget, **common)
-    sampler = StatefulDistributedSampler(len(rows), rank.rank, rank.world_size, seed=t.seed)
-    return TakenPosition(sampler), DataLoader(rows, batch_size=t.batch_size, sampler=sampler, **common)
+        return TakenPosition(budget), DataLoader(WithPaddingRows(rows), batch_sampler=budget, **common)
+    sampler = StatefulDistributedSampler(len(rows), rank.rank, rank.world_size, seed=t.seed, mark_padding=True)
+    return TakenPosition(sampler), DataLoader(WithPaddingRows(rows), batch_size=t.batch_size, sampler=sampler, **common)
 
 
 def stop_loader_workers(loader: DataLoader) -> None:
