@@ -20,3 +20,38 @@ class RanksFailed(PhalanxError):
     process that crashes, so that a requeue wrapper can tell it from bad input (2), which a rerun repeats."""
 
     exit_code = 1
+
+
+class HubUnreachable(PhalanxError):
+    """A model or dataset on the Hugging Face Hub could not be fetched because the network failed (no route, no name
+    lookup, a timeout) and it is not in the local cache: exit 1, not 2, since the same command succeeds once the Hub
+    is reachable again (a requeue wrapper may retry it)."""
+
+    exit_code = 1
+
+
+def network_failed(exc: BaseException) -> bool:
+    """True when `exc`, or an exception it was raised from, is a failure to reach a host: a refused or reset
+    connection, a timeout, or a name that did not resolve. (A missing repository or file is the user's to fix.)"""
+    import socket
+
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, (ConnectionError, TimeoutError, socket.gaierror)):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def hub_failure(exc: BaseException, message: str, bad_input: type[PhalanxError]) -> PhalanxError:
+    """The error to raise for `exc`, a failed load from the Hub: HubUnreachable when the network failed (saying how to
+    go on), else `bad_input` with `message`."""
+    if network_failed(exc):
+        return HubUnreachable(
+            f"{message.rstrip().rstrip('.')}. The Hugging Face Hub could not be reached and it is not in the local cache: rerun once the "
+            "network is back (status 1: a requeue may retry), or download it on a machine that has the network "
+            "and give its folder."
+        )
+    return bad_input(message)

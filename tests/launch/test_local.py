@@ -12,7 +12,7 @@ import time
 import pytest
 
 from phalanx.cli import main
-from phalanx.errors import DataError, PhalanxError, RanksFailed
+from phalanx.errors import DataError, HubUnreachable, PhalanxError, RanksFailed
 from phalanx.launch import deepspeed_launcher
 from phalanx.launch.local import (
     STOPPED_FOR_LOST_PEER,
@@ -122,11 +122,27 @@ def test_status_after_a_rank_failure_names_it_and_tells_bad_input_apart():
     ):
         after_rank_failure({"rank 1": 2, "local rank 0": None}, None)
     with pytest.raises(PhalanxError, match="^bad row 3$") as raised:
-        after_rank_failure({"rank 0": 2, "rank 1": 2}, "bad row 3")
+        after_rank_failure({"rank 0": 2, "rank 1": 2}, PhalanxError("bad row 3"))
     assert raised.value.exit_code == 2
     # Only killed ranks: none wrote a message, so the status says where the cause is written instead.
     with pytest.raises(RanksFailed, match=r"rank 1 \(killed by SIGKILL\); .* out-of-memory killer \(`dmesg`"):
         after_rank_failure({"rank 1": -9}, None)
+
+
+def test_an_unreachable_hub_on_the_ranks_is_said_once_with_its_own_status(tmp_path, monkeypatch, capsys):
+    """Every rank meets it alike, so it is reported once, like bad input, but with status 1: a rerun once the network
+    is back goes on, so a requeue wrapper may retry it (bad input is 2)."""
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    monkeypatch.setenv(EXIT_RECORDS, str(tmp_path))
+    monkeypatch.setenv("PHALANX_LAUNCHER_REPORTS_ERRORS", "1")
+    for local in (0, 1):
+        monkeypatch.setenv("LOCAL_RANK", str(local))
+        monkeypatch.setenv("RANK", str(local))
+        record_exit(report_bad_input(HubUnreachable("dataset 'org/d': the Hub could not be reached"), local))
+    assert (tmp_path / "local-rank-1").read_text() == "1 1" and not capsys.readouterr().err
+    with pytest.raises(PhalanxError) as raised:
+        deepspeed_launcher.after_runner(1, {"rank 0": 1, "rank 1": 1}, tmp_path)
+    assert raised.value.exit_code == 1 and str(raised.value) == "dataset 'org/d': the Hub could not be reached"
 
 
 def test_a_rank_names_the_peers_of_its_attempt_that_were_killed(tmp_path, monkeypatch):

@@ -68,10 +68,11 @@ def load_named_dataset(name: str, split: str = "train"):
 
     try:
         return datasets.load_dataset(name, split=split)
-    except Exception as e:  # noqa: BLE001 - network, missing repo, bad split, bad files: all the user's to fix
-        raise DataError(
-            f"dataset '{name}' (split '{split}'): datasets.load_dataset failed: {type(e).__name__}: {e}"
-        ) from None
+    except Exception as e:  # noqa: BLE001 - missing repo, bad split, bad files: the user's to fix; or no network
+        from phalanx.errors import hub_failure
+
+        message = f"dataset '{name}' (split '{split}'): datasets.load_dataset failed: {type(e).__name__}: {e}"
+        raise hub_failure(e, message, DataError) from None
 
 
 def _checked(rows, label: str, on_bad_row: Optional[OnBadRow]) -> Iterator[tuple[str, dict]]:

@@ -221,21 +221,21 @@ def after_stop_signal(signal_name: str, codes: dict[str, Optional[int]]) -> int:
     )
 
 
-def after_rank_failure(failed: dict[str, Optional[int]], reported: Optional[str]) -> int:
+def after_rank_failure(failed: dict[str, Optional[int]], reported: Optional[PhalanxError]) -> int:
     """The launcher's status when ranks ended unsuccessfully without a stop signal to it: `failed`, the ranks that
     failed first ({"rank 1": 2}; None: no record, the rank was killed), and `reported`, the bad input they found
     (reported_bad_input).
 
     75 when a rank exited 75: the ranks were signalled directly (SLURM signals every process of a step) and it did
     so once every rank's work was committed; the launcher then stops the ranks still tearing down, which is no
-    failure. Bad input raises PhalanxError with the message (status 2: a rerun repeats it); anything else
+    failure. Bad input raises `reported` (status 2: a rerun repeats it; 1 for an unreachable Hub); anything else
     RanksFailed naming the ranks (status 1)."""
     from phalanx.runtime.signals import PREEMPTED_EXIT_CODE
 
     if PREEMPTED_EXIT_CODE in failed.values():
         return PREEMPTED_EXIT_CODE
-    if reported:
-        raise PhalanxError(reported)
+    if reported is not None:
+        raise reported
     if all(code is None or code < 0 for code in failed.values()):
         # A rank killed by a signal wrote nothing: say where its cause is written instead.
         see = (
@@ -419,20 +419,21 @@ def report_bad_input(exc: PhalanxError, rank: int) -> int:
     print it too only where nothing would relay it (DeepSpeed's own launcher): a message shown twice beats one lost.
     """
     message = str(exc)
-    relayed = write_rank_message(type(exc).__name__, message, rank)
+    relayed = write_rank_message(type(exc).__name__, message, rank, exc.exit_code)
     if relayed and os.environ.get(PARENT_REPORTS) == "1":
         pass  # phalanx's launcher prints it
     elif rank == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
     elif not relayed:
         print(f"[rank {rank}] error: {message}", file=sys.stderr, flush=True)
-    return BAD_INPUT_EXIT_CODE
+    return exc.exit_code
 
 
-def write_rank_message(kind: str, message: str, rank: int) -> bool:
+def write_rank_message(kind: str, message: str, rank: int, exit_code: int = BAD_INPUT_EXIT_CODE) -> bool:
     """Leave `message` in this rank's error file (runtime.exit.rank_error_file) for its launcher; False where it has
     none or it cannot be written. `kind`: the error class's name for bad input, STOPPED_FOR_LOST_PEER for a rank
-    that stopped because a peer was killed (its launcher names the peer, not it)."""
+    that stopped because a peer was killed (its launcher names the peer, not it). `exit_code`: the launcher's status
+    for the message (the error's: 2 for bad input, 1 for an unreachable Hub)."""
     from phalanx.runtime.exit import rank_error_file
 
     error_file = rank_error_file()
@@ -449,7 +450,7 @@ def write_rank_message(kind: str, message: str, rank: int) -> bool:
                         "message": message,
                         "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))},
                     },
-                    "phalanx": {"rank": rank, "kind": kind, "message": message},
+                    "phalanx": {"rank": rank, "kind": kind, "message": message, "exit_code": exit_code},
                 }
             )
         )
@@ -468,10 +469,12 @@ def stopped_for_lost_peer(error_files: dict[int, object]) -> set[int]:
     }
 
 
-def reported_bad_input(error_files: dict[int, object]) -> Optional[str]:
-    """The bad-input message(s) that failed ranks left in their error files (see report_bad_input), once each;
-    `error_files` holds what each rank's file says ({rank: parsed JSON}, None or anything else where it said nothing)."""
+def reported_bad_input(error_files: dict[int, object]) -> Optional[PhalanxError]:
+    """The error to raise for the bad input that failed ranks left in their error files (see report_bad_input): its
+    message(s), once each, and its status (the first rank's); None where they left none. `error_files` holds what
+    each rank's file says ({rank: parsed JSON}, None or anything else where it said nothing)."""
     by_message: dict[str, list[int]] = {}
+    exit_codes = []
     for rank, data in sorted(error_files.items()):
         ours = data.get("phalanx") if isinstance(data, dict) else None
         if (
@@ -480,11 +483,17 @@ def reported_bad_input(error_files: dict[int, object]) -> Optional[str]:
             and ours.get("kind") != STOPPED_FOR_LOST_PEER
         ):
             by_message.setdefault(ours["message"], []).append(rank)
+            exit_codes.append(ours.get("exit_code", BAD_INPUT_EXIT_CODE))
     if not by_message:
         return None
     if len(by_message) == 1:
-        return next(iter(by_message))
-    return "\n".join(f"rank {', '.join(map(str, ranks))}: {message}" for message, ranks in by_message.items())
+        error = PhalanxError(next(iter(by_message)))
+    else:
+        error = PhalanxError(
+            "\n".join(f"rank {', '.join(map(str, ranks))}: {message}" for message, ranks in by_message.items())
+        )
+    error.exit_code = exit_codes[0] if isinstance(exit_codes[0], int) else BAD_INPUT_EXIT_CODE
+    return error
 
 
 def describe_exit(code: int) -> str:

@@ -21,7 +21,7 @@ from transformers import (
 )
 
 from phalanx.config.schema import ModelConfig
-from phalanx.errors import ConfigError
+from phalanx.errors import ConfigError, hub_failure
 from phalanx.models.packages import require_4bit_packages
 
 EMBEDDED_PREFIX = "embedded:"
@@ -65,7 +65,8 @@ def load_tokenizer(
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"model.model_name = {model_name!r}: could not load its tokenizer: {exc}") from None
+        message = f"model.model_name = {model_name!r}: could not load its tokenizer: {exc}"
+        raise hub_failure(exc, message, ConfigError) from None
     if tokenizer.pad_token_id is None:
         # Padding positions never reach the loss (labels -100, attention mask 0), so eos is a safe pad.
         tokenizer.pad_token = tokenizer.eos_token
@@ -113,7 +114,9 @@ def load_model(
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"model.model_name = {model_name!r}: could not load the model: {exc}") from None
+        raise hub_failure(
+            exc, f"model.model_name = {model_name!r}: could not load the model: {exc}", ConfigError
+        ) from None
     if quantization is not None:
         keep_4bit_layout_trainable(model)
     return model

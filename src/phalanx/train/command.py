@@ -83,9 +83,10 @@ def launch_train_ranks(cfg: RunConfig, args: Sequence[str]) -> int:
 
 
 def train_rank(args: Sequence[str], preemption: PreemptionFlag) -> int:
-    """One rank started by a launcher. Bad input is the same on every rank: it is reported once for the job."""
+    """One rank started by a launcher. Bad input, and a Hub that cannot be reached, is the same on every rank: it is
+    reported once for the job."""
     from phalanx.config.loader import config_from_args
-    from phalanx.errors import ConfigError, DataError
+    from phalanx.errors import ConfigError, DataError, HubUnreachable
     from phalanx.runtime.dist import env_rank_info
     from phalanx.runtime.quiet import quiet_libraries
 
@@ -95,7 +96,7 @@ def train_rank(args: Sequence[str], preemption: PreemptionFlag) -> int:
         load_only_what_the_run_needs(cfg)
         quiet_libraries()
         return train_worker(cfg, preemption)
-    except (ConfigError, DataError) as exc:
+    except (ConfigError, DataError, HubUnreachable) as exc:
         if world == 1:
             raise
         from phalanx.launch.local import report_bad_input
