@@ -238,3 +238,21 @@ def test_a_folder_with_model_files_and_no_run_is_refused_before_the_final_save_r
     (out / "model-00001-of-00002.safetensors").unlink()
     assert resume_point(load_config(None, {"output_dir": str(out)})) is None
     assert (out / "run.yaml").is_file()
+
+
+def test_two_spellings_of_one_path_are_no_config_change(tmp_path, monkeypatch):
+    """`data/train.jsonl` when the run started, its absolute path on the rerun (or the other way): the same file, so
+    the resume goes on without --force. A path that names another file, or none, is still a change."""
+    from phalanx.checkpoint.resume import config_diff
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text("{}\n")
+    (tmp_path / "data" / "other.jsonl").write_text("{}\n")
+    saved = {"data": {"dataset_path": "data/train.jsonl"}}
+    assert config_diff(saved, {"data": {"dataset_path": str(tmp_path / "data" / "train.jsonl")}}) == []
+    assert config_diff(saved, {"data": {"dataset_path": "./data/../data/train.jsonl"}}) == []
+    assert config_diff(saved, {"data": {"dataset_path": "data/other.jsonl"}}) == [
+        "data.dataset_path: 'data/train.jsonl' -> 'data/other.jsonl'"
+    ]
+    assert config_diff({"model": {"model_name": "org/a"}}, {"model": {"model_name": "./org/a"}}) != []

@@ -91,9 +91,21 @@ def config_diff(saved: dict, current: dict) -> list[str]:
             continue
         if key not in old and new.get(key) == defaults.get(key):
             continue  # a field added after the checkpoint was written, left at its default
-        if old.get(key) != new.get(key):
+        if old.get(key) != new.get(key) and not same_file(old.get(key), new.get(key)):
             lines.append(f"{key}: {old.get(key)!r} -> {new.get(key)!r}")
     return lines
+
+
+def same_file(saved: object, current: object) -> bool:
+    """True when two spellings of a path name the same existing file or folder from here (`data/train.jsonl` and
+    `/home/me/project/data/train.jsonl`, `./out` and `out`): the same input, not a changed config."""
+    if not (isinstance(saved, str) and isinstance(current, str) and saved and current):
+        return False
+    try:
+        a, b = Path(saved).expanduser(), Path(current).expanduser()
+        return a.exists() and b.exists() and a.resolve() == b.resolve()
+    except (OSError, RuntimeError, ValueError):
+        return False
 
 
 def existing_run_artifacts(output_dir: Path) -> list[str]:
