@@ -143,6 +143,15 @@ def test_an_output_under_a_file_is_refused_before_any_rank_writes(tmp_path):
             check_manifest(shard_dir(out), out, {"seed": 1}, overwrite=overwrite)
 
 
+def test_an_output_that_is_a_folder_is_refused_asking_for_the_file(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    for overwrite in (False, True):  # --overwrite true would write the records onto the folder's path at the end
+        with pytest.raises(ConfigError, match=f"^--output {data} is a folder; .* --output {data}/traj_chat.jsonl"):
+            check_manifest(shard_dir(data), data, {"seed": 1}, overwrite=overwrite)
+    assert list(data.iterdir()) == []
+
+
 def prompt(i: int, length: int) -> Prompt:
     return Prompt(i, f"line {i + 1}", [{"role": "user", "content": "q"}], None, None, tuple(range(length)))
 

@@ -58,6 +58,10 @@ def default_val_output(output: Path) -> Path:
 def check_manifest(folder: Path, output: Path, settings: dict, overwrite: bool) -> str:
     """What to do with earlier state: 'fresh', 'resume' or 'overwrite'. Raises ConfigError when it is not ours."""
     manifest = folder / MANIFEST
+    if output.is_dir():  # even with --overwrite: a file is written there at the end, and a folder is not replaced
+        raise ConfigError(
+            f"--output {output} is a folder; give the JSONL file to write, e.g. --output {output / 'traj_chat.jsonl'}"
+        )
     check_can_create(folder, f"--output {output}")  # the shards folder sits beside the output file
     if overwrite:
         return "overwrite"
