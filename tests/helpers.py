@@ -114,6 +114,26 @@ def shared_template(name: str) -> Path:
     return path
 
 
+def stopped_after(run: Path, step: int, dest: Path) -> Path:
+    """A copy of a finished run's folder as a run stopped (killed, preempted) after committing checkpoint-{step}
+    leaves it: no later checkpoint-N, no final model; the records it logged after `step` stay, as a killed run's
+    do (the resume cuts them). The runs are deterministic, so checkpoint-{step} is byte for byte what a run killed
+    in step {step}+1 would hold: resuming the copy tests the resume without paying for a second run up to there."""
+    import shutil
+
+    from phalanx.checkpoint.commit import committed_step_checkpoints
+    from phalanx.checkpoint.resume import FINAL_OUTPUTS
+
+    shutil.copytree(run, dest)
+    for later, folder in committed_step_checkpoints(dest):
+        if later > step:
+            shutil.rmtree(folder)
+    for name in FINAL_OUTPUTS:
+        (dest / name).unlink(missing_ok=True)
+    assert [s for s, _ in committed_step_checkpoints(dest)][-1:] == [step], f"{run} committed no checkpoint-{step}"
+    return dest
+
+
 def read_metrics(output_dir: Path, kind: str = "train") -> list[dict]:
     lines = (Path(output_dir) / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r["kind"] == kind]

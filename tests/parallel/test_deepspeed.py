@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from equivalence import COMMON, assert_adapter_loads_with_peft, assert_saved_weights_match, grad_norms, train
-from helpers import read_metrics, run_phalanx, write_chat_jsonl
+from helpers import read_metrics, run_phalanx, stopped_after, write_chat_jsonl
 
 pytestmark = pytest.mark.distributed
 import deepspeed  # noqa: E402, F401  (installed by the Makefile; a missing engine is a failure, not a skip)
@@ -50,7 +50,8 @@ def test_zero_matches_one_process(equivalence_data, tmp_path, single, finetune, 
 
 
 def test_user_json_auto_values_filled_and_resume_from_engine_checkpoint(tmp_path):
-    """A seed-003-shaped JSON with "auto" runs; state is DeepSpeed's own per-rank checkpoint; a kill resumes exactly."""
+    """A seed-003-shaped JSON with "auto" runs; state is DeepSpeed's own per-rank checkpoint; a run stopped after
+    checkpoint-4 (a copy of the uninterrupted run's folder cut back to it: helpers.stopped_after) resumes exactly."""
     data = write_chat_jsonl(tmp_path / "train.jsonl", 30)
     ds_json = tmp_path / "ds_config.json"
     ds_json.write_text(
@@ -90,12 +91,11 @@ def test_user_json_auto_values_filled_and_resume_from_engine_checkpoint(tmp_path
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (whole / "checkpoint-4" / "deepspeed" / "state").is_dir()
     assert not (whole / "checkpoint-4" / "optimizer.pt").exists()
-    killed = tmp_path / "killed"
-    assert run_phalanx(*base, "--output_dir", str(killed), env={"PHALANX_FAULT": "kill@step=5"}).returncode != 0
-    proc = run_phalanx(*base, "--output_dir", str(killed))
+    stopped = stopped_after(whole, 4, tmp_path / "stopped")  # as a run killed in step 5 leaves its folder
+    proc = run_phalanx(*base, "--output_dir", str(stopped))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "checkpoint-4 at step 4" in proc.stdout
-    assert [r["loss"] for r in read_metrics(killed)] == pytest.approx(
+    assert [r["loss"] for r in read_metrics(stopped)] == pytest.approx(
         [r["loss"] for r in read_metrics(whole)], abs=1e-6
     )
 
