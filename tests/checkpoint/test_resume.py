@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import read_metrics, run_phalanx, tiny_run, write_chat_jsonl
+from helpers import read_metrics, run_phalanx, stopped_after, tiny_run, write_chat_jsonl
 
 pytestmark = pytest.mark.distributed
 
@@ -87,19 +87,28 @@ def test_resume_after_sigkill_is_bit_identical(dataset, uninterrupted, killed, t
         assert final[key] == ref[key], key
 
 
-def test_resume_on_one_rank_continues_the_same_data(dataset, killed, tmp_path):
-    """2 -> 1 ranks: the global data position carries over; the one rank reads the rows both would have read."""
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def forced_on_one_rank(dataset, killed, tmp_path_factory):
+    """The killed run resumed on one rank with batch 4 (the same global batch) and another learning rate, with
+    --force: one launch shared by the 2 -> 1 ranks test and the changed-config test (a resume with a changed
+    config is what --force allows, and a batch_size change is one)."""
+    out = tmp_path_factory.mktemp("forced") / "run"
     shutil.copytree(killed, out)
-    proc = train(dataset, out, "--batch_size", "4", "--force", world=1)  # same global batch on one rank
+    proc = train(dataset, out, "--batch_size", "4", "--learning_rate", "3e-2", "--force", world=1)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc
+
+
+def test_resume_on_one_rank_continues_the_same_data(forced_on_one_rank):
+    """2 -> 1 ranks: the global data position carries over; the one rank reads the rows both would have read."""
+    out, proc = forced_on_one_rank
     assert "checkpoint-4 at step 4" in proc.stdout
     assert [r["step"] for r in read_metrics(out)] == list(range(1, 9))
     state = json.loads((out / "checkpoint-8" / "trainer_state.json").read_text())
     assert state["sampler"]["world_size"] == 1 and state["tokens_seen"] > 0
 
 
-def test_changed_config_is_shown_and_refused_unless_forced(dataset, killed, tmp_path):
+def test_changed_config_is_shown_and_refused_unless_forced(dataset, killed, forced_on_one_rank, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(killed, out)
     proc = train(dataset, out, "--learning_rate", "3e-2")
@@ -110,8 +119,10 @@ def test_changed_config_is_shown_and_refused_unless_forced(dataset, killed, tmp_
         and "--force" in proc.stderr
     )
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4], "a refused resume touches nothing"
-    proc = train(dataset, out, "--learning_rate", "3e-2", "--force")
-    assert proc.returncode == 0 and "checkpoint-4 at step 4" in proc.stdout
+    forced_out, forced = forced_on_one_rank  # the same change, with --force
+    assert forced.returncode == 0 and "checkpoint-4 at step 4" in forced.stdout
+    info = json.loads((forced_out / "final_training_info.json").read_text())
+    assert info["config"]["training"]["learning_rate"] == 3e-2, "the resumed run trained with the new value"
 
 
 def test_named_checkpoint_and_finished_run(dataset, uninterrupted, tmp_path):
@@ -186,19 +197,20 @@ def test_kill_before_the_first_checkpoint_starts_over_and_keeps_the_crashed_logs
 
 
 def test_a_log_line_that_spans_the_resume_averages_every_step_it_covers(dataset, tmp_path):
-    """log_steps 3 with checkpoints every 2 steps: killed in step 5, resumed from checkpoint-4, the line at step 6
-    still averages steps 4-6 (step 4's loss came back with the checkpoint), as the uninterrupted run's does."""
+    """log_steps 3 with checkpoints every 2 steps: stopped after checkpoint-4, resumed from it, the line at step 6
+    still averages steps 4-6 (step 4's loss came back with the checkpoint), as the uninterrupted run's does. The
+    stopped run is the uninterrupted one's folder cut back to checkpoint-4 (helpers.stopped_after): the kill itself
+    is the subject of test_resume_after_sigkill_is_bit_identical."""
     every_third = ("--log_steps", "3")
     reference = tmp_path / "reference"
     assert train(dataset, reference, *every_third, world=1).returncode == 0
-    out = tmp_path / "run"
-    killed = train(dataset, out, *every_third, world=1, fault="kill@step=5")
-    assert killed.returncode != 0 and [r["step"] for r in read_metrics(out)] == [3]
+    assert [r["step"] for r in read_metrics(reference)] == [3, 6, 8]
+    out = stopped_after(reference, 4, tmp_path / "run")
     resumed = train(dataset, out, *every_third, world=1)
     assert resumed.returncode == 0 and "checkpoint-4 at step 4" in resumed.stdout, resumed.stderr[-3000:]
-    expected = [(r["step"], r["loss"]) for r in read_metrics(reference)]
-    assert [r["step"] for r in read_metrics(reference)] == [3, 6, 8]
-    assert [(r["step"], r["loss"]) for r in read_metrics(out)] == expected
+    assert [(r["step"], r["loss"]) for r in read_metrics(out)] == [
+        (r["step"], r["loss"]) for r in read_metrics(reference)
+    ]
 
 
 @pytest.mark.parametrize("damaged", ["optimizer.pt", "adapter_model.safetensors"])
