@@ -133,11 +133,14 @@ def test_sharding_and_checkpointing_move_bytes_the_right_way(llama_7b):
 
 
 # ---------------------------------------------------------------------------------------------------- accuracy
-@pytest.mark.distributed
-def test_single_process_estimates_within_25_percent(tmp_path, small_model):
-    """One process: full fine-tuning (weights, gradients and AdamW dominate), LoRA (activations and logits
-    dominate), LoRA with dropout and activation checkpointing, full fine-tuning with gradient accumulation."""
-    cases = {
+# Each measure() call starts fresh processes that import the model stack (seconds a process on 2 shared cores)
+# before they train: the cases run in one process are measured in one call, and those run on two gloo ranks in
+# another (module fixtures). Every test checks its own cases; a process trains its configs one after another,
+# the tracker's peak reset after each run is built (plan/workers.measure_run).
+def one_process_cases(tmp_path: Path, small_model: str) -> dict[str, tuple[dict, str]]:
+    """Full fine-tuning (weights, gradients and AdamW dominate), LoRA (activations and logits dominate), LoRA with
+    dropout and activation checkpointing, full fine-tuning with gradient accumulation."""
+    return {
         "full, 12.7M params, 2x128": (
             run_config(
                 tmp_path,
@@ -177,82 +180,10 @@ def test_single_process_estimates_within_25_percent(tmp_path, small_model):
             "single process",
         ),
     }
-    check(cases, measure([overrides for overrides, _ in cases.values()], world=1))
 
 
-@pytest.mark.distributed
-def test_ddp_estimate_within_25_percent_on_two_ranks(tmp_path, small_model):
-    """Two gloo ranks under DDP, full fine-tuning: a replica each, the gradients as views into DDP's buckets."""
-    cases = {
-        "ddp full, 12.7M params, 2x128": (
-            run_config(
-                tmp_path,
-                "ddp",
-                **{
-                    "model.model_name": small_model,
-                    "model.finetune": "full",
-                    "training.batch_size": 2,
-                    "data.max_length": 128,
-                    "distributed.world_size": 2,
-                },
-            ),
-            "ddp",
-        )
-    }
-    check(cases, measure([overrides for overrides, _ in cases.values()], world=2))
-
-
-@pytest.mark.distributed
-def test_fsdp_full_shard_estimate_within_25_percent_on_two_ranks(tmp_path, small_model):
-    """Two gloo ranks under FSDP2 FULL_SHARD, full fine-tuning: half the weights, gradients and AdamW state per
-    rank, plus the gathered layers and root."""
-    cases = {
-        "fsdp full, 12.7M params, 2x128": (
-            run_config(
-                tmp_path,
-                "fsdp",
-                **{
-                    "model.model_name": small_model,
-                    "model.finetune": "full",
-                    "training.batch_size": 2,
-                    "data.max_length": 128,
-                    "distributed.world_size": 2,
-                    "distributed.strategy": "fsdp",
-                },
-            ),
-            "fsdp FULL_SHARD",
-        )
-    }
-    check(cases, measure([overrides for overrides, _ in cases.values()], world=2))
-
-
-@pytest.mark.distributed
-def test_zero2_lora_reduce_bucket_holds_what_trains_and_the_estimate_is_within_25_percent(tmp_path, small_model):
-    """Two gloo ranks under ZeRO-2, LoRA on the 12.7M model: DeepSpeed allocates its reduce bucket whole, 5e8 fp32
-    elements (1.86 GiB) by default; sized to the ~0.2M parameters that train, the rank's peak is a few MiB of that."""
-    overrides = run_config(
-        tmp_path,
-        "zero2-lora",
-        **{
-            "model.model_name": small_model,
-            "training.batch_size": 2,
-            "data.max_length": 128,
-            "distributed.world_size": 2,
-            "distributed.strategy": "deepspeed",
-            "distributed.zero_stage": 2,
-        },
-    )
-    measured = measure([overrides], world=2)
-    assert max(r["peak"] for r in measured[0]) < 200 * 2**20  # the default bucket alone would be 1,907 MiB
-    check({"zero2 lora, 12.7M params, 2x128": (overrides, "ZeRO-2")}, measured)
-
-
-@pytest.mark.distributed
-def test_packed_target_only_estimate_is_lower_and_matches_a_measured_peak(tmp_path):
-    """A 16k vocabulary and rows of about 320 tokens under max_length 1024, 4 rows per micro-batch: the plan that reads
-    the data prices the packed rows (the 4 longest, 1,280 tokens) and the loss in chunks at target positions; the
-    padded, full-logits model (what `phalanx plan` priced before packing: 4 x 1024 tokens, [tokens x vocab] logits)
-    is far above it, and the packed estimate is within TOLERANCE of the measured peak."""
+def packed_config(tmp_path: Path) -> dict:
+    """A 16k vocabulary and rows of about 320 tokens under max_length 1024, 4 rows per micro-batch."""
     model = write_model(
         tmp_path / "vocab16k",
         vocab_size=16384,
@@ -270,6 +201,90 @@ def test_packed_target_only_estimate_is_lower_and_matches_a_measured_peak(tmp_pa
         **{"model.model_name": str(model), "lora.r": 8, "training.batch_size": 4, "data.max_length": 1024},
     )
     overrides["data.dataset_path"] = str(data)
+    return overrides
+
+
+def two_rank_cases(tmp_path: Path, small_model: str) -> dict[str, tuple[dict, str]]:
+    """The 12.7M model on two gloo ranks, 2 rows of 128 tokens each: full fine-tuning under DDP and FSDP2
+    FULL_SHARD, LoRA under ZeRO-2."""
+    shape = {
+        "model.model_name": small_model,
+        "training.batch_size": 2,
+        "data.max_length": 128,
+        "distributed.world_size": 2,
+    }
+    full = {**shape, "model.finetune": "full"}
+    return {
+        "ddp full, 12.7M params, 2x128": (run_config(tmp_path, "ddp", **full), "ddp"),
+        "fsdp full, 12.7M params, 2x128": (
+            run_config(tmp_path, "fsdp", **full, **{"distributed.strategy": "fsdp"}),
+            "fsdp FULL_SHARD",
+        ),
+        "zero2 lora, 12.7M params, 2x128": (
+            run_config(
+                tmp_path, "zero2-lora", **shape, **{"distributed.strategy": "deepspeed", "distributed.zero_stage": 2}
+            ),
+            "ZeRO-2",
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def one_process_peaks(tmp_path_factory, small_model) -> dict[str, tuple[dict, str, list[dict]]]:
+    """name -> (overrides, plan strategy, per-rank measured peaks) of every one-process case, "packed" included."""
+    tmp_path = tmp_path_factory.mktemp("plan-one-process")
+    cases = {**one_process_cases(tmp_path, small_model), "packed": (packed_config(tmp_path), "single process")}
+    measured = measure([overrides for overrides, _ in cases.values()], world=1)
+    return {name: (*case, ranks) for (name, case), ranks in zip(cases.items(), measured)}
+
+
+@pytest.fixture(scope="module")
+def two_rank_peaks(tmp_path_factory, small_model) -> dict[str, tuple[dict, str, list[dict]]]:
+    """name -> (overrides, plan strategy, per-rank measured peaks) of the two-rank cases, measured on one pair."""
+    cases = two_rank_cases(tmp_path_factory.mktemp("plan-two-ranks"), small_model)
+    measured = measure([overrides for overrides, _ in cases.values()], world=2)
+    return {name: (*case, ranks) for (name, case), ranks in zip(cases.items(), measured)}
+
+
+def check_cases(peaks: dict[str, tuple[dict, str, list[dict]]], names: list[str]) -> None:
+    check({name: peaks[name][:2] for name in names}, [peaks[name][2] for name in names])
+
+
+@pytest.mark.distributed
+def test_single_process_estimates_within_25_percent(one_process_peaks):
+    """One process: the cases of one_process_cases (the packed case has a test of its own, below)."""
+    check_cases(one_process_peaks, [name for name in one_process_peaks if name != "packed"])
+
+
+@pytest.mark.distributed
+def test_ddp_estimate_within_25_percent_on_two_ranks(two_rank_peaks):
+    """Two gloo ranks under DDP, full fine-tuning: a replica each, the gradients as views into DDP's buckets."""
+    check_cases(two_rank_peaks, ["ddp full, 12.7M params, 2x128"])
+
+
+@pytest.mark.distributed
+def test_fsdp_full_shard_estimate_within_25_percent_on_two_ranks(two_rank_peaks):
+    """Two gloo ranks under FSDP2 FULL_SHARD, full fine-tuning: half the weights, gradients and AdamW state per
+    rank, plus the gathered layers and root."""
+    check_cases(two_rank_peaks, ["fsdp full, 12.7M params, 2x128"])
+
+
+@pytest.mark.distributed
+def test_zero2_lora_reduce_bucket_holds_what_trains_and_the_estimate_is_within_25_percent(two_rank_peaks):
+    """Two gloo ranks under ZeRO-2, LoRA on the 12.7M model: DeepSpeed allocates its reduce bucket whole, 5e8 fp32
+    elements (1.86 GiB) by default; sized to the ~0.2M parameters that train, the rank's peak is a few MiB of that."""
+    name = "zero2 lora, 12.7M params, 2x128"
+    assert max(r["peak"] for r in two_rank_peaks[name][2]) < 200 * 2**20  # the default bucket alone: 1,907 MiB
+    check_cases(two_rank_peaks, [name])
+
+
+@pytest.mark.distributed
+def test_packed_target_only_estimate_is_lower_and_matches_a_measured_peak(one_process_peaks):
+    """A 16k vocabulary and rows of about 320 tokens under max_length 1024, 4 rows per micro-batch: the plan that reads
+    the data prices the packed rows (the 4 longest, 1,280 tokens) and the loss in chunks at target positions; the
+    padded, full-logits model (what `phalanx plan` priced before packing: 4 x 1024 tokens, [tokens x vocab] logits)
+    is far above it, and the packed estimate is within TOLERANCE of the measured peak."""
+    overrides, _, [measured] = one_process_peaks["packed"]
     cfg = load_config(None, overrides)
     facts = model_facts(cfg)
     setup = with_data_lengths(cfg, setup_from_config(cfg, "cpu"))
@@ -284,7 +299,6 @@ def test_packed_target_only_estimate_is_lower_and_matches_a_measured_peak(tmp_pa
     text = render(make_plan(cfg, "cpu", 2**40))
     assert "a packed micro-batch of 4 rows" in text and "target positions only" in text
 
-    [[measured]] = measure([overrides], world=1)
     ratio = packed.peak / measured["peak"]
     print(
         f"\npacked {packed.peak:,} B, padded+full logits {padded.peak:,} B, measured {measured['peak']:,} B, "
