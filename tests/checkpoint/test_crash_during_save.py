@@ -83,6 +83,8 @@ def test_random_kills_during_saves_never_lose_the_newest_committed_checkpoint(tm
         os.kill(child.pid, signal.SIGKILL)
         child.join()
         committed = committed_step_checkpoints(out)
+        if not committed and newest == 0:
+            continue  # killed before its first commit (a loaded machine): there was nothing to lose yet
         assert committed, f"trial {trial}: no committed checkpoint left"
         step, folder = committed[-1]
         assert step >= newest, f"trial {trial}: the newest committed checkpoint went backwards"
