@@ -12,6 +12,37 @@ from phalanx.errors import DataError
 
 WHERE = "train.jsonl line 3"
 
+
+def exchange(*turns: str | tuple[str, str]) -> dict:
+    """A row of messages taking turns, the user's first; an assistant turn given as (content, reasoning) carries its
+    reasoning as reasoning_content."""
+    messages = []
+    for i, turn in enumerate(turns):
+        content, reasoning = turn if isinstance(turn, tuple) else (turn, None)
+        message = {"role": ("user", "assistant")[i % 2], "content": content}
+        messages.append({**message, "reasoning_content": reasoning} if reasoning is not None else message)
+    return {"messages": messages}
+
+
+def weather_call_row(arguments: dict) -> dict:
+    """A question, a get_weather call (no content), its result and the answer."""
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+    return {
+        "messages": [
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+            {"role": "assistant", "content": "Sunny."},
+        ]
+    }
+
+
+def masked(tok, row: dict):
+    """The row tokenized with `tok`'s template, and the trained text of its first example, run by run."""
+    result = tokenize_conversation(tok, to_conversation(row, WHERE), WHERE)
+    return result, target_runs(tok, result.examples[0])
+
+
 # Llama-3 style: header tokens, tool calls as {"name", "parameters"} JSON, tool results as ipython.
 LLAMA3 = (
     "{{ bos_token }}"
@@ -286,19 +317,12 @@ PREFILLS_THINK = (
 
 
 def test_generation_prompt_that_prefills_the_answer_trains_from_the_header(make_tokenizer):
-    tok = make_tokenizer(PREFILLS_THINK)
-    row = {
-        "messages": [
-            {"role": "user", "content": "Q1"},
-            {"role": "assistant", "content": "<think>\nhmm</think>A1"},
-            {"role": "user", "content": "Q2"},
-            {"role": "assistant", "content": "<think>\nunclosed"},
-        ]
-    }
-    result = tokenize_conversation(tok, to_conversation(row, WHERE), WHERE)
+    result, runs = masked(
+        make_tokenizer(PREFILLS_THINK), exchange("Q1", "<think>\nhmm</think>A1", "Q2", "<think>\nunclosed")
+    )
     assert result.policy == "full" and result.reasoning_dropped == 1
     # "<think>\n" at the start of the second answer is the answer's own text, though the prompt pre-fills the same.
-    assert target_runs(tok, result.examples[0]) == ["A1</s>", "<think>\nunclosed</s>"]
+    assert runs == ["A1</s>", "<think>\nunclosed</s>"]
 
 
 # Phi-3.5's habit: an end-of-text token after the last turn, only without a generation prompt; it shares "<"
@@ -351,14 +375,7 @@ def test_system_prompt_moved_or_dropped_by_the_template(make_tokenizer, tools):
 def test_identical_answers_are_located_at_their_own_turns(make_tokenizer, chatml):
     """The views differ from the whole rendering, and the same output occurs twice: each turn gets its own."""
     tok = make_tokenizer(NUMBERED + chatml)
-    row = {
-        "messages": [
-            {"role": "user", "content": "U1"},
-            {"role": "assistant", "content": "OK"},
-            {"role": "user", "content": "OK"},
-            {"role": "assistant", "content": "OK"},
-        ]
-    }
+    row = exchange("U1", "OK", "OK", "OK")
     example = one(tokenize_conversation(tok, to_conversation(row, WHERE), WHERE))
     text = tok.decode(example["input_ids"])
     trained = "".join("^" if label != IGNORE_INDEX else "." for label in example["labels"])
@@ -445,19 +462,10 @@ NO_PROMPT_SYSTEM_LAST = (
 
 
 def test_with_no_generation_prompt_the_text_a_turn_writes_before_the_message_is_output(make_tokenizer):
-    tok = make_tokenizer(NO_PROMPT_SYSTEM_LAST)
-    row = {
-        "messages": [
-            {"role": "user", "content": "one"},
-            {"role": "assistant", "content": "A"},
-            {"role": "user", "content": "two"},
-            {"role": "assistant", "content": "B"},
-        ]
-    }
-    result = tokenize_conversation(tok, to_conversation(row, WHERE), WHERE)
+    _, runs = masked(make_tokenizer(NO_PROMPT_SYSTEM_LAST), exchange("one", "A", "two", "B"))
     # What the model writes after [/INST] is " A</s>", space included. Each turn's view renders its context unlike its
     # prompt (SYS moves to the last message), so the output is found after the prompt's header, which is empty.
-    assert target_runs(tok, result.examples[0]) == [" A</s>", " B</s>"]
+    assert runs == [" A</s>", " B</s>"]
 
 
 def test_a_tool_call_written_only_once_a_message_follows_is_refused_saying_so(make_tokenizer):
@@ -468,15 +476,7 @@ def test_a_tool_call_written_only_once_a_message_follows_is_refused_saying_so(ma
         "{% else %}<{{ m.role }}>{{ m.content }}{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}<assistant>{% endif %}"
     )
-    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {}}}
-    row = {
-        "messages": [
-            {"role": "user", "content": "weather?"},
-            {"role": "assistant", "content": None, "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
-            {"role": "assistant", "content": "Sunny."},
-        ]
-    }
+    row = weather_call_row({})
     with pytest.raises(DataError, match=r"get_weather.*writes it once another message follows"):
         tokenize_conversation(make_tokenizer(template), to_conversation(row, WHERE), WHERE)
 
@@ -547,14 +547,7 @@ def test_a_turn_rewritten_once_followed_gets_the_close_of_the_message_it_then_re
         "<assistant>{% if loop.last and m.reasoning_content %}{{ m.reasoning_content }}|{% endif %}{{ m.content }}",
     )
     tok = make_tokenizer(template)
-    row = {
-        "messages": [
-            {"role": "user", "content": "one"},
-            {"role": "assistant", "content": "A", "reasoning_content": "r1"},
-            {"role": "user", "content": "two"},
-            {"role": "assistant", "content": "B", "reasoning_content": "r2"},
-        ]
-    }
+    row = exchange("one", ("A", "r1"), "two", ("B", "r2"))
     result = tokenize_conversation(tok, to_conversation(row, WHERE), WHERE)
     assert result.policy == "per_turn" and result.unterminated == 0
     assert [target_runs(tok, ex) for ex in result.examples] == [["r1|A</s>"], ["r2|B</s>"]]
@@ -564,15 +557,7 @@ def test_a_turn_rewritten_once_followed_gets_the_close_of_the_message_it_then_re
 def test_a_turn_that_ends_with_the_end_of_sequence_token_is_terminated(make_tokenizer):
     # A plain message in the tool call's place ends with nothing (it is last), the tool call with </s>: a stop.
     tok = make_tokenizer(STOP_UNLESS_LAST)
-    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
-    row = {
-        "messages": [
-            {"role": "user", "content": "weather?"},
-            {"role": "assistant", "content": None, "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
-            {"role": "assistant", "content": "Sunny."},
-        ]
-    }
+    row = weather_call_row({"city": "Paris"})
     result = tokenize_conversation(tok, to_conversation(row, WHERE), WHERE, multi_turn="full")
     call_text = '<call>{"name": "get_weather", "arguments": {"city": "Paris"}}</s>'
     assert target_runs(tok, result.examples[0]) == [call_text, "Sunny.</s>"]
