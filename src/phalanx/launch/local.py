@@ -346,9 +346,9 @@ def lost_peers(record: Path) -> list[str]:
         except (OSError, ValueError):
             continue
         exit_record_file = pid_file.with_suffix("")
-        if started == attempt() and not exit_record_file.exists() and not process_running(int(pid)):
-            if not exit_record_file.exists():  # it may have recorded its exit just before it ended
-                lost.append(f"{exit_record_file.name.replace('-', ' ')} (pid {pid})")
+        # Gone first, then no record: a rank writes its record before it ends, so this order cannot miss one.
+        if started == attempt() and not process_running(int(pid)) and not exit_record_file.exists():
+            lost.append(f"{exit_record_file.name.replace('-', ' ')} (pid {pid})")
     return lost
 
 
