@@ -148,6 +148,67 @@ def test_a_config_path_that_is_a_folder_or_not_text_is_named_for_what_it_is(tmp_
         load_config(str(binary))
 
 
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (
+            "model:\n  lora_r: [1, 2\ntraining:\n  seed: 1\n",
+            "bad.yaml line 3, column 9: not valid YAML: expected ',' or ']', but got ':' (while parsing a flow "
+            "sequence that starts at line 2)\n    training:\n            ^",
+        ),
+        ("model:\n  finetune: lora\n\tseed: 1\n", "bad.yaml line 3, column 1: not valid YAML: found character '\\t'"),
+    ],
+)
+def test_yaml_syntax_errors_name_the_file_line_and_column(tmp_path: Path, text, message):
+    """PyYAML alone names the stream "<unicode string>"; the user needs the file, the line and a caret."""
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path))
+    assert message in str(err.value) and "<unicode string>" not in str(err.value)
+    if "\t" in text:
+        assert "YAML indents with spaces only" in str(err.value)
+
+
+def test_checks_across_fields_name_the_lines_of_the_keys_they_mention(tmp_path: Path):
+    path = tmp_path / "run.yaml"
+    path.write_text("distributed:\n  strategy: deepspeed\n  zero_stage: 2\n  offload_param: true\n")
+    with pytest.raises(ConfigError, match="run.yaml lines 3, 4: --offload_param needs --zero_stage 3"):
+        load_config(str(path))
+    path.write_text("training:\n  seed: 1\ndistributed:\n  use_deepspeed: true\n  use_fsdp: true\n")
+    with pytest.raises(ConfigError, match="run.yaml lines 4, 5: distributed.use_deepspeed and distributed.use_fsdp"):
+        load_config(str(path))
+
+
+@pytest.mark.parametrize("field", ["deepspeed_config", "fsdp_config"])
+def test_a_strategy_json_that_is_missing_malformed_or_not_an_object_is_named(tmp_path: Path, field: str):
+    import torch
+
+    from phalanx.parallel.base import Precision
+    from phalanx.parallel.config_files import read_fsdp_config
+    from phalanx.parallel.deepspeed import build_ds_config
+
+    def read(path: Path):
+        cfg = load_config(None, {f"distributed.{field}": str(path)})
+        if field == "fsdp_config":
+            return read_fsdp_config(str(path))
+        return build_ds_config(cfg, 1, Precision.choose("no", torch.device("cpu")))
+
+    where = f"distributed.{field} = '{tmp_path}"
+    with pytest.raises(ConfigError, match=re.escape(f"{where}/nope.json': the file does not exist (expected a JSON")):
+        read(tmp_path / "nope.json")
+    path = tmp_path / "s.json"
+    path.write_text('{"a": 1,\n "b": }')
+    with pytest.raises(ConfigError) as err:
+        read(path)
+    assert f'{where}/s.json\': not valid JSON at line 2, column 7: Expecting value\n     "b": }}\n          ^' in str(
+        err.value
+    )
+    path.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="the top level must be a JSON object .*found list"):
+        read(path)
+
+
 def test_both_dataset_sources_refused():
     with pytest.raises(ConfigError) as err:
         load_config(None, {"data.dataset_path": "a.jsonl", "data.dataset_name": "org/ds"})
@@ -239,8 +300,10 @@ def test_seed_003s_report_to_sets_tensorboard(tmp_path: Path):
         path.write_text(f"logging:\n  log_steps: 5\n{text}")
         assert load_config(str(path)).logging.tensorboard is tensorboard, text
     path.write_text("report_to: wandb\n")
-    with pytest.raises(ConfigError, match=r"config.yaml: report_to \['wandb'\]: .*accepted: 'tensorboard', 'none'"):
+    with pytest.raises(
+        ConfigError, match=r"config.yaml line 1: report_to \['wandb'\]: .*accepted: 'tensorboard', 'none'"
+    ):
         load_config(str(path))
     path.write_text("report_to: tensorboard\nlogging:\n  tensorboard: false\n")
-    with pytest.raises(ConfigError, match="report_to 'tensorboard' but logging.tensorboard is False; keep one"):
+    with pytest.raises(ConfigError, match="lines 1, 3: report_to 'tensorboard' but logging.tensorboard is False; keep"):
         load_config(str(path))

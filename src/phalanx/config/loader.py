@@ -7,6 +7,8 @@ the file and line (for YAML) or the flag, the field, the value found and what is
 from __future__ import annotations
 
 import difflib
+import json
+import re
 import types
 import typing
 from pathlib import Path
@@ -143,6 +145,51 @@ def _refuse_duplicate_keys(text: str, path: str) -> None:
                 walk(item, where)
 
     walk(yaml.compose(text), ())
+
+
+def yaml_error_message(path: str, text: str, exc: yaml.YAMLError) -> str:
+    """PyYAML's error, told as `file line N, column C: problem` with the offending line (it names "<unicode string>")."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc)
+    if mark is None:
+        return f"{path}: not valid YAML: {problem}"
+    line = text.splitlines()[mark.line] if mark.line < len(text.splitlines()) else ""
+    where = f"{path} line {mark.line + 1}, column {mark.column + 1}"
+    context = getattr(exc, "context", None)
+    context_mark = getattr(exc, "context_mark", None)
+    if context and context_mark is not None and context_mark.line != mark.line:
+        problem += f" ({context} that starts at line {context_mark.line + 1})"
+    elif context:
+        problem += f" ({context})"
+    hint = ""
+    if "\t" in line[: mark.column + 1] or "'\\t'" in problem:
+        hint = "\nYAML indents with spaces only: replace the tab with spaces."
+    return f"{where}: not valid YAML: {problem}\n    {line}\n    {' ' * mark.column}^{hint}"
+
+
+def read_json_mapping(path: str, field: str) -> dict:
+    """A JSON object read from `path` for config `field` (a DeepSpeed or FSDP file); errors name both and the line."""
+    file = Path(path)
+    if not file.is_file():
+        what = "is a folder, not a file" if file.is_dir() else "does not exist"
+        raise ConfigError(f"{field} = {path!r}: the file {what} (expected a JSON file)")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{field} = {path!r}: cannot read it as a JSON text file ({exc})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        line = text.splitlines()[exc.lineno - 1] if exc.lineno <= len(text.splitlines()) else ""
+        raise ConfigError(
+            f"{field} = {path!r}: not valid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}\n"
+            f"    {line}\n    {' ' * (exc.colno - 1)}^"
+        ) from None
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{field} = {path!r}: the top level must be a JSON object {{...}}, found {type(data).__name__}"
+        )
+    return data
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
@@ -317,7 +364,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[dict[str, Any]] 
         try:
             loaded = yaml.safe_load(text)
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+            raise ConfigError(yaml_error_message(path, text, exc)) from None
         _refuse_duplicate_keys(text, path)
         if loaded is None:
             loaded = {}
@@ -360,10 +407,24 @@ def _explain(exc: ValidationError, source: str, lines: dict[tuple, int], from_cl
             # A validator's own message needs no "Value error, " in front (pydantic's wording for ValueError).
             message = err["msg"].removeprefix("Value error, ")
             if isinstance(value, dict):  # a check across fields (of the section `dotted`, or of the whole config)
+                if where == source:
+                    where = _lines_named(message, source, lines)
                 problems.append(f"{where}: {f'{dotted}: ' if dotted else ''}{message}")
             else:
                 problems.append(f"{where}: field '{dotted}' = {value!r}: {message}")
     return "invalid configuration:\n  " + "\n  ".join(problems)
+
+
+def _lines_named(message: str, source: str, lines: dict[tuple, int]) -> str:
+    """`source lines 3, 9` for the keys a cross-field message names (as `a.b` or `--b`), so each can be found."""
+    named = set()
+    for path, line in lines.items():
+        spellings = [re.escape(".".join(path)), "--" + re.escape(path[-1])]
+        if any(re.search(rf"(?<![\w.-]){spelling}(?![\w.])", message) for spelling in spellings):
+            named.add(line)
+    if not named:
+        return source
+    return f"{source} line{'s' if len(named) > 1 else ''} {', '.join(map(str, sorted(named)))}"
 
 
 def _section_model(loc: tuple) -> Optional[type[BaseModel]]:

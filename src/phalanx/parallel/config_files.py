@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 from typing import Optional, Sequence
 
+from phalanx.config.loader import read_json_mapping
 from phalanx.config.schema import SHARDING_STRATEGIES
 from phalanx.errors import ConfigError
 from phalanx.runtime.durable import create_folder
@@ -104,10 +105,7 @@ def fsdp_config(
 
 def read_fsdp_config(path: str) -> dict:
     """The settings `phalanx train` takes from an FSDP JSON: sharding strategy, mixed precision, CPU offload."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"distributed.fsdp_config = {path!r}: cannot read it as JSON ({exc})") from None
+    data = read_json_mapping(path, "distributed.fsdp_config")
     sharding = data.get("fsdp_sharding_strategy", "FULL_SHARD")
     precision = str(data.get("fsdp_mixed_precision", "NO")).upper()
     if sharding not in SHARDING_STRATEGIES:

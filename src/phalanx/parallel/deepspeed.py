@@ -14,7 +14,6 @@ explicitly in our config is reported instead of one silently winning.
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional
 
@@ -23,6 +22,7 @@ from torch import nn
 
 from phalanx.checkpoint.layout import DS_DIR, DS_TAG
 from phalanx.checkpoint.safe_load import use_safe_loading
+from phalanx.config.loader import read_json_mapping
 from phalanx.errors import ConfigError
 from phalanx.parallel.base import Precision, Strategy, place_on_device
 from phalanx.runtime.dist import RankInfo
@@ -70,10 +70,7 @@ def build_ds_config(cfg: RunConfig, world_size: int, precision: Precision) -> di
     if not d.deepspeed_config:
         return {**ours, **QUIET}
     path = Path(d.deepspeed_config)
-    try:
-        user = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"distributed.deepspeed_config = {str(path)!r}: cannot read it as JSON ({exc})") from None
+    user = read_json_mapping(d.deepspeed_config, "distributed.deepspeed_config")
     explicit = explicit_fields(cfg)
     merged, conflicts = merge(user, ours, explicit, prefix="")
     if conflicts:

@@ -8,6 +8,7 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Optional, Sequence
 
+from phalanx.config.loader import read_json_mapping
 from phalanx.config.schema import RunConfig
 from phalanx.errors import ConfigError
 from phalanx.plan.estimate import (
@@ -201,11 +202,7 @@ def _smaller(
 def _read_json(path: Optional[str]) -> Optional[dict]:
     if not path:
         return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"distributed.deepspeed_config = {path!r}: cannot read it as JSON ({exc})") from None
+    return read_json_mapping(path, "distributed.deepspeed_config")
 
 
 # ------------------------------------------------------------------------------------------------ output
