@@ -213,19 +213,51 @@ def test_a_log_line_that_spans_the_resume_averages_every_step_it_covers(dataset,
     ]
 
 
-@pytest.mark.parametrize("damaged", ["optimizer.pt", "adapter_model.safetensors"])
-def test_a_damaged_file_in_the_newest_checkpoint_is_named_with_the_way_on(dataset, killed, tmp_path, damaged):
+def test_a_damaged_file_in_the_newest_checkpoint_is_named_with_the_way_on(dataset, killed, tmp_path):
     """A committed checkpoint whose file was truncated later (a disk fault, a copy cut short): every rank stops with
     the file's name and how to resume from an earlier checkpoint, not a traceback from torch's zip reader."""
     out = tmp_path / "run"
     shutil.copytree(killed, out)
-    path = out / "checkpoint-4" / damaged
+    path = out / "checkpoint-4" / "optimizer.pt"
     path.write_bytes(path.read_bytes()[:100])
     proc = train(dataset, out)
     assert proc.returncode != 0
     assert f"{path} cannot be read" in proc.stderr and "--resume_from_checkpoint" in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert (out / "checkpoint-2" / "phalanx_checkpoint.json").is_file()
+
+
+@pytest.mark.parametrize(
+    "damaged", ["adapter_model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state_0.pt", "trainer_state.json"]
+)
+def test_every_file_a_resume_reads_is_named_when_damaged(killed, tmp_path, damaged):
+    """Each kind of file in checkpoint-N (safetensors, a torch zip, JSON), truncated: load_checkpoint names it and the
+    way on. In-process, the rank side of the launched test above (which proves every rank stops on it)."""
+    import torch
+
+    from phalanx.checkpoint.io import load_checkpoint
+    from phalanx.config.schema import EMBEDDED_MODEL, LoraConfig, ModelConfig
+    from phalanx.errors import PhalanxError
+    from phalanx.models.adapters import apply_finetuning
+    from phalanx.models.load import load_model
+    from phalanx.runtime.dist import RankInfo
+
+    class Taker:  # a stateful object that takes any state: the subject is reading the file, not its content
+        def load_state_dict(self, state: dict) -> None:
+            assert isinstance(state, dict)
+
+    folder = tmp_path / "checkpoint-4"
+    shutil.copytree(killed / "checkpoint-4", folder)
+    path = folder / damaged
+    path.write_bytes(path.read_bytes()[:100])
+    model = apply_finetuning(load_model(EMBEDDED_MODEL, torch.float32), ModelConfig(), LoraConfig(r=4))
+    rank = RankInfo(rank=0, world_size=2, local_rank=0, local_world_size=2, device=torch.device("cpu"))
+    stateful = {name: Taker() for name in ("optimizer", "scheduler", "precision")}
+    with pytest.raises(PhalanxError) as err:
+        load_checkpoint(folder, rank=rank, model=model, stateful=stateful, finetune="lora")
+    assert f"{path} cannot be read" in str(err.value) and f"--resume_from_checkpoint {tmp_path}/checkpoint-N" in str(
+        err.value
+    )
 
 
 def test_a_folder_with_model_files_and_no_run_is_refused_before_the_final_save_replaces_them(tmp_path):
