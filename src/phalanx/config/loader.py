@@ -153,7 +153,8 @@ def yaml_error_message(path: str, text: str, exc: yaml.YAMLError) -> str:
     problem = getattr(exc, "problem", None) or str(exc)
     if mark is None:
         return f"{path}: not valid YAML: {problem}"
-    line = text.splitlines()[mark.line] if mark.line < len(text.splitlines()) else ""
+    lines = text.splitlines()
+    line = lines[mark.line] if mark.line < len(lines) else ""
     where = f"{path} line {mark.line + 1}, column {mark.column + 1}"
     context = getattr(exc, "context", None)
     context_mark = getattr(exc, "context_mark", None)
@@ -180,7 +181,8 @@ def read_json_mapping(path: str, field: str) -> dict:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        line = text.splitlines()[exc.lineno - 1] if exc.lineno <= len(text.splitlines()) else ""
+        lines = text.splitlines()
+        line = lines[exc.lineno - 1] if exc.lineno <= len(lines) else ""
         raise ConfigError(
             f"{field} = {path!r}: not valid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}\n"
             f"    {line}\n    {' ' * (exc.colno - 1)}^"
