@@ -195,7 +195,7 @@ def test_a_strategy_json_that_is_missing_malformed_or_not_an_object_is_named(tmp
         return build_ds_config(cfg, 1, Precision.choose("no", torch.device("cpu")))
 
     where = f"distributed.{field} = '{tmp_path}"
-    with pytest.raises(ConfigError, match=re.escape(f"{where}/nope.json': the file does not exist (expected a JSON")):
+    with pytest.raises(ConfigError, match=re.escape(f"{where}/nope.json' does not exist (expected a JSON file)")):
         read(tmp_path / "nope.json")
     path = tmp_path / "s.json"
     path.write_text('{"a": 1,\n "b": }')

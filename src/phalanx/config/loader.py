@@ -168,16 +168,23 @@ def yaml_error_message(path: str, text: str, exc: yaml.YAMLError) -> str:
     return f"{where}: not valid YAML: {problem}\n    {line}\n    {' ' * mark.column}^{hint}"
 
 
-def read_json_mapping(path: str, field: str) -> dict:
-    """A JSON object read from `path` for config `field` (a DeepSpeed or FSDP file); errors name both and the line."""
+def read_text_file(path: str, label: str, expected: str) -> str:
+    """The text of a file the user named, or a ConfigError that says what `path` is instead (`label`: how to name it)."""
     file = Path(path)
     if not file.is_file():
         what = "is a folder, not a file" if file.is_dir() else "does not exist"
-        raise ConfigError(f"{field} = {path!r}: the file {what} (expected a JSON file)")
+        raise ConfigError(f"{label} {what} (expected {expected})")
     try:
-        text = file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{field} = {path!r}: cannot read it as a JSON text file ({exc})") from None
+        return file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{label}: not a UTF-8 text file (byte {exc.start}); expected {expected}") from None
+    except OSError as exc:
+        raise ConfigError(f"{label}: cannot be read ({exc.strerror}); expected {expected}") from None
+
+
+def read_json_mapping(path: str, field: str) -> dict:
+    """A JSON object read from `path` for config `field` (a DeepSpeed or FSDP file); errors name both and the line."""
+    text = read_text_file(path, f"{field} = {path!r}", "a JSON file")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -353,16 +360,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[dict[str, Any]] 
     lines: dict[tuple, int] = {}
     source = "command line"
     if path is not None:
-        file = Path(path)
-        if not file.is_file():
-            what = "is a folder, not a file" if file.is_dir() else "does not exist"
-            raise ConfigError(f"config file {path} {what} (expected a YAML file such as configs/demo.yaml)")
-        try:
-            text = file.read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise ConfigError(
-                f"{path}: not a UTF-8 text file (byte {exc.start}); expected a YAML file such as configs/demo.yaml"
-            ) from None
+        text = read_text_file(path, f"config file {path}", "a YAML file such as configs/demo.yaml")
         try:
             loaded = yaml.safe_load(text)
         except yaml.YAMLError as exc:
