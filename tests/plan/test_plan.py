@@ -17,6 +17,7 @@ import pytest
 from helpers import run_phalanx
 from phalanx.cli import main as phalanx_main
 from phalanx.config.loader import load_config
+from phalanx.errors import ConfigError
 from phalanx.plan import model_facts, setup_from_config, strategy_rows
 from phalanx.plan.command import make_plan, render, with_data_lengths
 from phalanx.plan.estimate import loss_bytes
@@ -387,3 +388,19 @@ def test_plan_for_the_configured_strategy_is_marked(tmp_path):
     cfg = load_config("configs/demo.yaml", {"distributed.strategy": "deepspeed", "distributed.zero_stage": 3})
     plan = make_plan(cfg, "cpu", 64 * 2**30)
     assert plan.configured == "ZeRO-3" and any(r.strategy == "ZeRO-3" for r in plan.rows)
+
+
+def test_an_fsdp_json_decides_the_configured_row_as_the_run_takes_it(tmp_path):
+    """`--fsdp_config` with SHARD_GRAD_OP: the run shards that way, so plan marks that row, not distributed.*'s
+    FULL_SHARD; with offload on too, plan says it has no row for it. A folder given as the file is refused by name."""
+    fsdp_json = tmp_path / "fsdp.json"
+    fsdp_json.write_text('{"fsdp_sharding_strategy": "SHARD_GRAD_OP"}')
+    cfg = load_config("configs/demo.yaml", {"distributed.fsdp_config": str(fsdp_json)})
+    plan = make_plan(cfg, "cpu", 64 * 2**30, read_data=False)
+    assert plan.configured == "fsdp SHARD_GRAD_OP" and "fsdp SHARD_GRAD_OP *" in render(plan)
+    fsdp_json.write_text('{"fsdp_sharding_strategy": "SHARD_GRAD_OP", "fsdp_offload_params": true}')
+    plan = make_plan(cfg, "cpu", 64 * 2**30, read_data=False)
+    assert "This config runs as fsdp SHARD_GRAD_OP +offload, which plan has no estimate for" in render(plan)
+    cfg = load_config("configs/demo.yaml", {"distributed.fsdp_config": str(tmp_path)})
+    with pytest.raises(ConfigError, match=f"distributed.fsdp_config = '{tmp_path}' is a folder, not a file"):
+        make_plan(cfg, "cpu", 64 * 2**30, read_data=False)

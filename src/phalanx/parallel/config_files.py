@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from phalanx.config.loader import read_json_mapping
-from phalanx.config.schema import SHARDING_STRATEGIES
+from phalanx.config.schema import SHARDING_STRATEGIES, DistributedConfig
 from phalanx.errors import ConfigError
 from phalanx.runtime.durable import create_folder
 
@@ -117,6 +117,16 @@ def read_fsdp_config(path: str) -> dict:
         "mixed_precision": {"NO": None, "FP32": None, "FP16": "fp16", "BFLOAT16": "bf16"}[precision],
         "cpu_offload": bool(data.get("fsdp_offload_params", False)),
     }
+
+
+def fsdp_settings(d: DistributedConfig) -> tuple[str, bool, Optional[str]]:
+    """The sharding strategy, CPU offload and FSDP mixed precision ('bf16', 'fp16' or None) a run takes: the
+    distributed section's, where an FSDP JSON (distributed.fsdp_config) overrides the first and third and can turn
+    offload on. `phalanx train` and `phalanx plan` both read them here."""
+    if not d.fsdp_config:
+        return d.sharding_strategy, d.offload_param, None
+    file = read_fsdp_config(d.fsdp_config)
+    return file["sharding_strategy"], file["cpu_offload"] or d.offload_param, file["mixed_precision"]
 
 
 def _write(config: dict, output: Optional[str]) -> None:

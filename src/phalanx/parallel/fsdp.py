@@ -38,7 +38,7 @@ from phalanx.config.schema import SHARDING_STRATEGIES
 from phalanx.errors import ConfigError
 from phalanx.models.blocks import decoder_layers
 from phalanx.parallel.base import Precision, Strategy
-from phalanx.parallel.config_files import read_fsdp_config
+from phalanx.parallel.config_files import fsdp_settings
 from phalanx.runtime.dist import RankInfo
 
 if TYPE_CHECKING:
@@ -87,12 +87,8 @@ class FSDPStrategy(Strategy):
     def from_config(cls, rank: RankInfo, precision: Precision, cfg: RunConfig) -> "FSDPStrategy":
         """distributed.sharding_strategy and offload_param; an FSDP JSON (`phalanx config fsdp`, distributed.fsdp_config)
         overrides the sharding strategy and the compute dtype, and can turn CPU offload on."""
-        d = cfg.distributed
-        sharding, offload, param_dtype = d.sharding_strategy, d.offload_param, None
-        if d.fsdp_config:
-            file = read_fsdp_config(d.fsdp_config)
-            sharding, offload = file["sharding_strategy"], file["cpu_offload"] or offload
-            param_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[file["mixed_precision"]]
+        sharding, offload, mixed_precision = fsdp_settings(cfg.distributed)
+        param_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[mixed_precision]
         return cls(rank, precision, sharding, offload, cfg.model.finetune, param_dtype)
 
     def _mesh(self):

@@ -42,8 +42,11 @@ class Plan:
 def configured_strategy(cfg: RunConfig) -> str:
     d = cfg.distributed
     if d.strategy == "fsdp":
-        sharding = "FULL_SHARD" if d.sharding_strategy == "HYBRID_SHARD" else d.sharding_strategy  # same bytes per rank
-        return f"fsdp {sharding}" + (" +offload" if d.offload_param else "")
+        from phalanx.parallel.config_files import fsdp_settings
+
+        sharding, offload, _ = fsdp_settings(d)  # an FSDP JSON's settings, as the run will take them
+        sharding = "FULL_SHARD" if sharding == "HYBRID_SHARD" else sharding  # the same bytes per rank
+        return f"fsdp {sharding}" + (" +offload" if offload else "")
     if d.strategy == "deepspeed":
         return (
             f"ZeRO-{d.zero_stage or 1}"
@@ -298,6 +301,10 @@ def render(plan: Plan) -> str:
         if mine is not None:
             state = "fits too" if mine.fits else ("fits with checkpointing" if mine.fits_ckpt else "does not fit")
             lines.append(f"This config's {plan.configured} {state}.")
+        else:
+            lines.append(
+                f"This config runs as {plan.configured}, which plan has no estimate for: the rows above are the ones it has."
+            )
     return "\n".join(lines)
 
 
