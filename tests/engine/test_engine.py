@@ -307,3 +307,38 @@ def test_the_digits_example_learns_in_one_process(tmp_path):
         )
     assert history["val_acc"][-1] > 0.8
     assert (tmp_path / "digits" / "checkpoint-best" / "ema.pt").is_file()
+
+
+class _ReturnsNothing(nn.Linear):
+    def forward(self, x):
+        super().forward(x)
+
+
+def test_a_model_or_criterion_that_gives_no_trainable_loss_is_named():
+    """Without the check these were torch's own errors (cross_entropy of None, `.backward()` on None, "grad can be
+    implicitly created only for scalar outputs"), which name neither the model nor the criterion."""
+    loader = DataLoader(TensorDataset(torch.randn(4, 2), torch.zeros(4, dtype=torch.long)), batch_size=2)
+    cases = [
+        (
+            _ReturnsNothing(2, 2),
+            nn.CrossEntropyLoss(),
+            False,
+            r"model\(inputs\) returned None \(_ReturnsNothing\.forward",
+        ),
+        (
+            nn.Linear(2, 2),
+            lambda outputs, targets: None,
+            False,
+            r"criterion <lambda>\(outputs, targets\) returned NoneType",
+        ),
+        (nn.Linear(2, 2), nn.CrossEntropyLoss(reduction="none"), False, r"shape \(2,\).*reduction='none'"),
+        (nn.Linear(2, 2), lambda o, t: nn.functional.cross_entropy(o.detach(), t), False, "a loss with no gradient"),
+        (nn.Linear(2, 2), nn.CrossEntropyLoss(reduction="none"), True, r"CrossEntropyLoss\(outputs, targets\).*shape"),
+    ]
+    for model, criterion, validating, message in cases:
+        engine = TrainingEngine(model, "cpu", output_dir="unused", **QUIET)
+        engine.attach(torch.optim.SGD(model.parameters(), lr=0.1))
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(ConfigError, match=message):
+            (engine.validate if validating else engine.train_epoch)(loader, criterion)
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()), "no step was taken"

@@ -363,8 +363,7 @@ class TrainingEngine:
         for i, batch in enumerate(batches):
             inputs, targets = self._to_device(batch)
             with self.strategy.autocast():
-                outputs = self.model(inputs)
-                loss = criterion(outputs, targets)
+                outputs, loss = forward_loss(self.model, criterion, inputs, targets, training=True)
             self._inject_fault()
             self.strategy.backward(loss)
             self.strategy.step(max_grad_norm)
@@ -408,8 +407,7 @@ class TrainingEngine:
         for batch in loader:
             inputs, targets = self._to_device(batch)
             with self.strategy.autocast():
-                outputs = model(inputs)
-                loss = criterion(outputs, targets)
+                outputs, loss = forward_loss(model, criterion, inputs, targets, training=False)
             totals.add(loss.float(), outputs, targets)
         model.train(was_training)
         return totals.reduce()
@@ -616,6 +614,36 @@ def _length(loader: Any) -> Optional[int]:
         return len(loader)
     except TypeError:
         return None
+
+
+def forward_loss(model: nn.Module, criterion: Any, inputs: Any, targets: Any, *, training: bool) -> tuple[Any, Any]:
+    """`model(inputs)` and `criterion(outputs, targets)`, refusing by name what cannot train: torch's own error
+    (a None passed to cross_entropy, `.backward()` on None, "grad can be implicitly created only for scalar
+    outputs") names neither the model nor the criterion nor what would be accepted."""
+    outputs = model(inputs)
+    if outputs is None:
+        raise ConfigError(
+            f"model(inputs) returned None ({type(getattr(model, 'module', model)).__name__}.forward has no return?); TrainingEngine passes "
+            "the model's output to criterion(outputs, targets): return the predictions (e.g. class scores)"
+        )
+    loss = criterion(outputs, targets)
+    name = getattr(criterion, "__name__", type(criterion).__name__)
+    accepted = "a one-element tensor, the batch mean (a torch loss with its default reduction='mean')"
+    if not isinstance(loss, torch.Tensor):
+        raise ConfigError(
+            f"criterion {name}(outputs, targets) returned {type(loss).__name__}; it must return {accepted}"
+        )
+    if loss.numel() != 1:
+        raise ConfigError(
+            f"criterion {name}(outputs, targets) returned a tensor of shape {tuple(loss.shape)}; it must return "
+            f"{accepted}, not one loss per row (reduction='none')"
+        )
+    if training and not loss.requires_grad:
+        raise ConfigError(
+            f"criterion {name}(outputs, targets) returned a loss with no gradient (computed under torch.no_grad, "
+            "detached, or from a model with no trainable parameter); it must be computed from the model's outputs"
+        )
+    return outputs, loss
 
 
 def rows_of(targets: Any) -> int:
