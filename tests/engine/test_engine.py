@@ -342,3 +342,34 @@ def test_a_model_or_criterion_that_gives_no_trainable_loss_is_named():
         with pytest.raises(ConfigError, match=message):
             (engine.validate if validating else engine.train_epoch)(loader, criterion)
         assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()), "no step was taken"
+
+
+def test_launch_arguments_that_would_fail_inside_the_ranks_are_refused_before_they_start(tmp_path):
+    """A misspelt backend was a failed start-up, which seed 004's fallback turned into a warning and a one-process
+    run; misspelt engine/train keywords and an empty dataset were errors from deep inside every rank; an explicit
+    start_method='spawn' with a lambda was pickle's own error."""
+    with pytest.raises(
+        ConfigError, match=r"backend = 'ncll': not a torch.distributed backend; accepted: None .*'gloo'"
+    ):
+        launch_distributed_training(distributed_train_worker, 2, backend="ncll", **tiny_config(tmp_path))
+    with pytest.raises(ConfigError, match="backend = 'cpu:glo'"):
+        TrainingEngine.setup_distributed(0, 2, backend="cpu:glo")
+    config = tiny_config(tmp_path)
+    config["engine_kwargs"] = {**config.get("engine_kwargs", {}), "use_ammp": True}
+    with pytest.raises(ConfigError, match=r"engine_kwargs: unknown key 'use_ammp'. Did you mean 'use_amp'\?"):
+        distributed_train_worker(0, 1, **config)
+    config = tiny_config(tmp_path)
+    config["train_kwargs"] = {"num_epoch": 1}
+    with pytest.raises(ConfigError, match=r"train_kwargs: unknown key 'num_epoch'. Did you mean 'num_epochs'\?"):
+        distributed_train_worker(0, 1, **config)
+    config = tiny_config(tmp_path)
+    config["train_kwargs"] = {"optimizer": None}  # the worker builds it
+    with pytest.raises(ConfigError, match="train_kwargs: unknown key 'optimizer'"):
+        distributed_train_worker(0, 1, **config)
+    config = tiny_config(tmp_path)
+    config["train_dataset"] = TensorDataset(torch.zeros(0, 2), torch.zeros(0, dtype=torch.long))
+    with pytest.raises(ConfigError, match=r"train_dataset is empty \(0 rows\)"):
+        distributed_train_worker(0, 1, **config)
+    with pytest.raises(ConfigError, match=r"train_fn .* cannot be sent to spawned ranks with start_method='spawn'"):
+        launch_distributed_training(lambda rank, world_size: None, 2, start_method="spawn")
+    assert not (tmp_path / "worker").exists(), "nothing was trained or written"

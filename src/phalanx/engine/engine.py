@@ -48,6 +48,18 @@ class DistributedFallbackWarning(RuntimeWarning):
     """Distributed training was asked for but could not start; the run continues in one process."""
 
 
+def check_backend(backend: Optional[str]) -> None:
+    """Refuse a backend name torch.distributed does not know: a typo would otherwise fail the start-up, which seed
+    004's fallback turns into a warning and a one-process run instead of an error."""
+    known = [b for b in dist.Backend.backend_list if b not in ("undefined", "fake")]
+    names = [part.rpartition(":")[2] for part in backend.split(",")] if isinstance(backend, str) else [backend]
+    if backend is not None and backend != "auto" and not all(name in known for name in names):
+        raise ConfigError(
+            f"backend = {backend!r}: not a torch.distributed backend; accepted: None or 'auto' (NCCL on CUDA, gloo "
+            f"otherwise), {', '.join(repr(b) for b in known)}, or 'device:backend' pairs such as 'cpu:gloo,cuda:nccl'"
+        )
+
+
 def warn_fallback(message: str) -> None:
     warnings.warn(f"⚠️  {message}", DistributedFallbackWarning, stacklevel=3)
 
@@ -136,6 +148,7 @@ class TrainingEngine:
         CUDA and gloo on CPU. The rendezvous is MASTER_ADDR:MASTER_PORT (default localhost:12355).
         Raises when the group cannot be formed; the environment is left as it was then.
         """
+        check_backend(backend)
         backend = backend or os.environ.get(BACKEND_ENV) or "auto"
         env = {
             "RANK": str(rank),

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from phalanx.engine.engine import BACKEND_ENV, TrainingEngine, warn_fallback
+from phalanx.engine.engine import BACKEND_ENV, TrainingEngine, check_backend, warn_fallback
 from phalanx.errors import ConfigError, RanksFailed
 
 CONFIG_KEYS = (
@@ -46,6 +46,7 @@ CONFIG_KEYS = (
 )
 REQUIRED_KEYS = ("model_fn", "train_dataset", "optimizer_fn", "criterion_fn")
 SET_BY_WORKER = ("model", "device", "distributed", "local_rank", "world_size", "backend")
+TRAIN_ARGS_BY_WORKER = ("train_loader", "val_loader", "optimizer", "criterion", "scheduler")
 
 
 def launch_distributed_training(
@@ -61,6 +62,7 @@ def launch_distributed_training(
     in this process (a warning says so when it is 0, e.g. torch.cuda.device_count() on a machine without GPUs).
     start_method: 'auto' (spawn, or fork when the arguments do not pickle), 'spawn', 'fork' or 'forkserver'.
     """
+    check_backend(backend)
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if world_size < 2:
         if world_size < 1:
@@ -140,22 +142,25 @@ def _unpicklable(train_fn: Callable, kwargs: dict) -> Optional[str]:
 def _start_method(requested: str, train_fn: Callable, kwargs: dict) -> str:
     if requested not in ("auto", "spawn", "fork", "forkserver"):
         raise ConfigError(f"start_method = {requested!r}; use 'auto', 'spawn', 'fork' or 'forkserver'")
-    if requested != "auto":
+    if requested == "fork":
         return requested
+    # 'spawn' and 'forkserver' pickle what they send: checked here, so the error names the argument instead of
+    # being pickle's own from inside torch.multiprocessing.
     bad = _unpicklable(train_fn, kwargs)
     if bad is None:
-        return "spawn"
+        return "spawn" if requested == "auto" else requested
     can_fork = sys.platform.startswith("linux") and not torch.cuda.is_initialized()
-    if can_fork:
+    if requested == "auto" and can_fork:
         return "fork"
+    if requested != "auto":
+        why = f" with start_method={requested!r}; start_method='auto' forks the ranks instead where it can"
+    elif sys.platform.startswith("linux"):
+        why = " (forking is no option: CUDA is already initialised in this process)"
+    else:
+        why = ""
     raise ConfigError(
-        f"{bad} cannot be sent to spawned ranks. Use module-level functions or functools.partial "
+        f"{bad} cannot be sent to spawned ranks{why}. Use module-level functions or functools.partial "
         "instead of lambdas and local functions"
-        + (
-            " (forking is no option: CUDA is already initialised in this process)"
-            if sys.platform.startswith("linux")
-            else ""
-        )
     )
 
 
@@ -213,6 +218,11 @@ def distributed_train_worker(
     clash = sorted(set(engine_kwargs) & set(SET_BY_WORKER))
     if clash:
         raise ConfigError(f"engine_kwargs {clash} are set by distributed_train_worker itself; remove them")
+    # Checked before any rank joins or trains: a misspelt key was a TypeError from deep inside the ranks.
+    _check_keywords("engine_kwargs", engine_kwargs, TrainingEngine.__init__, SET_BY_WORKER)
+    _check_keywords("train_kwargs", config.get("train_kwargs") or {}, TrainingEngine.train, TRAIN_ARGS_BY_WORKER)
+    if len(config["train_dataset"]) == 0:
+        raise ConfigError("train_dataset is empty (0 rows); give a dataset with at least one row")
 
     distributed = world_size > 1
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -266,6 +276,21 @@ def distributed_train_worker(
     finally:
         if distributed:
             TrainingEngine.cleanup_distributed()
+
+
+def _check_keywords(label: str, given: dict, function: Callable, supplied: tuple[str, ...]) -> None:
+    """Every key of `given` must be a parameter of `function` that the worker does not fill in itself."""
+    import difflib
+
+    accepted = [name for name in inspect.signature(function).parameters if name not in ("self", *supplied)]
+    for key in given:
+        if key not in accepted:
+            near = difflib.get_close_matches(key, accepted, n=1)
+            hint = f" Did you mean {near[0]!r}?" if near else ""
+            raise ConfigError(
+                f"{label}: unknown key {key!r}.{hint} Accepted: {', '.join(accepted)} "
+                f"({function.__qualname__}'s arguments)"
+            )
 
 
 def make_loaders(
