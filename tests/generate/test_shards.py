@@ -170,3 +170,23 @@ def test_batches_do_not_depend_on_the_world_size():
     done = set(batches[0]) | {batches[1][0]}
     assert rank_batches(batches, 0, 2, done) == [(2, batches[2]), (4, batches[4])]
     assert rank_batches(batches, 1, 2, done) == [(1, batches[1][1:]), (3, batches[3]), (5, batches[5])]
+
+
+def test_a_validation_file_phalanx_did_not_write_or_a_folder_is_refused_as_the_output_is(tmp_path):
+    """--val_output (or the default traj_val.jsonl beside --output) was replaced by the merge whatever it held, and a
+    folder there failed the merge with IsADirectoryError after all the generation."""
+    out = tmp_path / "traj_chat.jsonl"
+    theirs = tmp_path / "traj_val.jsonl"
+    theirs.write_text('{"mine": 1}\n')
+    with pytest.raises(ConfigError, match=f"^{theirs} already exists and was not written by a phalanx generate run"):
+        check_manifest(shard_dir(out), out, {"seed": 1}, overwrite=False, val_output=theirs)
+    assert check_manifest(shard_dir(out), out, {"seed": 1}, overwrite=False, val_output=None) == "fresh"  # none written
+    assert check_manifest(shard_dir(out), out, {"seed": 1}, overwrite=True, val_output=theirs) == "overwrite"
+    prepare_folder(shard_dir(out), {"seed": 1}, "fresh")
+    assert check_manifest(shard_dir(out), out, {"seed": 1}, overwrite=False, val_output=theirs) == "resume"
+    folder = tmp_path / "val"
+    folder.mkdir()
+    for overwrite in (False, True):
+        with pytest.raises(ConfigError, match=f"^--val_output {folder} is a folder; .* --val_output {folder}/traj_val"):
+            check_manifest(shard_dir(out), out, {"seed": 1}, overwrite=overwrite, val_output=folder)
+    assert theirs.read_text() == '{"mine": 1}\n' and list(folder.iterdir()) == []

@@ -419,6 +419,11 @@ def test_bad_flags_and_foreign_or_changed_outputs(runs, tmp_path, capsys):
     mine.write_text("precious\n")
     code, out = run_in_process(["generate", "--prompts", str(prompts), "--output", str(mine)], capsys)
     assert code == 2 and "was not written by a phalanx generate run" in out and mine.read_text() == "precious\n"
+    # Nor is one given as the validation file (the merge replaced it, after all the generation).
+    fresh = tmp_path / "fresh" / "traj_chat.jsonl"
+    code, out = run_in_process(generate_args(prompts, fresh, "--val_output", str(mine)), capsys)
+    assert code == 2 and f"{mine} already exists and was not written" in out and mine.read_text() == "precious\n"
+    assert not fresh.exists()
 
 
 def test_model_without_chat_template_falls_back_to_plain_prompts(tmp_path, capsys):

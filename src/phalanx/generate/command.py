@@ -197,7 +197,7 @@ def main(argv: Sequence[str]) -> int:
         # Check what can be checked before any rank starts, so bad input is reported once; write nothing.
         check_world_fits(args.world_size, "auto")
         job = plan_job(args, warn=lambda message: None)
-        check_manifest(job.folder, job.output, job.settings, args.overwrite)
+        check_manifest(job.folder, job.output, job.settings, args.overwrite, job.val_output)
         check_free(output_file_lock(job.output), f"--output {job.output}")
         try:
             # 75 or 130 when a signal stopped the ranks: rank 0 has said so
@@ -255,7 +255,7 @@ def _agree_on_state(job, rank, overwrite: bool) -> set[tuple[int, int]]:
         try:
             # Held until this process ends: a second job on this output would append to the same shards.
             hold_lock(output_file_lock(job.output), f"--output {job.output}")
-            action = check_manifest(job.folder, job.output, job.settings, overwrite)
+            action = check_manifest(job.folder, job.output, job.settings, overwrite, job.val_output)
             prepare_folder(job.folder, job.settings, action)
             expected = set(job.pairs())
             answer = sorted(key for key in scan_folder(job.folder) if key in expected)

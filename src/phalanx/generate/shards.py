@@ -55,14 +55,22 @@ def default_val_output(output: Path) -> Path:
 # ---------------------------------------------------------------------------- manifest
 
 
-def check_manifest(folder: Path, output: Path, settings: dict, overwrite: bool) -> str:
-    """What to do with earlier state: 'fresh', 'resume' or 'overwrite'. Raises ConfigError when it is not ours."""
+def check_manifest(
+    folder: Path, output: Path, settings: dict, overwrite: bool, val_output: Optional[Path] = None
+) -> str:
+    """What to do with earlier state: 'fresh', 'resume' or 'overwrite'. Raises ConfigError when it is not ours.
+
+    `val_output` (None: no validation file) is checked as the output is: the merge writes both at the end."""
     manifest = folder / MANIFEST
-    if output.is_dir():  # even with --overwrite: a file is written there at the end, and a folder is not replaced
-        raise ConfigError(
-            f"--output {output} is a folder; give the JSONL file to write, e.g. --output {output / 'traj_chat.jsonl'}"
-        )
+    for flag, path, example in (("--output", output, "traj_chat"), ("--val_output", val_output, "traj_val")):
+        # even with --overwrite: a file is written there at the end, and a folder is not replaced
+        if path is not None and path.is_dir():
+            raise ConfigError(
+                f"{flag} {path} is a folder; give the JSONL file to write, e.g. {flag} {path / example}.jsonl"
+            )
     check_can_create(folder, f"--output {output}")  # the shards folder sits beside the output file
+    if val_output is not None:
+        check_can_create(val_output.parent, f"--val_output {val_output}")
     if overwrite:
         return "overwrite"
     if manifest.is_file():
@@ -81,8 +89,11 @@ def check_manifest(folder: Path, output: Path, settings: dict, overwrite: bool) 
                 "earlier settings to resume, choose another --output, or pass --overwrite true to start over."
             )
         return "resume"
-    if output.exists() or (folder.exists() and any(folder.iterdir())):
-        found = output if output.exists() else folder
+    # A fresh job writes files that did not exist, so one found there is someone else's (a resumed job's own
+    # earlier merge wrote them).
+    earlier = [p for p in (output, val_output) if p is not None and p.exists()]
+    if earlier or (folder.exists() and any(folder.iterdir())):
+        found = earlier[0] if earlier else folder
         raise ConfigError(
             f"{found} already exists and was not written by a phalanx generate run with these settings "
             f"(no {manifest}). Choose another --output, or pass --overwrite true to replace it."
