@@ -1,5 +1,6 @@
 """`phalanx train`'s command module and the pieces every command shares: the table, the config flags, the quieting."""
 
+import os
 import subprocess
 import sys
 
@@ -46,6 +47,32 @@ def test_train_help_and_a_bad_flag_need_no_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "[0, 2] False"
+
+
+def test_a_rank_keeps_a_stop_signal_that_comes_while_the_config_stack_imports():
+    """A rank installs its handler before pydantic is imported: a Ctrl-C or SIGTERM that came in that import (the
+    first tenths of a second of every rank, seconds on a busy machine) was a KeyboardInterrupt traceback, or the
+    rank's death, and the launcher then stopped the others without saving."""
+    code = (
+        "import os, signal, sys\n"
+        "class SignalOnImport:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'pydantic':\n"
+        "            os.kill(os.getpid(), getattr(signal, sys.argv[1]))\n"
+        "sys.meta_path.insert(0, SignalOnImport())\n"
+        "from phalanx.train import command\n"
+        "def rank(args, preemption):\n"
+        "    import phalanx.config.loader  # as the real train_rank does\n"
+        "    print('requested', preemption.requested, preemption.signal_name)\n"
+        "    return 0\n"
+        "command.train_rank = rank\n"
+        "sys.exit(command.main(['--max_steps', '1']))\n"
+    )
+    for name in ("SIGINT", "SIGTERM"):
+        env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2"}
+        done = subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True, env=env)
+        assert done.returncode == 0, (name, done.returncode, done.stderr[-2000:])
+        assert done.stdout.strip().splitlines()[-1] == f"requested True {name}", done.stdout
 
 
 def test_a_rank_that_crashes_exits_1_not_the_bad_input_status(monkeypatch, tmp_path):

@@ -30,16 +30,17 @@ def main(args: Sequence[str]) -> int:
         return 0
     import os
 
-    from phalanx.config.loader import config_from_args
-    from phalanx.runtime.quiet import quiet_libraries
-
-    # Only `signal`: installed before the model stack is imported (seconds), so no preemption signal is lost.
+    # Only `signal`: installed before the config stack (pydantic) and the model stack are imported, so no preemption
+    # signal that comes while a rank starts is lost (a Ctrl-C in pydantic's import was a traceback and a rank lost).
     from phalanx.runtime.signals import PreemptionFlag
 
     # A rank of torchrun, the DeepSpeed launcher, SLURM or `--world_size N` (runtime.dist.launched_by_torchrun,
     # tested here without importing torch, so that a bad config is reported at once).
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return train_rank(args, PreemptionFlag().install())
+    from phalanx.config.loader import config_from_args
+    from phalanx.runtime.quiet import quiet_libraries
+
     cfg = config_from_args(args)[0]
     cfg.check_nodes(1)  # one process, or `--world_size N` ranks on this machine
     if cfg.model.load_in_4bit:
