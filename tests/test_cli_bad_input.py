@@ -399,3 +399,26 @@ def test_an_output_that_cannot_be_created_is_refused_by_name(tmp_path, capsys, c
         assert code == 2 and "Traceback" not in text, text
         assert reason in text and (reason or "cannot create or write into /proc (") in text, text
     assert sorted(tmp_path.iterdir()) == before and blocker.read_text() == "keep me"
+
+
+def test_ctrl_c_before_a_command_installs_its_handler_is_one_line_and_status_130(tmp_path):
+    """`phalanx generate --world_size 2` reads the prompts (importing transformers, seconds) before it starts the
+    ranks, with Python's own Ctrl-C: a KeyboardInterrupt traceback from deep inside a library, status -2."""
+    import subprocess
+
+    code = (
+        "import os, signal, sys\n"
+        "class CtrlCOnImport:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'transformers':\n"
+        "            os.kill(os.getpid(), signal.SIGINT)\n"
+        "sys.meta_path.insert(0, CtrlCOnImport())\n"
+        "from phalanx.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    output = tmp_path / "data" / "traj_chat.jsonl"
+    argv = ["generate", "--world_size", "2", "--output", str(output)]
+    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 130, (done.returncode, done.stderr[-2000:])
+    assert done.stderr.strip() == "⏹️  phalanx generate: stopped by Ctrl-C; what was committed earlier is kept"
+    assert not (tmp_path / "data").exists()

@@ -103,15 +103,27 @@ def run_command(argv: list[str]) -> int:
         print(f"{usage()}\nerror: unknown command {argv[0]!r}.{hint}", file=sys.stderr)
         return 2
     quiet_import_notes()
+    import os
+
+    rank = os.environ.get("RANK")
+    prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
     try:
         return resolve_command(argv[0])(argv[1:])
     except PhalanxError as exc:
-        import os
-
-        rank = os.environ.get("RANK")
-        prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
         print(f"{prefix}error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
+    except KeyboardInterrupt:
+        # A Ctrl-C that comes before a command installs its own handler (a launcher reading prompts or checking the
+        # config, `phalanx plan`, `data preview`): one line and the shell's status, not a traceback from whatever
+        # library was importing. Every file phalanx writes is committed atomically, so nothing is half-written.
+        from phalanx.runtime.signals import INTERRUPTED_EXIT_CODE
+
+        print(
+            f"{prefix}⏹️  phalanx {argv[0]}: stopped by Ctrl-C; what was committed earlier is kept",
+            file=sys.stderr,
+            flush=True,
+        )
+        return INTERRUPTED_EXIT_CODE
 
 
 if __name__ == "__main__":
