@@ -7,6 +7,7 @@ without torch.distributed being initialised, so single-process code paths are th
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -39,6 +40,12 @@ def launched_by_torchrun() -> bool:
 
 
 def env_rank_info() -> tuple[int, int, int, int]:
+    """(rank, world size, local rank, local world size) as a launcher set them; (0, 1, 0, 1) in a process no launcher
+    started. A WORLD_SIZE without a RANK is the shell's, not this process's: seed 001's guide has users
+    `export WORLD_SIZE=2` before running torchrun, and a plain `phalanx train` from that shell then waited for
+    ranks that no one starts (torch: "environment variable RANK expected, but not set")."""
+    if not launched_by_torchrun():
+        return 0, 1, 0, 1
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -78,6 +85,13 @@ def init_runtime(backend: str = "auto", timeout_minutes: float = 10.0, group_of_
     collectives (FSDP2, DeepSpeed) that users run on one device for their offload and memory savings.
     """
     rank, world, local_rank, local_world = env_rank_info()
+    if not launched_by_torchrun() and os.environ.get("WORLD_SIZE", "1").strip() not in ("", "1"):
+        print(
+            f"note: WORLD_SIZE={os.environ['WORLD_SIZE']} is set in the environment but RANK is not, so no launcher "
+            "started this process: it runs as one process. For several ranks use --world_size N, or torchrun.",
+            file=sys.stderr,
+            flush=True,
+        )
     backend = resolve_backend(backend)
     if backend == "nccl":
         if not torch.cuda.is_available():
@@ -101,8 +115,9 @@ def init_runtime(backend: str = "auto", timeout_minutes: float = 10.0, group_of_
         )
     elif world == 1 and group_of_one and not dist.is_initialized():
         # What a launcher would have set: libraries such as DeepSpeed read the rank from the environment.
+        # Set, not defaulted: a WORLD_SIZE left in the shell (see env_rank_info) must not tell them otherwise.
         for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1")):
-            os.environ.setdefault(name, value)
+            os.environ[name] = value
         dist.init_process_group(
             backend=backend,
             store=dist.HashStore(),

@@ -1,0 +1,25 @@
+"""runtime.dist: which environment makes this process a rank."""
+
+import torch.distributed as dist
+
+from phalanx.runtime.dist import env_rank_info, init_runtime, shutdown
+
+
+def test_a_world_size_left_in_the_shell_without_a_rank_is_one_process(monkeypatch, capsys):
+    """Seed 001's guide exports MASTER_ADDR, MASTER_PORT and WORLD_SIZE=2 before torchrun; a plain `phalanx train` or
+    `phalanx generate` from that shell failed in init_process_group ("environment variable RANK expected")."""
+    for name in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert env_rank_info() == (0, 1, 0, 1)
+    rank = init_runtime("gloo")
+    try:
+        assert (rank.rank, rank.world_size, rank.device.type) == (0, 1, "cpu") and not dist.is_initialized()
+    finally:
+        shutdown()
+    assert "WORLD_SIZE=2 is set in the environment but RANK is not" in capsys.readouterr().err
+    monkeypatch.setenv("RANK", "1")  # a launcher's rank: the environment is its own
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert env_rank_info() == (1, 2, 1, 2)
