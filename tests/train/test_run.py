@@ -1,6 +1,8 @@
 """The run's set-up and closing report (train.run)."""
 
-from phalanx.train.run import describe_eval
+from phalanx.config.schema import RunConfig
+from phalanx.data.sampler import StatefulDistributedSampler
+from phalanx.train.run import describe_epochs, describe_eval
 from phalanx.train.state import TrainerState
 
 
@@ -9,3 +11,15 @@ def test_the_closing_line_says_when_no_evaluation_ran():
     assert describe_eval(state) == "no evaluation (no eval rows: the data summary above says where they went)"
     state.last_eval_loss, state.best_eval_loss, state.best_step = 1.23456, 1.1, 4
     assert describe_eval(state) == "eval loss 1.2346 (best 1.1000 at step 4)"
+
+
+def test_the_header_counts_the_epochs_max_steps_makes_not_num_epochs():
+    """10 rows, 2 ranks x batch 2 x accumulation 2: 3 micro-batches per rank, 2 steps per epoch. Six steps are three
+    epochs (the run prints "Epoch 3 average loss"); the header said "Epochs: 1.0"."""
+    sampler = StatefulDistributedSampler(10, rank=0, world_size=2)
+    cfg = RunConfig.model_validate({"training": {"batch_size": 2, "gradient_accumulation_steps": 2, "num_epochs": 1}})
+    assert describe_epochs(cfg, sampler, 2) == "1.0 (2 optimizer steps)"
+    cfg.training.max_steps = 6
+    assert describe_epochs(cfg, sampler, 6) == (
+        "3.00 (6 optimizer steps of 2 per epoch: max_steps sets them, num_epochs is not used)"
+    )

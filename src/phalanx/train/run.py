@@ -199,6 +199,16 @@ def count_total_steps(cfg: RunConfig, sampler: TrainSampler) -> int:
     return max(1, steps)
 
 
+def describe_epochs(cfg: RunConfig, sampler: TrainSampler, total_steps: int) -> str:
+    """The header's epochs: num_epochs, or, when max_steps sets the length, the epochs those steps make (a header
+    that said "Epochs: 1.0" over a max_steps run of three epochs contradicted the per-epoch lines below it)."""
+    t = cfg.training
+    if not t.max_steps:
+        return f"{t.num_epochs} ({total_steps} optimizer steps)"
+    per_epoch = max(1, math.ceil(micro_batches_per_rank(sampler, 0, t.batch_size) / t.gradient_accumulation_steps))
+    return f"{total_steps / per_epoch:.2f} ({total_steps} optimizer steps of {per_epoch} per epoch: max_steps sets them, num_epochs is not used)"
+
+
 def micro_batches_per_rank(sampler: TrainSampler, epoch: int, batch_size: int) -> int:
     if isinstance(sampler, TokenBudgetBatchSampler):
         return sampler.micro_batches_per_rank(epoch)
@@ -401,7 +411,7 @@ def announce(run: Run) -> None:
         say(f"   - Batch Size per GPU: {cfg.training.batch_size}")
         say(f"   - Effective Batch Size: {effective}")
     say(f"   - Learning Rate: {cfg.training.learning_rate}")
-    say(f"   - Epochs: {cfg.training.num_epochs} ({run.total_steps} optimizer steps)")
+    say(f"   - Epochs: {describe_epochs(cfg, run.sampler.sampler, run.total_steps)}")
     say(f"   - Gradient Accumulation: {cfg.training.gradient_accumulation_steps}")
     say(f"   - Max Sequence Length: {cfg.data.max_length}")
     summary, *details = describe_report(r, cfg.data)
