@@ -2,7 +2,7 @@
 
 from phalanx.config.schema import RunConfig
 from phalanx.data.sampler import StatefulDistributedSampler
-from phalanx.train.run import describe_epochs, describe_eval
+from phalanx.train.run import describe_dataset, describe_epochs, describe_eval
 from phalanx.train.state import TrainerState
 
 
@@ -23,3 +23,20 @@ def test_the_header_counts_the_epochs_max_steps_makes_not_num_epochs():
     assert describe_epochs(cfg, sampler, 6) == (
         "3.00 (6 optimizer steps of 2 per epoch: max_steps sets them, num_epochs is not used)"
     )
+
+
+def test_the_header_points_to_generated_records_that_a_run_without_a_dataset_leaves_out(tmp_path, monkeypatch):
+    """Seed 001 runs generate_data.py then train_loop.py, which trained on data/traj_chat.jsonl; `phalanx train` with
+    no dataset trains on the bundled chats, and said only that."""
+    monkeypatch.chdir(tmp_path)
+    cfg = RunConfig()
+    assert describe_dataset(cfg) == "bundled health-agent chats"
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "traj_chat.jsonl").write_text("{}\n")
+    (tmp_path / "data" / "traj_val.jsonl").write_text("{}\n")
+    assert describe_dataset(cfg) == (
+        "bundled health-agent chats (not data/traj_chat.jsonl, which `phalanx generate` wrote here: "
+        "--dataset_path data/traj_chat.jsonl --eval_dataset_path data/traj_val.jsonl trains on it)"
+    )
+    cfg.data.dataset_path = "mine.jsonl"
+    assert describe_dataset(cfg) == "mine.jsonl"

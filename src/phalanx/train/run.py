@@ -199,6 +199,20 @@ def count_total_steps(cfg: RunConfig, sampler: TrainSampler) -> int:
     return max(1, steps)
 
 
+def describe_dataset(cfg: RunConfig) -> str:
+    """The header's dataset. Seed 001's train_loop.py read data/traj_chat.jsonl, what generate_data.py (and
+    `phalanx generate`) wrote; phalanx trains on what it is given, so with no dataset beside such a file it says so."""
+    given = cfg.data.dataset_name or cfg.data.dataset_path
+    if given:
+        return given
+    generated = Path("data") / "traj_chat.jsonl"
+    if not generated.is_file():
+        return "bundled health-agent chats"
+    val = generated.with_name("traj_val.jsonl")
+    flags = f"--dataset_path {generated}" + (f" --eval_dataset_path {val}" if val.is_file() else "")
+    return f"bundled health-agent chats (not {generated}, which `phalanx generate` wrote here: {flags} trains on it)"
+
+
 def describe_epochs(cfg: RunConfig, sampler: TrainSampler, total_steps: int) -> str:
     """The header's epochs: num_epochs, or, when max_steps sets the length, the epochs those steps make (a header
     that said "Epochs: 1.0" over a max_steps run of three epochs contradicted the per-epoch lines below it)."""
@@ -395,7 +409,7 @@ def announce(run: Run) -> None:
         else ""
     )
     say(f"   - Model: {m.model_name} ({m.finetune}{base}; {trainable:,} of {total:,} parameters train)")
-    say(f"   - Dataset: {cfg.data.dataset_name or cfg.data.dataset_path or 'bundled health-agent chats'}")
+    say(f"   - Dataset: {describe_dataset(cfg)}")
     say(
         f"   - World Size: {run.rank.world_size} ({run.strategy.name}, {run.rank.device.type}, "
         f"{run.strategy.precision.dtype or 'fp32'})"
