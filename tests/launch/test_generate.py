@@ -220,6 +220,12 @@ def test_launcher_elastic_uses_c10d_with_fresh_stores(in_project, capsys, tmp_pa
         ),
         (["--nproc_per_node", "2"], "--num_gpus_per_node"),
         (["--num_gpus_per_node", "0", "--config", "missing.yaml"], "missing.yaml: no such file"),
+        (["--num_gpus_per_node", "0", "--config", "."], "--config .: a folder (expected a training YAML"),
+        (
+            ["--num_gpu_per_node", "2"],
+            "required: --num_gpus_per_node. --num_gpu_per_node is not a flag of phalanx launcher: did you mean "
+            "--num_gpus_per_node?",
+        ),
         (["--num_gpus_per_node", "0", "--", "--max_stepz", "3"], "unknown flag --max_stepz. Did you mean 'max_steps'?"),
         (["--num_gpus_per_node", "0", "--", "--learning_rate", "-1"], "learning_rate"),
         (["--num_gpus_per_node", "0", "--bogus", "1"], "unrecognized arguments: --bogus"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import sys
 from typing import Optional, Sequence
 
 from phalanx.errors import ConfigError, PhalanxError
@@ -13,15 +14,30 @@ class CommandParser(argparse.ArgumentParser):
     """argparse for a subcommand's own flags: bad input is a ConfigError (one clear line, exit 2, no usage dump),
     and a mistyped flag names the nearest one, as `phalanx train` does."""
 
+    def parse_known_args(self, args=None, namespace=None):
+        self._given = list(sys.argv[1:] if args is None else args)  # for error(): the words it was given
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str):
         command = f"phalanx {self.prog.split()[-1]}"
+        known = [name for action in self._actions for name in action.option_strings if name.startswith("--")]
         hint = ""
         if message.startswith("unrecognized arguments:"):
-            known = [name for action in self._actions for name in action.option_strings if name.startswith("--")]
             for word in message.partition(":")[2].split():
                 near = difflib.get_close_matches(word.partition("=")[0], known, n=1) if word.startswith("--") else []
                 if near:
                     hint = f" Did you mean {near[0]}?"
+                    break
+        elif message.startswith("the following arguments are required:"):
+            # argparse reports a missing required flag before an unknown one: `--num_gpu_per_node 2` was answered
+            # with "required: --num_gpus_per_node" alone, as if the flag had not been given at all.
+            for word in getattr(self, "_given", []):
+                flag = word.partition("=")[0]
+                if word == "--":
+                    break  # what follows goes to another command
+                if flag.startswith("--") and not any(name.startswith(flag) for name in known):
+                    near = difflib.get_close_matches(flag, known, n=1)
+                    hint = f" {flag} is not a flag of {command}" + (f": did you mean {near[0]}?" if near else ".")
                     break
         raise ConfigError(f"{command}: {message}.{hint} `{command} --help` lists the flags.")
 

@@ -115,7 +115,8 @@ def check_training(
     from phalanx.parallel import check_before_launch
 
     if config is not None and not Path(config).is_file():
-        raise ConfigError(f"--config {config}: no such file (expected a training YAML such as configs/demo.yaml)")
+        what = "a folder" if Path(config).is_dir() else "no such file"
+        raise ConfigError(f"--config {config}: {what} (expected a training YAML such as configs/demo.yaml)")
     config = None if config is None else str(Path(config).resolve())
     here = Path.cwd()
     elsewhere = run_dir is not None and run_dir.is_dir() and run_dir.resolve() != here.resolve()
