@@ -373,3 +373,22 @@ def test_launch_arguments_that_would_fail_inside_the_ranks_are_refused_before_th
     with pytest.raises(ConfigError, match=r"train_fn .* cannot be sent to spawned ranks with start_method='spawn'"):
         launch_distributed_training(lambda rank, world_size: None, 2, start_method="spawn")
     assert not (tmp_path / "worker").exists(), "nothing was trained or written"
+
+
+def test_a_resume_path_that_is_missing_or_a_file_and_bad_train_counts_are_named(tmp_path):
+    """A missing resume_from, or a file, was "it may be a save that crashed"; num_epochs=1.5 was range()'s TypeError,
+    and a negative num_epochs or max_grad_norm trained nothing or clipped nothing without a word."""
+    engine = TrainingEngine(nn.Linear(2, 2), "cpu", output_dir=tmp_path, **QUIET)
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(PhalanxError, match=r"nope is not a committed phalanx checkpoint \(no such folder\)"):
+        engine.load_checkpoint(tmp_path / "nope")
+    with pytest.raises(PhalanxError, match=r"notes.txt is not a committed .* \(a file, not a checkpoint folder\)"):
+        engine.load_checkpoint(tmp_path / "notes.txt")
+    pairs = DataLoader(TensorDataset(torch.zeros(4, 2), torch.zeros(4, dtype=torch.long)), batch_size=2)
+    optimizer = torch.optim.SGD(engine.unwrapped_model.parameters(), lr=0.1)
+    for bad in (1.5, -1, True):
+        with pytest.raises(ConfigError, match=f"num_epochs = {bad!r}; give a whole number of epochs, 0 or more"):
+            engine.train(pairs, None, optimizer, nn.CrossEntropyLoss(), num_epochs=bad)
+    with pytest.raises(ConfigError, match="max_grad_norm = -1.0; give a positive norm to clip to, or 0 for none"):
+        engine.train(pairs, None, optimizer, nn.CrossEntropyLoss(), num_epochs=1, max_grad_norm=-1.0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"], "nothing trained or written"

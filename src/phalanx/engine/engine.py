@@ -288,6 +288,11 @@ class TrainingEngine:
         """
         if scheduler_interval not in ("epoch", "step"):
             raise ConfigError(f"scheduler_interval = {scheduler_interval!r}; use 'epoch' or 'step'")
+        # A float was a TypeError from range(); a negative count or clipping norm did nothing, silently.
+        if isinstance(num_epochs, bool) or not isinstance(num_epochs, int) or num_epochs < 0:
+            raise ConfigError(f"num_epochs = {num_epochs!r}; give a whole number of epochs, 0 or more")
+        if not max_grad_norm >= 0:
+            raise ConfigError(f"max_grad_norm = {max_grad_norm!r}; give a positive norm to clip to, or 0 for none")
         if monitor not in MONITORS:
             raise ConfigError(f"monitor = {monitor!r}; choose one of {', '.join(MONITORS)}")
         if save_steps is not None and (save_steps < 1 or _epoch_sampler(train_loader) is None):
