@@ -392,3 +392,18 @@ def test_a_resume_path_that_is_missing_or_a_file_and_bad_train_counts_are_named(
     with pytest.raises(ConfigError, match="max_grad_norm = -1.0; give a positive norm to clip to, or 0 for none"):
         engine.train(pairs, None, optimizer, nn.CrossEntropyLoss(), num_epochs=1, max_grad_norm=-1.0)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"], "nothing trained or written"
+
+
+def test_a_fresh_run_in_a_folder_an_earlier_run_left_says_what_it_replaces(tmp_path, recwarn):
+    """The earlier run's metrics.jsonl was cut and its checkpoint-best replaced (a first epoch is always a new best)
+    without a word."""
+    resumable_run(tmp_path, epochs=1)
+    assert not [w for w in recwarn if "holds an earlier run" in str(w.message)], "the first run replaces nothing"
+    folder = tmp_path / "resume"
+    with pytest.warns(
+        RuntimeWarning, match=re.escape(f"{folder} holds an earlier run (checkpoint-last, checkpoint-best")
+    ):
+        resumable_run(tmp_path, epochs=1)
+    recwarn.clear()
+    resumable_run(tmp_path, epochs=2, resume_from=folder / "checkpoint-last")
+    assert not [w for w in recwarn if "holds an earlier run" in str(w.message)], "a resume continues it"

@@ -310,6 +310,8 @@ class TrainingEngine:
             if resume_from is not None:
                 self.load_checkpoint(resume_from)
                 self._restore_epoch_position(train_loader)
+            elif self.is_main_process:
+                self._warn_of_an_earlier_run()
             reporter = self._reporter(train_loader, num_epochs, resumed=resume_from is not None)
             self._announce(reporter, train_loader, num_epochs)
             for epoch in range(self.epochs_done, num_epochs):
@@ -559,6 +561,21 @@ class TrainingEngine:
         if sampler is not None and not hasattr(sampler, "set_epoch"):
             warnings.warn(
                 "train_loader has no distributed sampler: every rank reads the whole dataset each epoch",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def _warn_of_an_earlier_run(self) -> None:
+        """A fresh train() in a folder an earlier run left: its metrics.jsonl is cut to this run's records at once, and
+        its checkpoints are replaced as this run saves (its first epoch is always a new best). Seed 004's scripts
+        are rerun as they are, so this warns rather than refuses; said before anything is replaced."""
+        earlier = [name for name in (LAST, BEST) if is_committed(self.output_dir / name)]
+        earlier += ["metrics.jsonl"] if (self.output_dir / "metrics.jsonl").is_file() else []
+        if earlier:
+            warnings.warn(
+                f"{self.output_dir} holds an earlier run ({', '.join(earlier)}); this run starts over and replaces "
+                f"them as it saves. To continue that run, pass resume_from='{self.output_dir / LAST}'; to keep it, "
+                "give another experiment_name or output_dir.",
                 RuntimeWarning,
                 stacklevel=3,
             )
