@@ -166,6 +166,21 @@ def test_finished_rerun_only_merges_again(runs, capsys):
     assert (root / "w2" / "traj_chat.jsonl").read_bytes() == before
 
 
+def test_a_rerun_without_a_validation_share_points_out_the_earlier_validation_file(runs, tmp_path, capsys):
+    """--val_fraction 0 on a finished job merges every prompt into the training file; the traj_val.jsonl an earlier
+    merge wrote stayed beside it without a word, so `--eval_dataset_path traj_val.jsonl` scored training rows."""
+    import shutil
+
+    root, prompts, _, _ = runs
+    shutil.copytree(root / "w1", tmp_path / "w1")
+    output, val = tmp_path / "w1" / "traj_chat.jsonl", tmp_path / "w1" / "traj_val.jsonl"
+    before = val.read_bytes()
+    code, out = run_in_process(generate_args(prompts, output, "--val_fraction", "0"), capsys)
+    assert code == 0, out
+    assert len(read_jsonl(output)) == PROMPTS * K and val.read_bytes() == before
+    assert f"⚠️  {val} is left as it was: --val_fraction 0 writes no validation file" in out
+
+
 def committed_pairs(folder: Path) -> int:
     from phalanx.generate.shards import scan_folder
 

@@ -359,7 +359,7 @@ def _report_stop(job, stopped: list[dict], everyone: list[dict], resumed: int) -
 
 
 def _finish(job, world_size: int, everyone: list[dict], resumed: int, say) -> None:
-    from phalanx.generate.shards import merge, val_prompt_ids
+    from phalanx.generate.shards import default_val_output, merge, val_prompt_ids
 
     sequences = sum(s["sequences"] for s in everyone)
     tokens = sum(s["tokens"] for s in everyone)
@@ -376,3 +376,11 @@ def _finish(job, world_size: int, everyone: list[dict], resumed: int, say) -> No
     n_train, n_val = merge(job.folder, job.pairs(), val_ids, job.output, job.val_output)
     where = f" and {n_val} ({len(val_ids)} prompts) to {job.val_output}" if job.val_output is not None else ""
     say(f"💾 Wrote {n_train} records to {job.output}{where}; shards kept in {job.folder}")
+    stale = default_val_output(job.output)
+    if job.val_output is None and stale.is_file():
+        # An earlier merge with a validation share wrote it; it is not deleted (it may be yours), but evaluating on
+        # it now would score prompts the training file holds as well.
+        say(
+            f"⚠️  {stale} is left as it was: --val_fraction 0 writes no validation file, and every prompt is now in "
+            f"{job.output}. If an earlier run wrote {stale}, its prompts are training rows too: do not evaluate on it."
+        )
