@@ -1,8 +1,11 @@
-"""runtime.dist: which environment makes this process a rank."""
+"""runtime.dist: which environment makes this process a rank, and how many fit."""
 
+import pytest
+import torch
 import torch.distributed as dist
 
-from phalanx.runtime.dist import env_rank_info, init_runtime, shutdown
+from phalanx.errors import ConfigError
+from phalanx.runtime.dist import check_world_fits, env_rank_info, init_runtime, shutdown
 
 
 def test_a_world_size_left_in_the_shell_without_a_rank_is_one_process(monkeypatch, capsys):
@@ -23,3 +26,13 @@ def test_a_world_size_left_in_the_shell_without_a_rank_is_one_process(monkeypatc
     monkeypatch.setenv("RANK", "1")  # a launcher's rank: the environment is its own
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert env_rank_info() == (1, 2, 1, 2)
+
+
+def test_nccl_ranks_without_cuda_devices_are_pointed_to_gloo(monkeypatch):
+    """With no CUDA device the advice was "Use --world_size 1 or fewer", which NCCL cannot run either."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ConfigError, match=r"only 0 CUDA device\(s\) .* use --backend gloo \(or auto\) for CPU ranks"):
+        check_world_fits(2, "nccl")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigError, match="only 2 CUDA device.* Use --world_size 2 or fewer."):
+        check_world_fits(4, "nccl")

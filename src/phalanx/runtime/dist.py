@@ -67,7 +67,11 @@ def check_world_fits(local_world_size: int, backend: str) -> None:
             raise ConfigError(
                 f"distributed.world_size = {local_world_size} ranks on this machine, but only {count} CUDA device(s) "
                 f"are visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}). "
-                f"Use --world_size {max(count, 1)} or fewer."
+                + (
+                    f"Use --world_size {count} or fewer."
+                    if count
+                    else "NCCL runs on CUDA devices only: use --backend gloo (or auto) for CPU ranks."
+                )
             )
     else:
         cores = os.cpu_count() or 1
