@@ -43,8 +43,9 @@ def resolve_model_path(model_name: str) -> str:
     path = Path(model_name).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
+            what = "a file, not a model folder" if path.is_file() else "a folder without config.json"
             raise ConfigError(
-                f"model.model_name = {model_name!r} is a folder without config.json; expected a folder written by "
+                f"model.model_name = {model_name!r} is {what}; expected a folder written by "
                 "save_pretrained (config.json + *.safetensors + tokenizer files) or a Hub id like 'org/name'."
             )
         return str(path)
