@@ -1,6 +1,9 @@
 """Shard files, commit records, torn tails, the manifest, the merge and the work split."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -95,6 +98,13 @@ def test_merge_sorts_splits_by_prompt_and_writes_atomically(tmp_path):
     assert rows[0]["messages"][1]["content"] == "answer 0.0"
     assert [json.loads(x)["metadata"]["prompt_id"] for x in val.read_text().splitlines()] == [1, 1]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "out.jsonl.shards", "val.jsonl"]  # no temp files
+    # A merge killed with SIGKILL left its temporary file; the next merge removes it, not a live writer's.
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead, live = tmp_path / f".out.jsonl.tmp-{gone.stdout.strip()}", tmp_path / f".val.jsonl.tmp-{os.getppid()}"
+    dead.write_text("half"), live.write_text("being written")
+    assert merge(folder, expected, {1}, out, val) == (4, 2)
+    assert not dead.exists() and live.read_text() == "being written"
+    live.unlink()
     with pytest.raises(DataError, match=r"1 \(prompt, sequence\) pairs have no committed record.*\(3, 0\)"):
         merge(folder, expected + [(3, 0)], set(), out, None)
 

@@ -219,6 +219,15 @@ class ShardWriter:
 # ---------------------------------------------------------------------------- merge
 
 
+def _remove_dead_writers_files(path: Path) -> None:
+    """A merge killed with SIGKILL leaves its `.NAME.tmp-PID` (as large as the output) where no rerun looked: each
+    kill during a merge kept another hidden copy. Those of processes that are gone are removed; a live one's stays."""
+    for tmp in path.parent.glob(f".{path.name}.tmp-*"):
+        pid = tmp.name.rpartition("-")[2]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            tmp.unlink(missing_ok=True)
+
+
 def val_prompt_ids(num_prompts: int, val_fraction: float, seed: int) -> set[int]:
     """Whole prompts go to validation (all their sequences), so no question is on both sides."""
     if val_fraction <= 0 or num_prompts < 2:
@@ -249,6 +258,7 @@ def merge(
 
 def _write_records_atomic(path: Path, records: list[Committed]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_dead_writers_files(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     handles: dict[Path, object] = {}
     try:
