@@ -106,7 +106,8 @@ def main(argv=None) -> dict:
     }
     started = time.perf_counter()
     if args.distributed:
-        world_size = args.world_size or (torch.cuda.device_count() or 2)
+        # 0 is a request (launch_distributed_training warns and trains in this process), not 'unset'
+        world_size = args.world_size if args.world_size is not None else (torch.cuda.device_count() or 2)
         history = launch_distributed_training(distributed_train_worker, world_size, backend=args.backend, **config)
     else:
         history = distributed_train_worker(0, 1, **config)

@@ -307,6 +307,14 @@ def test_the_digits_example_learns_in_one_process(tmp_path):
         )
     assert history["val_acc"][-1] > 0.8
     assert (tmp_path / "digits" / "checkpoint-best" / "ema.pt").is_file()
+    # --world-size 0 (torch.cuda.device_count() on a CPU machine, as seed 004 writes it) is the launcher's warned
+    # one-process run; it was read as unset and started 2 ranks.
+    with pytest.warns(DistributedFallbackWarning, match="world_size=0"):
+        history = example.main(
+            ["--distributed", "--world-size", "0", "--epochs", "1", "--output-dir", str(tmp_path / "w0")]
+            + ["--no-progress-bar"]
+        )
+    assert history["epoch"] == [1]
 
 
 class _ReturnsNothing(nn.Linear):
