@@ -61,6 +61,21 @@ def test_eval_dataset_path_replaces_test_size(tmp_path, tokenizer, write_jsonl, 
     assert tokenizer.decode(data.eval[0]["input_ids"]) == "held out</s>"
 
 
+def test_an_eval_file_inside_the_training_folder_is_refused(tmp_path, tokenizer, write_jsonl, chat_row):
+    """Seed 001's data/ holds traj_chat.jsonl and traj_val.jsonl: --dataset_path data/ reads both for training, so
+    --eval_dataset_path data/traj_val.jsonl would score rows the run trained on. The file itself, or an eval file
+    elsewhere, is fine."""
+    data = tmp_path / "data"
+    train = write_jsonl(data / "traj_chat.jsonl", [chat_row(i) for i in range(4)])
+    val = write_jsonl(data / "traj_val.jsonl", [chat_row(i) for i in range(4, 6)])
+    with pytest.raises(DataError) as err:
+        _prepare(_cfg(dataset_path=f"{data}/", eval_dataset_path=str(val)), tokenizer, tmp_path)
+    assert f"data.eval_dataset_path {val} is one of the *.jsonl files that data.dataset_path {data}" in str(err.value)
+    assert f"e.g. {train}" in str(err.value)
+    ok = _prepare(_cfg(dataset_path=str(train), eval_dataset_path=str(val)), tokenizer, tmp_path)
+    assert (ok.report.train_rows, ok.report.eval_rows) == (4, 2)
+
+
 def test_every_source_kind(tmp_path, tokenizer, write_jsonl, chat_row, tool_row):
     import datasets
 

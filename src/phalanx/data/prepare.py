@@ -46,6 +46,7 @@ from phalanx.data.sources import (
     iter_dataset_rows,
     iter_rows,
     load_named_dataset,
+    refuse_eval_file_among_training_files,
 )
 from phalanx.errors import DataError
 from phalanx.runtime.durable import fsync_tree
@@ -100,6 +101,8 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, *, seed: int, cache_root: Path
     """Tokenized train (and eval) sets for ``cfg``, from the cache when an identical run made them before."""
     cache_root = Path(cache_root)
     train_source = DataSource.for_training(cfg)
+    if train_source.kind == "path":
+        refuse_eval_file_among_training_files(train_source.target, cfg.eval_dataset_path)
     eval_source = DataSource.path(cfg.eval_dataset_path, "data.eval_dataset_path") if cfg.eval_dataset_path else None
     key = _cache_key(cfg, tokenizer, seed, train_source, eval_source)
     final = cache_root / key

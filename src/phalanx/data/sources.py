@@ -110,6 +110,21 @@ def _iter_path(path: Path, split: str):
         yield from _iter_json_file(file)
 
 
+def refuse_eval_file_among_training_files(train_path: str, eval_path: Optional[str]) -> None:
+    """A folder given as data.dataset_path is read whole (every *.jsonl): an eval file inside it would be trained on
+    and then scored (seed 001's data/ folder holds both traj_chat.jsonl and traj_val.jsonl)."""
+    folder, eval_file = Path(train_path), Path(eval_path) if eval_path else None
+    if eval_file is None or eval_file.suffix != ".jsonl" or not folder.is_dir():
+        return
+    if any((folder / marker).is_file() for marker in DISK_MARKERS) or eval_file.resolve().parent != folder.resolve():
+        return
+    raise DataError(
+        f"data.eval_dataset_path {eval_file} is one of the *.jsonl files that data.dataset_path {folder} reads for "
+        f"training: its rows would be trained on and then scored. Point data.dataset_path at the training file "
+        f"(e.g. {folder / 'traj_chat.jsonl'}), or move the eval file out of {folder}"
+    )
+
+
 def _iter_json_file(path: Path):
     """One JSON object per line; a .json file that is one JSON array is read as a list of rows."""
     try:
