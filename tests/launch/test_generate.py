@@ -72,6 +72,59 @@ def test_launcher_single_node_writes_sh_and_bat(in_project, capsys, tmp_path):
     assert lines[-1] == "exit /b %ERRORLEVEL%"
 
 
+def test_launcher_generate_runs_generation_first_and_trains_on_its_file(in_project, capsys, tmp_path):
+    """Seed 001's run_distributed.sh: generate_data.py, then train_loop.py. A config with no dataset trains on the file
+    the generation writes (and evaluates on its validation file); the .bat does the same. Executed in
+    test_launcher_run.py."""
+    (in_project / "nodata.yaml").write_text("training:\n  max_steps: 2\n")
+    flags = "--num_questions 8 --batch_size 4 --val_fraction 0.25"
+    code, out, err = cli(
+        capsys, "launcher", "--config", "nodata.yaml", "--num_gpus_per_node", "0", "--nproc_per_node", "2",
+        "--generate", flags, "--output", str(tmp_path / "seed001.sh"),
+    )  # fmt: skip
+    assert code == 0, err
+    assert f"it generates first: phalanx generate {flags}; then it trains." in out
+    sh = tmp_path / "seed001.sh"
+    bash_syntax_ok(sh)
+    text = sh.read_text()
+    generate_line = '"$PYTHON" -m phalanx.launch.torchrun --standalone --nproc_per_node "$NPROC_PER_NODE"'
+    assert text.index(generate_line) < text.index("-m phalanx train"), "the data first"
+    assert f"    -m phalanx generate {flags}\n" in text
+    train = "-m phalanx train nodata.yaml --dataset_path data/traj_chat.jsonl --eval_dataset_path data/traj_val.jsonl"
+    assert train in text
+    bat = (tmp_path / "seed001.bat").read_bytes().decode().splitlines()
+    run = [line for line in bat if "torch.distributed.run" in line]
+    assert len(run) == 2 and f"-m phalanx generate {flags}" in run[0] and "-m phalanx train" in run[1]
+    assert bat[bat.index(run[0]) + 1] == "if errorlevel 1 exit /b %ERRORLEVEL%"
+
+
+@pytest.mark.parametrize(
+    "generate_flags, extra, message",
+    [
+        (
+            "--num_question 4",
+            [],
+            "--generate: phalanx generate: unrecognized arguments: --num_question 4. Did you mean",
+        ),
+        ("--num_questions 4 --world_size 2", [], "--generate: --world_size is the script's to set"),
+        ("--top_p 2", [], "--generate: --top_p must be in (0, 1]"),
+        ("--num_questions 'x", [], "No closing quotation; give phalanx generate's flags as one quoted string"),
+        ("", ["--num_nodes", "2", "--master_addr", "10.0.0.1"], "--generate runs on one node"),
+        # train.yaml trains on data/train.jsonl: the generated file would not be used
+        ("", [], "--generate writes data/traj_chat.jsonl, but the run trains on data/train.jsonl (data.dataset_path)"),
+    ],
+)
+def test_launcher_generate_refuses_what_would_not_run_or_not_be_used(
+    in_project, capsys, generate_flags, extra, message
+):
+    code, _, err = cli(
+        capsys, "launcher", "--config", "train.yaml", "--num_gpus_per_node", "0", *extra, "--generate", generate_flags,
+        "--output", "scripts/refused.sh",
+    )  # fmt: skip
+    assert code == 2 and message in err, err
+    assert not (in_project / "scripts" / "refused.sh").exists()
+
+
 def test_launcher_multi_node_and_deepspeed(in_project, capsys, tmp_path):
     out_sh = tmp_path / "node1.sh"
     code, out, err = cli(

@@ -40,6 +40,29 @@ def test_single_node_script_trains_on_two_ranks(reference_run, project, support)
     assert (project / "scripts" / "run_training.bat").is_file()
 
 
+def test_a_script_with_generate_writes_the_data_then_trains_on_it(project, generate, support):
+    """Seed 001's ./run_distributed.sh: generation on the 2 ranks, then training on what it wrote, one script."""
+    (project / "seed001.yaml").write_text(
+        "training:\n  max_steps: 2\n  batch_size: 1\nlogging:\n  progress_bar: false\n"
+    )
+    data = "data/seed001/traj_chat.jsonl"
+    generate(
+        "launcher", "--config", "seed001.yaml", "--num_gpus_per_node", "0", "--nproc_per_node", "2",
+        "--master_port", str(support.free_port()), "--output", "scripts/seed001.sh",
+        "--generate", f"--num_questions 4 --batch_size 4 --num_sequences_per_question 2 --max_new_tokens 12 --output {data}",
+        "--", "--output_dir", "runs/seed001",
+    )  # fmt: skip
+    proc, _ = run_script(support, project, support.local_env(), "scripts/seed001.sh")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"Wrote 6 records to {data} and 2 (1 prompts) to data/seed001/traj_val.jsonl" in proc.stdout
+    assert proc.stdout.index("Wrote 6 records") < proc.stdout.index("Starting distributed training")
+    info = support.read_info(project / "runs" / "seed001")
+    assert info["world_size"] == 2 and info["global_step"] == 2
+    assert info["config"]["data"]["dataset_path"] == data
+    assert info["config"]["data"]["eval_dataset_path"] == "data/seed001/traj_val.jsonl"
+    assert info["best_eval_loss"] is not None, "evaluated on the generated validation file"
+
+
 def test_port_already_taken_fails_fast_with_the_holder(project, generate, support):
     generate(
         "launcher",

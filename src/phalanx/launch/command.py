@@ -240,7 +240,63 @@ def launcher_parser() -> argparse.ArgumentParser:
     p.add_argument("--master_addr", help="the master node's address (required with --num_nodes > 1)")
     p.add_argument("--master_port", type=tcp_port, default=DEFAULT_PORT)
     p.add_argument("--output", default="scripts/run_training.sh", help="where to write the script")
+    p.add_argument(
+        "--generate",
+        metavar="'FLAGS'",
+        help="seed 001's run_distributed.sh: the script first runs `phalanx generate FLAGS` (one quoted string) on "
+        "the same ranks, then trains on the file it writes (single node)",
+    )
     return p
+
+
+def check_generation(words: str, flags: JobFlags) -> tuple[list[str], Path, Optional[Path]]:
+    """`--generate 'FLAGS'`: the flags split and checked as `phalanx generate` will check them, and the training file
+    and validation file (None: none) they write, relative to the folder the job runs in."""
+    from phalanx.generate.command import parse_args
+    from phalanx.generate.shards import default_val_output
+
+    if flags.args.num_nodes > 1:
+        raise ConfigError(
+            "--generate runs on one node; for several, generate first (phalanx generate --world_size N on one of them, "
+            "or torchrun -m phalanx generate) and give the nodes' scripts its output as --dataset_path"
+        )
+    try:
+        generate_args = shlex.split(words)
+    except ValueError as exc:
+        raise ConfigError(f"--generate {words!r}: {exc}; give phalanx generate's flags as one quoted string") from None
+    taken = [w for w in generate_args if w.partition("=")[0] in ("--world_size", "--master_port")]
+    if taken:
+        raise ConfigError(
+            f"--generate: {taken[0]} is the script's to set (generation runs on the job's ranks); leave it out"
+        )
+    try:
+        args = parse_args(generate_args)
+    except ConfigError as exc:
+        raise ConfigError(f"--generate: {exc}") from None
+    output = Path(args.output)
+    val = None if args.val_fraction == 0 else Path(args.val_output) if args.val_output else default_val_output(output)
+    return generate_args, output, val
+
+
+def train_on_generated(flags: JobFlags, output: Path, val: Optional[Path]) -> None:
+    """Point the training at what --generate writes when the config names no dataset (adding --dataset_path and
+    --eval_dataset_path to its flags). A config that trains on another dataset is refused."""
+    from phalanx.config.loader import config_from_args
+    from phalanx.config.schema import BUNDLED_DATASET
+
+    # Only the data section is read here; checked_job then checks the whole config, these flags included.
+    d = config_from_args(flags.train_args, flags_only=True, config_path=flags.args.config)[0].data
+    given = d.dataset_name if d.dataset_name and d.dataset_name != BUNDLED_DATASET else d.dataset_path
+    if given and given != BUNDLED_DATASET:
+        if d.dataset_path and Path(d.dataset_path).resolve() == output.resolve():
+            return
+        raise ConfigError(
+            f"--generate writes {output}, but the run trains on {given} (data.{'dataset_name' if d.dataset_name else 'dataset_path'}): "
+            f"leave the dataset out of the config and flags (the script then trains on {output}), or set it to {output}"
+        )
+    flags.train_args += ["--dataset_path", str(output)]
+    if val is not None and not d.eval_dataset_path:
+        flags.train_args += ["--eval_dataset_path", str(val)]
 
 
 def launcher_main(argv: Sequence[str]) -> int:
@@ -263,7 +319,12 @@ def launcher_main(argv: Sequence[str]) -> int:
                 f"--master_addr {master} is a loopback address; the other nodes cannot reach it. "
                 "Give the master node's address on the network the nodes share."
             )
+    generate_args = None
+    if args.generate is not None:
+        generate_args, output, val = check_generation(args.generate, flags)
+        train_on_generated(flags, output, val)
     job, _ = checked_job(flags, Path.cwd().resolve(), restarts=args.max_restarts > 0)
+    job.generate_args = generate_args
     out = Path(args.output)
     spec = LaunchSpec(job, node_rank=args.node_rank, master_addr=master, master_port=args.master_port)
     write_script(out, scripts.render_launcher_sh(spec, out))
@@ -274,6 +335,8 @@ def launcher_main(argv: Sequence[str]) -> int:
         written.append(bat)
     where = f"node {args.node_rank} of {args.num_nodes}" if args.num_nodes > 1 else "this machine"
     print(f"wrote {', '.join(map(str, written))}: {nproc} rank(s) on {where}.")
+    if job.generate_args is not None:
+        print(f"it generates first: phalanx generate {' '.join(map(shlex.quote, job.generate_args))}; then it trains.")
     print(f"run it with: bash {out}" + (f"   (on Windows: {written[1]})" if len(written) > 1 else ""))
     if args.num_nodes > 1:
         print(

@@ -37,6 +37,9 @@ class Job:
     shutdown_timeout: int = 300  # distributed.shutdown_timeout_s: torchrun's grace between SIGTERM and SIGKILL
     train_args: list[str] = field(default_factory=list)
     command_line: str = ""
+    # `phalanx generate` flags the launcher script runs first, on the same ranks (seed 001's run_distributed.sh ran
+    # generate_data.py, then train_loop.py); None: the script only trains.
+    generate_args: Optional[list[str]] = None
 
     @property
     def cpu(self) -> bool:
@@ -94,6 +97,22 @@ def _train_words(job: Job, module_flag: str = "-m") -> str:
         words.append(q(job.config))
     words += [q(a) for a in job.train_args]
     return " ".join(words)
+
+
+def generate_lines(job: Job) -> list[str]:
+    """Bash that generates the training data before the training starts (`phalanx launcher --generate`)."""
+    if job.generate_args is None:
+        return []
+    words = " ".join(q(a) for a in job.generate_args)
+    return [
+        "# Seed 001's run_distributed.sh: first the training data, generated on the same ranks (`phalanx generate`,",
+        "# sharded over them). A rerun continues the shards already written, and a finished generation only merges",
+        "# again. torchrun --standalone takes a free port of this node for it. A status other than 0 ends the script",
+        "# here (75: stopped by a signal, a rerun continues; 2: bad input).",
+        '"$PYTHON" -m phalanx.launch.torchrun --standalone --nproc_per_node "$NPROC_PER_NODE" --max_restarts "$MAX_RESTARTS" \\',
+        f"    -m phalanx generate {words}",
+        "",
+    ]
 
 
 def preflight_lines(num_gpus_per_node: int, nproc: str, node_rank: str) -> list[str]:
@@ -206,6 +225,7 @@ def render_launcher_sh(spec: LaunchSpec, script: Path) -> str:
         ' reached from $LOCAL_ADDR ($NET_IFNAME)" >&2',
         "",
     ]
+    lines += generate_lines(job)
     if job.use_deepspeed:
         lines += deepspeed_lines('"$NODE_RANK"', "$NPROC_PER_NODE", job.cpu) + [
             *DEEPSPEED_STATUS_LINES,
@@ -277,6 +297,16 @@ def render_launcher_bat(spec: LaunchSpec, script: Path) -> str:
         "shift",
         "goto collect",
         ":run",
+        *(
+            [
+                "REM First the training data (seed 001's run_distributed.sh), on the same ranks; a rerun continues it.",
+                '"%PYTHON%" -m torch.distributed.run --standalone --nnodes 1 --nproc_per_node %NPROC_PER_NODE% '
+                + " ".join(["-m", "phalanx", "generate", *map(_bat_word, job.generate_args)]),
+                "if errorlevel 1 exit /b %ERRORLEVEL%",
+            ]
+            if job.generate_args is not None
+            else []
+        ),
         '"%PYTHON%" -m torch.distributed.run --standalone --nnodes 1 --nproc_per_node %NPROC_PER_NODE% '
         + " ".join(train)
         + " --backend gloo %ARGS%",
