@@ -5,7 +5,7 @@ import json
 import pytest
 
 from helpers import chat_row
-from phalanx.errors import DataError
+from phalanx.errors import ConfigError, DataError
 from phalanx.generate.prompts import plain_transcript, prompts_digest, read_prompts
 from phalanx.models.load import load_tokenizer
 
@@ -170,3 +170,22 @@ def test_a_prompt_the_template_raises_on_names_the_prompt_and_what_to_do():
     assert message.startswith("prompts.jsonl line 4: the tokenizer's chat template failed on this prompt "), message
     assert "(roles: system, user): TemplateError: System role not supported" in message, message
     assert "or use a template that takes it (--chat_template FILE|NAME)" in message, message
+
+
+def test_a_missing_prompts_path_the_model_and_dtype_are_named_by_their_flags(tmp_path, capsys):
+    """generate's errors name what the user typed (--prompts, --model_name), not train's config fields; --dtype
+    also takes train's spellings (fp32, bf16, fp16)."""
+    from phalanx.generate.command import parse_args
+    from phalanx.generate.job import plan_job
+
+    with pytest.raises(DataError, match=f"--prompts {tmp_path}/none.jsonl: no such file or folder; accepted: "):
+        read_prompts(str(tmp_path / "none.jsonl"), None)
+    args = parse_args(["--model_name", str(tmp_path / "no-model"), "--output", str(tmp_path / "o.jsonl")])
+    with pytest.raises(ConfigError, match=f"--model_name '{tmp_path}/no-model': no such folder"):
+        plan_job(args, warn=print)
+    assert [parse_args(["--dtype", name]).dtype for name in ("fp32", "bf16", "fp16", "float16")] == [
+        "float32",
+        "bfloat16",
+        "float16",
+        "float16",
+    ]

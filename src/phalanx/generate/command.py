@@ -28,6 +28,9 @@ DEFAULT_OUTPUT = "data/traj_chat.jsonl"
 WORK = "finishing the batch being generated and committing it"
 
 
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
 def _bool(value: str) -> bool:
     lowered = str(value).lower()
     if lowered in ("1", "true", "yes", "on"):
@@ -98,8 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "dtype",
         default="auto",
+        type=lambda name: DTYPE_ALIASES.get(name, name),  # train's spellings (mixed_precision) work here too
         choices=["auto", "float32", "bfloat16", "float16"],
-        help="Model weights; auto is bfloat16 (or float16) on CUDA, float32 on CPU.",
+        help="Model weights; auto is bfloat16 (or float16) on CUDA, float32 on CPU (fp32, bf16, fp16 also read).",
     )
     add("world_size", type=int, default=1, help="Ranks to start on this machine (ignored under torchrun).")
     add("master_port", type=int, default=None, help="Rendezvous port for --world_size (default: a free one).")

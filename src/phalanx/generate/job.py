@@ -31,6 +31,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @dataclass
 class Job:
     model_name: str
+    model_field: str  # how errors name the model: the flag that gave it, or the adapter's record of it
     adapter: Optional[str]
     dtype: str
     prompts: list[Prompt]
@@ -140,8 +141,9 @@ def plan_job(args, warn: Callable[[str], None]) -> Job:
     model_name = args.model_name or (adapter_base(args.adapter) if args.adapter else "embedded:tiny-qwen3")
     if args.adapter:
         adapter_base(args.adapter)  # the folder must be an adapter even when --model_name is given
+    model_field = "--model_name" if args.model_name or not args.adapter else "--adapter's base_model_name_or_path"
     tokenizer = load_tokenizer(
-        model_name, args.trust_remote_code, args.chat_template or adapter_chat_template(args.adapter)
+        model_name, args.trust_remote_code, args.chat_template or adapter_chat_template(args.adapter), model_field
     )
     if not has_chat_template(tokenizer):
         warn(
@@ -182,6 +184,7 @@ def plan_job(args, warn: Callable[[str], None]) -> Job:
         raise ConfigError(f"--val_output {val_output} is the same file as --output; choose another name")
     return Job(
         model_name=model_name,
+        model_field=model_field,
         adapter=args.adapter,
         dtype=dtype,
         prompts=prompts,
@@ -219,7 +222,7 @@ def rank_batches(
 
 def load_generation_model(job: Job, device: torch.device, trust_remote_code: bool = False):
     """The base model in the job's dtype, with the adapter merged in, in eval mode on `device`."""
-    model = load_model(job.model_name, DTYPES[job.dtype], trust_remote_code)
+    model = load_model(job.model_name, DTYPES[job.dtype], trust_remote_code, field=job.model_field)
     if job.adapter:
         from peft import PeftModel
 

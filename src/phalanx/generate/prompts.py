@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 from phalanx.data.chat import template_refused
 from phalanx.data.formats import to_conversation
-from phalanx.data.sources import bundled_dataset_path, iter_rows
+from phalanx.data.sources import ACCEPTED_PATHS, bundled_dataset_path, iter_rows
 from phalanx.errors import DataError
 
 BUNDLED = "bundled:health-agent"
@@ -87,6 +87,10 @@ def _iter_source(source: str):
     if source == BUNDLED:
         return iter_rows(bundled_dataset_path(), kind="path")
     path = Path(source)
+    if not path.exists():
+        raise DataError(
+            f"--prompts {path}: no such file or folder; {ACCEPTED_PATHS}, or a .txt file of one question per line"
+        )
     if path.suffix == ".txt" and path.is_file():
         return _iter_txt(path)
     return iter_rows(path, kind="path")

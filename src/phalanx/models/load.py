@@ -34,8 +34,14 @@ def cache_root() -> Path:
     return Path(os.environ.get("PHALANX_CACHE", Path.home() / ".cache" / "phalanx"))
 
 
-def resolve_model_path(model_name: str) -> str:
-    """Turn `model_name` into something from_pretrained accepts, or explain why it cannot be found."""
+def model_label(model_name: str, field: str) -> str:
+    """How an error names the model: `model.model_name = 'x'` (a config field) or `--model_name 'x'` (a flag)."""
+    return f"{field} {model_name!r}" if field.startswith("--") else f"{field} = {model_name!r}"
+
+
+def resolve_model_path(model_name: str, field: str = "model.model_name") -> str:
+    """Turn `model_name` into something from_pretrained accepts, or explain why it cannot be found; errors name it as
+    `field` (the config field, or the flag of a command that takes it as one)."""
     if model_name.startswith(EMBEDDED_PREFIX):
         from phalanx.models.presets import materialize_embedded_model
 
@@ -45,28 +51,31 @@ def resolve_model_path(model_name: str) -> str:
         if not (path / "config.json").is_file():
             what = "a file, not a model folder" if path.is_file() else "a folder without config.json"
             raise ConfigError(
-                f"model.model_name = {model_name!r} is {what}; expected a folder written by "
+                f"{model_label(model_name, field)} is {what}; expected a folder written by "
                 "save_pretrained (config.json + *.safetensors + tokenizer files) or a Hub id like 'org/name'."
             )
         return str(path)
     if not HUB_ID.fullmatch(model_name):
         raise ConfigError(
-            f"model.model_name = {model_name!r}: no such folder. Give an existing folder written by save_pretrained, "
+            f"{model_label(model_name, field)}: no such folder. Give an existing folder written by save_pretrained, "
             f"a Hub id like 'Qwen/Qwen2.5-0.5B-Instruct', or '{EMBEDDED_PREFIX}tiny-qwen3'."
         )
     return model_name
 
 
 def load_tokenizer(
-    model_name: str, trust_remote_code: bool = False, chat_template: Optional[str] = None
+    model_name: str,
+    trust_remote_code: bool = False,
+    chat_template: Optional[str] = None,
+    field: str = "model.model_name",
 ) -> PreTrainedTokenizerBase:
     """The model's tokenizer; `chat_template` (a jinja file or a shipped name, see config.chat_templates) replaces
     its chat template, and save_pretrained then writes that one (chat_template.jinja) with the tokenizer."""
-    path = resolve_model_path(model_name)
+    path = resolve_model_path(model_name, field)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
-        message = f"model.model_name = {model_name!r}: could not load its tokenizer: {exc}"
+        message = f"{model_label(model_name, field)}: could not load its tokenizer: {exc}"
         raise hub_failure(exc, message, ConfigError) from None
     if tokenizer.pad_token_id is None:
         # Padding positions never reach the loss (labels -100, attention mask 0), so eos is a safe pad.
@@ -105,10 +114,11 @@ def load_model(
     *,
     quantization: Optional[BitsAndBytesConfig] = None,
     device: Optional[torch.device] = None,
+    field: str = "model.model_name",
 ) -> PreTrainedModel:
     """Load the causal LM in `dtype`. With `quantization`, its linear layers are quantized while loading, onto
     `device`: a quantized model is placed once, where it will run, and never moved afterwards."""
-    path = resolve_model_path(model_name)
+    path = resolve_model_path(model_name, field)
     kwargs: dict = {}
     if quantization is not None:
         kwargs = {"quantization_config": quantization, "device_map": {"": device or torch.device("cpu")}}
@@ -116,7 +126,7 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
     except (OSError, ValueError) as exc:
         raise hub_failure(
-            exc, f"model.model_name = {model_name!r}: could not load the model: {exc}", ConfigError
+            exc, f"{model_label(model_name, field)}: could not load the model: {exc}", ConfigError
         ) from None
     if quantization is not None:
         keep_4bit_layout_trainable(model)
