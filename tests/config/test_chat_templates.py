@@ -185,7 +185,7 @@ def test_checked_when_the_config_is_read_and_before_launch():
     assert load_config(None, {"data.chat_template": "deepseek-r1-distill"}).data.chat_template == "deepseek-r1-distill"
     with pytest.raises(ConfigError, match=r"field 'data.chat_template' = 'nosuch': no such file"):
         load_config(None, {"data.chat_template": "nosuch"})
-    from phalanx.generate.command import parse_args
+    from phalanx.generate.args import parse_args
     from phalanx.launch.command import check_training
 
     with pytest.raises(ConfigError, match="data.chat_template"):  # phalanx launcher / slurm
@@ -201,7 +201,7 @@ def test_checked_when_the_config_is_read_and_before_launch():
 def test_the_template_is_saved_in_checkpoints_and_output_and_used_by_generate(tmp_path):
     from transformers import AutoTokenizer
 
-    from phalanx.generate.command import parse_args
+    from phalanx.generate.args import parse_args
     from phalanx.generate.job import plan_job
     from phalanx.models.presets import CHAT_TEMPLATE
 

@@ -30,7 +30,7 @@ def test_a_bad_value_or_an_unlike_flag_is_said_without_a_guess():
 
 
 def test_phalanx_generate_and_launcher_use_it():
-    from phalanx.generate.command import build_parser
+    from phalanx.generate.args import build_parser
     from phalanx.launch.command import launcher_parser
 
     with pytest.raises(ConfigError, match="Did you mean --num_questions?"):

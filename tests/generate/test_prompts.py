@@ -175,7 +175,7 @@ def test_a_prompt_the_template_raises_on_names_the_prompt_and_what_to_do():
 def test_a_missing_prompts_path_the_model_and_dtype_are_named_by_their_flags(tmp_path, capsys):
     """generate's errors name what the user typed (--prompts, --model_name), not train's config fields; --dtype
     also takes train's spellings (fp32, bf16, fp16)."""
-    from phalanx.generate.command import parse_args
+    from phalanx.generate.args import parse_args
     from phalanx.generate.job import plan_job
 
     with pytest.raises(DataError, match=f"--prompts {tmp_path}/none.jsonl: no such file or folder; accepted: "):

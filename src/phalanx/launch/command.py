@@ -252,7 +252,7 @@ def launcher_parser() -> argparse.ArgumentParser:
 def check_generation(words: str, flags: JobFlags) -> tuple[list[str], Path, Optional[Path]]:
     """`--generate 'FLAGS'`: the flags split and checked as `phalanx generate` will check them, and the training file
     and validation file (None: none) they write, relative to the folder the job runs in."""
-    from phalanx.generate.command import parse_args
+    from phalanx.generate.args import parse_args
     from phalanx.generate.shards import default_val_output
 
     if flags.args.num_nodes > 1:
