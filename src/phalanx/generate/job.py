@@ -22,7 +22,7 @@ from phalanx.errors import ConfigError, DataError
 from phalanx.generate.engine import Finished, stop_token_ids
 from phalanx.generate.prompts import Prompt, has_chat_template, prompts_digest, read_prompts
 from phalanx.generate.sampling import SamplingParams
-from phalanx.generate.shards import default_val_output, shard_dir
+from phalanx.generate.shards import shard_dir, val_output_of
 from phalanx.models.load import load_model, load_tokenizer, resolve_model_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -177,9 +177,7 @@ def plan_job(args, warn: Callable[[str], None]) -> Job:
         "stop_ids": stop_ids,
     }
     output = Path(args.output)
-    val_output = (
-        None if args.val_fraction == 0 else Path(args.val_output) if args.val_output else default_val_output(output)
-    )
+    val_output = val_output_of(output, args.val_output, args.val_fraction)
     if val_output is not None and val_output.resolve() == output.resolve():
         raise ConfigError(f"--val_output {val_output} is the same file as --output; choose another name")
     return Job(

@@ -46,6 +46,13 @@ def shard_path(folder: Path, rank: int) -> Path:
     return folder / f"rank-{rank}.jsonl"
 
 
+def val_output_of(output: Path, val_output: Optional[str], val_fraction: float) -> Optional[Path]:
+    """Where a job writes its validation records: none with --val_fraction 0, else --val_output or the default."""
+    if val_fraction == 0:
+        return None
+    return Path(val_output) if val_output else default_val_output(output)
+
+
 def default_val_output(output: Path) -> Path:
     """traj_chat.jsonl -> traj_val.jsonl (seed 001's names); anything else: name_val.jsonl."""
     stem = output.stem[: -len("_chat")] if output.stem.endswith("_chat") else output.stem

@@ -253,7 +253,7 @@ def check_generation(words: str, flags: JobFlags) -> tuple[list[str], Path, Opti
     """`--generate 'FLAGS'`: the flags split and checked as `phalanx generate` will check them, and the training file
     and validation file (None: none) they write, relative to the folder the job runs in."""
     from phalanx.generate.args import parse_args
-    from phalanx.generate.shards import default_val_output
+    from phalanx.generate.shards import val_output_of
 
     if flags.args.num_nodes > 1:
         raise ConfigError(
@@ -274,8 +274,7 @@ def check_generation(words: str, flags: JobFlags) -> tuple[list[str], Path, Opti
     except ConfigError as exc:
         raise ConfigError(f"--generate: {exc}") from None
     output = Path(args.output)
-    val = None if args.val_fraction == 0 else Path(args.val_output) if args.val_output else default_val_output(output)
-    return generate_args, output, val
+    return generate_args, output, val_output_of(output, args.val_output, args.val_fraction)
 
 
 def train_on_generated(flags: JobFlags, output: Path, val: Optional[Path]) -> None:
