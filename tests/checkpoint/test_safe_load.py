@@ -1,4 +1,5 @@
-"""A tampered checkpoint never runs code: resuming refuses it and names the file, under DDP, FSDP2 and DeepSpeed.
+"""A tampered checkpoint never runs code: resuming refuses it and names the file, under DDP and FSDP2 (DeepSpeed's
+engine checkpoint: tests/parallel/test_deepspeed.py, on the run it resumes).
 
 Each case copies a finished one-process run, replaces one pickled state file of checkpoint-4 with a pickle whose
 loading would run a shell command (creating a marker file), and resumes from checkpoint-4 through the CLI. The
@@ -7,7 +8,6 @@ file named, no marker. The untampered checkpoints of the same runs load in the r
 """
 
 import shutil
-from pathlib import Path
 
 import pytest
 
@@ -16,7 +16,6 @@ from helpers import run_phalanx, write_payload
 from phalanx.checkpoint.safe_load import (
     UnsafeCheckpointError,
     check_dcp_metadata,
-    check_deepspeed_checkpoint,
     load_state_file,
 )
 
@@ -27,10 +26,6 @@ pytestmark = pytest.mark.distributed
 CASES = {
     "ddp": (["--strategy", "ddp"], "scheduler.pt"),
     "fsdp": (["--strategy", "fsdp"], "sharded_state/.metadata"),
-    "zero2": (
-        ["--strategy", "deepspeed", "--zero_stage", "2"],
-        "deepspeed/state/zero_pp_rank_0_mp_rank_00_optim_states.pt",
-    ),
 }
 
 
@@ -38,8 +33,7 @@ CASES = {
 def test_resume_refuses_a_tampered_state_file_without_running_it(case, resume_data, reference, tmp_path):
     flags, tampered = CASES[case]
     out = tmp_path / "run"
-    # The one-process runs of the resume tests (trained once per session); DeepSpeed's is this test's own.
-    finished = deepspeed_reference(resume_data, tmp_path) if case == "zero2" else reference(case, 1)
+    finished = reference(case, 1)  # the one-process runs of the resume tests (trained once per session)
     shutil.copytree(finished, out)
     marker = tmp_path / "payload-ran"
     target = out / "checkpoint-4" / tampered
@@ -61,16 +55,6 @@ def test_resume_refuses_a_tampered_state_file_without_running_it(case, resume_da
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert f"{target} holds" in proc.stderr and "never runs code from a checkpoint" in proc.stderr, proc.stderr[-3000:]
     assert not marker.exists(), "the pickle's payload ran"
-
-
-def deepspeed_reference(resume_data: Path, tmp_path: Path) -> Path:
-    out = tmp_path / "zero2-reference"
-    proc = run_phalanx(
-        "train", "--dataset_path", str(resume_data), "--output_dir", str(out), *CASES["zero2"][0], *shape(1), *FLAGS
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    check_deepspeed_checkpoint(out / "checkpoint-4" / "deepspeed")  # what DeepSpeed writes passes the allowlist
-    return out
 
 
 def test_the_restricted_loaders_accept_what_phalanx_writes_and_refuse_the_rest(reference, tmp_path):

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from equivalence import COMMON, assert_adapter_loads_with_peft, assert_saved_weights_match, grad_norms, train
-from helpers import read_metrics, run_phalanx, stopped_after, write_chat_jsonl
+from helpers import read_metrics, run_phalanx, stopped_after, write_chat_jsonl, write_payload
+from phalanx.checkpoint.safe_load import check_deepspeed_checkpoint
 
 pytestmark = pytest.mark.distributed
 import deepspeed  # noqa: E402, F401  (installed by the Makefile; a missing engine is a failure, not a skip)
@@ -98,6 +99,18 @@ def test_user_json_auto_values_filled_and_resume_from_engine_checkpoint(tmp_path
     assert [r["loss"] for r in read_metrics(stopped)] == pytest.approx(
         [r["loss"] for r in read_metrics(whole)], abs=1e-6
     )
+
+    # What DeepSpeed wrote passes the restricted unpickler's allowlist; a state file replaced by a pickle that runs
+    # code is refused when the engine loads it (phalanx.checkpoint.safe_load), the file named, before anything runs.
+    check_deepspeed_checkpoint(whole / "checkpoint-4" / "deepspeed")
+    tampered = stopped_after(whole, 4, tmp_path / "tampered")
+    target = sorted((tampered / "checkpoint-4" / "deepspeed" / "state").glob("*optim_states.pt"))[0]
+    marker = tmp_path / "payload-ran"
+    write_payload(target, marker)
+    proc = run_phalanx(*base, "--output_dir", str(tampered))
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert f"{target} holds" in proc.stderr and "never runs code from a checkpoint" in proc.stderr, proc.stderr[-3000:]
+    assert not marker.exists(), "the pickle's payload ran"
 
 
 def test_json_that_contradicts_the_run_is_refused(tmp_path):

@@ -84,10 +84,11 @@ def launch_train_ranks(cfg: RunConfig, args: Sequence[str]) -> int:
 
 
 def train_rank(args: Sequence[str], preemption: PreemptionFlag) -> int:
-    """One rank started by a launcher. Bad input, and a Hub that cannot be reached, is the same on every rank: it is
-    reported once for the job."""
+    """One rank started by a launcher. What phalanx refuses (a config field, a data row, a checkpoint file that only
+    this rank reads, a Hub that cannot be reached) is reported once for the job, with the error's status (2 for bad
+    input): the launcher exits with it even when the other ranks crash because this one left (their gloo sees a
+    closed connection). Only a crash (RanksFailed) is each rank's own, status 1."""
     from phalanx.config.loader import config_from_args
-    from phalanx.errors import ConfigError, DataError, HubUnreachable
     from phalanx.runtime.dist import env_rank_info
     from phalanx.runtime.quiet import quiet_libraries
 
@@ -97,7 +98,9 @@ def train_rank(args: Sequence[str], preemption: PreemptionFlag) -> int:
         load_only_what_the_run_needs(cfg)
         quiet_libraries()
         return train_worker(cfg, preemption)
-    except (ConfigError, DataError, HubUnreachable) as exc:
+    except RanksFailed:
+        raise
+    except PhalanxError as exc:
         if world == 1:
             raise
         from phalanx.launch.local import report_bad_input
