@@ -6,14 +6,16 @@ from pathlib import Path
 
 
 def plot_loss_curve(history: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on training machines
-    import matplotlib.pyplot as plt
+    # A bare Figure on the Agg canvas: no pyplot, so no display backend is chosen, no global figure registry is
+    # kept, and the import is about 0.2 s shorter (every run pays it at the end).
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     train = [(r["step"], r["loss"]) for r in history if r["kind"] == "train"]
     evals = [(r["step"], r["loss"]) for r in history if r["kind"] == "eval"]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
     if train:
         ax.plot(*zip(*train), label="train loss")
     if evals:
@@ -24,4 +26,3 @@ def plot_loss_curve(history: list[dict], path: Path) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
