@@ -76,6 +76,32 @@ def test_an_eval_file_inside_the_training_folder_is_refused(tmp_path, tokenizer,
     assert (ok.report.train_rows, ok.report.eval_rows) == (4, 2)
 
 
+def test_a_held_out_file_inside_the_training_folder_is_refused(tmp_path, tokenizer, write_jsonl, chat_row):
+    """Without --eval_dataset_path, --dataset_path data/ would train on seed 001's traj_val.jsonl as well: a file
+    whose name marks a held-out split (a word of its name: val, dev, test, ...) is refused, naming what to pass
+    instead. Names that only contain such letters are training files; a folder of held-out files only is meant."""
+    data = tmp_path / "data"
+    train = write_jsonl(data / "traj_chat.jsonl", [chat_row(i) for i in range(4)])
+    write_jsonl(data / "devices-and-contests.jsonl", [chat_row(i) for i in range(4, 6)])  # no held-out word
+    assert _prepare(_cfg(dataset_path=str(data)), tokenizer, tmp_path).report.train_rows == 6
+    val = write_jsonl(data / "traj_val.jsonl", [chat_row(i) for i in range(6, 8)])
+    with pytest.raises(DataError) as err:
+        _prepare(_cfg(dataset_path=f"{data}/"), tokenizer, tmp_path)
+    message = str(err.value)
+    assert f"data.dataset_path {data} is a folder" in message
+    assert "traj_val.jsonl too, whose name marks a held-out split ('val')" in message, message
+    assert f"Point data.dataset_path at the training files (e.g. {data / 'devices-and-contests.jsonl'})" in message
+    assert f"data.eval_dataset_path at {val}" in message
+    # Scoring it instead is not enough while the folder is still read whole: the eval-file refusal names it.
+    with pytest.raises(DataError, match="is one of the \\*.jsonl files"):
+        _prepare(_cfg(dataset_path=str(data), eval_dataset_path=str(val)), tokenizer, tmp_path)
+    ok = _prepare(_cfg(dataset_path=str(train), eval_dataset_path=str(val)), tokenizer, tmp_path)
+    assert (ok.report.train_rows, ok.report.eval_rows) == (4, 2)
+    held_out_only = tmp_path / "held"
+    write_jsonl(held_out_only / "test.jsonl", [chat_row(i) for i in range(3)])
+    assert _prepare(_cfg(dataset_path=str(held_out_only)), tokenizer, tmp_path).report.train_rows == 3
+
+
 def test_every_source_kind(tmp_path, tokenizer, write_jsonl, chat_row, tool_row):
     import datasets
 

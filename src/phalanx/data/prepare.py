@@ -43,10 +43,11 @@ from phalanx.data.sources import (
     ACCEPTED_PATHS,
     DISK_MARKERS,
     bundled_dataset_path,
+    folder_jsonl_files,
     iter_dataset_rows,
     iter_rows,
     load_named_dataset,
-    refuse_eval_file_among_training_files,
+    refuse_held_out_files_among_training_files,
 )
 from phalanx.errors import DataError
 from phalanx.runtime.durable import fsync_tree
@@ -102,7 +103,7 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, *, seed: int, cache_root: Path
     cache_root = Path(cache_root)
     train_source = DataSource.for_training(cfg)
     if train_source.kind == "path":
-        refuse_eval_file_among_training_files(train_source.target, cfg.eval_dataset_path)
+        refuse_held_out_files_among_training_files(train_source.target, cfg.eval_dataset_path)
     eval_source = DataSource.path(cfg.eval_dataset_path, "data.eval_dataset_path") if cfg.eval_dataset_path else None
     key = _cache_key(cfg, tokenizer, seed, train_source, eval_source)
     final = cache_root / key
@@ -176,7 +177,7 @@ class DataSource:
         elif any((root / marker).is_file() for marker in DISK_MARKERS):  # save_to_disk: every file
             files = sorted(p for p in root.rglob("*") if p.is_file())
         else:  # a folder of jsonl files: the files that are read
-            files = sorted(p for p in root.glob("*.jsonl") if p.is_file())
+            files = folder_jsonl_files(root)
         return {"path": str(root), "files": [_file_identity(p, root) for p in files]}
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Callable, Iterator, Literal, Optional
 
@@ -24,6 +25,9 @@ ACCEPTED_PATHS = (
 DISK_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 
 OnBadRow = Callable[[DataError], None]
+# Words that, standing alone in a file's name (traj_val.jsonl, dev-set.jsonl), name a held-out split: the files
+# datasets' own folder loading would not put in "train" either.
+HELD_OUT_WORDS = frozenset({"val", "valid", "validation", "dev", "eval", "test", "holdout", "heldout"})
 
 
 def bundled_dataset_path() -> Path:
@@ -103,26 +107,54 @@ def _iter_path(path: Path, split: str):
     if any((path / marker).is_file() for marker in DISK_MARKERS):
         yield from _iter_arrow(*_load_disk(path, split))
         return
-    files = sorted(p for p in path.glob("*.jsonl") if p.is_file())
+    files = folder_jsonl_files(path)
     if not files:
         raise DataError(f"{path}: folder holds no *.jsonl files and is not a save_to_disk folder; {ACCEPTED_PATHS}")
     for file in files:
         yield from _iter_json_file(file)
 
 
-def refuse_eval_file_among_training_files(train_path: str, eval_path: Optional[str]) -> None:
-    """A folder given as data.dataset_path is read whole (every *.jsonl): an eval file inside it would be trained on
-    and then scored (seed 001's data/ folder holds both traj_chat.jsonl and traj_val.jsonl)."""
-    folder, eval_file = Path(train_path), Path(eval_path) if eval_path else None
-    if eval_file is None or eval_file.suffix != ".jsonl" or not folder.is_dir():
+def folder_jsonl_files(folder: Path) -> list[Path]:
+    """The files a folder given as a dataset path is read from: every *.jsonl in it, by name (not its subfolders)."""
+    return sorted(p for p in folder.glob("*.jsonl") if p.is_file())
+
+
+def held_out_split_word(file: Path) -> Optional[str]:
+    """The held-out split `file`'s name marks ("val" for traj_val.jsonl), if any."""
+    words = set(re.split(r"[^a-z0-9]+", file.stem.lower()))
+    return next((w for w in sorted(HELD_OUT_WORDS) if w in words), None)
+
+
+def refuse_held_out_files_among_training_files(train_path: str, eval_path: Optional[str]) -> None:
+    """A folder given as data.dataset_path is read whole (every *.jsonl), so a held-out file inside it would be
+    trained on: the eval file itself (then scored on rows the run trained on), or a file whose name marks a held-out
+    split (seed 001's data/ holds traj_chat.jsonl and traj_val.jsonl). Both are refused, naming the file and the
+    training file(s) to point at instead. A folder of held-out files only is taken as meant."""
+    folder = Path(train_path)
+    if not folder.is_dir() or any((folder / marker).is_file() for marker in DISK_MARKERS):
         return
-    if any((folder / marker).is_file() for marker in DISK_MARKERS) or eval_file.resolve().parent != folder.resolve():
-        return
-    raise DataError(
-        f"data.eval_dataset_path {eval_file} is one of the *.jsonl files that data.dataset_path {folder} reads for "
-        f"training: its rows would be trained on and then scored. Point data.dataset_path at the training file "
-        f"(e.g. {folder / 'traj_chat.jsonl'}), or move the eval file out of {folder}"
+    files = folder_jsonl_files(folder)
+    eval_file = Path(eval_path).resolve() if eval_path else None
+    named = [f for f in files if held_out_split_word(f) and f.resolve() != eval_file]
+    training = [f for f in files if f not in named and f.resolve() != eval_file]
+    instead = (
+        f"Point data.dataset_path at the training file{'s' if len(training) > 1 else ''} (e.g. {training[0]})"
+        if training
+        else f"{folder} holds no other *.jsonl to train on"
     )
+    if any(f.resolve() == eval_file for f in files):
+        raise DataError(
+            f"data.eval_dataset_path {eval_path} is one of the *.jsonl files that data.dataset_path {folder} reads "
+            f"for training: its rows would be trained on and then scored. {instead}, or move the eval file out of "
+            f"{folder}"
+        )
+    if named and training:
+        raise DataError(
+            f"data.dataset_path {folder} is a folder, and every *.jsonl in it is trained on, {named[0].name} too, "
+            f"whose name marks a held-out split ('{held_out_split_word(named[0])}'): its rows would be trained on. "
+            f"{instead} and, to score the held-out rows, data.eval_dataset_path at {named[0]}; or move or rename it "
+            "if it is training data"
+        )
 
 
 def _iter_json_file(path: Path):
