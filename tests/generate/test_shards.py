@@ -129,13 +129,13 @@ def test_manifest_decides_fresh_resume_or_refuse(tmp_path):
     folder = shard_dir(out)
     settings = {"seed": 1, "model_name": "m"}
     assert check_manifest(folder, out, settings, overwrite=False) == "fresh"
-    prepare_folder(folder, settings, "fresh")
+    prepare_folder(folder, settings, "fresh", None)
     assert check_manifest(folder, out, settings, overwrite=False) == "resume"
     with pytest.raises(ConfigError, match=r"other settings \(seed: 1 before, 2 now\).*--overwrite true"):
         check_manifest(folder, out, {"seed": 2, "model_name": "m"}, overwrite=False)
     (folder / "rank-0.jsonl").write_text("x")
     assert check_manifest(folder, out, {"seed": 2}, overwrite=True) == "overwrite"
-    prepare_folder(folder, {"seed": 2}, "overwrite")
+    prepare_folder(folder, {"seed": 2}, "overwrite", None)
     assert sorted(p.name for p in folder.iterdir()) == ["manifest.json"]
     # An output that phalanx did not write is never replaced silently.
     other = tmp_path / "mine.jsonl"
@@ -192,7 +192,7 @@ def test_a_validation_file_phalanx_did_not_write_or_a_folder_is_refused_as_the_o
         check_manifest(shard_dir(out), out, {"seed": 1}, overwrite=False, val_output=theirs)
     assert check_manifest(shard_dir(out), out, {"seed": 1}, overwrite=False, val_output=None) == "fresh"  # none written
     assert check_manifest(shard_dir(out), out, {"seed": 1}, overwrite=True, val_output=theirs) == "overwrite"
-    prepare_folder(shard_dir(out), {"seed": 1}, "fresh")
+    prepare_folder(shard_dir(out), {"seed": 1}, "fresh", theirs)
     assert check_manifest(shard_dir(out), out, {"seed": 1}, overwrite=False, val_output=theirs) == "resume"
     folder = tmp_path / "val"
     folder.mkdir()
@@ -200,3 +200,35 @@ def test_a_validation_file_phalanx_did_not_write_or_a_folder_is_refused_as_the_o
         with pytest.raises(ConfigError, match=f"^--val_output {folder} is a folder; .* --val_output {folder}/traj_val"):
             check_manifest(shard_dir(out), out, {"seed": 1}, overwrite=overwrite, val_output=folder)
     assert theirs.read_text() == '{"mine": 1}\n' and list(folder.iterdir()) == []
+
+
+def test_a_resumed_job_does_not_replace_a_validation_file_it_did_not_write(tmp_path):
+    """The manifest lists the validation files a job writes: a resume may name another one that does not exist yet
+    (the manifest then lists it too), or one of its own again, but not an existing file of someone else (the merge
+    would replace it)."""
+    out = tmp_path / "traj_chat.jsonl"
+    own, theirs, new = tmp_path / "traj_val.jsonl", tmp_path / "notes.jsonl", tmp_path / "new_val.jsonl"
+    prepare_folder(shard_dir(out), {"seed": 1}, "fresh", own)
+    theirs.write_text('{"mine": 1}\n')
+    own.write_text("{}\n")  # as an earlier merge of this job left it
+    assert check_manifest(shard_dir(out), out, {"seed": 1}, overwrite=False, val_output=own) == "resume"
+    refused = f"^--val_output {theirs} already exists and is not a validation file this job wrote \\({own}\\)"
+    with pytest.raises(ConfigError, match=refused):
+        check_manifest(shard_dir(out), out, {"seed": 1}, overwrite=False, val_output=theirs)
+    assert check_manifest(shard_dir(out), out, {"seed": 1}, overwrite=True, val_output=theirs) == "overwrite"
+    # A resume into new_val.jsonl, then the same command again after its merge, then back to the first file.
+    assert check_manifest(shard_dir(out), out, {"seed": 1}, False, new) == "resume"
+    prepare_folder(shard_dir(out), {"seed": 1}, "resume", new)
+    new.write_text("{}\n")
+    for path in (new, own):
+        assert check_manifest(shard_dir(out), out, {"seed": 1}, False, path) == "resume"
+    # Run with --val_fraction 0 only, then with a fraction and an existing file there: refused too.
+    prepare_folder(shard_dir(out), {"seed": 1}, "overwrite", None)
+    with pytest.raises(ConfigError, match="none: it has run with --val_fraction 0 only"):
+        check_manifest(shard_dir(out), out, {"seed": 1}, overwrite=False, val_output=own)
+    # A manifest written before the files were recorded meant the default beside --output.
+    (shard_dir(out) / "manifest.json").write_text(json.dumps({"format": 1, "settings": {"seed": 1}}))
+    assert check_manifest(shard_dir(out), out, {"seed": 1}, overwrite=False, val_output=own) == "resume"
+    with pytest.raises(ConfigError, match=refused):
+        check_manifest(shard_dir(out), out, {"seed": 1}, overwrite=False, val_output=theirs)
+    assert theirs.read_text() == '{"mine": 1}\n'

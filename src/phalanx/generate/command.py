@@ -111,7 +111,7 @@ def _agree_on_state(job, rank, overwrite: bool) -> set[tuple[int, int]]:
             # Held until this process ends: a second job on this output would append to the same shards.
             hold_lock(output_file_lock(job.output), f"--output {job.output}")
             action = check_manifest(job.folder, job.output, job.settings, overwrite, job.val_output)
-            prepare_folder(job.folder, job.settings, action)
+            prepare_folder(job.folder, job.settings, action, job.val_output)
             expected = set(job.pairs())
             answer = sorted(key for key in scan_folder(job.folder) if key in expected)
         except PhalanxError as exc:

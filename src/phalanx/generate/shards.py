@@ -82,7 +82,8 @@ def check_manifest(
         return "overwrite"
     if manifest.is_file():
         try:
-            before = json.loads(manifest.read_text(encoding="utf-8"))["settings"]
+            recorded = json.loads(manifest.read_text(encoding="utf-8"))
+            before = recorded["settings"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ConfigError(f"{manifest}: unreadable ({e}); delete {folder} or pass --overwrite true") from None
         if before != settings:
@@ -95,6 +96,7 @@ def check_manifest(
                 f"{folder} holds records generated with other settings ({'; '.join(changed)}). Rerun with the "
                 "earlier settings to resume, choose another --output, or pass --overwrite true to start over."
             )
+        check_resumed_val_output(recorded, output, val_output)
         return "resume"
     # A fresh job writes files that did not exist, so one found there is someone else's (a resumed job's own
     # earlier merge wrote them).
@@ -108,13 +110,38 @@ def check_manifest(
     return "fresh"
 
 
-def prepare_folder(folder: Path, settings: dict, action: str) -> None:
-    """Rank 0, before any rank writes: clear the folder on overwrite, write the manifest on a fresh start."""
+def check_resumed_val_output(recorded: dict, output: Path, val_output: Optional[Path]) -> None:
+    """A resumed job may write its validation records elsewhere than before, but not over a file it did not write:
+    the files its manifest names ("val_outputs"; a manifest from before they were recorded meant the default beside
+    --output) are its own, any other existing file is someone else's."""
+    if val_output is None or not val_output.exists():
+        return
+    own = recorded.get("val_outputs", [str(default_val_output(output).resolve())])
+    if str(val_output.resolve()) in own:
+        return
+    named = ", ".join(own) if own else "none: it has run with --val_fraction 0 only"
+    raise ConfigError(
+        f"--val_output {val_output} already exists and is not a validation file this job wrote ({named}): the "
+        "merge would replace it. Choose a file that does not exist, or one of those, or pass --overwrite true to "
+        "start the job over."
+    )
+
+
+def prepare_folder(folder: Path, settings: dict, action: str, val_output: Optional[Path]) -> None:
+    """Rank 0, before any rank writes: clear the folder on overwrite, write the manifest on a fresh start. The
+    manifest lists the validation files the job writes (check_resumed_val_output): a resume that names another
+    one (check_manifest let it: it does not exist yet) adds it, so the same command can be rerun after it."""
     if action == "overwrite" and folder.exists():
         shutil.rmtree(folder)
+    own_val = [str(val_output.resolve())] if val_output is not None else []
     if action in ("fresh", "overwrite"):
         folder.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(folder / MANIFEST, {"format": FORMAT, "settings": settings})
+        write_json_atomic(folder / MANIFEST, {"format": FORMAT, "settings": settings, "val_outputs": own_val})
+        return
+    recorded = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+    before = recorded.get("val_outputs", [])
+    if any(path not in before for path in own_val):
+        write_json_atomic(folder / MANIFEST, {**recorded, "val_outputs": before + own_val})
 
 
 # ---------------------------------------------------------------------------- shard files
