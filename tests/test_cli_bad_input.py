@@ -203,6 +203,40 @@ def test_a_mistyped_or_missing_command_is_named_with_the_nearest(capsys):
     assert main(["--help"]) == 0 and "commands:" in capsys.readouterr().out
 
 
+def test_every_subcommand_answers_help_with_its_usage_and_refuses_stray_arguments(capsys):
+    """`--help` after a subcommand's own subcommand printed "unknown flag --help" (data preview) or was ignored."""
+    for argv, needle in (
+        (["data", "preview", "--help"], "usage: phalanx data preview"),
+        (["data", "templates", "-h"], "usage: phalanx data preview"),
+        (["config-docs", "--help"], "usage: phalanx config-docs"),
+    ):
+        assert main(argv) == 0, argv
+        assert needle in capsys.readouterr().out, argv
+    assert main(["config-docs", "--out"]) == 2
+    assert "phalanx config-docs: unexpected argument '--out'" in capsys.readouterr().err
+    assert main(["data", "templates", "qwen"]) == 2
+    assert "phalanx data templates takes no arguments, got 'qwen'" in capsys.readouterr().err
+
+
+def test_output_into_a_closed_pipe_stops_quietly(tmp_path):
+    """`phalanx train --help | head -1`: the reader closes the pipe early, and the help text's last write (or the
+    flush at exit) failed with a BrokenPipeError traceback. Now: nothing on stderr, the status of a program a closed
+    pipe stopped (141, as `yes | head` shows). The pipe is closed before the process writes, so the write fails."""
+    import os
+    import subprocess
+
+    for argv in (["train", "--help"], ["config-docs"]):
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        with open(tmp_path / "stderr", "w+") as stderr:
+            code = subprocess.call(
+                [sys.executable, "-m", "phalanx", *argv], stdout=write_end, stderr=stderr, timeout=120
+            )
+            stderr.seek(0)
+            assert (code, stderr.read()) == (141, ""), argv
+        os.close(write_end)
+
+
 def test_existing_run_is_not_overwritten_silently(earlier_run, capsys):
     before = tree_digest(earlier_run)
     code, out = run_main(["train", "--output_dir", str(earlier_run)], capsys)

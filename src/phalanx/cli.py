@@ -10,6 +10,12 @@ from phalanx.runtime.quiet import quiet_import_notes
 
 
 def cmd_config_docs(args: Sequence[str]) -> int:
+    if args:
+        usage = "usage: phalanx config-docs  (prints the config reference as Markdown; it takes no arguments)"
+        if list(args) in (["-h"], ["--help"]):
+            print(usage)
+            return 0
+        raise PhalanxError(f"phalanx config-docs: unexpected argument {args[0]!r}\n{usage}")
     from phalanx.config.docs import config_reference
 
     print(config_reference())
@@ -75,12 +81,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return run_command(list(argv))
     from phalanx.launch.local import start_rank_process
     from phalanx.models.packages import command_owns_process
-    from phalanx.runtime.exit import exit_without_teardown, record_exit
+    from phalanx.runtime.exit import drop_closed_stdout, exit_without_teardown, record_exit
 
     command_owns_process()  # the program, not a library call: its command may decide what this process loads
     start_rank_process()  # a rank of `--world_size N`: stop if the launcher dies
     try:
         code = run_command(sys.argv[1:])
+    except BrokenPipeError:
+        code = drop_closed_stdout()  # `phalanx train --help | head`: the reader stopped, not an error of ours
     except BaseException:
         record_exit(1)  # what the interpreter exits with on an uncaught exception
         raise

@@ -33,7 +33,12 @@ def main(args: Sequence[str]) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if args else 2
+    if any(arg in ("-h", "--help") for arg in args[1:2]):
+        print(USAGE)  # `phalanx data preview --help`: the usage, not "unknown flag --help"
+        return 0
     if args[0] == "templates":
+        if len(args) > 1:
+            raise PhalanxError(f"phalanx data templates takes no arguments, got {args[1]!r}\n\n{USAGE}")
         return _templates()
     if args[0] == "preview":
         return _preview(list(args[1:]))

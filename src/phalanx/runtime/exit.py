@@ -84,6 +84,23 @@ def exit_without_teardown(code: int) -> NoReturn:
         if thread is not threading.main_thread() and not thread.daemon:
             thread.join()
     atexit._run_exitfuncs()
-    sys.stdout.flush()
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        code = drop_closed_stdout()
     sys.stderr.flush()
     exit_at_once(code)
+
+
+# 128 + SIGPIPE: what a shell shows for a program that a closed pipe stopped (`yes | head`).
+CLOSED_PIPE_EXIT_CODE = 141
+
+
+def drop_closed_stdout() -> int:
+    """Whoever read stdout has stopped reading (`phalanx train --help | head`, a pager quit early): point stdout at
+    /dev/null so that no later write or flush raises again, and return the status of a program a closed pipe
+    stopped. Nothing is lost: the reader asked for no more."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return CLOSED_PIPE_EXIT_CODE
