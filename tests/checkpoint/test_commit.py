@@ -77,3 +77,27 @@ def test_a_replacement_cut_short_by_a_crash_is_undone(tmp_path):
     (staging / "weights").write_text("newer")
     commit(staging, final, {"global_step": 3})
     assert is_committed(final) and (final / "weights").read_text() == "newer"
+
+
+def test_every_command_that_takes_a_checkpoint_says_why_a_path_is_not_one(tmp_path, capsys):
+    """`phalanx export`, --resume_from_checkpoint and load_checkpoint name the same three cases: a path that is not
+    there, a file, a folder without the commit marker (export said "no phalanx_checkpoint.json" for a typo)."""
+    from phalanx.cli import main
+
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "checkpoint-4").mkdir()
+    cases = {
+        "nope": "no such folder",
+        "notes.txt": "a file, not a checkpoint folder",
+        "checkpoint-4": f"no {MARKER} in it: not a phalanx checkpoint, or a save that crashed before it committed",
+    }
+    for name, why in cases.items():
+        path = tmp_path / name
+        assert main(["export", str(path), str(tmp_path / "exported")]) == 2
+        assert f"{path} is not a committed phalanx checkpoint ({why})" in capsys.readouterr().err
+        flags = ["--output_dir", str(tmp_path / "run"), "--resume_from_checkpoint", str(path), "--max_steps", "1"]
+        assert main(["train", *flags]) == 2
+        assert f"resume_from_checkpoint = '{path}' is not a committed phalanx checkpoint ({why})" in (
+            capsys.readouterr().err
+        )
+    assert not (tmp_path / "exported").exists() and not (tmp_path / "run").exists()

@@ -66,6 +66,16 @@ def is_committed(path: Path) -> bool:
     return (path / MARKER).is_file()
 
 
+def why_not_committed(path: Path) -> str:
+    """Why `path` is not a committed checkpoint, in the words an error needs: missing, a file, or a folder without
+    the marker (the commit record every phalanx save writes last)."""
+    if not path.exists():
+        return "no such folder"
+    if not path.is_dir():
+        return "a file, not a checkpoint folder"
+    return f"no {MARKER} in it: not a phalanx checkpoint, or a save that crashed before it committed"
+
+
 def committed_step_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
     """Committed checkpoint-{step} folders, oldest first."""
     found = []

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from phalanx.checkpoint.commit import is_committed
+from phalanx.checkpoint.commit import is_committed, why_not_committed
 from phalanx.checkpoint.layout import ADAPTER_WEIGHTS, DS_DIR, DS_TAG, SHARDED_DIR, WEIGHTS, staging_dir
 from phalanx.checkpoint.safe_load import check_deepspeed_checkpoint, dcp_reader
 from phalanx.errors import PhalanxError
@@ -32,7 +32,10 @@ def export_checkpoint(folder: Path, out: Path) -> Path:
 
     folder, out = Path(folder), Path(out)
     if not is_committed(folder):
-        raise PhalanxError(f"{folder} is not a committed phalanx checkpoint (no phalanx_checkpoint.json)")
+        raise PhalanxError(
+            f"{folder} is not a committed phalanx checkpoint ({why_not_committed(folder)}): give a checkpoint-* "
+            "folder of a run, e.g. OUTPUT_DIR/checkpoint-400"
+        )
     if (folder / WEIGHTS).is_file() or (folder / ADAPTER_WEIGHTS).is_file():
         raise PhalanxError(f"{folder} already holds from_pretrained weights; load it directly")
     deepspeed = (folder / DS_DIR / DS_TAG).is_dir()

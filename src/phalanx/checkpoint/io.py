@@ -37,6 +37,7 @@ from phalanx.checkpoint.commit import (
     committed_step_checkpoints,
     fresh_staging_dir,
     is_committed,
+    why_not_committed,
 )
 from phalanx.checkpoint.layout import ADAPTER_WEIGHTS, TRAINER_STATE, WEIGHTS, rng_file, staging_dir, state_file
 from phalanx.checkpoint.safe_load import load_state_file
@@ -287,16 +288,9 @@ def load_checkpoint(
     """Restore weights, stateful objects and this rank's RNG; returns trainer_state.json's content."""
     folder = committed_copy(Path(folder))  # a replacement of `folder` that a crash cut short: the copy it replaced
     if not is_committed(folder):
-        # A path that is not there, or a file, was reported as "it may be a save that crashed".
-        why = (
-            "no such folder"
-            if not folder.exists()
-            else "a file, not a checkpoint folder"
-            if not folder.is_dir()
-            else "no phalanx_checkpoint.json; it may be a save that crashed"
-        )
         raise PhalanxError(
-            f"{folder} is not a committed phalanx checkpoint ({why}): give a checkpoint-* folder a run committed"
+            f"{folder} is not a committed phalanx checkpoint ({why_not_committed(folder)}): give a checkpoint-* "
+            "folder a run committed"
         )
     if sharded is not None:
         sharded.load_sharded(folder)  # weights and optimizer, each rank its own shards

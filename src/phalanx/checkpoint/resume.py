@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from phalanx.checkpoint.commit import committed_step_checkpoints, is_committed
+from phalanx.checkpoint.commit import committed_step_checkpoints, is_committed, why_not_committed
 from phalanx.checkpoint.layout import BEST, TRAINER_STATE
 from phalanx.config.schema import RunConfig
 from phalanx.errors import ConfigError
@@ -236,7 +236,7 @@ def resume_point(cfg: RunConfig) -> Optional[Path]:
         if not is_committed(folder):
             raise ConfigError(
                 f"checkpoint.resume_from_checkpoint = {requested!r} is not a committed phalanx checkpoint "
-                "(a checkpoint-N folder holding phalanx_checkpoint.json); use 'latest' or such a folder"
+                f"({why_not_committed(folder)}); use 'latest' or a checkpoint-N folder holding phalanx_checkpoint.json"
             )
     else:
         checkpoints = committed_step_checkpoints(out)
