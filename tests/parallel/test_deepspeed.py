@@ -111,6 +111,8 @@ def test_user_json_auto_values_filled_and_resume_from_engine_checkpoint(tmp_path
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert f"{target} holds" in proc.stderr and "never runs code from a checkpoint" in proc.stderr, proc.stderr[-3000:]
     assert not marker.exists(), "the pickle's payload ran"
+    # Rank 1 read its own untouched file, then its collective broke as rank 0 left: it stands aside, naming rank 0.
+    assert "rank 1 stopped: rank 0 (UnsafeCheckpointError" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_json_that_contradicts_the_run_is_refused(tmp_path):

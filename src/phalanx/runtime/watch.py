@@ -20,6 +20,43 @@ def set_phase(rank: int, phase: str) -> None:
         c10d._get_default_store().set(_KEY.format(rank), phase)
 
 
+FAILED = "failed: "
+
+
+def one_line(exc: BaseException, limit: int = 160) -> str:
+    """`Type: first line of the message`, cut to `limit` characters: what a rank's failure is called in a phase."""
+    text = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def record_failure(rank: int, exc: BaseException) -> None:
+    """Say in the store, before this rank tears down (which is what the others' collectives then fail on), that it
+    failed and with what: a peer whose step breaks because this rank left reads it (peer_that_failed) and stands
+    aside, so the launcher names this rank. Best effort: the store may be gone too."""
+    try:
+        set_phase(rank, FAILED + one_line(exc))
+    except Exception:  # noqa: BLE001 - the store's host died: the launcher still names the ranks by exit
+        pass
+
+
+def peer_that_failed(world_size: int, rank: int) -> str | None:
+    """'rank 1 (RuntimeError: ...)' for the first other rank that recorded a failure (record_failure), else None."""
+    if not dist.is_initialized():
+        return None
+    try:
+        store = c10d._get_default_store()
+        store.set_timeout(timedelta(seconds=5))
+        for other in range(world_size):
+            key = _KEY.format(other)
+            if other != rank and store.check([key]):
+                phase = store.get(key).decode()
+                if phase.startswith(FAILED):
+                    return f"rank {other} ({phase[len(FAILED) :]})"
+    except Exception:  # noqa: BLE001 - the store's host died with its rank: nothing to tell
+        return None
+    return None
+
+
 def describe_ranks(world_size: int) -> str:
     """One line per rank with its last recorded phase (best effort: the store may be gone too)."""
     if not dist.is_initialized():

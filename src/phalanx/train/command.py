@@ -110,10 +110,11 @@ def train_rank(args: Sequence[str], preemption: PreemptionFlag) -> int:
 
 def train_worker(cfg: RunConfig, preemption: PreemptionFlag) -> int:
     """One rank's whole run. A failure is reported with what every rank was doing, so the stuck one is named."""
+    from phalanx.launch.local import STOPPED_FOR_LOST_PEER, write_rank_message
     from phalanx.runtime.dist import env_rank_info, shutdown
     from phalanx.runtime.output_lock import release_lock, training_lock
     from phalanx.runtime.signals import PREEMPTED_EXIT_CODE, Preempted
-    from phalanx.runtime.watch import describe_ranks
+    from phalanx.runtime.watch import describe_ranks, one_line, peer_that_failed, record_failure
     from phalanx.train.loop import train
     from phalanx.train.run import build_run, finish_run, stop_loader_workers
 
@@ -132,7 +133,9 @@ def train_worker(cfg: RunConfig, preemption: PreemptionFlag) -> int:
                 flush=True,
             )
         return PREEMPTED_EXIT_CODE
-    except PhalanxError:
+    except PhalanxError as exc:
+        if world > 1 and not isinstance(exc, RanksFailed):
+            record_failure(rank, exc)  # a rank-local refusal (a damaged file only it reads): the others stand aside
         raise
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EACCES, errno.EROFS, errno.EDQUOT):
@@ -147,10 +150,17 @@ def train_worker(cfg: RunConfig, preemption: PreemptionFlag) -> int:
         ) from None
     except Exception as exc:
         if world > 1:
-            # A crash, often a peer's death seen from here: status 1 as a single process that crashes, never the
-            # bad-input 2 that tells a requeue wrapper (or torchrun's summary reader) a rerun would only repeat it.
+            # A crash: status 1 as a single process that crashes, never the bad-input 2 that tells a requeue wrapper
+            # (or torchrun's summary reader) a rerun would only repeat it. Often it is a peer's failure seen from
+            # here (gloo: "Connection closed by peer"): then the peer is named, and this rank stands aside.
+            first = peer_that_failed(world, rank)
+            if first is not None:
+                write_rank_message(STOPPED_FOR_LOST_PEER, f"stopped: {first} failed first", rank)
+                raise RanksFailed(f"rank {rank} stopped: {first} failed first (here: {one_line(exc)})") from exc
+            doing = describe_ranks(world)  # before this rank's own phase says "failed"
+            record_failure(rank, exc)
             raise RanksFailed(
-                f"rank {rank} failed: {type(exc).__name__}: {exc}\n  what each rank was doing: {describe_ranks(world)}"
+                f"rank {rank} failed: {type(exc).__name__}: {exc}\n  what each rank was doing: {doing}"
             ) from exc
         raise
     finally:
