@@ -7,7 +7,7 @@ import pytest
 
 from phalanx.config.flags import split_flags
 from phalanx.config.loader import FLAT_FLAGS, all_dotted_fields, load_config, overrides_from_flags, parse_value
-from phalanx.errors import ConfigError
+from phalanx.errors import ConfigError, PhalanxError
 
 SEED_FLAGS = [
     "model_name",
@@ -81,6 +81,43 @@ def test_wrong_type_names_field_and_value(tmp_path: Path):
     with pytest.raises(ConfigError) as err:
         load_config(str(cfg_file))
     assert "line 2" in str(err.value) and "training.batch_size" in str(err.value) and "'lots'" in str(err.value)
+
+
+def test_target_modules_take_the_comma_separated_names_people_write(tmp_path: Path):
+    """`--target_modules q_proj,v_proj` and `--target_modules q_proj` were refused with one line per union member
+    ("lora.target_modules.literal['all-linear']", "lora.target_modules.list[str]"); only a YAML list worked."""
+    for raw, names in (
+        ("q_proj,v_proj", ["q_proj", "v_proj"]),
+        ("q_proj", ["q_proj"]),
+        ("[k_proj, o_proj]", ["k_proj", "o_proj"]),
+    ):
+        assert load_config(None, overrides_from_flags([("target_modules", raw)])).lora.target_modules == names
+    assert (
+        load_config(None, overrides_from_flags([("target_modules", "all-linear")])).lora.target_modules == "all-linear"
+    )
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text("lora:\n  target_modules: q_proj, v_proj\n")
+    assert load_config(str(cfg_file)).lora.target_modules == ["q_proj", "v_proj"]
+    # What fits no member of the union: one line, what the field accepts, where it was written.
+    cfg_file.write_text("lora:\n  r: 4\n  target_modules: 3\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(cfg_file))
+    assert str(err.value).splitlines()[1:] == [
+        f"  {cfg_file} line 3: field 'lora.target_modules' = 3: accepted: 'all-linear' or a list such as [a, b]"
+    ]
+
+
+def test_a_second_value_after_a_flag_is_named_with_the_one_value_form():
+    """`--target_modules q_proj v_proj` (argparse's nargs habit) read v_proj as the config file: "config file v_proj
+    does not exist". A config file by its extension is still taken anywhere."""
+    with pytest.raises(
+        PhalanxError,
+        match=r"unexpected argument 'v_proj' after --target_modules q_proj: .*"
+        r"--target_modules q_proj,v_proj",
+    ):
+        split_flags(["--target_modules", "q_proj", "v_proj"])
+    assert split_flags(["--max_steps", "3", "run.yaml"]) == ("run.yaml", [("max_steps", "3")])
+    assert split_flags(["run.yaml", "--max_steps", "3"]) == ("run.yaml", [("max_steps", "3")])
 
 
 def test_batch_size_zero_is_refused_from_the_command_line():

@@ -65,9 +65,21 @@ def split_flags(args: Sequence[str]) -> tuple[Optional[str], list[tuple[str, str
                 else:
                     value = BARE  # a bare switch such as --overwrite_output_dir
             pairs.append((name.replace("-", "_") if "." not in name else name, value))
+        elif pairs and isinstance(pairs[-1][1], str) and not args[i - 1].startswith("--") and not is_config_name(arg):
+            # `--target_modules q_proj v_proj`: a second value for the flag before it, not a config file
+            name, value = pairs[-1]
+            raise PhalanxError(
+                f"unexpected argument {arg!r} after --{name} {value}: a flag takes one value (a list is one "
+                f"comma-separated value: --{name} {value},{arg}); a CONFIG.yaml goes first"
+            )
         elif config is None:
             config = arg
         else:
             raise PhalanxError(f"unexpected argument {arg!r}: give at most one CONFIG.yaml, then --flag value pairs")
         i += 1
     return config, pairs
+
+
+def is_config_name(arg: str) -> bool:
+    """A positional argument that names a config file (by its extension)."""
+    return arg.lower().endswith((".yaml", ".yml", ".json"))

@@ -267,7 +267,8 @@ def _accepted(annotation: Any) -> str:
     kinds: list[str] = []
     for member in _union_args(annotation):
         if typing.get_origin(member) is Literal:
-            kinds.append("one of " + ", ".join(repr(c) for c in typing.get_args(member)))
+            choices = typing.get_args(member)
+            kinds.append(("one of " if len(choices) > 1 else "") + ", ".join(repr(c) for c in choices))
         elif member in (int, float):
             kinds.append("a number")
         elif member is Path:
@@ -387,8 +388,18 @@ def load_config(path: Optional[str] = None, overrides: Optional[dict[str, Any]] 
 
 def _explain(exc: ValidationError, source: str, lines: dict[tuple, int], from_cli: set[tuple]) -> str:
     problems = []
+    union_fields_done: set[tuple] = set()
+    fields = set(all_dotted_fields())
     for err in exc.errors():
         loc = tuple(str(p) for p in err["loc"])
+        union_field = _union_field(loc, fields)
+        if union_field is not None:
+            # pydantic says why the value fits no member of a union, one line per member under names such as
+            # "literal['all-linear']" and "list[str]": one line saying what the field accepts reads better.
+            if union_field in union_fields_done:
+                continue
+            union_fields_done.add(union_field)
+            loc, err = union_field, {**err, "msg": f"accepted: {_accepted(field_annotation('.'.join(union_field)))}"}
         dotted = ".".join(loc)
         if tuple(loc) in from_cli:
             where = "command line"
@@ -413,6 +424,15 @@ def _explain(exc: ValidationError, source: str, lines: dict[tuple, int], from_cl
             else:
                 problems.append(f"{where}: field '{dotted}' = {value!r}: {message}")
     return "invalid configuration:\n  " + "\n  ".join(problems)
+
+
+def _union_field(loc: tuple, fields: set[str]) -> Optional[tuple]:
+    """The field a union-member error is about (('lora', 'target_modules') for its loc plus "list[str]"), else None."""
+    for end in range(len(loc) - 1, 0, -1):
+        if ".".join(loc[:end]) in fields:
+            members = [m for m in _union_args(field_annotation(".".join(loc[:end]))) if m is not type(None)]
+            return loc[:end] if len(members) > 1 and not loc[end].isdigit() else None
+    return None
 
 
 def _lines_named(message: str, source: str, lines: dict[tuple, int]) -> str:

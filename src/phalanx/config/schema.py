@@ -57,8 +57,21 @@ class LoraConfig(Section):
     dropout: float = Field(0.05, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
     target_modules: Union[Literal["all-linear"], list[str]] = Field(
         "all-linear",
-        description="Module names to adapt, or 'all-linear' (every linear layer but the output head).",
+        description="Module names to adapt (a list, or one comma-separated value: --target_modules q_proj,v_proj), "
+        "or 'all-linear' (every linear layer but the output head).",
     )
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _names_in_one_value(cls, value: Any) -> Any:
+        # `--target_modules q_proj,v_proj` (and `target_modules: q_proj` in YAML) is how people write it; pydantic
+        # alone accepted only a YAML list and answered anything else with two lines about union members.
+        if isinstance(value, str) and value != "all-linear":
+            names = [name.strip() for name in value.split(",") if name.strip()]
+            if names:
+                return names
+        return value
+
     kernel: Literal["fused", "peft"] = Field(
         "fused",
         description="Forward of the LoRA layers. 'fused': phalanx's own over PEFT's parameters (same names and "
