@@ -98,3 +98,38 @@ def test_a_rank_that_crashes_exits_1_not_the_bad_input_status(monkeypatch, tmp_p
         train_worker(cfg, preemption=None)
     assert caught.value.exit_code == 1
     assert run_command(["train", "--output_dir", str(tmp_path / "out2")]) == 1
+
+
+def test_a_refusal_raised_by_every_rank_is_reported_once_with_its_status(monkeypatch, tmp_path, capsys):
+    """A damaged checkpoint (or nan_policy stop) raises a plain PhalanxError on every rank: like a bad row it goes to
+    the launcher through the rank's error file, to be printed once with status 2, not by each rank with the
+    launcher's crash status 1. A rank's crash (RanksFailed) still raises."""
+    import json
+
+    from phalanx.errors import PhalanxError, RanksFailed
+    from phalanx.launch.local import PARENT_REPORTS, reported_bad_input
+    from phalanx.train import command
+
+    message = "out/checkpoint-4/optimizer.pt cannot be read: this checkpoint is damaged"
+    raised: list[Exception] = [PhalanxError(message)]
+
+    def refuse(cfg, preemption):
+        raise raised[0]
+
+    monkeypatch.setattr(command, "train_worker", refuse)
+    monkeypatch.setattr(command, "load_only_what_the_run_needs", lambda cfg: None)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv(PARENT_REPORTS, "1")
+    files = {}
+    for rank in (0, 1):
+        files[rank] = tmp_path / f"error-{rank}.json"
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(files[rank]))
+        assert command.train_rank(["--output_dir", str(tmp_path / "out")], preemption=None) == 2
+    assert capsys.readouterr().err == "", "the launcher prints it, once"
+    reported = reported_bad_input({rank: json.loads(path.read_text()) for rank, path in files.items()})
+    assert str(reported) == message and reported.exit_code == 2
+    raised[0] = RanksFailed("rank 1 failed: RuntimeError: boom")
+    with pytest.raises(RanksFailed):
+        command.train_rank(["--output_dir", str(tmp_path / "out")], preemption=None)

@@ -84,10 +84,11 @@ def launch_train_ranks(cfg: RunConfig, args: Sequence[str]) -> int:
 
 
 def train_rank(args: Sequence[str], preemption: PreemptionFlag) -> int:
-    """One rank started by a launcher. What phalanx refuses (a config field, a data row, a checkpoint file that only
-    this rank reads, a Hub that cannot be reached) is reported once for the job, with the error's status (2 for bad
-    input): the launcher exits with it even when the other ranks crash because this one left (their gloo sees a
-    closed connection). Only a crash (RanksFailed) is each rank's own, status 1."""
+    """One rank started by a launcher. What phalanx refuses (a config field, a data row, a damaged checkpoint or one
+    only this rank reads, a loss that stays NaN under nan_policy stop, a Hub that cannot be reached) is reported once
+    for the job, with its own status (2, or 1 for the Hub): the launcher exits with it even when the other ranks crash
+    because this one left (their gloo sees a closed connection). A rank's crash (RanksFailed) is not refused input and
+    keeps its status 1."""
     from phalanx.config.loader import config_from_args
     from phalanx.runtime.dist import env_rank_info
     from phalanx.runtime.quiet import quiet_libraries
@@ -98,10 +99,8 @@ def train_rank(args: Sequence[str], preemption: PreemptionFlag) -> int:
         load_only_what_the_run_needs(cfg)
         quiet_libraries()
         return train_worker(cfg, preemption)
-    except RanksFailed:
-        raise
     except PhalanxError as exc:
-        if world == 1:
+        if world == 1 or isinstance(exc, RanksFailed):
             raise
         from phalanx.launch.local import report_bad_input
 
