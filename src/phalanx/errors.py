@@ -1,5 +1,11 @@
 """The one exception type users see: a message that says where the problem is and what is accepted."""
 
+import re
+
+# What the Hub accepts as a repository id (a model's or a dataset's): "name" or "org/name", nothing path-like. A name
+# that does not match and is no existing path is a missing folder, said as such instead of the Hub client's complaint.
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
+
 
 class PhalanxError(Exception):
     """Bad input or an impossible request. The CLI prints the message (no traceback) and exits `exit_code`."""

@@ -70,6 +70,23 @@ def test_load_dataset_failures_name_the_dataset(tmp_path, write_jsonl, chat_row)
         rows_of(str(tmp_path / "empty"), kind="name")
 
 
+def test_a_dataset_name_that_is_a_file_or_a_missing_folder_says_so(tmp_path, write_jsonl, chat_row, monkeypatch):
+    """Seed 002's --dataset_name given a local path by mistake: named as a missing folder, or a file that belongs to
+    --dataset_path, before load_dataset answers with the Hub client's repo-id rules (or "couldn't find any data
+    file" for a file that exists)."""
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(tmp_path / "repo" / "data" / "train.jsonl", [chat_row(0)])
+    with pytest.raises(DataError) as info:
+        rows_of("./repo/data/train.jsonl", kind="name")
+    assert "'./repo/data/train.jsonl' is a file" in str(info.value)
+    assert "--dataset_path ./repo/data/train.jsonl" in str(info.value)
+    for missing in ("./nothere", "/no/such/dataset", "~/nothere"):
+        with pytest.raises(DataError) as info:
+            rows_of(missing, kind="name")
+        assert f"{missing!r}: no such folder, and not a Hub dataset id ('org/name')" in str(info.value)
+    assert len(rows_of("./repo", kind="name")) == 1, "an existing folder still goes to load_dataset"
+
+
 def test_missing_path_says_what_is_accepted(tmp_path):
     with pytest.raises(DataError) as info:
         rows_of(tmp_path / "nope.jsonl")

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Callable, Iterator, Literal, Optional
 
-from phalanx.errors import DataError
+from phalanx.errors import HUB_ID, DataError
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,7 @@ def load_named_dataset(name: str, split: str = "train"):
     """``datasets.load_dataset(name, split=split)``; any failure becomes a DataError naming the dataset."""
     import datasets
 
+    refuse_unloadable_name(name)
     try:
         return datasets.load_dataset(name, split=split)
     except Exception as e:  # noqa: BLE001 - missing repo, bad split, bad files: the user's to fix; or no network
@@ -77,6 +78,23 @@ def load_named_dataset(name: str, split: str = "train"):
 
         message = f"dataset '{name}' (split '{split}'): datasets.load_dataset failed: {type(e).__name__}: {e}"
         raise hub_failure(e, message, DataError) from None
+
+
+def refuse_unloadable_name(name: str) -> None:
+    """A dataset_name that is a file, or neither an existing folder nor a Hub id (a mistyped ``./data``), said as such:
+    load_dataset would answer with the Hub client's repo-id rules, or "couldn't find any data file" for a file that
+    exists."""
+    path = Path(name).expanduser()
+    if path.is_file():
+        raise DataError(
+            f"data.dataset_name {name!r} is a file; dataset_name takes a Hub dataset id ('org/name') or a dataset "
+            f"folder. Give a file as --dataset_path {name} ({ACCEPTED_PATHS})"
+        )
+    if not path.exists() and not HUB_ID.fullmatch(name):
+        raise DataError(
+            f"data.dataset_name {name!r}: no such folder, and not a Hub dataset id ('org/name'). Give an existing "
+            f"dataset folder or a Hub id; a jsonl file or save_to_disk folder goes to --dataset_path"
+        )
 
 
 def _checked(rows, label: str, on_bad_row: Optional[OnBadRow]) -> Iterator[tuple[str, dict]]:

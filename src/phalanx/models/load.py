@@ -7,7 +7,6 @@ tests exercise is the path users' own models take.
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Optional
 
@@ -21,12 +20,10 @@ from transformers import (
 )
 
 from phalanx.config.schema import ModelConfig
-from phalanx.errors import ConfigError, hub_failure
+from phalanx.errors import HUB_ID, ConfigError, hub_failure
 from phalanx.models.packages import require_4bit_packages
 
 EMBEDDED_PREFIX = "embedded:"
-# What the Hub accepts as a repository id: "name" or "org/name", nothing path-like.
-HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
 
 
 def cache_root() -> Path:
