@@ -87,6 +87,16 @@ def test_a_dataset_name_that_is_a_file_or_a_missing_folder_says_so(tmp_path, wri
     assert len(rows_of("./repo", kind="name")) == 1, "an existing folder still goes to load_dataset"
 
 
+def test_a_malformed_line_in_a_dataset_name_folder_is_named_by_file_and_line(tmp_path, write_jsonl, chat_row):
+    """load_dataset on a local folder fails whole on one bad line with "An error occurred while generating the
+    dataset"; the error names the file and line as --dataset_path's reader does, and why on_bad_row cannot help."""
+    rows = [chat_row(0), chat_row(1), '{"messages": [{"role": "user", "content": "cut short"}']
+    bad = write_jsonl(tmp_path / "repo" / "data" / "train.jsonl", rows)
+    with pytest.raises(DataError) as info:
+        rows_of(str(tmp_path / "repo"), kind="name")
+    assert f"{bad} line 3: malformed JSON" in str(info.value) and "on_bad_row" in str(info.value)
+
+
 def test_missing_path_says_what_is_accepted(tmp_path):
     with pytest.raises(DataError) as info:
         rows_of(tmp_path / "nope.jsonl")

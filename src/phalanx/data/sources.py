@@ -76,8 +76,40 @@ def load_named_dataset(name: str, split: str = "train"):
     except Exception as e:  # noqa: BLE001 - missing repo, bad split, bad files: the user's to fix; or no network
         from phalanx.errors import hub_failure
 
-        message = f"dataset '{name}' (split '{split}'): datasets.load_dataset failed: {type(e).__name__}: {e}"
+        bad_line = first_unreadable_line(Path(name).expanduser())
+        if bad_line is not None:
+            raise DataError(
+                f"dataset '{name}' (split '{split}'): {bad_line}. datasets.load_dataset reads the folder whole, so "
+                "one such line stops it whatever on_bad_row says: fix it, or give the files as --dataset_path, "
+                "which --on_bad_row skip can read past"
+            ) from None
+        message = f"dataset '{name}' (split '{split}'): datasets.load_dataset failed: {describe_causes(e)}"
         raise hub_failure(e, message, DataError) from None
+
+
+def first_unreadable_line(folder: Path) -> Optional[DataError]:
+    """The first malformed line (bad JSON, not UTF-8, not an object) of the *.jsonl files in a local dataset
+    folder, named by file and line; None where there is none or `folder` is not a folder. load_dataset says only
+    "An error occurred while generating the dataset" (the file is in a log line, a 0-based row in the cause)."""
+    if not folder.is_dir():
+        return None
+    for file in sorted(p for p in folder.rglob("*.jsonl") if p.is_file()):
+        for item in _iter_json_file(file):
+            if isinstance(item, DataError):
+                return item
+    return None
+
+
+def describe_causes(exc: BaseException) -> str:
+    """'DatasetGenerationError: An error occurred ... (ArrowInvalid: JSON parse error ...)': the exception and the
+    ones it was raised from, since datasets' own message often says nothing of what went wrong."""
+    parts, seen = [], set()
+    current: Optional[BaseException] = exc
+    while current is not None and id(current) not in seen and len(parts) < 3:
+        seen.add(id(current))
+        parts.append(f"{type(current).__name__}: {current}")
+        current = current.__cause__ or current.__context__
+    return parts[0] + "".join(f" ({part})" for part in parts[1:])
 
 
 def refuse_unloadable_name(name: str) -> None:
