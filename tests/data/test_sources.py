@@ -97,6 +97,38 @@ def test_a_malformed_line_in_a_dataset_name_folder_is_named_by_file_and_line(tmp
     assert f"{bad} line 3: malformed JSON" in str(info.value) and "on_bad_row" in str(info.value)
 
 
+def test_a_load_dataset_failure_says_what_caused_it_unless_the_hub_was_unreachable(monkeypatch):
+    """datasets wraps what went wrong ("An error occurred while generating the dataset"): the causes are said. An
+    unreachable Hub is said by its own message and the way on, without the chain's noise ("not cached in None")."""
+    from phalanx.errors import HubUnreachable
+
+    def generation_failed(name, split):
+        try:
+            raise ValueError("Couldn't cast column 'messages'")
+        except ValueError as cause:
+            raise RuntimeError("An error occurred while generating the dataset") from cause
+
+    monkeypatch.setattr(datasets, "load_dataset", generation_failed)
+    with pytest.raises(DataError) as info:
+        rows_of("org/data", kind="name")
+    assert str(info.value).endswith(
+        "load_dataset failed: RuntimeError: An error occurred while generating the dataset "
+        "(ValueError: Couldn't cast column 'messages')"
+    )
+
+    def unreachable(name, split):
+        try:
+            raise FileNotFoundError(f"Dataset {name} is not cached in None")
+        except FileNotFoundError:
+            raise ConnectionError(f"Couldn't reach '{name}' on the Hub") from OSError(-2, "Name or service not known")
+
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    with pytest.raises(HubUnreachable) as info:
+        rows_of("org/data", kind="name")
+    assert "load_dataset failed: ConnectionError: Couldn't reach 'org/data' on the Hub." in str(info.value)
+    assert "not cached in None" not in str(info.value)
+
+
 def test_missing_path_says_what_is_accepted(tmp_path):
     with pytest.raises(DataError) as info:
         rows_of(tmp_path / "nope.jsonl")

@@ -74,7 +74,7 @@ def load_named_dataset(name: str, split: str = "train"):
     try:
         return datasets.load_dataset(name, split=split)
     except Exception as e:  # noqa: BLE001 - missing repo, bad split, bad files: the user's to fix; or no network
-        from phalanx.errors import hub_failure
+        from phalanx.errors import hub_failure, network_failed
 
         bad_line = first_unreadable_line(Path(name).expanduser())
         if bad_line is not None:
@@ -83,7 +83,10 @@ def load_named_dataset(name: str, split: str = "train"):
                 "one such line stops it whatever on_bad_row says: fix it, or give the files as --dataset_path, "
                 "which --on_bad_row skip can read past"
             ) from None
-        message = f"dataset '{name}' (split '{split}'): datasets.load_dataset failed: {describe_causes(e)}"
+        # What the Hub client said when it was unreachable is enough (hub_failure adds the way on); for anything
+        # else the causes say what went wrong.
+        said = f"{type(e).__name__}: {e}" if network_failed(e) else describe_causes(e)
+        message = f"dataset '{name}' (split '{split}'): datasets.load_dataset failed: {said}"
         raise hub_failure(e, message, DataError) from None
 
 
