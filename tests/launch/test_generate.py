@@ -375,8 +375,10 @@ def test_slurm_script_like_seed_003(in_project, capsys, tmp_path):
         "scontrol requeue",
         'scancel --signal=USR1 "$SLURM_JOB_ID"',
         "srun --ntasks-per-node=1 --kill-on-bad-exit=1",
+        "that task is the DeepSpeed launcher, and it starts the node's ranks",
     ):
         assert expected in text, expected
+    assert "torchrun" not in text.split("#SBATCH")[0], "the header names the launcher the job runs"
     # Every #SBATCH line comes before the first command, or sbatch ignores it.
     lines = text.splitlines()
     first_command = next(i for i, line in enumerate(lines) if line.strip() and not line.startswith("#"))
@@ -411,6 +413,7 @@ def test_slurm_cpu_nodes_request_no_gpus(in_project, capsys, tmp_path):
     assert "#SBATCH --cpus-per-task=8" in text and "#SBATCH --mem=16G" in text
     assert "--nproc_per_node 4" in text and "--rdzv_backend c10d" in text and "--max_restarts 2" in text
     assert "--backend gloo" in text and 'export CUDA_VISIBLE_DEVICES=""' in text
+    assert "that task is torchrun, and it starts the node's ranks" in text
     # With elastic restarts torchrun would restart ranks that stop to save; the job stops torchrun instead, which
     # gives the ranks distributed.shutdown_timeout_s to save; SLURM warns that long before the limit, plus a margin.
     assert 'scancel --signal=TERM "$SLURM_JOB_ID"' in text

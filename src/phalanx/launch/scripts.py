@@ -368,11 +368,12 @@ def render_slurm(spec: SlurmSpec, script: Path) -> str:
             "#SBATCH --requeue",
             "#SBATCH --open-mode=append",
         ]
+    launcher_name = "the DeepSpeed launcher" if job.use_deepspeed else "torchrun"
     lines = [
         "#!/bin/bash",
         f"# phalanx training on {job.num_nodes} node(s) x {ranks} {job.rank_kind}; submit with: sbatch {script.name}",
         f"# Written by: {job.command_line}" if job.command_line else "# Written by phalanx slurm.",
-        "# One task per node (--ntasks-per-node=1): that task is torchrun, and torchrun starts the node's ranks.",
+        f"# One task per node (--ntasks-per-node=1): that task is {launcher_name}, and it starts the node's ranks.",
         f"# --cpus-per-task is {spec.cpus_per_rank} CPU(s) for each of the {ranks} rank(s) of a node.",
         *(
             [
