@@ -121,7 +121,7 @@ def test_each_configured_strategy_name_builds_its_class_from_the_config(tmp_path
     import torch
 
     from phalanx.config.schema import SHARDING_STRATEGIES, DistributedConfig
-    from phalanx.parallel import STRATEGIES, make_strategy
+    from phalanx.parallel import STRATEGIES, check_before_launch, make_strategy
     from phalanx.parallel.config_files import config_main
     from phalanx.parallel.ddp import DDPStrategy
     from phalanx.parallel.deepspeed import DeepSpeedStrategy
@@ -171,10 +171,19 @@ def test_each_configured_strategy_name_builds_its_class_from_the_config(tmp_path
         )
         == 0
     )
-    fsdp = make_strategy(
-        two, fp32, cfg=load_config(None, {"distributed.strategy": "fsdp", "distributed.fsdp_config": str(file)})
-    )
+    from_file = load_config(None, {"distributed.strategy": "fsdp", "distributed.fsdp_config": str(file)})
+    fsdp = make_strategy(two, Precision(torch.bfloat16), cfg=from_file)
     assert (fsdp.sharding_strategy, fsdp.cpu_offload, fsdp.param_dtype) == ("NO_SHARD", True, torch.bfloat16)
+    # The file's BFLOAT16 on an fp32 run (CPU ranks) would cast the weights behind the banner's back: refused by name,
+    # as a DeepSpeed JSON's bf16 is, in the ranks and before they start.
+    for refuse in (lambda: make_strategy(two, fp32, cfg=from_file), lambda: check_before_launch(from_file, 2, False)):
+        with pytest.raises(ConfigError) as refused:
+            refuse()
+        assert f"{file}: fsdp_mixed_precision = BFLOAT16 disagrees with the run, which computes in fp32" in str(
+            refused.value
+        ) and '"fsdp_mixed_precision": "NO"' in str(refused.value)
+    file.write_text(file.read_text().replace('"BFLOAT16"', '"NO"'))
+    assert make_strategy(two, fp32, cfg=from_file).param_dtype is None, "NO takes the run's precision"
     ds = make_strategy(
         two, fp32, cfg=load_config(None, {"distributed.strategy": "deepspeed", "distributed.zero_stage": 3})
     )

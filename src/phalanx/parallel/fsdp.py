@@ -57,6 +57,24 @@ def fsdp_allows_frozen_dtypes() -> bool:
         return False
 
 
+def file_param_dtype(cfg: RunConfig, precision: Precision) -> Optional[torch.dtype]:
+    """The compute dtype an FSDP JSON (distributed.fsdp_config) asks for: None where it names none ("NO", "FP32"),
+    and the run's own where it names that. A different one is refused, as a DeepSpeed JSON's bf16/fp16 is: the loop's
+    autocast, grad scaler and banner follow the run's precision, so the file would quietly cast the weights to
+    another dtype (BFLOAT16 on CPU ranks, which run fp32, or under a mixed_precision fp16 run)."""
+    asked = fsdp_settings(cfg.distributed)[2]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[asked]
+    if dtype is None or dtype == precision.dtype:
+        return dtype
+    run = {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}[precision.dtype]
+    raise ConfigError(
+        f"{cfg.distributed.fsdp_config}: fsdp_mixed_precision = {'BFLOAT16' if asked == 'bf16' else 'FP16'} "
+        f"disagrees with the run, which computes in {run} (training.mixed_precision "
+        f"'{cfg.training.mixed_precision}'; bf16 and fp16 need CUDA ranks). Make them equal, or write "
+        '"fsdp_mixed_precision": "NO" in the JSON to take the run\'s precision.'
+    )
+
+
 class FSDPStrategy(Strategy):
     name = "fsdp"
     shards_state = True  # resume state is written by every rank (torch.distributed.checkpoint), not by rank 0
@@ -87,9 +105,13 @@ class FSDPStrategy(Strategy):
     def from_config(cls, rank: RankInfo, precision: Precision, cfg: RunConfig) -> "FSDPStrategy":
         """distributed.sharding_strategy and offload_param; an FSDP JSON (`phalanx config fsdp`, distributed.fsdp_config)
         overrides the sharding strategy and the compute dtype, and can turn CPU offload on."""
-        sharding, offload, mixed_precision = fsdp_settings(cfg.distributed)
-        param_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[mixed_precision]
-        return cls(rank, precision, sharding, offload, cfg.model.finetune, param_dtype)
+        sharding, offload, _ = fsdp_settings(cfg.distributed)
+        return cls(rank, precision, sharding, offload, cfg.model.finetune, file_param_dtype(cfg, precision))
+
+    @classmethod
+    def check_config(cls, cfg: RunConfig, world_size: int, precision: Precision) -> None:
+        """An FSDP JSON whose fsdp_mixed_precision contradicts the run is refused before any rank starts."""
+        file_param_dtype(cfg, precision)
 
     def _mesh(self):
         from torch.distributed.device_mesh import init_device_mesh
