@@ -141,6 +141,35 @@ def test_json_that_contradicts_the_run_is_refused(tmp_path):
     assert "World Size" not in proc.stdout and not (tmp_path / "out").exists(), "refused before any rank started"
 
 
+@pytest.mark.parametrize(
+    "user, said",
+    [
+        ({"zero_optimization": {"stage": "two"}}, 'zero_optimization.stage = "two"; accepted: 0, 1, 2 or 3, or "auto"'),
+        ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage = 4; accepted: 0, 1, 2 or 3"),
+        ({"gradient_clipping": "high"}, 'gradient_clipping = "high"; accepted: a number, 0 or more'),
+        ({"train_micro_batch_size_per_gpu": 0}, "train_micro_batch_size_per_gpu = 0; accepted: a positive integer"),
+        ({"bf16": {"enabled": "yes"}}, 'bf16.enabled = "yes"; accepted: true or false'),
+        ({"bf16": True}, 'bf16 = true; accepted: an object such as {"enabled": "auto"}'),
+    ],
+)
+def test_json_values_of_the_wrong_type_are_refused_by_file_and_key(tmp_path, user, said):
+    """Values DeepSpeed would take into every rank and fail on there, without a word of the file (at start-up:
+    "invalid literal for int()"; at the first step: "'>' not supported between 'str' and 'float'")."""
+    from phalanx.config.loader import load_config
+    from phalanx.errors import ConfigError
+    from phalanx.parallel.base import Precision
+    from phalanx.parallel.deepspeed import build_ds_config
+
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(user))
+    cfg = load_config(None, {"distributed.strategy": "deepspeed", "distributed.deepspeed_config": str(path)})
+    with pytest.raises(ConfigError) as refused:
+        build_ds_config(cfg, 2, Precision(None))
+    assert str(refused.value).startswith(f"{path}: {said}")
+    path.write_text(json.dumps({"gradient_clipping": "auto", "zero_optimization": {"stage": "auto"}}))
+    assert build_ds_config(cfg, 2, Precision(None))["zero_optimization"]["stage"] == 2, '"auto" takes the run\'s'
+
+
 @pytest.fixture(scope="module")
 def eval_data(tmp_path_factory) -> Path:
     return write_chat_jsonl(tmp_path_factory.mktemp("evalnan") / "train.jsonl", 35)

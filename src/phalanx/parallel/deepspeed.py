@@ -14,6 +14,7 @@ explicitly in our config is reported instead of one silently winning.
 from __future__ import annotations
 
 import contextlib
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional
 
@@ -71,6 +72,7 @@ def build_ds_config(cfg: RunConfig, world_size: int, precision: Precision) -> di
         return {**ours, **QUIET}
     path = Path(d.deepspeed_config)
     user = read_json_mapping(d.deepspeed_config, "distributed.deepspeed_config")
+    refuse_wrong_types(user, path)
     explicit = explicit_fields(cfg)
     merged, conflicts = merge(user, ours, explicit, prefix="")
     if conflicts:
@@ -103,6 +105,45 @@ BINDING = {
     "bf16.enabled",
     "fp16.enabled",
 }
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+# What the keys phalanx fills or checks accept in a user's JSON ("auto" aside). A value of another type would reach
+# DeepSpeed, which fails inside every rank at start-up or at the first step with no word of the file
+# ("invalid literal for int()", "'>' not supported between 'str' and 'float'"), so it is refused by name first.
+ACCEPTED_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "train_micro_batch_size_per_gpu": (_positive_int, "a positive integer"),
+    "gradient_accumulation_steps": (_positive_int, "a positive integer"),
+    "train_batch_size": (_positive_int, "a positive integer"),
+    "gradient_clipping": (
+        lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0,
+        "a number, 0 or more (0: no clipping)",
+    ),
+    "bf16.enabled": (lambda v: isinstance(v, bool), "true or false"),
+    "fp16.enabled": (lambda v: isinstance(v, bool), "true or false"),
+    "zero_optimization.stage": (lambda v: v in (0, 1, 2, 3) and not isinstance(v, bool), "0, 1, 2 or 3"),
+}
+
+
+def refuse_wrong_types(user: dict, path: Path) -> None:
+    """Raise ConfigError naming the file, the key and what it accepts for the first value of ACCEPTED_VALUES's keys
+    that has the wrong type or range, or for one of their sections that is not an object."""
+    for section in ("bf16", "fp16", "zero_optimization"):
+        if section in user and not isinstance(user[section], dict):
+            example = '{"stage": 2}' if section == "zero_optimization" else '{"enabled": "auto"}'
+            raise ConfigError(f"{path}: {section} = {json.dumps(user[section])}; accepted: an object such as {example}")
+    for dotted, (accepts, what) in ACCEPTED_VALUES.items():
+        section, _, key = dotted.rpartition(".")
+        holder = user.get(section) if section else user
+        if not isinstance(holder, dict) or key not in holder or holder[key] == "auto":
+            continue
+        if not accepts(holder[key]):
+            raise ConfigError(
+                f'{path}: {dotted} = {json.dumps(holder[key])}; accepted: {what}, or "auto" (the run\'s value)'
+            )
 
 
 def explicit_fields(cfg: RunConfig) -> set[str]:
