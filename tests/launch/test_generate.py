@@ -470,6 +470,12 @@ def test_slurm_cpu_nodes_request_no_gpus(in_project, capsys, tmp_path):
             "argument --master_port: 0 is not a TCP port; give 1..65535",
         ),
         (["--num_nodes", "2"], "--num_gpus_per_node"),
+        # 5 minutes, warned 360 s before the limit: SLURM would signal at start, and the job requeue itself forever.
+        (
+            ["--num_gpus_per_node", "8", "--time_limit", "5"],
+            "--time_limit 5 is 300 s, but the job saves and requeues 360 s before its limit",
+        ),
+        (["--num_gpus_per_node", "8", "--time_limit", "0:30", "--signal_time", "30"], "--time_limit 0:30 is 30 s"),
     ],
 )
 def test_slurm_refuses_bad_input(in_project, capsys, tmp_path, args, message):
@@ -479,7 +485,12 @@ def test_slurm_refuses_bad_input(in_project, capsys, tmp_path, args, message):
 
 
 def test_slurm_accepts_every_slurm_time_format(in_project, capsys, tmp_path):
-    for value in ("30", "30:00", "48:00:00", "2-12", "2-12:30", "2-12:30:00"):
+    from phalanx.launch.command import slurm_time_seconds
+
+    seconds = {"7": 420, "30": 1800, "30:00": 1800, "48:00:00": 172800, "2-12": 216000, "2-12:30": 217800}
+    assert {value: slurm_time_seconds(value) for value in seconds} == seconds
+    assert slurm_time_seconds("2-12:30:05") == 217805 and slurm_time_seconds("0") == 0
+    for value in ("30", "30:00", "48:00:00", "2-12", "2-12:30", "2-12:30:00", "0"):
         code, _, err = cli(
             capsys, "slurm", "--num_gpus_per_node", "1", "--time_limit", value, "--output", str(tmp_path / "t.sh")
         )

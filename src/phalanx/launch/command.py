@@ -359,6 +359,21 @@ def check_time_limit(value: str) -> str:
     return value
 
 
+def slurm_time_seconds(value: str) -> int:
+    """Seconds in a SLURM time (checked by check_time_limit): a lone number is minutes, two fields are MM:SS, three
+    HH:MM:SS; after a day count, fields are hours, then minutes, then seconds."""
+    days, _, rest = value.rpartition("-") if "-" in value else ("", "", value)
+    parts = [int(p) for p in rest.split(":")]
+    if days:
+        hours, minutes, seconds = (parts + [0, 0])[:3]
+        return ((int(days) * 24 + hours) * 60 + minutes) * 60 + seconds
+    if len(parts) == 1:
+        return parts[0] * 60
+    if len(parts) == 2:
+        return parts[0] * 60 + parts[1]
+    return (parts[0] * 60 + parts[1]) * 60 + parts[2]
+
+
 def slurm_parser() -> argparse.ArgumentParser:
     p = CommandParser(
         prog="phalanx slurm",
@@ -408,6 +423,15 @@ def slurm_main(argv: Sequence[str]) -> int:
     out = Path(args.output)
     grace = cfg.distributed.shutdown_timeout_s
     signal_time = args.signal_time if args.signal_time is not None else grace + scripts.SIGNAL_MARGIN_S
+    limit_s = slurm_time_seconds(args.time_limit)
+    if requeue and 0 < limit_s <= signal_time:  # SLURM reads a time limit of 0 as none
+        # SLURM would send the warning as the job starts: it saves and requeues at once, again and again.
+        raise ConfigError(
+            f"--time_limit {args.time_limit} is {limit_s} s, but the job saves and requeues {signal_time} s before "
+            f"its limit (--signal_time, by default distributed.shutdown_timeout_s {grace} + "
+            f"{scripts.SIGNAL_MARGIN_S}): it would requeue itself as soon as it starts. Give a longer --time_limit "
+            "(HH:MM:SS; a lone number is minutes), a smaller --signal_time or shutdown_timeout_s, or --no_requeue."
+        )
     if requeue and signal_time < grace:
         print(
             f"warning: --signal_time {signal_time}: SLURM ends the job {signal_time} s after its warning, sooner "
