@@ -476,6 +476,10 @@ def test_slurm_cpu_nodes_request_no_gpus(in_project, capsys, tmp_path):
             "--time_limit 5 is 300 s, but the job saves and requeues 360 s before its limit",
         ),
         (["--num_gpus_per_node", "8", "--time_limit", "0:30", "--signal_time", "30"], "--time_limit 0:30 is 30 s"),
+        # SLURM reads a bare number as megabytes: 32 MB per GPU was meant as the seed's 32G.
+        (["--num_gpus_per_node", "8", "--mem_per_gpu", "32"], "--mem_per_gpu 32: SLURM reads a number without a unit"),
+        (["--num_gpus_per_node", "0", "--mem", "64"], "write 64G for gigabytes, or 64M if megabytes are meant"),
+        (["--num_gpus_per_node", "0", "--mem", "64GB"], "--mem '64GB' is not a SLURM memory size; accepted:"),
     ],
 )
 def test_slurm_refuses_bad_input(in_project, capsys, tmp_path, args, message):
@@ -484,7 +488,7 @@ def test_slurm_refuses_bad_input(in_project, capsys, tmp_path, args, message):
     assert not (tmp_path / "x.sh").exists()
 
 
-def test_slurm_accepts_every_slurm_time_format(in_project, capsys, tmp_path):
+def test_slurm_accepts_every_slurm_time_format_and_memory_size(in_project, capsys, tmp_path):
     from phalanx.launch.command import slurm_time_seconds
 
     seconds = {"7": 420, "30": 1800, "30:00": 1800, "48:00:00": 172800, "2-12": 216000, "2-12:30": 217800}
@@ -496,6 +500,11 @@ def test_slurm_accepts_every_slurm_time_format(in_project, capsys, tmp_path):
         )
         assert code == 0, (value, err)
         assert f"#SBATCH --time={value}" in (tmp_path / "t.sh").read_text()
+    for value in ("32G", "4096", "512M", "1T"):
+        code, _, err = cli(
+            capsys, "slurm", "--num_gpus_per_node", "1", "--mem_per_gpu", value, "--output", str(tmp_path / "t.sh")
+        )
+        assert code == 0 and f"#SBATCH --mem-per-gpu={value}" in (tmp_path / "t.sh").read_text(), (value, err)
 
 
 def test_restarts_that_would_start_over_are_pointed_out(in_project, capsys, tmp_path):

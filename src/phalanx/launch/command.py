@@ -14,7 +14,7 @@ import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from phalanx.config.flags import CommandParser
 from phalanx.errors import ConfigError
@@ -359,6 +359,27 @@ def check_time_limit(value: str) -> str:
     return value
 
 
+def slurm_memory(flag: str) -> Callable[[str], str]:
+    """The argparse type of a SLURM memory size (--mem_per_gpu, --mem): a whole number with an optional unit K, M, G
+    or T. SLURM reads a number without a unit as megabytes, so one below 1024 (`--mem_per_gpu 32`, meant as 32G)
+    is refused: a rank given 32 MB is killed as soon as it loads a model."""
+
+    def check(value: str) -> str:
+        number, unit = (value[:-1], value[-1].upper()) if value[-1:].isalpha() else (value, "")
+        if not number.isdigit() or unit not in ("", "K", "M", "G", "T"):
+            raise ConfigError(
+                f"{flag} {value!r} is not a SLURM memory size; accepted: a whole number with K, M, G or T"
+            )
+        if not unit and int(number) < 1024:
+            raise ConfigError(
+                f"{flag} {value}: SLURM reads a number without a unit as megabytes ({value} MB); write {value}G "
+                f"for gigabytes, or {value}M if megabytes are meant"
+            )
+        return value
+
+    return check
+
+
 def slurm_time_seconds(value: str) -> int:
     """Seconds in a SLURM time (checked by check_time_limit): a lone number is minutes, two fields are MM:SS, three
     HH:MM:SS; after a day count, fields are hours, then minutes, then seconds."""
@@ -386,8 +407,12 @@ def slurm_parser() -> argparse.ArgumentParser:
     p.add_argument("--partition")
     p.add_argument("--account")
     p.add_argument("--cpus_per_task", type=int, help="CPUs per rank (default 8 on GPU nodes, 1 for CPU ranks)")
-    p.add_argument("--mem_per_gpu", default="32G", help="memory per GPU (GPU nodes)")
-    p.add_argument("--mem", help="memory per node, e.g. 64G (instead of --mem_per_gpu; CPU nodes)")
+    p.add_argument(
+        "--mem_per_gpu", default="32G", type=slurm_memory("--mem_per_gpu"), help="memory per GPU (GPU nodes)"
+    )
+    p.add_argument(
+        "--mem", type=slurm_memory("--mem"), help="memory per node, e.g. 64G (instead of --mem_per_gpu; CPU nodes)"
+    )
     p.add_argument("--job_name", default="llm_finetune")
     p.add_argument("--log", default="slurm-%j.out", help="the job's log file (SLURM's --output)")
     p.add_argument("--master_port", type=tcp_port, help="rendezvous port (default: derived from the job id)")
