@@ -136,3 +136,23 @@ def test_train_runs_with_generated_files(equivalence_data, tmp_path):
         assert proc.returncode == 0, name + proc.stderr[-3000:]
         assert len(read_metrics(out)) == 2
         assert (out / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (
+            ["deepspeed", "--zero-stage", "2"],
+            "phalanx config deepspeed: unrecognized arguments: --zero-stage 2. Did you mean --zero_stage?",
+        ),
+        (["fsdp", "--mixed_precision", "BF16"], "phalanx config fsdp: argument --mixed_precision: invalid choice"),
+        ([], "phalanx config: the following arguments are required: deepspeed|fsdp"),
+    ],
+)
+def test_a_mistyped_flag_is_one_line_naming_the_nearest(argv, said):
+    """As `phalanx train` and `launcher` answer a typo: one line with the nearest flag, exit 2, no usage dump."""
+    from phalanx.errors import ConfigError
+
+    with pytest.raises(ConfigError) as refused:
+        config_main(argv)
+    assert str(refused.value).startswith(said) and refused.value.exit_code == 2

@@ -19,7 +19,8 @@ class CommandParser(argparse.ArgumentParser):
         return super().parse_known_args(args, namespace)
 
     def error(self, message: str):
-        command = f"phalanx {self.prog.split()[-1]}"
+        # "phalanx launcher", or "phalanx config deepspeed" for a subcommand's own parser.
+        command = self.prog if self.prog.startswith("phalanx ") else f"phalanx {self.prog.split()[-1]}"
         known = [name for action in self._actions for name in action.option_strings if name.startswith("--")]
         hint = ""
         if message.startswith("unrecognized arguments:"):

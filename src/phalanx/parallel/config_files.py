@@ -12,11 +12,11 @@ No torch import here: `phalanx config` answers without loading it.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Optional, Sequence
 
+from phalanx.config.flags import CommandParser
 from phalanx.config.loader import read_json_mapping
 from phalanx.config.schema import SHARDING_STRATEGIES, DistributedConfig
 from phalanx.errors import ConfigError
@@ -141,10 +141,8 @@ def _write(config: dict, output: Optional[str]) -> None:
 
 
 def config_main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="phalanx config", description="Write a DeepSpeed or FSDP config file (seed 003)."
-    )
-    sub = parser.add_subparsers(dest="kind", required=True)
+    parser = CommandParser(prog="phalanx config", description="Write a DeepSpeed or FSDP config file (seed 003).")
+    sub = parser.add_subparsers(dest="kind", required=True, metavar="deepspeed|fsdp", parser_class=CommandParser)
     ds = sub.add_parser("deepspeed", help="a DeepSpeed ZeRO config")
     ds.add_argument("--zero_stage", type=int, choices=[0, 1, 2, 3], default=2)
     ds.add_argument("--offload_optimizer", action="store_true", help="optimizer state and step on the CPU")
@@ -167,9 +165,11 @@ def config_main(argv: Sequence[str]) -> int:
     fs.add_argument("--layer_cls", nargs="+", default=None, help="decoder layer classes to wrap one by one")
     fs.add_argument("--output", default=None, help="file to write; standard output when unset")
     try:
-        args = parser.parse_args(list(argv))
-    except SystemExit as exc:
+        args, unknown = parser.parse_known_args(list(argv))
+    except SystemExit as exc:  # --help
         return int(exc.code or 0)
+    if unknown:  # told by the subcommand's parser, which knows its flags and names the nearest (--zero-stage)
+        {"deepspeed": ds, "fsdp": fs}[args.kind].error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.kind == "deepspeed":
         config = deepspeed_config(
             args.zero_stage,
