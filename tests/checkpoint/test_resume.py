@@ -287,6 +287,25 @@ def test_a_folder_with_model_files_and_no_run_is_refused_before_the_final_save_r
     assert (out / "run.yaml").is_file()
 
 
+@pytest.mark.parametrize("field", ["dataset_path", "eval_dataset_path", "dataset_name"])
+def test_an_output_dir_that_is_the_data_folder_is_refused(tmp_path, monkeypatch, field):
+    """--dataset_path ./data --output_dir ./data (any spelling of it): the run's metrics.jsonl would be read as rows
+    by the next run or a resume, which then stops on it; refused before anything is written. A folder inside the
+    data folder is not read with it (its top-level *.jsonl only) and stays allowed."""
+    from phalanx.checkpoint.resume import resume_point
+    from phalanx.config.loader import load_config
+    from phalanx.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    write_chat_jsonl(tmp_path / "data" / "train.jsonl", 2)
+    data = {f"data.{field}": "./data"}
+    with pytest.raises(ConfigError) as err:
+        resume_point(load_config(None, {**data, "output_dir": str(tmp_path / "data"), "overwrite_output_dir": True}))
+    assert f"is the folder data.{field} = './data' reads" in str(err.value)
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["train.jsonl"]
+    assert resume_point(load_config(None, {**data, "output_dir": "data/run"})) is None
+
+
 def test_two_spellings_of_one_path_are_no_config_change(tmp_path, monkeypatch):
     """`data/train.jsonl` when the run started, its absolute path on the rerun (or the other way): the same file, so
     the resume goes on without --force. A path that names another file, or none, is still a change."""

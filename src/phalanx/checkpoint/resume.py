@@ -216,6 +216,25 @@ def restarted() -> bool:
     return any(int(os.environ.get(var, "0") or 0) > 0 for var in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
 
 
+def check_apart_from_data(cfg: RunConfig) -> None:
+    """Refuse an output_dir that is a folder the run reads its data from (--dataset_path ./data --output_dir ./data):
+    a folder of jsonl files is read whole, so the next run, a resume or a restart included, would read the run's
+    metrics.jsonl as rows and stop on it; a dataset repository would get the model card as its README.md."""
+    out = Path(cfg.output_dir).expanduser().resolve()
+    d = cfg.data
+    for field, value in (
+        ("data.dataset_path", d.dataset_path),
+        ("data.eval_dataset_path", d.eval_dataset_path),
+        ("data.dataset_name", d.dataset_name),
+    ):
+        if value and Path(value).expanduser().is_dir() and Path(value).expanduser().resolve() == out:
+            raise ConfigError(
+                f"output_dir {cfg.output_dir} is the folder {field} = {value!r} reads: the run would write its "
+                "metrics.jsonl, info files and checkpoints among the data, where the next run (or a resume) would "
+                "read them as rows. Choose an output_dir apart from the data, e.g. a sibling folder."
+            )
+
+
 def resume_point(cfg: RunConfig) -> Optional[Path]:
     """The checkpoint folder to resume from, None for a fresh start; ConfigError when neither is right."""
     out = Path(cfg.output_dir)
@@ -223,6 +242,7 @@ def resume_point(cfg: RunConfig) -> Optional[Path]:
     # The run writes inside output_dir: a file there or on the way there, or a folder that takes no new entry,
     # stops it before anything is written.
     check_can_create(out, f"output_dir = {str(out)!r}")
+    check_apart_from_data(cfg)
     # A run that is still going owns what is there: nothing below may judge it crashed, finished or different.
     # Rank 0 (or the launcher) asks; another rank could find the lock taken by its own job's rank 0.
     if os.environ.get("RANK", "0") == "0":
