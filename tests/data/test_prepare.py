@@ -165,6 +165,15 @@ def test_skip_mode_counts_and_keeps_the_reasons(tmp_path, tokenizer, chat_row):
     assert "no assistant turn" in r.skip_reasons[3]
 
 
+def test_a_dataset_held_out_whole_for_evaluation_says_how_to_train(tmp_path, tokenizer, chat_row, write_jsonl):
+    """One usable row and test_size 0.2: ceil(0.2) = 1 row held out, none left to train; the error says why."""
+    f = write_jsonl(tmp_path / "one.jsonl", [chat_row(0)])
+    with pytest.raises(DataError) as err:
+        _prepare(_cfg(dataset_path=str(f), test_size=0.2), tokenizer, tmp_path)
+    assert "1 held out for evaluation" in str(err.value)
+    assert "every usable row was held out by data.test_size 0.2: give more rows, --test_size 0" in str(err.value)
+
+
 def test_skip_mode_with_nothing_usable_left_raises(tmp_path, tokenizer):
     f = tmp_path / "bad.jsonl"
     f.write_text('{"oops"\n{"messages": []}\n')

@@ -325,6 +325,12 @@ def _build(cfg: DataConfig, tokenizer: Any, seed: int, train_source: DataSource,
             + (f"; dropped: {describe_drops(counts.drop_reasons, cfg)}" if counts.dropped else "")
             + (f"; row lengths {describe_lengths(_length_stats(counts.lengths))}" if counts.lengths else "")
             + (f"; first problem: {counts.reasons[0]}" if counts.reasons else "")
+            + (
+                f"; every usable row was held out by data.test_size {cfg.test_size}: give more rows, "
+                "--test_size 0, or a separate --eval_dataset_path"
+                if eval_ and eval_source is None
+                else ""
+            )
         )
     report = counts.report(train, eval_)
     if counts.unterminated:
