@@ -32,11 +32,21 @@ def one_line(exc: BaseException, limit: int = 160) -> str:
 def record_failure(rank: int, exc: BaseException) -> None:
     """Say in the store, before this rank tears down (which is what the others' collectives then fail on), that it
     failed and with what: a peer whose step breaks because this rank left reads it (peer_that_failed) and stands
-    aside, so the launcher names this rank. Best effort: the store may be gone too."""
+    aside, so the launcher names this rank. Not for a timeout: a rank that waited in a collective for a peer that
+    stopped taking part is not its cause (its message names the peer by phase). Best effort: the store may be gone
+    too."""
+    if is_timeout(exc):
+        return
     try:
         set_phase(rank, FAILED + one_line(exc))
     except Exception:  # noqa: BLE001 - the store's host died: the launcher still names the ranks by exit
         pass
+
+
+def is_timeout(exc: BaseException) -> bool:
+    """A collective or store operation that gave up waiting (gloo: "Timed out waiting ...", NCCL's watchdog:
+    "collective operation timeout", the store: DistStoreError ... timeout)."""
+    return isinstance(exc, TimeoutError) or any(word in str(exc).lower() for word in ("timed out", "timeout"))
 
 
 def peer_that_failed(world_size: int, rank: int) -> str | None:
