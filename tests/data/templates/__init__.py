@@ -624,6 +624,117 @@ CASES = [
         None,
         {**{k: FULL for k in ALL_ROWS if k != "two_assistants"}, "two_assistants": ALTERNATION},
     ),
+    # ---- added from an eighth trial on unseen templates (real/README.md)
+    # Granite 4.0 writes `<|end_of_text|>`, its bos, eos and pad token at once, after every message; a tool call is
+    # `<tool_call>` JSON after the content (a newline between them only when there is content); reasoning is ignored.
+    TemplateCase(
+        "ibm-granite-granite-4.0",
+        False,
+        "<|end_of_text|>",
+        "<|end_of_text|>",
+        None,
+        {k: FULL for k in ALL_ROWS},
+    ),
+    # Seed-OSS sets its own bos/eos (`<seed:bos>`, `<seed:eos>`) and writes a turn as `<seed:bos>assistant` and then its
+    # parts (reasoning in `<seed:think>`, content trimmed, XML tool calls), each opening with "\n": the generation prompt
+    # `<seed:bos>assistant\n` holds the first. A `<think>` block in content stays content.
+    TemplateCase(
+        "ByteDance-Seed-OSS",
+        False,
+        "<seed:bos>",
+        "<seed:eos>",
+        None,
+        {k: FULL for k in ALL_ROWS},
+        specials=("<seed:think>", "</seed:think>", "<seed:tool_call>", "</seed:tool_call>"),
+    ),
+    # LFM2.5 (8B-A1B) ships its own generation tags (its marked copy is the file itself). Pythonic tool calls
+    # (`<|tool_call_start|>[get_weather(city='Paris')]<|tool_call_end|>`); reasoning rendered after the last user
+    # message only, and a <think> block in content cut from the turns before it: those rows are per_turn.
+    TemplateCase(
+        "LFM2.5-8B-A1B",
+        False,
+        "<|startoftext|>",
+        "<|im_end|>",
+        None,
+        {
+            **{k: FULL for k in ("plain", "nosys", "tool", "two_assistants")},
+            **{k: PER_TURN for k in ("reasoning", "reasoning_tool", "think", "think_tool")},
+        },
+    ),
+    # functionary v3.2: the generation prompt pre-fills the '>>>' that opens a turn's first part (`>>>all\n` + content,
+    # or `>>>NAME\n` + arguments); it concatenates arguments as text (a mapping raises); reasoning is dropped.
+    TemplateCase(
+        "meetkai-functionary-medium-v3.2",
+        False,
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+        None,
+        {
+            **{k: FULL for k in ("plain", "nosys", "reasoning", "think", "two_assistants")},
+            **{k: Match("full", arguments="text") for k in ("tool", "reasoning_tool", "think_tool")},
+        },
+    ),
+    # Devstral Small 2507 (Unsloth's template): no generation prompt; two assistant messages in a row are written
+    # back to back (`Fact one.</s>Fact two.</s>`); reasoning dropped.
+    TemplateCase("unsloth-mistral-Devstral-Small-2507", False, "<s>", "</s>", None, {k: FULL for k in ALL_ROWS}),
+    # Mistral Small 3.2: no generation prompt; tools written before the last user message; a call's id as [CALL_ID];
+    # a tool-calling message's content (and its <think> block) dropped; raises on two assistant messages in a row.
+    TemplateCase(
+        "Mistral-Small-3.2-24B-Instruct-2506",
+        False,
+        "<s>",
+        "</s>",
+        None,
+        {**{k: FULL for k in ALL_ROWS if k != "two_assistants"}, "two_assistants": ALTERNATION},
+    ),
+    # Step 3.5 Flash: the generation prompt pre-fills '<think>\n'; a turn after the last user query writes it and
+    # its reasoning (empty or not), one before writes neither: every row is per_turn.
+    TemplateCase(
+        "StepFun3.5-Flash", False, "<|begin_of_sentence|>", "<|im_end|>", None, {k: PER_TURN for k in ALL_ROWS}
+    ),
+    # Kimi K2 Thinking: keeps the reasoning of every assistant message after the first one without tool calls (its
+    # search for the last such message keeps the first), writes `<think></think>` before the others; its tool calls
+    # need list.append, which transformers' sandbox forbids.
+    TemplateCase(
+        "Kimi-K2-Thinking",
+        False,
+        "[BOS]",
+        "[EOS]",  # never written: the model stops at <|im_end|> (its generation_config's eos)
+        None,
+        {
+            **{k: FULL for k in ("plain", "nosys", "reasoning", "think", "two_assistants")},
+            **{
+                k: Refuse("list.append|'append'", "tool calls need list.append")
+                for k in ("tool", "reasoning_tool", "think_tool")
+            },
+        },
+    ),
+    # SmolLM3: drops tool calls; ignores reasoning_content; /no_think pre-fills an empty think block every turn writes.
+    TemplateCase(
+        "HuggingFaceTB-SmolLM3-3B",
+        False,
+        None,
+        "<|im_end|>",
+        None,
+        {
+            **{k: FULL for k in ("plain", "nosys", "reasoning", "think", "two_assistants")},
+            **{k: VANISHED_CALL for k in ("tool", "reasoning_tool", "think_tool")},
+        },
+    ),
+    # Nemotron 3 Nano: the generation prompt pre-fills '<think>\n'; a turn with reasoning writes it, one without writes
+    # '<think></think>', whose '<think>' the prompt pre-fills too (the output starts at '</think>'); reasoning kept after
+    # the last user message only (truncate_history_thinking): reasoning rows are per_turn.
+    TemplateCase(
+        "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16",
+        False,
+        "<s>",
+        "<|im_end|>",
+        None,
+        {
+            **{k: FULL for k in ("plain", "nosys", "tool", "two_assistants")},
+            **{k: PER_TURN for k in ("reasoning", "reasoning_tool", "think", "think_tool")},
+        },
+    ),
 ]
 CASE = {c.name: c for c in CASES}
 
