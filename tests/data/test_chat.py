@@ -240,6 +240,23 @@ def test_a_template_that_needs_what_transformers_lacks_is_named_with_what_it_lac
         tokenize_conversation(tok, to_conversation(chat_row(1), WHERE), WHERE)
 
 
+def test_a_template_that_reads_a_special_token_the_tokenizer_lacks_is_refused_naming_the_token(
+    make_tokenizer, chatml, chat_row
+):
+    """functionary writes `bos_token + ...`: with a tokenizer that has no bos (ByT5's, Qwen's) every row fails. The
+    refusal says the tokenizer lacks it, not that transformers does (it hands a template the tokenizer's tokens)."""
+    tok = make_tokenizer("{{ bos_token + '' }}" + chatml)
+    assert tok.bos_token is None
+    with pytest.raises(DataError) as info:
+        tokenize_conversation(tok, to_conversation(chat_row(1), WHERE), WHERE)
+    message = str(info.value)
+    assert message.startswith(f"{WHERE}: the tokenizer's chat template reads bos_token, which this tokenizer does not")
+    assert "use the tokenizer of the model it belongs to (--model_name)" in message
+    assert "transformers' apply_chat_template does not define" not in message
+    tok.add_special_tokens({"bos_token": "<s>"})  # the same template renders once the tokenizer has one
+    assert tokenize_conversation(tok, to_conversation(chat_row(1), WHERE), WHERE).policy == "full"
+
+
 def test_plain_text_trains_on_every_token_and_ends_with_eos(make_tokenizer):
     tok = make_tokenizer(None)  # text rows need no chat template
     result = one(tokenize_conversation(tok, to_conversation({"text": "héllo world"}, WHERE), WHERE))

@@ -103,8 +103,34 @@ def sandbox_gap(error: Exception) -> Optional[str]:
     if tag:
         return f"it uses the jinja tag '{tag[1]}', which transformers does not enable"
     name = re.fullmatch(r"'(\w+)' is undefined", text)
-    if isinstance(error, jinja2.exceptions.UndefinedError) and name:
+    if isinstance(error, jinja2.exceptions.UndefinedError) and name and name[1] not in SPECIAL_TOKEN_NAMES:
         return f"it reads '{name[1]}', which transformers' apply_chat_template does not define"
+    return None
+
+
+# What apply_chat_template hands a template besides the messages: the tokenizer's special tokens (its
+# special_tokens_map), those it has. A template that reads one the tokenizer lacks (functionary writes
+# `bos_token + ...`; Qwen's tokenizers have no bos) fails as if the name were unknown: the tokenizer lacks it, not
+# transformers.
+SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+    "additional_special_tokens",
+)
+
+
+def unset_special_token(error: Exception) -> Optional[str]:
+    """The special token (bos_token, ...) a template failed to read because the tokenizer has none, or None."""
+    import jinja2
+
+    name = re.fullmatch(r"'(\w+)' is undefined", str(error))
+    if isinstance(error, jinja2.exceptions.UndefinedError) and name and name[1] in SPECIAL_TOKEN_NAMES:
+        return name[1]
     return None
 
 

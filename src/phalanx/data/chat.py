@@ -64,7 +64,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
-from phalanx.config.chat_templates import SANDBOX, sandbox_gap
+from phalanx.config.chat_templates import SANDBOX, sandbox_gap, unset_special_token
 from phalanx.data.formats import REASONING_KEYS, Conversation
 from phalanx.errors import DataError
 
@@ -220,6 +220,14 @@ def _writes_python_mappings(conv: Conversation, texts: list[str]) -> bool:
 def template_refused(where: str, subject: str, messages: list[dict], error: Exception) -> DataError:
     """The error for a row a chat template raises on (a role it lacks, the order of roles, a missing field): the
     template's own message, and what to do. For training rows and generation prompts alike."""
+    token = unset_special_token(error)
+    if token:  # not the row's fault: no row renders with this tokenizer
+        return DataError(
+            f"{where}: the tokenizer's chat template reads {token}, which this tokenizer does not have (transformers "
+            f"hands a template the tokenizer's special tokens; its error: {error}), so no row renders. The template was "
+            f"written for a tokenizer with a {token}: use the tokenizer of the model it belongs to (--model_name), or a "
+            "template written for this one (--chat_template FILE|NAME)"
+        )
     return DataError(
         f"{where}: the tokenizer's chat template failed on {subject} "
         f"(roles: {', '.join(m['role'] for m in messages) or 'none'}): {type(error).__name__}: {error}. The template "
