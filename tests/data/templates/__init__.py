@@ -735,6 +735,34 @@ CASES = [
             **{k: PER_TURN for k in ("reasoning", "reasoning_tool", "think", "think_tool")},
         },
     ),
+    # Apriel 1.5 (Unsloth's template, as llama.cpp keeps it): a turn ends '\n<|end|>\n' + the end-of-sequence token; a
+    # tool call's id is written in every message but the last: tool rows are per_turn. Reasoning is dropped.
+    TemplateCase(
+        "unsloth-Apriel-1.5",
+        False,
+        "<s>",
+        "</s>",
+        None,
+        {
+            **{k: FULL for k in ("plain", "nosys", "reasoning", "think", "two_assistants")},
+            **{k: PER_TURN for k in ("tool", "reasoning_tool", "think_tool")},
+        },
+    ),
+    # Kimi K2 (Instruct): tool-call ids built from the name and the call's index (`functions.get_weather:0`), not the
+    # row's; `<|im_end|>` with no newline; a default system prompt; reasoning dropped.
+    TemplateCase("moonshotai-Kimi-K2", False, "[BOS]", "[EOS]", None, {k: FULL for k in ALL_ROWS}),
+    # Granite 3.3: every message `<|start_of_role|>ROLE<|end_of_role|>CONTENT<|end_of_text|>\n`; drops tool calls.
+    TemplateCase(
+        "ibm-granite-granite-3.3-2B-Instruct",
+        False,
+        "<|end_of_text|>",
+        "<|end_of_text|>",
+        None,
+        {
+            **{k: FULL for k in ("plain", "nosys", "reasoning", "think", "two_assistants")},
+            **{k: VANISHED_CALL for k in ("tool", "reasoning_tool", "think_tool")},
+        },
+    ),
 ]
 CASE = {c.name: c for c in CASES}
 
