@@ -432,6 +432,7 @@ def test_slurm_cpu_nodes_request_no_gpus(in_project, capsys, tmp_path):
         "0",
         "--output",
         str(script),
+        "--overwrite",  # the same script with other flags: replaced on purpose
         "--",
         "--shutdown_timeout_s",
         "900",
@@ -454,6 +455,7 @@ def test_slurm_cpu_nodes_request_no_gpus(in_project, capsys, tmp_path):
         "120",
         "--output",
         str(script),
+        "--overwrite",  # the same script with other flags: replaced on purpose
     )
     assert code == 0 and "#SBATCH --signal=B:USR1@120" in script.read_text()
     assert "warning: --signal_time 120: SLURM ends the job 120 s after its warning, sooner than the 300 s" in err
@@ -496,15 +498,29 @@ def test_slurm_accepts_every_slurm_time_format_and_memory_size(in_project, capsy
     assert slurm_time_seconds("2-12:30:05") == 217805 and slurm_time_seconds("0") == 0
     for value in ("30", "30:00", "48:00:00", "2-12", "2-12:30", "2-12:30:00", "0"):
         code, _, err = cli(
-            capsys, "slurm", "--num_gpus_per_node", "1", "--time_limit", value, "--output", str(tmp_path / "t.sh")
+            capsys,
+            "slurm",
+            "--num_gpus_per_node",
+            "1",
+            "--time_limit",
+            value,
+            "--output",
+            str(tmp_path / f"t{value}.sh"),
         )
         assert code == 0, (value, err)
-        assert f"#SBATCH --time={value}" in (tmp_path / "t.sh").read_text()
+        assert f"#SBATCH --time={value}" in (tmp_path / f"t{value}.sh").read_text()
     for value in ("32G", "4096", "512M", "1T"):
         code, _, err = cli(
-            capsys, "slurm", "--num_gpus_per_node", "1", "--mem_per_gpu", value, "--output", str(tmp_path / "t.sh")
+            capsys,
+            "slurm",
+            "--num_gpus_per_node",
+            "1",
+            "--mem_per_gpu",
+            value,
+            "--output",
+            str(tmp_path / f"m{value}.sh"),
         )
-        assert code == 0 and f"#SBATCH --mem-per-gpu={value}" in (tmp_path / "t.sh").read_text(), (value, err)
+        assert code == 0 and f"#SBATCH --mem-per-gpu={value}" in (tmp_path / f"m{value}.sh").read_text(), (value, err)
 
 
 def test_restarts_that_would_start_over_are_pointed_out(in_project, capsys, tmp_path):

@@ -105,12 +105,18 @@ def test_unreachable_master_ends_with_a_message_not_a_hang(project, generate, no
         "--master_port",
         "29500",
         "--output",
-        "scripts/lost.sh",
+        f"scripts/lost-{master}.sh",  # one per case: phalanx launcher does not replace another case's script
     )
     env = {**support.local_env(), "PHALANX_RDZV_TIMEOUT": "4"}
     start = time.monotonic()
     proc = node_pair.popen(
-        1, ["bash", "scripts/lost.sh"], cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        1,
+        ["bash", f"scripts/lost-{master}.sh"],
+        cwd=project,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         out, err = proc.communicate(timeout=60)

@@ -28,3 +28,39 @@ def test_a_folder_that_takes_no_new_entry_is_named_with_the_reason():
     # /proc is a virtual file system: no user, root included, can make a folder in it
     with pytest.raises(ConfigError, match=r"^output_dir = 'o': cannot create or write into /proc \(.+\); give a"):
         create_folder(Path("/proc/nope/out"), "output_dir = 'o'")
+
+
+def test_a_generated_file_never_replaces_what_someone_else_put_there(tmp_path: Path, capsys):
+    """`phalanx config deepspeed|fsdp --output`, `launcher` and `slurm` replaced an existing file whatever it held
+    (a DeepSpeed JSON the user had tuned by hand). The same text again is fine; other text needs --overwrite; a
+    launcher's .sh and .bat are checked before either is written."""
+    from phalanx.cli import main
+
+    ds = tmp_path / "config" / "ds_config.json"
+    assert main(["config", "deepspeed", "--zero_stage", "2", "--output", str(ds)]) == 0
+    assert capsys.readouterr().out == f"wrote {ds}\n"
+    assert main(["config", "deepspeed", "--zero_stage", "2", "--output", str(ds)]) == 0
+    assert capsys.readouterr().out == f"wrote {ds} (unchanged)\n"
+    tuned = ds.read_text().replace('"stage": 2', '"stage": 2, "overlap_comm": true')
+    ds.write_text(tuned)
+    assert main(["config", "deepspeed", "--zero_stage", "3", "--output", str(ds)]) == 2
+    err = capsys.readouterr().err
+    assert f"--output {ds}: {ds} already exists and holds something else" in err and "--overwrite" in err, err
+    assert ds.read_text() == tuned
+    assert main(["config", "deepspeed", "--zero_stage", "3", "--output", str(ds), "--overwrite"]) == 0
+    assert '"stage": 3' in ds.read_text() and not list(ds.parent.glob(".*.tmp"))
+
+    # The launcher's pair: an edited .bat stops both from being written.
+    script = tmp_path / "scripts" / "run.sh"
+    flags = ["launcher", "--num_gpus_per_node", "0", "--nproc_per_node", "2", "--output", str(script)]
+    assert main(flags) == 0 and script.stat().st_mode & 0o111 and script.with_suffix(".bat").is_file()
+    capsys.readouterr()
+    script.with_suffix(".bat").write_bytes(b"rem mine\r\n")
+    before = script.read_bytes()
+    assert main(flags) == 2  # the .sh would be the same, the .bat is someone's
+    assert f"{script.with_suffix('.bat')} already exists" in capsys.readouterr().err
+    assert main([*flags, "--nproc_per_node", "1"]) == 2  # the .sh would change: refused first, nothing written
+    assert f"{script} already exists" in capsys.readouterr().err
+    assert script.read_bytes() == before and script.with_suffix(".bat").read_bytes() == b"rem mine\r\n"
+    assert main([*flags, "--nproc_per_node", "1", "--overwrite"]) == 0
+    assert script.read_bytes() != before and script.stat().st_mode & 0o111

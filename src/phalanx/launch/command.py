@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from phalanx.config.flags import CommandParser
 from phalanx.errors import ConfigError
 from phalanx.launch import scripts
 from phalanx.launch.scripts import DEFAULT_PORT, DEFAULT_RDZV_TIMEOUT, Job, LaunchSpec, SlurmSpec
+from phalanx.runtime.durable import write_generated_files
 
 if TYPE_CHECKING:
     from phalanx.config.schema import RunConfig
@@ -70,6 +70,11 @@ def common_flags(p: argparse.ArgumentParser) -> None:
         help="seconds a node waits for the others before it stops with a message",
     )
     p.add_argument("--python", default=sys.executable, help="the Python that runs phalanx on the nodes")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing script that holds something else (by default it is left as it is and refused)",
+    )
 
 
 def layout(args: argparse.Namespace) -> tuple[int, int]:
@@ -165,16 +170,6 @@ def config_for_script(config: Optional[str], project_dir: Path) -> Optional[str]
         return str(path.relative_to(project_dir))
     except ValueError:
         return str(path)
-
-
-def write_script(path: Path, text: str) -> None:
-    """Write `text` byte for byte (a .bat keeps its CRLF line ends) and make it executable."""
-    from phalanx.runtime.durable import create_folder
-
-    create_folder(path.parent, f"--output {path}")
-    with open(path, "w", encoding="utf-8", newline="") as f:
-        f.write(text)
-    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
 
 
 def command_line(name: str, args: Sequence[str]) -> str:
@@ -326,14 +321,15 @@ def launcher_main(argv: Sequence[str]) -> int:
     job.generate_args = generate_args
     out = Path(args.output)
     spec = LaunchSpec(job, node_rank=args.node_rank, master_addr=master, master_port=args.master_port)
-    write_script(out, scripts.render_launcher_sh(spec, out))
-    written = [out]
+    files = {out: scripts.render_launcher_sh(spec, out)}
     if args.num_nodes == 1 and not args.use_deepspeed:
         bat = out.with_suffix(".bat")
-        write_script(bat, scripts.render_launcher_bat(spec, bat))
-        written.append(bat)
+        files[bat] = scripts.render_launcher_bat(spec, bat)
+    written = list(files)
+    outcomes = write_generated_files(files, args.overwrite, f"--output {out}", executable=True)
     where = f"node {args.node_rank} of {args.num_nodes}" if args.num_nodes > 1 else "this machine"
-    print(f"wrote {', '.join(map(str, written))}: {nproc} rank(s) on {where}.")
+    said = ", ".join(f"{path}{' (unchanged)' if how == 'unchanged' else ''}" for path, how in zip(written, outcomes))
+    print(f"wrote {said}: {nproc} rank(s) on {where}.")
     if job.generate_args is not None:
         print(f"it generates first: phalanx generate {' '.join(map(shlex.quote, job.generate_args))}; then it trains.")
     print(f"run it with: bash {out}" + (f"   (on Windows: {written[1]})" if len(written) > 1 else ""))
@@ -481,11 +477,11 @@ def slurm_main(argv: Sequence[str]) -> int:
         setup=args.setup,
         output_dir=cfg.output_dir,
     )
-    write_script(out, scripts.render_slurm(spec, out))
+    (outcome,) = write_generated_files({out: scripts.render_slurm(spec, out)}, args.overwrite, f"--output {out}", True)
     kind = f"{gpus} GPU(s)" if gpus else f"{nproc} CPU rank(s)"
     print(
-        f"wrote {out}: {args.num_nodes} node(s) x {kind}, time limit {args.time_limit}"
-        + (f", saves and requeues {signal_time} s before it." if requeue else ".")
+        f"wrote {out}{' (unchanged)' if outcome == 'unchanged' else ''}: {args.num_nodes} node(s) x {kind}, "
+        f"time limit {args.time_limit}" + (f", saves and requeues {signal_time} s before it." if requeue else ".")
     )
     print(f"submit it with: sbatch {out}")
     return 0

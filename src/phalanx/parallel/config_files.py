@@ -20,7 +20,7 @@ from phalanx.config.flags import CommandParser
 from phalanx.config.loader import read_json_mapping
 from phalanx.config.schema import SHARDING_STRATEGIES, DistributedConfig
 from phalanx.errors import ConfigError
-from phalanx.runtime.durable import create_folder
+from phalanx.runtime.durable import write_generated_files
 
 FSDP_MIXED_PRECISION = ("NO", "FP16", "BFLOAT16", "FP32")
 DEFAULT_LAYER_CLASSES = [
@@ -129,15 +129,14 @@ def fsdp_settings(d: DistributedConfig) -> tuple[str, bool, Optional[str]]:
     return file["sharding_strategy"], file["cpu_offload"] or d.offload_param, file["mixed_precision"]
 
 
-def _write(config: dict, output: Optional[str]) -> None:
+def _write(config: dict, output: Optional[str], overwrite: bool) -> None:
     text = json.dumps(config, indent=2) + "\n"
     if output is None:
         print(text, end="")
         return
     path = Path(output)
-    create_folder(path.parent, f"--output {path}")
-    path.write_text(text, encoding="utf-8")
-    print(f"wrote {path}")
+    (outcome,) = write_generated_files({path: text}, overwrite, f"--output {path}")
+    print(f"wrote {path}{' (unchanged)' if outcome == 'unchanged' else ''}")
 
 
 def config_main(argv: Sequence[str]) -> int:
@@ -156,6 +155,7 @@ def config_main(argv: Sequence[str]) -> int:
     ds.add_argument("--reduce_bucket_size", type=float, default=5e8)
     ds.add_argument("--allgather_bucket_size", type=float, default=5e8)
     ds.add_argument("--output", default=None, help="file to write; standard output when unset")
+    ds.add_argument("--overwrite", action="store_true", help="replace an existing --output that holds something else")
     fs = sub.add_parser("fsdp", help="an FSDP config")
     fs.add_argument("--sharding_strategy", choices=SHARDING_STRATEGIES, default="FULL_SHARD")
     fs.add_argument("--mixed_precision", choices=FSDP_MIXED_PRECISION, default="BFLOAT16")
@@ -164,6 +164,7 @@ def config_main(argv: Sequence[str]) -> int:
     )
     fs.add_argument("--layer_cls", nargs="+", default=None, help="decoder layer classes to wrap one by one")
     fs.add_argument("--output", default=None, help="file to write; standard output when unset")
+    fs.add_argument("--overwrite", action="store_true", help="replace an existing --output that holds something else")
     try:
         args, unknown = parser.parse_known_args(list(argv))
     except SystemExit as exc:  # --help
@@ -184,5 +185,5 @@ def config_main(argv: Sequence[str]) -> int:
         )
     else:
         config = fsdp_config(args.sharding_strategy, args.mixed_precision, args.cpu_offload, args.layer_cls)
-    _write(config, args.output)
+    _write(config, args.output, args.overwrite)
     return 0

@@ -69,3 +69,43 @@ def create_folder(folder: Path, subject: str) -> None:
     except OSError:
         check_can_create(folder, subject)
         raise
+
+
+def write_generated_files(files: dict[Path, str], overwrite: bool, subject: str, executable: bool = False) -> list[str]:
+    """Write the files a command generates for the user (a launch script and its .bat, a DeepSpeed or FSDP JSON),
+    each byte for byte (a .bat keeps its CRLF line ends) through a temporary file and one rename. Returns, per file,
+    "wrote", or "unchanged" when it already holds exactly this text (rerunning the same command is fine).
+
+    An existing file with other content may be the user's (edited by hand, or written with other flags): unless
+    `overwrite`, it is refused naming `subject` (what the user gave, e.g. "--output scripts/run.sh"), and every file
+    is checked before any is written, so nothing already written is lost or left half-replaced."""
+    import stat
+
+    from phalanx.errors import ConfigError
+
+    encoded = {Path(path): text.encode("utf-8") for path, text in files.items()}
+    unchanged = set()
+    for path, data in encoded.items():
+        create_folder(path.parent, subject)
+        if path.is_dir():
+            raise ConfigError(f"{subject}: {path} is a folder; give the file to write")
+        if path.is_file():
+            if path.read_bytes() == data:
+                unchanged.add(path)
+            elif not overwrite:
+                raise ConfigError(
+                    f"{subject}: {path} already exists and holds something else (edited by hand, or written with "
+                    "other flags); it is left as it is. Pass --overwrite to replace it, or give another --output."
+                )
+    for path, data in encoded.items():
+        if path in unchanged:
+            continue
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if executable:
+            tmp.chmod(tmp.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+        os.replace(tmp, path)
+    return ["unchanged" if path in unchanged else "wrote" for path in encoded]
