@@ -240,6 +240,30 @@ def test_a_template_that_needs_what_transformers_lacks_is_named_with_what_it_lac
         tokenize_conversation(tok, to_conversation(chat_row(1), WHERE), WHERE)
 
 
+def test_a_template_that_needs_what_transformers_lacks_only_on_some_rows_refuses_the_row_not_the_template(
+    make_tokenizer, chatml, chat_row
+):
+    """Hunyuan-A13B calls dict.update only when the first message is empty: rows without one render, so the refusal
+    names the message that takes that path and says to change the row, not that the template cannot be rendered."""
+    needs = (
+        "{% set context = {'has_head': true} %}"
+        "{% if messages[0].content == '' %}{% set _ = context.update({'has_head': false}) %}{% endif %}"
+    )
+    tok = make_tokenizer(needs + chatml)
+    assert tokenize_conversation(tok, to_conversation(chat_row(1), WHERE), WHERE).policy == "full"
+    row = chat_row(1)
+    row["messages"].insert(0, {"role": "system", "content": ""})
+    with pytest.raises(DataError) as info:
+        tokenize_conversation(tok, to_conversation(row, WHERE), WHERE)
+    message = str(info.value)
+    assert message.startswith(
+        f"{WHERE}: the chat template of ByT5Tokenizer fails on messages[0] (system; roles so far: system): it does "
+        "something the sandbox forbids (access to attribute 'update' of 'dict' object is unsafe.)"
+    )
+    assert "It renders a plain user and assistant exchange" in message and "change the row to avoid it" in message
+    assert "cannot be rendered by transformers" not in message
+
+
 def test_a_template_that_reads_a_special_token_the_tokenizer_lacks_is_refused_naming_the_token(
     make_tokenizer, chatml, chat_row
 ):

@@ -265,12 +265,35 @@ class _Renderer:
             return self._apply(messages, generation_prompt)
         except Exception as e:  # noqa: BLE001 - template errors (raise_exception, jinja) are the row's problem
             gap = sandbox_gap(e)
-            if gap:  # then no row renders: say which template and what it lacks
-                raise DataError(
-                    f"{self.where}: {template_name(self.tokenizer)} cannot be rendered by transformers: {gap} "
-                    f"({SANDBOX}). Use a template written for transformers (--chat_template FILE)."
-                ) from None
+            if gap:
+                raise self._sandbox_refusal(messages, gap) from None
             raise template_refused(self.where, f"messages[:{len(messages)}]", messages, e) from None
+
+    def _sandbox_refusal(self, messages: list[dict], gap: str) -> DataError:
+        """The error for a rendering that needs what transformers' sandbox lacks: the template as a whole when a plain
+        exchange fails too (no row renders), else this row, which takes a path through the template that others do not
+        (Hunyuan-A13B calls dict.update only when the first message is empty; Kimi K2 Thinking list.append only for
+        tool calls): then the row, not the template, is what to change."""
+        template = template_name(self.tokenizer)
+        plain = [{"role": "user", "content": SENTINEL}, {"role": "assistant", "content": SENTINEL}]
+        try:
+            self.tokenizer.apply_chat_template(
+                plain, add_generation_prompt=False, tokenize=False, **self.template_kwargs
+            )
+        except Exception:  # noqa: BLE001 - whatever fails here, the row cannot tell the template apart from itself
+            return DataError(
+                f"{self.where}: {template} cannot be rendered by transformers: {gap} ({SANDBOX}). Use a template "
+                "written for transformers (--chat_template FILE)."
+            )
+        # The first message whose rendering fails is the one that takes that path.
+        k = next((n for n in range(1, len(messages)) if self.try_render(messages[:n], False) is None), len(messages))
+        return DataError(
+            f"{self.where}: {template} fails on messages[{k - 1}] ({messages[k - 1]['role']}; roles so far: "
+            f"{', '.join(m['role'] for m in messages[:k])}): {gap} ({SANDBOX}). It renders a plain user and assistant "
+            "exchange, so the step it cannot take is on a path only some rows take (something this message has: empty "
+            "content, a tool call, a role or field, or the row's tools): change the row to avoid it, or use a template "
+            "that does not need it there (--chat_template FILE)."
+        )
 
     def try_render(self, messages: list[dict], generation_prompt: bool) -> Optional[str]:
         """A probe rendering; None when the template refuses it (the caller then cannot be certain)."""
