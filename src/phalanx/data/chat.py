@@ -553,6 +553,15 @@ def _output_start(r: _Renderer, i: int, prompt: str, context: str, view: str, ow
         # is `<｜Assistant｜></think>7`): the message's text follows the same text in both, so the output starts at it.
         if opens < part < own and prompt[part:].endswith(view[part:own]):
             return own
+        # Or both at once: the context renders differently and the prompt's header pre-fills text no finished turn
+        # writes (OLMo 3 Think ends a conversation's last assistant message with its end-of-sequence token, an earlier
+        # one with `<|im_end|>\n`, and its prompt is `<|im_start|>assistant\n<think>`): a second assistant message in a
+        # row opens with the part of the header a finished turn writes, `<|im_start|>assistant\n`.
+        lead = r.turn_header()
+        if lead.strip() and lead != header and header.startswith(lead):
+            at = view.rfind(lead, max(0, shared - len(lead) + 1), own)
+            if at >= 0:
+                return at + len(lead)
     if at < 0:
         raise DataError(
             f"{r.where}: messages[{i}] (assistant): the chat template's generation prompt (add_generation_prompt=True) "

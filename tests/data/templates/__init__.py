@@ -763,6 +763,23 @@ CASES = [
             **{k: VANISHED_CALL for k in ("tool", "reasoning_tool", "think_tool")},
         },
     ),
+    # ---- added from a ninth trial on unseen templates (real/README.md says where each comes from)
+    # OLMo 3 Think: ends a conversation's last assistant message with its end-of-sequence token and an earlier one with
+    # `<|im_end|>\n` (every row per_turn); its prompt pre-fills `<think>`, which a turn without reasoning does not write;
+    # tool calls only as its own `function_calls` text field (the rows' are dropped); a default system prompt. Two
+    # assistant messages in a row were refused: the context renders differently (the first one's end) and the prompt
+    # pre-fills `<think>`, both at once.
+    TemplateCase(
+        "allenai-Olmo-3-7B-Think",
+        False,
+        None,
+        "<|endoftext|>",
+        None,
+        {
+            **{k: PER_TURN for k in ("plain", "nosys", "reasoning", "think", "two_assistants")},
+            **{k: VANISHED_CALL for k in ("tool", "reasoning_tool", "think_tool")},
+        },
+    ),
 ]
 CASE = {c.name: c for c in CASES}
 
