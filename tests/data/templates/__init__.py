@@ -780,6 +780,110 @@ CASES = [
             **{k: VANISHED_CALL for k in ("tool", "reasoning_tool", "think_tool")},
         },
     ),
+    # DeepSeek-R1-0528: a user message writes the assistant header itself (`<｜User｜>...<｜Assistant｜>`), so after one the
+    # generation prompt is empty; tool-call arguments concatenated as text; reasoning cut from content, tools ignored.
+    TemplateCase(
+        "deepseek-ai-DeepSeek-R1-0528",
+        False,
+        "<｜begin▁of▁sentence｜>",
+        "<｜end▁of▁sentence｜>",
+        None,
+        {
+            **{k: FULL for k in ("plain", "nosys", "reasoning", "think", "two_assistants")},
+            **{k: Match("full", arguments="text") for k in ("tool", "reasoning_tool", "think_tool")},
+        },
+    ),
+    # Qwen3 Thinking 2507: the generation prompt pre-fills '<think>\n'; the last turn after the last user query always
+    # writes a think block (empty or not), an earlier one only with reasoning: every row is per_turn.
+    TemplateCase(
+        "Qwen-Qwen3-4B-Thinking-2507", False, None, "<|im_end|>", "<|endoftext|>", {k: PER_TURN for k in ALL_ROWS}
+    ),
+    # Qwen3.5: every turn after the last user query writes a think block, whose '<think>\n' the prompt pre-fills; content
+    # trimmed; XML tool calls (`<function=NAME>`, `<parameter=KEY>`); its marked copy marks the thinking default.
+    TemplateCase("Qwen3.5-4B", False, None, "<|im_end|>", "<|endoftext|>", {k: PER_TURN for k in ALL_ROWS}),
+    # EXAONE 4.0: `[|assistant|]\n` headers (markers the patterns miss); the prompt pre-fills an empty think block that
+    # every turn writes; `{% continue %}`, `role.class`, and a `[9:]` cut that eats two characters of reasoning.
+    TemplateCase(
+        "LGAI-EXAONE-EXAONE-4.0-32B-GGUF",
+        False,
+        "[BOS]",
+        "[|endofturn|]",
+        "[PAD]",
+        {k: FULL for k in ALL_ROWS},
+        specials=("[|system|]", "[|user|]", "[|assistant|]", "[|tool|]"),
+    ),
+    # Gemma 3: the system prompt joins the first user message; `model` role; content trimmed; no tool role (a tool
+    # message breaks the alternation it checks).
+    TemplateCase(
+        "unsloth-gemma-3-1b-it",
+        False,
+        "<bos>",
+        "<eos>",
+        "<pad>",
+        {
+            **{k: FULL for k in ("plain", "nosys", "reasoning", "think")},
+            **{
+                k: Refuse(
+                    "roles must alternate", "the template has no tool role: a tool message breaks the alternation"
+                )
+                for k in ("tool", "reasoning_tool", "think_tool")
+            },
+            "two_assistants": ALTERNATION,
+        },
+    ),
+    # DeepSeek-Coder-V2: the generation prompt is 'Assistant:' and a turn 'Assistant: ' + text: the space is output.
+    TemplateCase(
+        "deepseek-ai-DeepSeek-Coder-V2-Lite-Instruct",
+        False,
+        "<｜begin▁of▁sentence｜>",
+        "<｜end▁of▁sentence｜>",
+        None,
+        {
+            **{k: FULL for k in ("plain", "nosys", "reasoning", "think", "two_assistants")},
+            **{k: VANISHED_CALL for k in ("tool", "reasoning_tool", "think_tool")},
+        },
+    ),
+    # ERNIE 4.5: a turn ends with sep_token `<|end_of_sentence|>` (not eos), read from the tokenizer with a default.
+    TemplateCase(
+        "baidu-ERNIE-4.5-21B-A3B-PT",
+        False,
+        "<s>",
+        "</s>",
+        None,
+        {
+            **{k: FULL for k in ("plain", "nosys", "reasoning", "think", "two_assistants")},
+            **{k: VANISHED_CALL for k in ("tool", "reasoning_tool", "think_tool")},
+        },
+    ),
+    # Hunyuan-A13B: no assistant header and no generation prompt: a turn is its text and <|eos|>; tool calls dropped.
+    TemplateCase(
+        "tencent-Hunyuan-A13B-Instruct",
+        False,
+        "<|startoftext|>",
+        "<|eos|>",
+        None,
+        {
+            **{k: FULL for k in ("plain", "nosys", "reasoning", "think", "two_assistants")},
+            **{k: VANISHED_CALL for k in ("tool", "reasoning_tool", "think_tool")},
+        },
+    ),
+    # OLMo 3 Instruct: the last assistant message ends with the end-of-sequence token, an earlier one `<|im_end|>\n`
+    # (per_turn); Pythonic tool calls `<function_calls>get_weather(city="Paris")</function_calls>`; tool results as an
+    # `environment` turn.
+    TemplateCase("allenai-Olmo-3-7B-Instruct", False, None, "<|endoftext|>", None, {k: PER_TURN for k in ALL_ROWS}),
+    # Phi-4-mini: tools only as a system message's `tools` text (the row's are not rendered); tool calls dropped; the
+    # conversation ends with eos_token (not in a turn), as Phi-3.5.
+    TemplateCase(
+        "microsoft-Phi-4-mini-instruct",
+        False,
+        "<|endoftext|>",
+        "<|endoftext|>",
+        None,
+        {
+            **{k: FULL for k in ("plain", "nosys", "reasoning", "think", "two_assistants")},
+            **{k: VANISHED_CALL for k in ("tool", "reasoning_tool", "think_tool")},
+        },
+    ),
 ]
 CASE = {c.name: c for c in CASES}
 
