@@ -264,6 +264,22 @@ def test_a_template_that_needs_what_transformers_lacks_only_on_some_rows_refuses
     assert "cannot be rendered by transformers" not in message
 
 
+def test_a_template_that_reads_a_variable_nothing_sets_is_refused_saying_how_to_give_it(
+    make_tokenizer, chatml, chat_row
+):
+    """firefunction v2 writes `... + functions + ... + datetime`, which its callers pass to apply_chat_template: the
+    refusal says to give them with data.chat_template_kwargs (not that transformers lacks them), and so they render."""
+    tok = make_tokenizer("{{ 'Functions: ' + functions }}" + chatml)
+    with pytest.raises(DataError) as info:
+        tokenize_conversation(tok, to_conversation(chat_row(1), WHERE), WHERE)
+    message = str(info.value)
+    assert message.startswith(f"{WHERE}: the chat template reads the variable 'functions', which nothing sets")
+    assert "Give it with data.chat_template_kwargs (--chat_template_kwargs '{functions: ...}'" in message
+    assert "does not define" not in message and "cannot be rendered by transformers" not in message
+    given = tokenize_conversation(tok, to_conversation(chat_row(1), WHERE), WHERE, template_kwargs={"functions": "[]"})
+    assert given.policy == "full"
+
+
 def test_a_template_that_reads_a_special_token_the_tokenizer_lacks_is_refused_naming_the_token(
     make_tokenizer, chatml, chat_row
 ):

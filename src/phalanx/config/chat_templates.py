@@ -134,6 +134,25 @@ def unset_special_token(error: Exception) -> Optional[str]:
     return None
 
 
+def unset_template_variable(error: Exception, template: str) -> Optional[str]:
+    """The variable a template failed to read because nothing set it, or None: a name the template reads but never
+    calls (firefunction v2 writes `... + functions` and `... + datetime`, which its callers pass to apply_chat_template),
+    so data.chat_template_kwargs can set it; a name it calls (`today()`) is a function of another engine instead."""
+    import jinja2
+    from jinja2 import nodes
+
+    name = re.fullmatch(r"'(\w+)' is undefined", str(error))
+    if not (isinstance(error, jinja2.exceptions.UndefinedError) and name) or name[1] in SPECIAL_TOKEN_NAMES:
+        return None
+    try:
+        tree = _environment().parse(template)
+    except jinja2.TemplateSyntaxError:
+        return None
+    called = {call.node.name for call in tree.find_all(nodes.Call) if isinstance(call.node, nodes.Name)}
+    read = {node.name for node in tree.find_all(nodes.Name) if node.ctx == "load"}
+    return name[1] if name[1] in read and name[1] not in called else None
+
+
 def _accepted() -> str:
     names = shipped_templates()
     listed = "; ".join(f"{name} ({about})" for name, about in names.items())

@@ -64,7 +64,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
-from phalanx.config.chat_templates import SANDBOX, sandbox_gap, unset_special_token
+from phalanx.config.chat_templates import SANDBOX, sandbox_gap, unset_special_token, unset_template_variable
 from phalanx.data.formats import REASONING_KEYS, Conversation
 from phalanx.errors import DataError
 
@@ -217,9 +217,19 @@ def _writes_python_mappings(conv: Conversation, texts: list[str]) -> bool:
 # ---------------------------------------------------------------------------- rendering
 
 
-def template_refused(where: str, subject: str, messages: list[dict], error: Exception) -> DataError:
+def template_refused(where: str, subject: str, messages: list[dict], error: Exception, template: str = "") -> DataError:
     """The error for a row a chat template raises on (a role it lacks, the order of roles, a missing field): the
-    template's own message, and what to do. For training rows and generation prompts alike."""
+    template's own message, and what to do. For training rows and generation prompts alike; `template`: its text (to
+    tell a variable it expects from its caller from a function it lacks)."""
+    variable = unset_template_variable(error, template)
+    if variable:  # not the row's fault either: no row renders until it is given
+        return DataError(
+            f"{where}: the chat template reads the variable '{variable}', which nothing sets ({error}): it expects it "
+            "from whoever renders it (transformers passes the messages, tools, add_generation_prompt and the "
+            "tokenizer's special tokens, phalanx data.chat_template_kwargs too), so no row renders without it. Give "
+            f"it with data.chat_template_kwargs (--chat_template_kwargs '{{{variable}: ...}}'; what it holds is the "
+            "template's to say: see the model's card), or use a template that does not need it (--chat_template FILE)"
+        )
     token = unset_special_token(error)
     if token:  # not the row's fault: no row renders with this tokenizer
         return DataError(
@@ -264,10 +274,11 @@ class _Renderer:
         try:
             return self._apply(messages, generation_prompt)
         except Exception as e:  # noqa: BLE001 - template errors (raise_exception, jinja) are the row's problem
-            gap = sandbox_gap(e)
+            template = getattr(self.tokenizer, "chat_template", "") or ""
+            gap = None if unset_template_variable(e, template) else sandbox_gap(e)
             if gap:
                 raise self._sandbox_refusal(messages, gap) from None
-            raise template_refused(self.where, f"messages[:{len(messages)}]", messages, e) from None
+            raise template_refused(self.where, f"messages[:{len(messages)}]", messages, e, template) from None
 
     def _sandbox_refusal(self, messages: list[dict], gap: str) -> DataError:
         """The error for a rendering that needs what transformers' sandbox lacks: the template as a whole when a plain

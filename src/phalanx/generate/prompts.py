@@ -205,7 +205,7 @@ def render_prompt(
                 messages, tools=tools, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
             )
         except Exception as e:  # noqa: BLE001 - template errors (raise_exception, jinja) are the row's problem
-            raise template_refused(where, "this prompt", messages, e) from None
+            raise template_refused(where, "this prompt", messages, e, tokenizer.chat_template or "") from None
         if not isinstance(rendered, str):
             rendered = rendered[0]
     else:

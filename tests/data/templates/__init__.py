@@ -884,6 +884,24 @@ CASES = [
             **{k: VANISHED_CALL for k in ("tool", "reasoning_tool", "think_tool")},
         },
     ),
+    # firefunction v2: reads `functions` and `datetime`, which its callers pass to apply_chat_template: without them every
+    # row is refused saying to give them with data.chat_template_kwargs (with them, every row is refused as Command
+    # R7B's: it writes the next assistant header after every conversation). No marked copy.
+    TemplateCase(
+        "fireworks-ai-llama-3-firefunction-v2",
+        False,
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+        None,
+        {
+            k: Refuse(
+                r"reads the variable 'functions', which nothing sets.*--chat_template_kwargs '\{functions: \.\.\.\}'",
+                "the template reads variables its callers pass",
+            )
+            for k in ALL_ROWS
+        },
+        marked=False,
+    ),
 ]
 CASE = {c.name: c for c in CASES}
 
