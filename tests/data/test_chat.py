@@ -220,6 +220,7 @@ def test_template_errors_become_data_errors(make_tokenizer, tool_row):
         ("{{ today() }}", "it reads 'today', which transformers' apply_chat_template does not define"),
         ("{% if messages is nonempty %}{% endif %}", "it uses the jinja test 'nonempty', which transformers"),
         ("{{ messages[0].content | from_json }}", "it uses the jinja filter 'from_json', which transformers"),
+        ("{{ messages | map(attribute='role') | tojson }}", "it hands tojson a generator (jinja's map, select"),
     ],
 )
 def test_a_template_that_needs_what_transformers_lacks_is_named_with_what_it_lacks(

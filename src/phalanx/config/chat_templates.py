@@ -102,6 +102,13 @@ def sandbox_gap(error: Exception) -> Optional[str]:
     tag = re.match(r"Encountered unknown tag '([^']+)'", text)
     if tag:
         return f"it uses the jinja tag '{tag[1]}', which transformers does not enable"
+    if isinstance(error, TypeError) and "Object of type generator is not JSON serializable" in text:
+        # llama.cpp's own templates (llama-cpp-deepseek-r1: `tools | map(attribute='function') | tojson`) are written
+        # for its engine, whose map gives a list.
+        return (
+            "it hands tojson a generator (jinja's map, select, reject, selectattr and rejectattr filters give one, where "
+            "llama.cpp's template engine gives a list): `| list` before `| tojson` makes it a list"
+        )
     name = re.fullmatch(r"'(\w+)' is undefined", text)
     if isinstance(error, jinja2.exceptions.UndefinedError) and name and name[1] not in SPECIAL_TOKEN_NAMES:
         return f"it reads '{name[1]}', which transformers' apply_chat_template does not define"
