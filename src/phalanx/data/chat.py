@@ -278,7 +278,25 @@ class _Renderer:
             gap = None if unset_template_variable(e, template) else sandbox_gap(e)
             if gap:
                 raise self._sandbox_refusal(messages, gap) from None
+            if not self.tools and self._renders_with_tools(messages, generation_prompt):
+                raise DataError(
+                    f"{self.where}: {template_name(self.tokenizer)} fails on a row without tools ({type(e).__name__}: "
+                    f"{e}) and renders the same messages once tools are given: it is written for conversations with "
+                    'tools (a "tool_use" template: Hermes\', Command R+\'s). Give the row its "tools" list, or use the '
+                    "model's template for conversations without tools (--chat_template FILE|NAME)."
+                ) from None
             raise template_refused(self.where, f"messages[:{len(messages)}]", messages, e, template) from None
+
+    def _renders_with_tools(self, messages: list[dict], generation_prompt: bool) -> bool:
+        """Whether the template renders `messages` given an (empty) list of tools: one that loops over `tools` fails on
+        the None a row without tools passes (Hermes' and Command R+'s tool_use templates)."""
+        try:
+            self.tokenizer.apply_chat_template(
+                messages, tools=[], add_generation_prompt=generation_prompt, tokenize=False, **self.template_kwargs
+            )
+        except Exception:  # noqa: BLE001 - then the tools are not what it lacks
+            return False
+        return True
 
     def _sandbox_refusal(self, messages: list[dict], gap: str) -> DataError:
         """The error for a rendering that needs what transformers' sandbox lacks: the template as a whole when a plain

@@ -215,6 +215,12 @@ AMBIGUOUS_END = Refuse(
     r"messages\[\d\] \(assistant\): where this turn ends is ambiguous", "the template writes the next header itself"
 )
 
+# Hermes' and Command R+'s tool_use templates loop over tools, None in a row without them: the refusal says so.
+NEEDS_TOOLS = Refuse(
+    r"fails on a row without tools \(TypeError: 'NoneType' object is not iterable\).*Give the row its \"tools\" list",
+    "the tool_use template loops over tools, which are None without tools",
+)
+
 # bos/eos/pad as each model's tokenizer_config.json has them. Row expectations:
 # - R1-Distill renders a tool call only when content is None (to_conversation passes ""), so the call vanishes;
 #   Phi-3.5 has no tool support at all (drops tool calls and tool messages).
@@ -305,14 +311,7 @@ CASES = [
         "<|begin_of_text|>",
         "<|im_end|>",
         None,
-        {
-            "tool": FULL,
-            "plain": Refuse("not iterable", "the tool_use template loops over tools, which are None without tools"),
-            "nosys": Refuse("not iterable", "the tool_use template loops over tools, which are None without tools"),
-            "two_assistants": Refuse(
-                "not iterable", "the tool_use template loops over tools, which are None without tools"
-            ),
-        },
+        {"tool": FULL, "plain": NEEDS_TOOLS, "nosys": NEEDS_TOOLS, "two_assistants": NEEDS_TOOLS},
     ),
     TemplateCase(
         "Qwen-QwQ-32B",
@@ -899,6 +898,21 @@ CASES = [
                 "the template reads variables its callers pass",
             )
             for k in ALL_ROWS
+        },
+        marked=False,
+    ),
+    # Command R+ tool_use: loops over tools (rows without them refused, as Hermes'); with tools, it ends every rendering
+    # with an instruction turn and the next header, add_generation_prompt or not (ambiguous, as Command R7B). No marked
+    # copy.
+    TemplateCase(
+        "CohereForAI-c4ai-command-r-plus-tool_use",
+        False,
+        "<BOS_TOKEN>",
+        "<|END_OF_TURN_TOKEN|>",
+        None,
+        {
+            **{k: NEEDS_TOOLS for k in ("plain", "nosys", "reasoning", "think", "two_assistants")},
+            **{k: AMBIGUOUS_END for k in ("tool", "reasoning_tool", "think_tool")},
         },
         marked=False,
     ),
