@@ -281,6 +281,24 @@ def test_a_template_that_reads_a_variable_nothing_sets_is_refused_saying_how_to_
     assert given.policy == "full"
 
 
+def test_a_template_that_fails_on_the_rows_tools_is_refused_saying_so(make_tokenizer, chatml, tool_row):
+    """Command R+'s tool_use template writes `'): ' + param_fields.description` for each parameter: tools whose
+    parameters have none fail with "'dict object' has no attribute 'description'". The same messages render without
+    the tools, so the refusal points at the tools, not at the roles or messages."""
+    needs = "{% for t in tools or [] %}{% for k, v in t.function.parameters.properties | items %}{{ k + ': ' + v.description }}{% endfor %}{% endfor %}"
+    tok = make_tokenizer(needs + chatml)
+    with pytest.raises(DataError) as info:
+        tokenize_conversation(tok, to_conversation(tool_row, WHERE), WHERE)
+    message = str(info.value)
+    assert message.startswith(
+        f"{WHERE}: the chat template of ByT5Tokenizer fails on the row's tools (UndefinedError: 'dict object' has no "
+        "attribute 'description') and renders the same messages without them"
+    )
+    assert 'Give the row\'s "tools" what the template reads' in message
+    tool_row["tools"][0]["function"]["parameters"]["properties"]["city"]["description"] = "City name"
+    assert tokenize_conversation(tok, to_conversation(tool_row, WHERE), WHERE).policy == "full"
+
+
 def test_a_template_that_reads_a_special_token_the_tokenizer_lacks_is_refused_naming_the_token(
     make_tokenizer, chatml, chat_row
 ):

@@ -278,7 +278,16 @@ class _Renderer:
             gap = None if unset_template_variable(e, template) else sandbox_gap(e)
             if gap:
                 raise self._sandbox_refusal(messages, gap) from None
-            if not self.tools and self._renders_with_tools(messages, generation_prompt):
+            if self.tools and self._renders_with_empty_tools(messages, generation_prompt):
+                raise DataError(
+                    f"{self.where}: {template_name(self.tokenizer)} fails on the row's tools ({type(e).__name__}: {e}) "
+                    "and renders the same messages without them: it reads something of the tools that the row's "
+                    "lack (its error names it: Command R+'s tool_use template writes each parameter's description), or "
+                    "reads them in another shape (phalanx hands them over as the row has them). Give the row's "
+                    '"tools" what the template reads, or use a template that takes them as they are '
+                    "(--chat_template FILE|NAME)."
+                ) from None
+            if not self.tools and self._renders_with_empty_tools(messages, generation_prompt):
                 raise DataError(
                     f"{self.where}: {template_name(self.tokenizer)} fails on a row without tools ({type(e).__name__}: "
                     f"{e}) and renders the same messages once tools are given: it is written for conversations with "
@@ -287,9 +296,10 @@ class _Renderer:
                 ) from None
             raise template_refused(self.where, f"messages[:{len(messages)}]", messages, e, template) from None
 
-    def _renders_with_tools(self, messages: list[dict], generation_prompt: bool) -> bool:
-        """Whether the template renders `messages` given an (empty) list of tools: one that loops over `tools` fails on
-        the None a row without tools passes (Hermes' and Command R+'s tool_use templates)."""
+    def _renders_with_empty_tools(self, messages: list[dict], generation_prompt: bool) -> bool:
+        """Whether the template renders `messages` given an empty list of tools: then the row's tools are what it fails
+        on, in a shape it does not read, or their absence: one that loops over `tools` fails on the None a row without
+        tools passes (Hermes' and Command R+'s tool_use templates)."""
         try:
             self.tokenizer.apply_chat_template(
                 messages, tools=[], add_generation_prompt=generation_prompt, tokenize=False, **self.template_kwargs
