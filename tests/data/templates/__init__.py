@@ -916,6 +916,17 @@ CASES = [
         },
         marked=False,
     ),
+    # DeepSeek-V4 (llama.cpp's copy): as V3.2 without thinking, the generation prompt `<｜Assistant｜></think>` is what
+    # every turn writes first; reasoning written only with thinking, after the last user message; DSML tool calls (string
+    # arguments parsed with a `from_json` filter transformers lacks: mappings only); tool results in a user turn.
+    TemplateCase(
+        "deepseek-ai-DeepSeek-V4",
+        False,
+        "<｜begin▁of▁sentence｜>",
+        "<｜end▁of▁sentence｜>",
+        None,
+        {k: FULL for k in ALL_ROWS},
+    ),
 ]
 CASE = {c.name: c for c in CASES}
 
