@@ -927,6 +927,17 @@ CASES = [
         None,
         {k: FULL for k in ALL_ROWS},
     ),
+    # Llama 4 (Scout/Maverick): `<|header_start|>assistant<|header_end|>\n\n` headers and `<|eot|>`; the tools go into the
+    # first user message (tools_in_user_message); a tool call is `<|python_start|>` + content + `<|python_end|>` + JSON
+    # `{"name", "parameters"}` calls; tool results under `ipython`; a system prompt trimmed.
+    TemplateCase(
+        "meta-llama-Llama-4-Scout-17B-16E-Instruct",
+        False,
+        "<|begin_of_text|>",
+        "<|eot|>",
+        None,
+        {k: FULL for k in ALL_ROWS},
+    ),
 ]
 CASE = {c.name: c for c in CASES}
 
