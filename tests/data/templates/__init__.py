@@ -938,6 +938,25 @@ CASES = [
         None,
         {k: FULL for k in ALL_ROWS},
     ),
+    # Command A (03-2025, the template of Ollama's GGUF): without documents, an empty system turn when there is no system
+    # message, `<|START_RESPONSE|>` pre-filled by the generation prompt, content stripped, and the user/assistant
+    # alternation checked, so tool messages (only its documents branch writes tool calls) and two assistant messages in
+    # a row are refused with its message.
+    TemplateCase(
+        "CohereLabs-c4ai-command-a-03-2025",
+        False,
+        "<BOS_TOKEN>",
+        "<|END_OF_TURN_TOKEN|>",
+        None,
+        {
+            **{k: FULL for k in ("plain", "nosys", "reasoning", "think")},
+            **{
+                k: Refuse("roles must alternate", "without documents the template has no tool role")
+                for k in ("tool", "reasoning_tool", "think_tool")
+            },
+            "two_assistants": ALTERNATION,
+        },
+    ),
 ]
 CASE = {c.name: c for c in CASES}
 
