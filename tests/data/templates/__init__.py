@@ -957,6 +957,19 @@ CASES = [
             "two_assistants": ALTERNATION,
         },
     ),
+    # Phi-4-reasoning: ships its own generation tags (its marked copy is the file itself); writes its own system prompt and
+    # drops the row's (reported); `<|im_sep|>` after the role; tool calls dropped.
+    TemplateCase(
+        "microsoft-Phi-4-reasoning",
+        False,
+        "<|endoftext|>",
+        "<|im_end|>",
+        None,
+        {
+            **{k: FULL for k in ("plain", "nosys", "reasoning", "think", "two_assistants")},
+            **{k: VANISHED_CALL for k in ("tool", "reasoning_tool", "think_tool")},
+        },
+    ),
 ]
 CASE = {c.name: c for c in CASES}
 
