@@ -37,3 +37,31 @@ def test_phalanx_generate_and_launcher_use_it():
         build_parser().parse_args(["--num_question", "8"])
     with pytest.raises(ConfigError, match="Did you mean --master_addr?"):
         launcher_parser().parse_args(["--num_gpus_per_node", "0", "--master_adr", "x"])
+
+
+@pytest.mark.parametrize(
+    "command, argv, said",
+    [
+        ("config", ["deepspeed", "--zero", "3"], "unrecognized arguments: --zero 3. Did you mean --zero_stage?"),
+        ("config", ["fsdp", "--over"], "unrecognized arguments: --over. Did you mean --overwrite?"),
+        (
+            "launcher",
+            ["--num_gpus_per_node", "0", "--conf", "c.yaml"],
+            "arguments: --conf c.yaml. Did you mean --config?",
+        ),
+        ("slurm", ["--num_gpus", "0"], "--num_gpus is not a flag of phalanx slurm: did you mean --num_gpus_per_node?"),
+        ("env", ["--world", "2"], "unrecognized arguments: --world 2. Did you mean --world_size?"),
+        ("generate", ["--model", "m"], "unrecognized arguments: --model m. Did you mean --model_name?"),
+        ("train", ["--over"], "unknown flag --over. Did you mean 'overwrite_output_dir'?"),
+    ],
+)
+def test_no_command_takes_an_abbreviated_flag(command, argv, said, tmp_path, monkeypatch):
+    """argparse's default reads `--over` as --overwrite: a typo taken silently, and one that changes meaning when a
+    second flag shares the prefix. Every subcommand refuses it, naming the flag it begins."""
+    from phalanx.cli import resolve_command
+
+    monkeypatch.chdir(tmp_path)  # where a command that took the abbreviation would write its script
+
+    with pytest.raises(ConfigError) as refused:
+        resolve_command(command)(argv)
+    assert said in str(refused.value) and refused.value.exit_code == 2

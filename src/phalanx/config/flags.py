@@ -12,7 +12,13 @@ from phalanx.errors import ConfigError, PhalanxError
 
 class CommandParser(argparse.ArgumentParser):
     """argparse for a subcommand's own flags: bad input is a ConfigError (one clear line, exit 2, no usage dump),
-    and a mistyped flag names the nearest one, as `phalanx train` does."""
+    and a mistyped flag names the nearest one, as `phalanx train` does. Flags are never abbreviated: argparse would
+    take `--over` for `--overwrite` and `--zero 3` for `--zero_stage 3`, a typo silently read as some flag, and one
+    that changes meaning the day a second flag shares the prefix; `phalanx train` reads only whole names too."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs["allow_abbrev"] = False  # also for the subcommands' parsers (add_subparsers(parser_class=...))
+        super().__init__(*args, **kwargs)
 
     def parse_known_args(self, args=None, namespace=None):
         self._given = list(sys.argv[1:] if args is None else args)  # for error(): the words it was given
@@ -25,9 +31,9 @@ class CommandParser(argparse.ArgumentParser):
         hint = ""
         if message.startswith("unrecognized arguments:"):
             for word in message.partition(":")[2].split():
-                near = difflib.get_close_matches(word.partition("=")[0], known, n=1) if word.startswith("--") else []
+                near = nearest_name(word.partition("=")[0], known) if word.startswith("--") else None
                 if near:
-                    hint = f" Did you mean {near[0]}?"
+                    hint = f" Did you mean {near}?"
                     break
         elif message.startswith("the following arguments are required:"):
             # argparse reports a missing required flag before an unknown one: `--num_gpu_per_node 2` was answered
@@ -36,11 +42,19 @@ class CommandParser(argparse.ArgumentParser):
                 flag = word.partition("=")[0]
                 if word == "--":
                     break  # what follows goes to another command
-                if flag.startswith("--") and not any(name.startswith(flag) for name in known):
-                    near = difflib.get_close_matches(flag, known, n=1)
-                    hint = f" {flag} is not a flag of {command}" + (f": did you mean {near[0]}?" if near else ".")
+                if flag.startswith("--") and flag not in known:
+                    near = nearest_name(flag, known)
+                    hint = f" {flag} is not a flag of {command}" + (f": did you mean {near}?" if near else ".")
                     break
         raise ConfigError(f"{command}: {message}.{hint} `{command} --help` lists the flags.")
+
+
+def nearest_name(word: str, known: Sequence[str], cutoff: float = 0.6) -> Optional[str]:
+    """The flag or key a mistyped one most likely meant: of those it begins (an abbreviation: `--over` ->
+    --overwrite, which difflib finds too far off for a short prefix), the closest; else the closest spelling."""
+    extended = sorted({name for name in known if name.startswith(word)})
+    near = difflib.get_close_matches(word, extended or known, n=1, cutoff=0 if extended else cutoff)
+    return near[0] if near else None
 
 
 class BareSwitch(str):

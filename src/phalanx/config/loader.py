@@ -6,7 +6,6 @@ the file and line (for YAML) or the flag, the field, the value found and what is
 
 from __future__ import annotations
 
-import difflib
 import json
 import re
 import types
@@ -17,7 +16,7 @@ from typing import Any, Collection, Literal, Optional, Sequence, Union
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from phalanx.config.flags import BareSwitch, split_flags
+from phalanx.config.flags import BareSwitch, nearest_name, split_flags
 from phalanx.config.schema import RunConfig
 from phalanx.errors import ConfigError
 
@@ -102,8 +101,8 @@ def all_dotted_fields(model: type[BaseModel] = RunConfig, prefix: str = "") -> l
 
 
 def _nearest(name: str, choices: list[str]) -> str:
-    close = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
-    return f" Did you mean '{close[0]}'?" if close else ""
+    close = nearest_name(name, choices, cutoff=0.5)
+    return f" Did you mean '{close}'?" if close else ""
 
 
 def _yaml_lines(text: str) -> dict[tuple, int]:

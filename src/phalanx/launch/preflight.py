@@ -259,7 +259,10 @@ def preflight(
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m phalanx.launch.preflight", description=__doc__.split("\n")[0])
+    # allow_abbrev=False: the scripts phalanx writes spell every flag out; a prefix is a typo, as in CommandParser
+    parser = argparse.ArgumentParser(
+        prog="python -m phalanx.launch.preflight", description=__doc__.split("\n")[0], allow_abbrev=False
+    )
     parser.add_argument("--num_gpus_per_node", type=int, required=True)
     parser.add_argument("--nproc_per_node", type=int, required=True)
     parser.add_argument("--num_nodes", type=int, default=1)
