@@ -64,3 +64,17 @@ def test_a_generated_file_never_replaces_what_someone_else_put_there(tmp_path: P
     assert script.read_bytes() == before and script.with_suffix(".bat").read_bytes() == b"rem mine\r\n"
     assert main([*flags, "--nproc_per_node", "1", "--overwrite"]) == 0
     assert script.read_bytes() != before and script.stat().st_mode & 0o111
+
+
+def test_a_refused_generated_file_leaves_no_new_folder(tmp_path: Path):
+    """Every file is checked before any folder is made: a refusal of the second file used to leave the first one's
+    new folder behind."""
+    from phalanx.runtime.durable import write_generated_files
+
+    mine = tmp_path / "mine.json"
+    mine.write_text("tuned by hand")
+    with pytest.raises(ConfigError, match="already exists and holds something else"):
+        write_generated_files({tmp_path / "new" / "run.sh": "a", mine: "b"}, False, "--output x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.json"] and mine.read_text() == "tuned by hand"
+    write_generated_files({tmp_path / "new" / "run.sh": "a", mine: "b"}, True, "--output x")
+    assert (tmp_path / "new" / "run.sh").read_text() == "a" and mine.read_text() == "b"

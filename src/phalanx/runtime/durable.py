@@ -78,7 +78,8 @@ def write_generated_files(files: dict[Path, str], overwrite: bool, subject: str,
 
     An existing file with other content may be the user's (edited by hand, or written with other flags): unless
     `overwrite`, it is refused naming `subject` (what the user gave, e.g. "--output scripts/run.sh"), and every file
-    is checked before any is written, so nothing already written is lost or left half-replaced."""
+    is checked before any is written, so nothing already written is lost or left half-replaced. The checks create
+    nothing either (check_can_create, not create_folder): a refused command leaves no new folder behind."""
     import stat
 
     from phalanx.errors import ConfigError
@@ -86,7 +87,7 @@ def write_generated_files(files: dict[Path, str], overwrite: bool, subject: str,
     encoded = {Path(path): text.encode("utf-8") for path, text in files.items()}
     unchanged = set()
     for path, data in encoded.items():
-        create_folder(path.parent, subject)
+        check_can_create(path.parent, subject)
         if path.is_dir():
             raise ConfigError(f"{subject}: {path} is a folder; give the file to write")
         if path.is_file():
@@ -100,6 +101,7 @@ def write_generated_files(files: dict[Path, str], overwrite: bool, subject: str,
     for path, data in encoded.items():
         if path in unchanged:
             continue
+        create_folder(path.parent, subject)
         tmp = path.with_name(f".{path.name}.tmp")
         with open(tmp, "wb") as f:
             f.write(data)
