@@ -404,3 +404,24 @@ def test_an_fsdp_json_decides_the_configured_row_as_the_run_takes_it(tmp_path):
     cfg = load_config("configs/demo.yaml", {"distributed.fsdp_config": str(tmp_path)})
     with pytest.raises(ConfigError, match=f"distributed.fsdp_config = '{tmp_path}' is a folder, not a file"):
         make_plan(cfg, "cpu", 64 * 2**30, read_data=False)
+
+
+def test_plan_refuses_a_json_the_run_refuses_and_reads_the_stage_the_run_takes(tmp_path):
+    """plan answered for a run that `phalanx train` refuses (an FSDP JSON in bf16 on CPU ranks, which compute in
+    fp32; a DeepSpeed JSON with bf16 on), and marked ZeRO-2 for a DeepSpeed JSON of stage 3 with optimizer offload,
+    which the run takes (the run config did not set the stage). Now the same refusal as train, and the JSON's row."""
+    fsdp_json, ds_json = tmp_path / "fsdp.json", tmp_path / "ds.json"
+    fsdp_json.write_text('{"fsdp_mixed_precision": "BFLOAT16"}')
+    ds_json.write_text('{"bf16": {"enabled": true}}')
+    fsdp = load_config("configs/demo.yaml", {"distributed.strategy": "fsdp", "distributed.fsdp_config": str(fsdp_json)})
+    ds = load_config(
+        "configs/demo.yaml", {"distributed.strategy": "deepspeed", "distributed.deepspeed_config": str(ds_json)}
+    )
+    with pytest.raises(ConfigError, match=r"fsdp_mixed_precision = BFLOAT16 disagrees with the run, which computes"):
+        make_plan(fsdp, "cpu", 64 * 2**30, read_data=False)
+    with pytest.raises(ConfigError, match=r"bf16.enabled is True in the JSON but False from training.mixed_precision"):
+        make_plan(ds, "cpu", 64 * 2**30, read_data=False)
+    assert make_plan(fsdp, "cuda", 80 * 2**30, read_data=False).configured == "fsdp FULL_SHARD"  # bf16 on GPUs
+    ds_json.write_text('{"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}')
+    plan = make_plan(ds, "cpu", 64 * 2**30, read_data=False)
+    assert plan.configured == "ZeRO-3 +offload opt" and "ZeRO-3 +offload opt *" in render(plan)

@@ -52,7 +52,13 @@ def make_strategy(
 def check_before_launch(cfg: RunConfig, world_size: int, on_gpu: bool) -> None:
     """Refuse, before any rank starts, what every rank would refuse about its strategy: a mixed precision the device
     cannot run, and a DeepSpeed JSON that contradicts the run. Launchers call it; it makes no CUDA call (a context
-    in the launcher would hold memory on the first GPU for the whole run)."""
+    in the launcher would hold memory on the first GPU for the whole run). `phalanx plan` calls it too, so it
+    refuses what the run would."""
+    strategy_class(cfg.distributed.strategy).check_config(cfg, world_size, launch_precision(cfg, on_gpu))
+
+
+def launch_precision(cfg: RunConfig, on_gpu: bool) -> Precision:
+    """The precision the ranks will take, decided without a CUDA call (see check_before_launch)."""
     import torch
 
     from phalanx.parallel.base import Precision
@@ -60,10 +66,8 @@ def check_before_launch(cfg: RunConfig, world_size: int, on_gpu: bool) -> None:
     mixed = cfg.training.mixed_precision
     if on_gpu:
         # 'auto' picks bf16 or fp16 on the device itself; it is never set explicitly, so it never conflicts below.
-        precision = Precision({"no": None, "fp16": torch.float16}.get(mixed, torch.bfloat16))
-    else:
-        precision = Precision.choose(mixed, torch.device("cpu"))
-    strategy_class(cfg.distributed.strategy).check_config(cfg, world_size, precision)
+        return Precision({"no": None, "fp16": torch.float16}.get(mixed, torch.bfloat16))
+    return Precision.choose(mixed, torch.device("cpu"))
 
 
 def __getattr__(name: str):

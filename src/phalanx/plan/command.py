@@ -20,6 +20,7 @@ from phalanx.plan.estimate import (
     Setup,
     setup_from_config,
     strategy_rows,
+    zero_label,
 )
 from phalanx.plan.model import ModelFacts, model_facts
 
@@ -39,7 +40,12 @@ class Plan:
     advice: list[str] = field(default_factory=list)
 
 
-def configured_strategy(cfg: RunConfig) -> str:
+def configured_strategy(cfg: RunConfig, world: int, on_gpu: bool) -> str:
+    """The row this config runs as, with its DeepSpeed / FSDP JSON read as the run reads it. First the refusals the
+    run would give before any rank starts (a JSON that contradicts the run config): the same function as train's."""
+    from phalanx.parallel import check_before_launch, launch_precision
+
+    check_before_launch(cfg, world, on_gpu)
     d = cfg.distributed
     if d.strategy == "fsdp":
         from phalanx.parallel.config_files import fsdp_settings
@@ -48,11 +54,16 @@ def configured_strategy(cfg: RunConfig) -> str:
         sharding = "FULL_SHARD" if sharding == "HYBRID_SHARD" else sharding  # the same bytes per rank
         return f"fsdp {sharding}" + (" +offload" if offload else "")
     if d.strategy == "deepspeed":
-        return (
-            f"ZeRO-{d.zero_stage or 1}"
-            + (" +offload opt" if d.offload_optimizer else "")
-            + ("+param" if d.offload_param else "")
-        )
+        stage, offload_opt, offload_param = d.zero_stage, d.offload_optimizer, d.offload_param
+        if d.deepspeed_config:  # the JSON's stage and offload where the run config leaves them, as the run merges
+            from phalanx.parallel.deepspeed import build_ds_config
+
+            zero = build_ds_config(cfg, world, launch_precision(cfg, on_gpu)).get("zero_optimization", {})
+            stage = zero.get("stage", stage)
+            offload_opt, offload_param = (
+                (zero.get(key) or {}).get("device", "none") != "none" for key in ("offload_optimizer", "offload_param")
+            )
+        return zero_label(stage or 1, offload_opt, offload_param)
     return "single process" if d.world_size == 1 else "ddp"
 
 
@@ -115,6 +126,7 @@ def with_data_lengths(cfg: RunConfig, setup: Setup, read: bool = True) -> Setup:
 def make_plan(cfg: RunConfig, device: str, device_memory: int, read_data: bool = True) -> Plan:
     facts = model_facts(cfg)
     setup = setup_from_config(cfg, device)
+    configured = configured_strategy(cfg, setup.world, on_gpu=device == "cuda")  # refuses first, as train does
     setup = with_data_lengths(cfg, setup, read_data and facts.packable)
     ds_config = _read_json(cfg.distributed.deepspeed_config)
     rows = sorted(
@@ -122,7 +134,6 @@ def make_plan(cfg: RunConfig, device: str, device_memory: int, read_data: bool =
         key=lambda r: ORDER.get(r.strategy, -1),
     )
     choice, ckpt = choose(rows)
-    configured = configured_strategy(cfg)
     if choice is None:
         advice = _more_ranks(facts, setup, device_memory, ds_config) + _smaller(
             cfg, facts, setup, device_memory, ds_config, rows

@@ -446,13 +446,18 @@ def _ds_knobs(ds_config: Optional[dict], trainable: int) -> dict[str, int]:
     return out
 
 
+def zero_label(stage: int, off_opt: bool, off_param: bool) -> str:
+    """A ZeRO row's name: the table's rows and the one a config runs as (plan.command.configured_strategy)."""
+    return f"ZeRO-{stage}" + (" +offload opt" if off_opt else "") + ("+param" if off_param else "")
+
+
 def _zero_row(
     stage: int, off_opt: bool, off_param: bool, m: ModelFacts, s: Setup, act: Activations, knobs: dict[str, int]
 ) -> Row:
     """DeepSpeed ZeRO: the model in the compute dtype, an fp32 master copy of the rank's partition of what trains,
     AdamW on that copy, and a reduce bucket of reduce_bucket_size elements allocated whole (reduce_bucket_elements)."""
     n, c, T, P = s.world, s.compute_bytes, m.trainable_params, m.total_params
-    label = f"ZeRO-{stage}" + (" +offload opt" if off_opt else "") + ("+param" if off_param else "")
+    label = zero_label(stage, off_opt, off_param)
     part = _shard(T, n)
     master, moments = part * FP32, 2 * part * FP32
     bucket = knobs["reduce_bucket_size"] * (FP32 if stage == 1 else c)  # ZeRO-1 accumulates in fp32
