@@ -180,3 +180,19 @@ def test_parameter_count_counts_4bit_weights_at_their_real_size():
     cfg = config(("load_in_4bit", "true"))
     plain, quantized = load_model(MODEL, torch.float32), load_4bit(cfg)
     assert trainable_parameter_count(quantized)[1] == trainable_parameter_count(plain)[1]
+
+
+def test_the_banner_names_the_4bit_compute_dtype_the_layers_take(monkeypatch):
+    """`--bnb_4bit_compute_dtype bf16` on a CPU run: bitsandbytes multiplies in bf16 (honoured, results differ from
+    fp32), while the banner said only the run's fp32. The banner's words come from the dtype the layers take."""
+    from phalanx.train.run import describe_4bit_base
+
+    seen = []
+    matmul = bnb.matmul_4bit
+    monkeypatch.setattr(bnb, "matmul_4bit", lambda x, *a, **k: seen.append(x.dtype) or matmul(x, *a, **k))
+    for asked, word, dtype in (("bf16", "bf16", torch.bfloat16), ("auto", "fp32", torch.float32)):
+        cfg = config(("load_in_4bit", "true"), ("bnb_4bit_compute_dtype", asked))
+        seen.clear()
+        load_4bit(cfg)(torch.tensor([[1, 2, 3]]))  # a CPU run: the run's precision is fp32 (run_dtype None)
+        assert set(seen) == {dtype}
+        assert describe_4bit_base(cfg.model, None) == f" on a 4-bit nf4 double-quantized base computing in {word}"

@@ -95,13 +95,20 @@ def quantization_config(model_cfg: ModelConfig, run_dtype: Optional[torch.dtype]
     if not model_cfg.load_in_4bit:
         return None
     require_4bit_packages()
-    compute = COMPUTE_DTYPES.get(model_cfg.bnb_4bit_compute_dtype) or run_dtype or torch.float32
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type=model_cfg.bnb_4bit_quant_type,
         bnb_4bit_use_double_quant=model_cfg.bnb_4bit_use_double_quant,
-        bnb_4bit_compute_dtype=compute,
+        bnb_4bit_compute_dtype=four_bit_compute_dtype(model_cfg, run_dtype),
     )
+
+
+def four_bit_compute_dtype(model_cfg: ModelConfig, run_dtype: Optional[torch.dtype]) -> torch.dtype:
+    """The dtype a 4-bit layer dequantizes to and multiplies in: bnb_4bit_compute_dtype, 'auto' the run's.
+
+    bitsandbytes honours it on CPU too (bf16 and fp16 matmuls there, the result cast back to the input's dtype), so
+    a CPU run, fp32 everywhere else, takes an explicit bf16 here; the banner says so (train.run.announce)."""
+    return COMPUTE_DTYPES.get(model_cfg.bnb_4bit_compute_dtype) or run_dtype or torch.float32
 
 
 def load_model(

@@ -30,7 +30,7 @@ from phalanx.checkpoint.resume import (
     resume_point,
     set_aside_crashed_run,
 )
-from phalanx.config.schema import RunConfig
+from phalanx.config.schema import ModelConfig, RunConfig
 from phalanx.data.collate import collate as collate_rows
 from phalanx.data.prepare import PreparedData, describe_report, prepare_data
 from phalanx.data.sampler import (
@@ -44,7 +44,7 @@ from phalanx.errors import ConfigError
 from phalanx.models.adapters import apply_finetuning, trainable_parameter_count
 from phalanx.models.attention import enable_varlen_attention, packing_unsupported_reason
 from phalanx.models.compile import compile_decoder_layers
-from phalanx.models.load import cache_root, load_model, load_tokenizer, quantization_config
+from phalanx.models.load import cache_root, four_bit_compute_dtype, load_model, load_tokenizer, quantization_config
 from phalanx.observe.memory import peak_memory_mb
 from phalanx.observe.metrics import Reporter
 from phalanx.observe.plot import plot_loss_curve
@@ -397,17 +397,21 @@ def build_run(cfg: RunConfig, preemption: Optional[PreemptionFlag] = None) -> Ru
     return run
 
 
+def describe_4bit_base(m: ModelConfig, run_dtype: Optional[torch.dtype]) -> str:
+    """' on a 4-bit nf4 double-quantized base computing in bf16': the compute dtype as bitsandbytes takes it, which
+    may differ from the run's precision on the World Size line (bf16 asked for on a CPU run, which is fp32)."""
+    compute = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(four_bit_compute_dtype(m, run_dtype), "fp32")
+    quant = f"{m.bnb_4bit_quant_type}{' double-quantized' if m.bnb_4bit_use_double_quant else ''}"
+    return f" on a 4-bit {quant} base computing in {compute}"
+
+
 def announce(run: Run) -> None:
     cfg, r, say = run.cfg, run.data.report, run.reporter.say
     trainable, total = trainable_parameter_count(run.strategy.unwrap())
     effective = cfg.training.batch_size * run.rank.world_size * cfg.training.gradient_accumulation_steps
     say("🔧 Distributed Training Configuration:")
     m = cfg.model
-    base = (
-        f" on a 4-bit {m.bnb_4bit_quant_type}{' double-quantized' if m.bnb_4bit_use_double_quant else ''} base"
-        if m.load_in_4bit
-        else ""
-    )
+    base = describe_4bit_base(m, run.strategy.precision.dtype) if m.load_in_4bit else ""
     say(f"   - Model: {m.model_name} ({m.finetune}{base}; {trainable:,} of {total:,} parameters train)")
     say(f"   - Dataset: {describe_dataset(cfg)}")
     say(
