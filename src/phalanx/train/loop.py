@@ -35,20 +35,27 @@ def inject_fault(run: Run, step: int, loss_sum: torch.Tensor) -> torch.Tensor:
     return loss_sum
 
 
-def train_step(run: Run, micro_batches: list[dict]) -> dict:
+def train_step(run: Run, micro_batches: list[dict], after_a_save: bool = False) -> dict | None:
     """One optimizer step over this rank's micro-batches; the loss is the mean over the global batch's target tokens.
 
     One host read per step: the global loss (the NaN decision every rank must share) with the step's token
     counts. Counts come from the collator on the host; the normalisation is applied as a device tensor, and
-    the gradient norm stays on the device until a log step reads it."""
+    the gradient norm stays on the device until a log step reads it.
+
+    A stop request travels in both of the step's collectives, so every rank learns it in the same step: one that
+    came before the step (while the last one was saved) is seen first; `after_a_save` (the last step is committed)
+    then reads it at once and returns None, this step untrained, as the checkpoint the run stops at is there. One
+    that comes during the step is seen at its end, with the loss: the step finishes and the run stops after it,
+    never a step later."""
     device, strategy, step = run.rank.device, run.strategy, run.state.global_step + 1
     local = [batch_counts(mb) for mb in micro_batches]
-    # Token counts and the preemption flag travel in one collective: every rank learns both in the same step.
     counts = all_reduce_sum(
         torch.tensor(
             [sum(t for t, _ in local), sum(i for _, i in local), float(run.preemption.requested)], dtype=torch.float64
         ).to(device, non_blocking=True)
     )
+    if after_a_save and counts[2].item() > 0:  # a host read only on the step after a save
+        return None
     # DDP averages gradients over ranks; multiplying by world size turns that average into a global token sum.
     scale = (run.rank.world_size / counts[0].clamp(min=1.0)).float()
     loss_total = torch.zeros((), dtype=torch.float64, device=device)
@@ -59,10 +66,13 @@ def train_step(run: Run, micro_batches: list[dict]) -> dict:
                 loss_sum = inject_fault(run, step, token_loss_sum(run.model, mb))
             strategy.backward(loss_sum * scale)
         loss_total += loss_sum.detach().double()
-    # Reduced before the optimizer step, so a NaN on any rank is seen, and decided on, by all of them.
-    global_loss, target_tokens, input_tokens, preempt = torch.cat(
-        [all_reduce_sum(loss_total).reshape(1), counts]
+    # Reduced before the optimizer step, so a NaN on any rank is seen, and decided on, by all of them; with a stop
+    # request that came during the forward and backward passes.
+    late = torch.tensor(float(run.preemption.requested), dtype=torch.float64).to(device, non_blocking=True)
+    global_loss, preempted_during, target_tokens, input_tokens, preempted_before = torch.cat(
+        [all_reduce_sum(torch.stack([loss_total, late])), counts]
     ).tolist()
+    preempt = preempted_before + preempted_during
     loss = global_loss / max(target_tokens, 1.0)
     lr = run.scheduler.get_last_lr()[0]
     metrics = {
@@ -116,20 +126,29 @@ def handle_non_finite(run: Run, metrics: dict) -> None:
         )
 
 
+def preempted(run: Run, step: int) -> Preempted:
+    return Preempted(
+        f"preempted ({run.preemption.signal_name or 'signal on another rank'}) at step {step}; checkpoint-{step} saved"
+    )
+
+
 def train(run: Run) -> None:
     cfg, state, reporter = run.cfg, run.state, run.reporter
     # from_pretrained hands back a model in eval mode: without this, dropout and activation checkpointing
     # (which transformers applies only in training mode) would silently be off for the whole run.
     run.model.train()
     window = {"tokens": 0, "start": time.perf_counter()}  # throughput since the last log line
-    started = False
+    started, saved_at = False, None  # saved_at: the last step whose checkpoint-{step} this run saved
     while state.global_step < run.total_steps:
         run.sampler.set_epoch(state.epoch)
         for micro_batches in run.steps_of_epoch():
             if run.fault is not None and run.fault.due("hang", state.global_step + 1, run.rank.rank):
                 return  # this rank stops taking part, as a rank with fewer batches would
             set_phase(run.rank.rank, f"training step {state.global_step + 1}")
-            metrics = train_step(run, micro_batches)
+            metrics = train_step(run, micro_batches, after_a_save=saved_at == state.global_step)
+            if metrics is None:  # asked to stop while the last step's checkpoint was saved: it is where the run stops
+                run.checkpointer.wait()  # committed before exiting, had it been written in the background
+                raise preempted(run, state.global_step)
             if not metrics["finite"]:
                 handle_non_finite(run, metrics)
                 continue
@@ -162,12 +181,10 @@ def train(run: Run) -> None:
                 window = {"tokens": 0, "start": time.perf_counter()}
             if step % cfg.eval.eval_steps == 0 or last:
                 run_eval(run)
-            run.checkpointer.maybe_save(step, stopping=metrics["preempt"])  # preempted: committed before exiting
+            if run.checkpointer.maybe_save(step, stopping=metrics["preempt"]) is not None:  # preempted: committed
+                saved_at = step
             if metrics["preempt"]:
-                raise Preempted(
-                    f"preempted ({run.preemption.signal_name or 'signal on another rank'}) at step {step}; "
-                    f"checkpoint-{step} saved"
-                )
+                raise preempted(run, step)
             if last:
                 break
         if run.sampler.exhausted:
