@@ -141,7 +141,7 @@ def test_cpu_sync_batchnorm_is_plain_batchnorm_in_one_process():
 # ---- checkpoints and resume ------------------------------------------------------------------------
 
 
-def resumable_run(out_dir, epochs, resume_from=None) -> TrainingEngine:
+def resumable_run(out_dir, epochs, resume_from=None, **train_kwargs) -> TrainingEngine:
     """BatchNorm + dropout (RNG), EMA, a scheduler and a shuffling sampler: everything resume must restore."""
     data, val = engine_ranks.dataset("bn", 24, 1), engine_ranks.dataset("bn", 9, 2)
     torch.manual_seed(123)
@@ -160,6 +160,7 @@ def resumable_run(out_dir, epochs, resume_from=None) -> TrainingEngine:
         scheduler,
         num_epochs=epochs,
         resume_from=resume_from,
+        **train_kwargs,
     )
     return engine
 
@@ -191,6 +192,30 @@ def test_checkpoint_resume_continues_exactly_and_loads_on_cpu(tmp_path):
     # State files are plain tensors: safe loading works.
     torch.load(last / "optimizer.pt", map_location="cpu", weights_only=True)
     assert (tmp_path / "a" / "resume" / "checkpoint-best" / "phalanx_checkpoint.json").is_file()
+
+
+def test_a_resume_sets_aside_a_best_saved_after_its_checkpoint(tmp_path, capsys):
+    """checkpoint-best is saved at an epoch's end before checkpoint-last: a crash between them leaves a best from a
+    step the resumed run has not reached (checkpoint.resume.set_aside_best_ahead); the rerun of that epoch saves
+    it again."""
+    import json
+    import shutil
+
+    run = tmp_path / "resume"
+    marked = lambda name: json.loads((run / name / "phalanx_checkpoint.json").read_text())["global_step"]  # noqa: E731
+    resumable_run(tmp_path, epochs=2, monitor="train_loss")
+    shutil.copytree(run / "checkpoint-last", tmp_path / "last-6")
+    resumable_run(tmp_path, epochs=3, resume_from=run / "checkpoint-last", monitor="train_loss")
+    assert marked("checkpoint-best") == 9, "the test's premise: epoch 3 is a new best"
+    shutil.rmtree(run / "checkpoint-last")
+    shutil.copytree(tmp_path / "last-6", run / "checkpoint-last")  # the crash came before epoch 3's checkpoint-last
+    capsys.readouterr()
+    resumable_run(tmp_path, epochs=3, resume_from=run / "checkpoint-last", monitor="train_loss")
+    [aside] = run.glob("crashed-*/checkpoint-best")
+    assert f"checkpoint-best came from step 9, after step 6 where this run resumes: moved to {aside}" in (
+        capsys.readouterr().out
+    )
+    assert marked("checkpoint-best") == 9  # saved again by the rerun of epoch 3
 
 
 def test_uncommitted_checkpoints_are_refused(tmp_path):

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from phalanx.checkpoint.commit import committed_step_checkpoints, is_committed, why_not_committed
-from phalanx.checkpoint.layout import BEST, TRAINER_STATE
+from phalanx.checkpoint.commit import committed_step_checkpoints, is_committed, recover_replaced, why_not_committed
+from phalanx.checkpoint.layout import BEST, MARKER, TRAINER_STATE
 from phalanx.config.schema import RunConfig
 from phalanx.errors import ConfigError
 from phalanx.runtime.durable import check_can_create
@@ -199,6 +199,14 @@ def set_aside_crashed_run(output_dir: Path) -> Optional[Path]:
     names = existing_run_artifacts(output_dir) + [name for name in CRASH_LEFTOVERS if (output_dir / name).exists()]
     if not names:
         return None
+    aside = crashed_folder(output_dir)
+    for name in sorted(names, key=lambda name: name == RUN_RECORD):
+        os.replace(output_dir / name, aside / name)
+    return aside
+
+
+def crashed_folder(output_dir: Path) -> Path:
+    """A new output_dir/crashed-<time>/ for what a crashed run left that the run starting now will not continue."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     aside = output_dir / f"crashed-{stamp}"
     n = 1
@@ -206,9 +214,38 @@ def set_aside_crashed_run(output_dir: Path) -> Optional[Path]:
         n += 1
         aside = output_dir / f"crashed-{stamp}-{n}"
     aside.mkdir()
-    for name in sorted(names, key=lambda name: name == RUN_RECORD):
-        os.replace(output_dir / name, aside / name)
     return aside
+
+
+def set_aside_best_ahead(output_dir: Path, step: int) -> Optional[str]:
+    """Move a checkpoint-best saved after `step`, the checkpoint a run resumes from, to output_dir/crashed-<time>/;
+    returns the line that says so, None when checkpoint-best is not ahead. Rank 0 only; `phalanx train` and
+    TrainingEngine call it on a resume.
+
+    A crashed run may commit checkpoint-best at step 7 and die before checkpoint-8: the resumed run continues from
+    checkpoint-6 with the best eval loss recorded there, so steps 7.. are a future it has not lived, as the rows they
+    logged in metrics.jsonl (dropped on resume) and their TensorBoard events (purged). Kept in place, that best would
+    outlive the resumed run's own records: its training_info.json would name a best step and loss that
+    checkpoint-best does not hold, whenever the resumed run goes another way (--force with another config, or
+    kernels that are not bit-reproducible) and never beats it. Adopting its loss instead would make the resumed run
+    compare against a value it never reached. So it is set aside, never deleted (a model someone may still want): a
+    resumed run that retraces the same steps saves it again at the same step."""
+    best = output_dir / BEST
+    recover_replaced(best)  # a replacement of checkpoint-best cut short: the committed copy it replaced is the best
+    if not is_committed(best):
+        return None
+    try:
+        best_step = int(json.loads((best / MARKER).read_text(encoding="utf-8"))["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # a marker without a step (written by an older version): nothing says it is ahead
+    if best_step <= step:
+        return None
+    aside = crashed_folder(output_dir) / BEST
+    os.replace(best, aside)
+    return (
+        f"checkpoint-best came from step {best_step}, after step {step} where this run resumes: moved to {aside}; "
+        f"the best is tracked again from step {step}'s record"
+    )
 
 
 def restarted() -> bool:

@@ -28,6 +28,7 @@ from phalanx.checkpoint.resume import (
     existing_run_artifacts,
     last_logged_step,
     resume_point,
+    set_aside_best_ahead,
     set_aside_crashed_run,
 )
 from phalanx.config.schema import ModelConfig, RunConfig
@@ -175,6 +176,14 @@ def start_over(cfg: RunConfig, output_dir: Path) -> None:
             f"{step}): starting over from step 0; its logs are kept in {aside}",
             flush=True,
         )
+
+
+def set_aside_future_best(output_dir: Path, state: TrainerState) -> None:
+    """Rank 0, on a resume: a checkpoint-best from after the resumed step is set aside (set_aside_best_ahead)."""
+    said = set_aside_best_ahead(output_dir, state.global_step)
+    if said is not None:
+        best = "none yet" if state.best_step is None else f"{state.best_eval_loss:.4f} at step {state.best_step}"
+        print(f"↩️  {said} (best eval loss {best})", flush=True)
 
 
 def load_data(cfg: RunConfig) -> tuple[Any, PreparedData]:
@@ -355,6 +364,8 @@ def build_run(cfg: RunConfig, preemption: Optional[PreemptionFlag] = None) -> Ru
             sampler.load_state_dict(saved["sampler"])
         except ValueError as exc:  # the data position was counted in other units (batch_tokens changed under --force)
             raise ConfigError(f"{resume_from}: {exc}") from None
+        if rank.is_main:
+            set_aside_future_best(output_dir, state)
     elif rank.is_main:
         start_over(cfg, output_dir)  # a fresh start: overwriting was allowed, nothing was there, or a crashed run
     if rank.is_main:
