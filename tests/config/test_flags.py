@@ -53,6 +53,8 @@ def test_phalanx_generate_and_launcher_use_it():
         ("env", ["--world", "2"], "unrecognized arguments: --world 2. Did you mean --world_size?"),
         ("generate", ["--model", "m"], "unrecognized arguments: --model m. Did you mean --model_name?"),
         ("train", ["--over"], "unknown flag --over. Did you mean 'overwrite_output_dir'?"),
+        ("plan", ["--dev", "cpu"], "unknown flag --dev. Did you mean 'device'?"),  # plan's own flags too
+        ("data", ["preview", "--row", "2"], "unknown flag --row. Did you mean 'rows'?"),
     ],
 )
 def test_no_command_takes_an_abbreviated_flag(command, argv, said, tmp_path, monkeypatch):

@@ -456,8 +456,9 @@ def _section_model(loc: tuple) -> Optional[type[BaseModel]]:
     return model
 
 
-def overrides_from_flags(pairs: list[tuple[str, str]]) -> dict[str, Any]:
-    """Turn ('lora_r', '8') or ('training.seed', '3') into dotted overrides; unknown flags name the nearest."""
+def overrides_from_flags(pairs: list[tuple[str, str]], own_flags: Collection[str] = ()) -> dict[str, Any]:
+    """Turn ('lora_r', '8') or ('training.seed', '3') into dotted overrides; unknown flags name the nearest, the
+    command's own flags (`own_flags`: plan's --device) among the candidates."""
     dotted_fields = all_dotted_fields()
     out: dict[str, Any] = {}
     for flag, raw in pairs:
@@ -470,7 +471,7 @@ def overrides_from_flags(pairs: list[tuple[str, str]]) -> dict[str, Any]:
                 )
             out[dotted] = parse_flag_value(dotted, raw)
         else:
-            hint = _nearest(flag, list(FLAT_FLAGS) + dotted_fields)
+            hint = _nearest(flag, list(FLAT_FLAGS) + dotted_fields + list(own_flags))
             raise ConfigError(
                 f"unknown flag --{flag}.{hint} Flags are the seeds' names (--{', --'.join(sorted(FLAT_FLAGS)[:6])} ...) "
                 "or any dotted config field such as --training.learning_rate; `phalanx train --help` lists them."
@@ -500,5 +501,6 @@ def config_from_args(
                 f"after `--` give --flag value pairs for `phalanx train`, not a file ({path}); use --config"
             )
         path = config_path
-    cfg = load_config(path, overrides_from_flags([(name, value) for name, value in pairs if name not in own_flags]))
+    mine = [(name, value) for name, value in pairs if name not in own_flags]
+    cfg = load_config(path, overrides_from_flags(mine, own_flags))
     return cfg, path, pairs

@@ -61,7 +61,7 @@ def _preview(args: list[str]) -> int:
     from phalanx.config.loader import config_from_args
     from phalanx.runtime.quiet import quiet_libraries
 
-    cfg = config_from_args(args)[0]  # the same config and flags as `phalanx train`
+    cfg = config_from_args(args, own_flags=("rows", "color"))[0]  # the same config and flags as `phalanx train`
     quiet_libraries()
     from phalanx.models.load import load_tokenizer
 
