@@ -475,6 +475,13 @@ def test_template_that_drops_tool_calls_or_arguments_is_refused(make_tokenizer, 
         r"the tool call's name 'get_weather'",
     ):
         tokenize_conversation(make_tokenizer(no_calls), to_conversation(tool_row, WHERE), WHERE)
+    # One with no tool-call format at all (Phi-3.5's, Gemma 2's) is said to be so, with the ways on.
+    plain = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    with pytest.raises(DataError, match=r"name 'get_weather'.*This template never reads tool_calls.*--on_bad_row skip"):
+        tokenize_conversation(make_tokenizer(plain), to_conversation(tool_row, WHERE), WHERE)
     no_arguments = chatml.replace("{{ tc.function.arguments | tojson }}", "{}")
     with pytest.raises(DataError, match=r"dropped the tool call's argument 'city'"):
         tokenize_conversation(make_tokenizer(no_arguments), to_conversation(tool_row, WHERE), WHERE)

@@ -767,12 +767,20 @@ def _check_rendered(r: _Renderer, turn: _Turn, where: str) -> bool:
                 None,
             )
         if missing is not None:
+            template = r.tokenizer.chat_template or ""
             hint = (
                 " DeepSeek-R1-Distill's own template renders tool calls only when content is None (phalanx "
                 'passes ""); its corrected copy ships as --chat_template deepseek-r1-distill.'
-                if "<｜tool▁calls▁begin｜>" in (r.tokenizer.chat_template or "")
+                if "<｜tool▁calls▁begin｜>" in template
                 else ""
             )
+            if "tool_calls" not in template:
+                # Phi-3.5's, Gemma 2's, ERNIE 4.5's: no tool-call format at all, so no template fix can come from the row.
+                hint += (
+                    " This template never reads tool_calls: it has no way to write a call. Use the model's template "
+                    "for tools if it has one, or write the call into the message's content as the model writes it "
+                    "(its card says how), or leave tool-calling rows out (--on_bad_row skip)."
+                )
             if fn["name"] not in out and _written_once_followed(r, i, j):
                 hint += (
                     " The template writes it once another message follows: it renders the conversation's last "
