@@ -196,7 +196,7 @@ def test_checkpoint_resume_continues_exactly_and_loads_on_cpu(tmp_path):
 
 def test_a_resume_sets_aside_a_best_saved_after_its_checkpoint(tmp_path, capsys):
     """checkpoint-best is saved at an epoch's end before checkpoint-last: a crash between them leaves a best from a
-    step the resumed run has not reached (checkpoint.resume.set_aside_best_ahead); the rerun of that epoch saves
+    step the resumed run has not reached (checkpoint.resume.set_aside_ahead); the rerun of that epoch saves
     it again."""
     import json
     import shutil

@@ -206,7 +206,8 @@ def set_aside_crashed_run(output_dir: Path) -> Optional[Path]:
 
 
 def crashed_folder(output_dir: Path) -> Path:
-    """A new output_dir/crashed-<time>/ for what a crashed run left that the run starting now will not continue."""
+    """A new output_dir/crashed-<time>/ for what an earlier run left (a crashed one, or one a resume goes back from) that
+    the run starting now will not continue."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     aside = output_dir / f"crashed-{stamp}"
     n = 1
@@ -217,35 +218,78 @@ def crashed_folder(output_dir: Path) -> Path:
     return aside
 
 
-def set_aside_best_ahead(output_dir: Path, step: int) -> Optional[str]:
-    """Move a checkpoint-best saved after `step`, the checkpoint a run resumes from, to output_dir/crashed-<time>/;
-    returns the line that says so, None when checkpoint-best is not ahead. Rank 0 only; `phalanx train` and
-    TrainingEngine call it on a resume.
+def set_aside_ahead(output_dir: Path, step: int, best_now: str) -> list[str]:
+    """Move what output_dir holds from after `step`, the checkpoint a run resumes from, into one
+    output_dir/crashed-<time>/: checkpoint-best, checkpoint-{N} with N > step, and a final model; returns the lines that
+    say so (none when nothing is ahead). `best_now`: the best the resumed run starts from, as its record reads (said
+    with a best that is set aside). Rank 0 only; `phalanx train` and TrainingEngine call it on a resume.
 
-    A crashed run may commit checkpoint-best at step 7 and die before checkpoint-8: the resumed run continues from
-    checkpoint-6 with the best eval loss recorded there, so steps 7.. are a future it has not lived, as the rows they
-    logged in metrics.jsonl (dropped on resume) and their TensorBoard events (purged). Kept in place, that best would
-    outlive the resumed run's own records: its training_info.json would name a best step and loss that
-    checkpoint-best does not hold, whenever the resumed run goes another way (--force with another config, or
-    kernels that are not bit-reproducible) and never beats it. Adopting its loss instead would make the resumed run
-    compare against a value it never reached. So it is set aside, never deleted (a model someone may still want): a
-    resumed run that retraces the same steps saves it again at the same step."""
+    Steps after `step` are a future the resumed run has not lived, as the rows they logged in metrics.jsonl (dropped on
+    resume) and their TensorBoard events (purged).
+    - checkpoint-best: a crashed run may commit it at step 7 and die before checkpoint-8; the resumed run continues
+      from checkpoint-6 with the best eval loss recorded there. Kept in place, it would outlive the resumed run's own
+      records (training_info.json would name a best that checkpoint-best does not hold) whenever the resumed run goes
+      another way (--force with another config, kernels that are not bit-reproducible) and never beats it; adopting
+      its loss would compare against a value the run never reached.
+    - checkpoint-{N}: a run resumed from an older checkpoint on purpose (--resume_from_checkpoint out/checkpoint-2,
+      often with --force and a lower learning rate) left checkpoint-4 and checkpoint-6 of the run it abandons; if it
+      stopped before writing its own, a requeue's --resume_from_checkpoint latest resumed checkpoint-6, the abandoned
+      run, and reported it finished without training a step.
+    - the final model of a run that finished after `step`: it is not this run's, which may stop before its own end.
+    Set aside, never deleted (models someone may still want): a resumed run that retraces the same steps writes
+    them again."""
+    moves: list[tuple[Path, str]] = []
+    lines: list[str] = []
+    best_step = _committed_best_step(output_dir)
+    if best_step is not None and best_step > step:
+        moves.append((output_dir / BEST, BEST))
+    later = [path for n, path in committed_step_checkpoints(output_dir) if n > step]
+    moves += [(path, path.name) for path in later]
+    final_step = _final_step(output_dir)
+    finals = [name for name in FINAL_OUTPUTS if (output_dir / name).exists()] if (final_step or 0) > step else []
+    # The record last: it says the final model is there, so it must never be the only one of them left behind.
+    moves += [(output_dir / name, name) for name in sorted(finals, key=lambda name: name == "final_training_info.json")]
+    if not moves:
+        return []
+    aside = crashed_folder(output_dir)
+    for path, name in moves:
+        os.replace(path, aside / name)
+    if best_step is not None and best_step > step:
+        lines.append(
+            f"checkpoint-best came from step {best_step}, after step {step} where this run resumes: moved to "
+            f"{aside / BEST}; the best is tracked again from step {step}'s record ({best_now})"
+        )
+    if later:
+        lines.append(
+            f"{', '.join(path.name for path in later)} came after step {step} where this run resumes: moved to "
+            f"{aside}, so that a rerun with --resume_from_checkpoint latest continues this run, not the one it leaves"
+        )
+    if finals:
+        lines.append(
+            f"the final model of a run that finished at step {final_step} ({', '.join(finals)}) moved to {aside}: "
+            "this run writes its own when it ends"
+        )
+    return lines
+
+
+def _committed_best_step(output_dir: Path) -> Optional[int]:
+    """The step checkpoint-best was saved at, None when there is none or its marker does not say (an older version)."""
     best = output_dir / BEST
     recover_replaced(best)  # a replacement of checkpoint-best cut short: the committed copy it replaced is the best
     if not is_committed(best):
         return None
     try:
-        best_step = int(json.loads((best / MARKER).read_text(encoding="utf-8"))["global_step"])
+        return int(json.loads((best / MARKER).read_text(encoding="utf-8"))["global_step"])
     except (OSError, ValueError, KeyError, TypeError):
-        return None  # a marker without a step (written by an older version): nothing says it is ahead
-    if best_step <= step:
         return None
-    aside = crashed_folder(output_dir) / BEST
-    os.replace(best, aside)
-    return (
-        f"checkpoint-best came from step {best_step}, after step {step} where this run resumes: moved to {aside}; "
-        f"the best is tracked again from step {step}'s record"
-    )
+
+
+def _final_step(output_dir: Path) -> Optional[int]:
+    """The step of the final model in output_dir (final_training_info.json), None when there is none or it is unread."""
+    try:
+        return int(json.loads((output_dir / "final_training_info.json").read_text(encoding="utf-8"))["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def restarted() -> bool:

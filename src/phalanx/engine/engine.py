@@ -27,7 +27,7 @@ from phalanx.checkpoint.checkpointer import BestMetric, Checkpointer, Checkpoint
 from phalanx.checkpoint.commit import committed_copy, is_committed
 from phalanx.checkpoint.io import load_rng_file
 from phalanx.checkpoint.layout import BEST, EMA, LAST, state_file
-from phalanx.checkpoint.resume import set_aside_best_ahead
+from phalanx.checkpoint.resume import set_aside_ahead
 from phalanx.engine.ema import ModelEMA
 from phalanx.engine.metrics import MetricTotals, reduce_tensor
 from phalanx.engine.syncbn import convert_sync_batchnorm, has_batchnorm
@@ -311,9 +311,10 @@ class TrainingEngine:
             if resume_from is not None:
                 self.load_checkpoint(resume_from)
                 self._restore_epoch_position(train_loader)
-                said = set_aside_best_ahead(self.output_dir, self.global_step) if self.is_main_process else None
-                if said is not None:  # best saved at an epoch's end, then a crash before that epoch's checkpoint-last
-                    print(f"↩️  {said} (best_metric {self.best_metric})", flush=True)
+                # A best saved at an epoch's end, then a crash before that epoch's checkpoint-last.
+                if self.is_main_process:
+                    for line in set_aside_ahead(self.output_dir, self.global_step, f"best_metric {self.best_metric}"):
+                        print(f"↩️  {line}", flush=True)
             elif self.is_main_process:
                 self._warn_of_an_earlier_run()
             reporter = self._reporter(train_loader, num_epochs, resumed=resume_from is not None)

@@ -28,7 +28,7 @@ from phalanx.checkpoint.resume import (
     existing_run_artifacts,
     last_logged_step,
     resume_point,
-    set_aside_best_ahead,
+    set_aside_ahead,
     set_aside_crashed_run,
 )
 from phalanx.config.schema import ModelConfig, RunConfig
@@ -58,7 +58,7 @@ from phalanx.runtime.seed import seed_everything
 from phalanx.runtime.signals import PreemptionFlag, ignore_preemption_signals
 from phalanx.runtime.watch import set_phase
 from phalanx.train.loss import install_target_head
-from phalanx.train.schedule import make_optimizer, make_scheduler
+from phalanx.train.schedule import make_optimizer, make_scheduler, take_configured_hyperparameters
 from phalanx.train.state import TrainerState
 
 # Where a rank is in its epoch: rows one by one (batch_size per micro-batch) or whole token-budget micro-batches.
@@ -178,12 +178,11 @@ def start_over(cfg: RunConfig, output_dir: Path) -> None:
         )
 
 
-def set_aside_future_best(output_dir: Path, state: TrainerState) -> None:
-    """Rank 0, on a resume: a checkpoint-best from after the resumed step is set aside (set_aside_best_ahead)."""
-    said = set_aside_best_ahead(output_dir, state.global_step)
-    if said is not None:
-        best = "none yet" if state.best_step is None else f"{state.best_eval_loss:.4f} at step {state.best_step}"
-        print(f"↩️  {said} (best eval loss {best})", flush=True)
+def set_aside_future(output_dir: Path, state: TrainerState) -> None:
+    """Rank 0, on a resume: checkpoints and a final model from after the resumed step are set aside (set_aside_ahead)."""
+    best = "none yet" if state.best_step is None else f"{state.best_eval_loss:.4f} at step {state.best_step}"
+    for line in set_aside_ahead(output_dir, state.global_step, f"best eval loss {best}"):
+        print(f"↩️  {line}", flush=True)
 
 
 def load_data(cfg: RunConfig) -> tuple[Any, PreparedData]:
@@ -364,8 +363,11 @@ def build_run(cfg: RunConfig, preemption: Optional[PreemptionFlag] = None) -> Ru
             sampler.load_state_dict(saved["sampler"])
         except ValueError as exc:  # the data position was counted in other units (batch_tokens changed under --force)
             raise ConfigError(f"{resume_from}: {exc}") from None
+        changed = take_configured_hyperparameters(optimizer, scheduler, cfg.training)
         if rank.is_main:
-            set_aside_future_best(output_dir, state)
+            set_aside_future(output_dir, state)
+            if changed:
+                print(f"↩️  {', '.join(changed)} from step {state.global_step} on (--force)", flush=True)
     elif rank.is_main:
         start_over(cfg, output_dir)  # a fresh start: overwriting was allowed, nothing was there, or a crashed run
     if rank.is_main:

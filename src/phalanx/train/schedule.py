@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,3 +24,30 @@ def make_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainingConfig, total_
     name = {"constant": "constant_with_warmup"}.get(cfg.lr_scheduler, cfg.lr_scheduler)
     warmup = math.ceil(cfg.warmup_ratio * total_steps)
     return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
+
+
+def take_configured_hyperparameters(optimizer: torch.optim.Optimizer, scheduler: Any, cfg: TrainingConfig) -> list[str]:
+    """After a resume: the optimizer and its schedule go on at the config's learning rate and weight decay; returns
+    what changed ("learning_rate 0.01 -> 0.001"), nothing on a plain resume (which then stays bit-exact).
+
+    Loading a checkpoint brings back the saved run's param_groups (lr, initial_lr, weight_decay) and the schedule's
+    base_lrs, so a resume under --force with another learning_rate or weight_decay, a config diff the user saw and
+    accepted, trained on at the old values while the run's record and banner named the new ones (Hugging Face
+    Trainer's resume keeps the old ones too). The schedule's position is kept: the new rate takes over at the same
+    point of its warm-up and decay."""
+    old_lr, old_decay = scheduler.base_lrs[0], optimizer.param_groups[0]["weight_decay"]
+    changes = [
+        f"{name} {old:g} -> {new:g}"
+        for name, old, new in (
+            ("learning_rate", old_lr, cfg.learning_rate),
+            ("weight_decay", old_decay, cfg.weight_decay),
+        )
+        if old != new
+    ]
+    if changes:
+        scheduler.base_lrs = [cfg.learning_rate] * len(optimizer.param_groups)
+        lrs = [base * factor(scheduler.last_epoch) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+        for group, lr in zip(optimizer.param_groups, lrs):
+            group.update(lr=lr, initial_lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+        scheduler._last_lr = lrs  # what get_last_lr() reports (the metrics' lr column) until the next step
+    return changes
