@@ -322,3 +322,36 @@ def test_two_spellings_of_one_path_are_no_config_change(tmp_path, monkeypatch):
         "data.dataset_path: 'data/train.jsonl' -> 'data/other.jsonl'"
     ]
     assert config_diff({"model": {"model_name": "org/a"}}, {"model": {"model_name": "./org/a"}}) != []
+
+
+def test_a_run_killed_in_its_final_save_starts_over_with_what_it_wrote_set_aside(tmp_path, monkeypatch):
+    """SIGKILL while the final save moves the model's files into output_dir, in a run with no checkpoint-N (save_steps
+    beyond max_steps): adapter_model.safetensors is there, adapter_config.json still in .final.staging, and no
+    final_training_info.json, the record written after the model. The run did not finish: the same command, or a
+    requeue, starts over with the half-moved model set aside with the logs (it was 'a finished run' and refused, a
+    dead end for a requeue). With final_training_info.json it is finished and refused, as before."""
+    from phalanx.checkpoint.resume import RUN_RECORD, resume_point, set_aside_crashed_run
+    from phalanx.config.loader import load_config
+    from phalanx.errors import ConfigError
+
+    out = tmp_path / "run"
+    cfg = load_config(None, {"output_dir": str(out), "checkpoint.save_steps": 100})
+    staging = out / ".final.staging"
+    staging.mkdir(parents=True)
+    (out / RUN_RECORD).write_text(json.dumps({"config": cfg.model_dump()}))
+    (out / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 5, "loss": 1.0}) + "\n")
+    (out / "adapter_model.safetensors").write_bytes(b"weights")
+    (staging / "adapter_config.json").write_text("{}")
+    for requeued in ("0", "1"):
+        monkeypatch.setenv("SLURM_RESTART_COUNT", requeued)
+        assert resume_point(cfg) is None
+    aside = set_aside_crashed_run(out)
+    assert sorted(p.name for p in out.iterdir()) == [aside.name]
+    assert (aside / "adapter_model.safetensors").read_bytes() == b"weights"
+    assert (aside / ".final.staging" / "adapter_config.json").is_file() and (aside / RUN_RECORD).is_file()
+
+    for name, text in ((RUN_RECORD, json.dumps({"config": cfg.model_dump()})), ("final_training_info.json", "{}")):
+        (out / name).write_text(text)
+    with pytest.raises(ConfigError) as err:
+        resume_point(cfg)
+    assert "holds a finished run (final_training_info.json)" in str(err.value)

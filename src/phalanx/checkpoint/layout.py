@@ -36,6 +36,11 @@ def staging_dir(final: Path) -> Path:
     return final.parent / f".{final.name}.staging"
 
 
+def final_model_staging(output_dir: Path) -> Path:
+    """Where the final save writes the model before moving its files into output_dir itself, one rename each."""
+    return staging_dir(Path(output_dir) / "final")
+
+
 def retired_dir(final: Path) -> Path:
     return final.parent / f".{final.name}.retired"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from phalanx.checkpoint.commit import committed_step_checkpoints, is_committed, recover_replaced, why_not_committed
-from phalanx.checkpoint.layout import BEST, MARKER, TRAINER_STATE
+from phalanx.checkpoint.layout import BEST, MARKER, TRAINER_STATE, final_model_staging
 from phalanx.config.schema import RunConfig
 from phalanx.errors import ConfigError
 from phalanx.runtime.durable import check_can_create
@@ -39,9 +39,11 @@ RESUME_FREE = (
 RUN_ARTIFACTS = ("training_info.json", "final_training_info.json", "metrics.jsonl", BEST)
 # What a run that stopped before its first checkpoint leaves besides RUN_ARTIFACTS; moved aside with them.
 CRASH_LEFTOVERS = ("tensorboard", "loss_curve.png")
-# The final model written into output_dir itself: a run that wrote it has finished (or was finishing).
+# The final model written into output_dir itself, and the record written after it: the run has finished only when
+# that record (FINISHED) exists; model files without it are a final save cut short (set aside, never trusted).
+FINISHED = "final_training_info.json"
 FINAL_OUTPUTS = (
-    "final_training_info.json",
+    FINISHED,
     "adapter_model.safetensors",
     "model.safetensors",
     "model.safetensors.index.json",
@@ -165,10 +167,9 @@ def check_start_over(out: Path, cfg: RunConfig, requested: Optional[str]) -> Non
                 "or new --output_dir, or pass --overwrite_output_dir to let the run replace them."
             )
         return
-    finished = [name for name in FINAL_OUTPUTS if (out / name).exists()]
-    if finished:
+    if (out / FINISHED).exists():
         raise ConfigError(
-            f"{flag}output_dir {out} holds a finished run ({', '.join(finished)}) and no committed "
+            f"{flag}output_dir {out} holds a finished run ({FINISHED}) and no committed "
             "checkpoint-N to continue from. Choose another --output_dir, or pass --overwrite_output_dir "
             "to train it again."
         )
@@ -194,11 +195,18 @@ def set_aside_crashed_run(output_dir: Path) -> Optional[Path]:
     """Move what a run that stopped before its first checkpoint left in output_dir into output_dir/crashed-<time>/
     (kept for a look, out of the new run's way); returns that folder, None when there was nothing to move.
 
+    A run killed during its final save (model files moved into output_dir, no final_training_info.json yet) leaves
+    a final model that may lack files (an adapter without its config): it moves aside with the rest, and the staging
+    folder with what was not moved yet. Those files sit beside a record of this run, so they are its own (or files
+    --overwrite_output_dir allowed it to replace); they are moved, never deleted.
+
     Rank 0 only. The record (training_info.json) moves last: a rank still deciding where to start (resume_point) sees
     either the crashed run with its record, or an empty folder: a fresh start either way."""
     names = existing_run_artifacts(output_dir) + [name for name in CRASH_LEFTOVERS if (output_dir / name).exists()]
     if not names:
         return None
+    final_staging = final_model_staging(output_dir)
+    names += model_folder_files(output_dir) + ([final_staging.name] if final_staging.exists() else [])
     aside = crashed_folder(output_dir)
     for name in sorted(names, key=lambda name: name == RUN_RECORD):
         os.replace(output_dir / name, aside / name)
@@ -346,7 +354,7 @@ def resume_point(cfg: RunConfig) -> Optional[Path]:
             return None
         folder = checkpoints[-1][1]
     diff = config_diff(saved_config(folder), cfg.model_dump())
-    if requested is None and not diff and (out / "final_training_info.json").is_file():
+    if requested is None and not diff and (out / FINISHED).is_file():
         raise ConfigError(
             f"output_dir {out} holds a finished run with this config. Choose another --output_dir, "
             "pass --overwrite_output_dir to train it again, or change max_steps/num_epochs and --force to extend it."

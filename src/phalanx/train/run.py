@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Subset
 
 from phalanx.checkpoint.checkpointer import BestMetric, Checkpointer, CheckpointPolicy
 from phalanx.checkpoint.io import save_model_files
-from phalanx.checkpoint.layout import staging_dir
+from phalanx.checkpoint.layout import final_model_staging
 from phalanx.checkpoint.resume import (
     CRASH_LEFTOVERS,
     RUN_RECORD,
@@ -173,7 +173,7 @@ def start_over(cfg: RunConfig, output_dir: Path) -> None:
     if aside is not None:
         print(
             f"↩️  {output_dir} held a run of this config that stopped before its first checkpoint (last logged step "
-            f"{step}): starting over from step 0; its logs are kept in {aside}",
+            f"{step}): starting over from step 0; what it left is kept in {aside}",
             flush=True,
         )
 
@@ -536,7 +536,7 @@ def describe_eval(state: TrainerState) -> str:
 
 def save_final_model(run: Run, model_state: Optional[dict] = None) -> None:
     """Write the model or adapter next to a staging copy, then move files into output_dir one rename each."""
-    staging = staging_dir(run.output_dir / "final")  # .final.staging
+    staging = final_model_staging(run.output_dir)
     if staging.exists():
         shutil.rmtree(staging)
     save_model_files(run.strategy.unwrap(), run.tokenizer, staging, model_state)
