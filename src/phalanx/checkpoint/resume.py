@@ -143,10 +143,11 @@ def recorded_config(output_dir: Path) -> Optional[dict]:
 
 
 def last_logged_step(output_dir: Path) -> int:
+    from phalanx.observe.metrics import read_records  # here, not at the top: it imports tqdm, the launcher needs none
+
     try:
-        lines = (output_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
-        return max((int(json.loads(line)["step"]) for line in lines if line.strip()), default=0)
-    except (OSError, ValueError, KeyError, TypeError):
+        return max((record["step"] for record in read_records(output_dir / "metrics.jsonl")[0]), default=0)
+    except OSError:
         return 0
 
 

@@ -111,11 +111,32 @@ class Reporter:
         self._bar_args = None
 
 
+def read_records(path: Path) -> tuple[list[dict], int]:
+    """The records of a metrics.jsonl and the number of lines that are none: a line cut short (the node died, or the
+    disk filled, while it was written) or not ours. A crashed run's file may end in one; it must not stop the rerun."""
+    records, torn = [], 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            torn += 1
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+        elif line.strip():
+            torn += 1
+    return records, torn
+
+
 def keep_until(path: Path, step: int) -> list[dict]:
-    """Records up to `step` (what a resumed run continues from); later ones, from a crashed run, are dropped."""
+    """Records up to `step` (what a resumed run continues from); later ones, from a crashed run, are dropped, and so
+    are lines cut short by a crash mid-write (said on stdout)."""
     if not path.is_file():
         return []
-    kept = [r for r in map(json.loads, path.read_text(encoding="utf-8").splitlines()) if r["step"] <= step]
+    records, torn = read_records(path)
+    kept = [r for r in records if r["step"] <= step]
+    if torn:
+        print(f"{path}: dropped {torn} line(s) that hold no record (cut short by a crash while being written)")
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
     os.replace(tmp, path)
