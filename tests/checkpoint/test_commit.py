@@ -51,6 +51,21 @@ def test_retention_keeps_newest_and_protected(tmp_path: Path):
     assert [s for s, _ in committed_step_checkpoints(tmp_path)] == [10, 30, 40]
 
 
+def test_retention_finishes_a_delete_that_a_crash_cut_short(tmp_path: Path):
+    """Killed while retention deleted checkpoint-10 (un-marked first, then half its files gone): never read again, and
+    never saved again under that name, so the resumed run's next retention deletes it instead of leaving it on the
+    disk for good. An unmarked checkpoint-50 newer than every committed one (a save of the crashed run cut before its
+    marker) stays until the resumed run saves step 50 again, replacing it."""
+    for step in (10, 20, 30, 40):
+        make_checkpoint(tmp_path, f"checkpoint-{step}")
+    (tmp_path / "checkpoint-10" / MARKER).unlink()
+    make_checkpoint(tmp_path, "checkpoint-50")
+    (tmp_path / "checkpoint-50" / MARKER).unlink()
+    removed = apply_retention(tmp_path, 2, keep={tmp_path / "checkpoint-40"})
+    assert [p.name for p in removed] == ["checkpoint-20"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-30", "checkpoint-40", "checkpoint-50"]
+
+
 def test_a_replacement_cut_short_by_a_crash_is_undone(tmp_path):
     """commit() of an existing folder (checkpoint-last, -best) moves the old one aside first; a crash before the new
     one is marked must leave the old one as the checkpoint, not no checkpoint at all."""

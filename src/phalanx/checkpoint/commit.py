@@ -91,10 +91,28 @@ def apply_retention(output_dir: Path, limit: int | None, keep: set[Path]) -> lis
     """Delete the oldest committed checkpoint-{step} folders beyond `limit`, never one in `keep`."""
     if limit is None:
         return []
-    checkpoints = [path for _, path in committed_step_checkpoints(output_dir)]
+    committed = committed_step_checkpoints(output_dir)
+    checkpoints = [path for _, path in committed]
     removable = [p for p in checkpoints[: max(len(checkpoints) - limit, 0)] if p not in keep]
     for path in removable:
         # Un-mark first: a crash mid-delete must not leave a marked, half-deleted checkpoint.
         (path / MARKER).unlink()
         shutil.rmtree(path)
+    # What such a crash left (an unmarked, half-deleted checkpoint-{step}), or a commit cut before its marker, older
+    # than the newest committed checkpoint: never read again, and never saved again under that name to replace it,
+    # so without this it would hold its share of the disk for good.
+    newest = committed[-1][0] if committed else None
+    for step, path in unmarked_step_folders(output_dir):
+        if newest is not None and step < newest and path not in keep:
+            shutil.rmtree(path)
     return removable
+
+
+def unmarked_step_folders(output_dir: Path) -> list[tuple[int, Path]]:
+    """checkpoint-{step} folders without the commit marker (a save or a delete cut short), oldest first."""
+    found = []
+    for child in output_dir.iterdir():
+        match = STEP_DIR.fullmatch(child.name)
+        if match and child.is_dir() and not is_committed(child):
+            found.append((int(match.group(1)), child))
+    return sorted(found)
