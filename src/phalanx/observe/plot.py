@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
@@ -25,4 +26,8 @@ def plot_loss_curve(history: list[dict], path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    # Through a temporary file and one rename: a run killed while the PNG is written leaves the old plot or the
+    # new one, never a truncated file under the plot's name.
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.savefig(tmp, dpi=100, format="png")
+    os.replace(tmp, path)

@@ -24,6 +24,7 @@ from phalanx.checkpoint.io import save_model_files
 from phalanx.checkpoint.layout import final_model_staging
 from phalanx.checkpoint.resume import (
     CRASH_LEFTOVERS,
+    FINISHED,
     RUN_RECORD,
     existing_run_artifacts,
     last_logged_step,
@@ -513,8 +514,10 @@ def finish_run(run: Run) -> dict:
     if run.rank.is_main:
         save_final_model(run, model_state)
         write_info(run, run.output_dir / "training_info.json")
-        write_info(run, run.output_dir / "final_training_info.json", summary)
         plot_loss_curve(run.reporter.history, run.output_dir / "loss_curve.png")
+        # Last: its presence is what says the run finished (checkpoint.resume, the requeue scripts), so a run killed
+        # before it is rerun, never taken as finished with a plot or a model missing.
+        write_info(run, run.output_dir / FINISHED, summary)
     run.reporter.close()
     s = run.state
     run.reporter.say(
