@@ -355,3 +355,26 @@ def test_a_run_killed_in_its_final_save_starts_over_with_what_it_wrote_set_aside
     with pytest.raises(ConfigError) as err:
         resume_point(cfg)
     assert "holds a finished run (final_training_info.json)" in str(err.value)
+
+
+def test_a_best_replacement_cut_short_before_the_first_checkpoint_sets_aside_the_committed_best(tmp_path):
+    """Killed while checkpoint-best was replaced (step 4's best renamed in, its marker not yet written; step 2's
+    committed best waiting as .checkpoint-best.retired) and before any checkpoint-N: the run starts over, and what
+    moves to crashed-<time> is the committed best of step 2, not the unmarked copy. Before, the committed one stayed
+    in output_dir, where the new run's first best save put it back and replaced it (or, under --force with another
+    config, a resume kept it as the new run's best)."""
+    from phalanx.checkpoint.commit import commit, fresh_staging_dir, is_committed
+    from phalanx.checkpoint.resume import RUN_RECORD, set_aside_crashed_run
+
+    out = tmp_path / "run"
+    best = out / "checkpoint-best"
+    staging = fresh_staging_dir(best)
+    (staging / "weights").write_text("step 2")
+    commit(staging, best, {"global_step": 2})
+    best.rename(out / ".checkpoint-best.retired")
+    best.mkdir()
+    (best / "weights").write_text("step 4, unmarked")
+    (out / RUN_RECORD).write_text("{}")
+    aside = set_aside_crashed_run(out)
+    assert sorted(p.name for p in out.iterdir()) == [aside.name]
+    assert is_committed(aside / "checkpoint-best") and (aside / "checkpoint-best" / "weights").read_text() == "step 2"

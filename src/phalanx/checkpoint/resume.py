@@ -201,8 +201,13 @@ def set_aside_crashed_run(output_dir: Path) -> Optional[Path]:
     folder with what was not moved yet. Those files sit beside a record of this run, so they are its own (or files
     --overwrite_output_dir allowed it to replace); they are moved, never deleted.
 
+    A replacement of checkpoint-best that the crash cut short is undone first (recover_replaced): the committed best
+    it was replacing moves aside, not the unmarked copy, and nothing of the crashed run stays behind for the new run's
+    first best save to take for its own.
+
     Rank 0 only. The record (training_info.json) moves last: a rank still deciding where to start (resume_point) sees
     either the crashed run with its record, or an empty folder: a fresh start either way."""
+    recover_replaced(output_dir / BEST)
     names = existing_run_artifacts(output_dir) + [name for name in CRASH_LEFTOVERS if (output_dir / name).exists()]
     if not names:
         return None
