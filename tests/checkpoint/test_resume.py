@@ -378,3 +378,34 @@ def test_a_best_replacement_cut_short_before_the_first_checkpoint_sets_aside_the
     aside = set_aside_crashed_run(out)
     assert sorted(p.name for p in out.iterdir()) == [aside.name]
     assert is_committed(aside / "checkpoint-best") and (aside / "checkpoint-best" / "weights").read_text() == "step 2"
+
+
+def test_overwrite_cut_short_leaves_no_committed_checkpoint_with_files_missing(tmp_path, monkeypatch):
+    """--overwrite_output_dir deletes the earlier run; killed while it deleted (one file of a checkpoint gone, here
+    simulated by a delete that stops after one file), no checkpoint may still carry its marker: a later run without
+    the flag (a requeue with --resume_from_checkpoint latest) would resume from it and stop on the missing file. The
+    committed best a cut-short replacement left beside checkpoint-best goes too, not restored later as the new best."""
+    from phalanx.checkpoint.commit import commit, committed_step_checkpoints, fresh_staging_dir, is_committed
+    from phalanx.train import run as train_run
+
+    out = tmp_path / "run"
+    for name in ("checkpoint-2", "checkpoint-4", "checkpoint-best"):
+        staging = fresh_staging_dir(out / name)
+        for part in ("adapter_model.safetensors", "optimizer.pt", "trainer_state.json"):
+            (staging / part).write_text(part)
+        commit(staging, out / name, {"global_step": 2})
+    (out / "checkpoint-best").rename(out / ".checkpoint-best.retired")
+    (out / "training_info.json").write_text("{}")
+
+    def killed_after_one_file(path, *args, **kwargs):
+        next(p for p in sorted(path.iterdir()) if p.name != "phalanx_checkpoint.json").unlink()
+        raise KeyboardInterrupt  # the kill
+
+    monkeypatch.setattr(train_run.shutil, "rmtree", killed_after_one_file)
+    with pytest.raises(KeyboardInterrupt):
+        train_run.clear_previous_run(out)
+    assert committed_step_checkpoints(out) == [] and not is_committed(out / "checkpoint-best")
+    assert not (out / ".checkpoint-best.retired").exists()
+    monkeypatch.undo()
+    train_run.clear_previous_run(out)  # the same command again finishes the job
+    assert sorted(p.name for p in out.iterdir()) == []

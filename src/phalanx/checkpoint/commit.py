@@ -62,6 +62,13 @@ def recover_replaced(final: Path) -> bool:
     return True
 
 
+def uncommit(path: Path) -> None:
+    """Remove a checkpoint's marker, before its files are deleted: a crash mid-delete must not leave a marked,
+    half-deleted checkpoint that a resume would trust. Nothing happens to a folder without one."""
+    (path / MARKER).unlink(missing_ok=True)
+    fsync_path(path)
+
+
 def is_committed(path: Path) -> bool:
     return (path / MARKER).is_file()
 
@@ -95,8 +102,7 @@ def apply_retention(output_dir: Path, limit: int | None, keep: set[Path]) -> lis
     checkpoints = [path for _, path in committed]
     removable = [p for p in checkpoints[: max(len(checkpoints) - limit, 0)] if p not in keep]
     for path in removable:
-        # Un-mark first: a crash mid-delete must not leave a marked, half-deleted checkpoint.
-        (path / MARKER).unlink()
+        uncommit(path)
         shutil.rmtree(path)
     # What such a crash left (an unmarked, half-deleted checkpoint-{step}), or a commit cut before its marker, older
     # than the newest committed checkpoint: never read again, and never saved again under that name to replace it,

@@ -20,8 +20,9 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 from phalanx.checkpoint.checkpointer import BestMetric, Checkpointer, CheckpointPolicy
+from phalanx.checkpoint.commit import recover_replaced, uncommit
 from phalanx.checkpoint.io import save_model_files
-from phalanx.checkpoint.layout import final_model_staging
+from phalanx.checkpoint.layout import BEST, final_model_staging
 from phalanx.checkpoint.resume import (
     CRASH_LEFTOVERS,
     FINISHED,
@@ -155,8 +156,15 @@ def check_output_dir(cfg: RunConfig) -> Optional[Path]:
 
 
 def clear_previous_run(output_dir: Path) -> None:
-    for name in existing_run_artifacts(output_dir) + list(CRASH_LEFTOVERS):
-        path = output_dir / name
+    """--overwrite_output_dir: delete the earlier run. Every checkpoint is un-marked before any file goes, so a kill
+    midway leaves no committed checkpoint with files missing (a resume would trust it); the committed best that a
+    cut-short replacement left beside checkpoint-best is deleted with it, not restored later as this run's best."""
+    recover_replaced(output_dir / BEST)
+    paths = [output_dir / name for name in existing_run_artifacts(output_dir) + list(CRASH_LEFTOVERS)]
+    for path in paths:
+        if path.is_dir():
+            uncommit(path)
+    for path in paths:
         if path.is_dir():
             shutil.rmtree(path)
         elif path.exists():
