@@ -261,8 +261,8 @@ def set_aside_ahead(output_dir: Path, step: int, best_now: str) -> list[str]:
     moves += [(path, path.name) for path in later]
     final_step = _final_step(output_dir)
     finals = [name for name in FINAL_OUTPUTS if (output_dir / name).exists()] if (final_step or 0) > step else []
-    # The record last: it says the final model is there, so it must never be the only one of them left behind.
-    moves += [(output_dir / name, name) for name in sorted(finals, key=lambda name: name == "final_training_info.json")]
+    # The record first: it says the run finished, so a move cut short must not leave it beside part of the model.
+    moves += [(output_dir / name, name) for name in sorted(finals, key=lambda name: name != FINISHED)]
     if not moves:
         return []
     aside = crashed_folder(output_dir)
@@ -301,7 +301,7 @@ def _committed_best_step(output_dir: Path) -> Optional[int]:
 def _final_step(output_dir: Path) -> Optional[int]:
     """The step of the final model in output_dir (final_training_info.json), None when there is none or it is unread."""
     try:
-        return int(json.loads((output_dir / "final_training_info.json").read_text(encoding="utf-8"))["global_step"])
+        return int(json.loads((output_dir / FINISHED).read_text(encoding="utf-8"))["global_step"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
