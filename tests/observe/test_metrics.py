@@ -2,8 +2,7 @@
 
 import json
 
-from phalanx.checkpoint.resume import last_logged_step
-from phalanx.observe.metrics import Reporter
+from phalanx.observe.metrics import Reporter, last_logged_step
 
 
 def test_a_line_cut_short_by_a_crash_is_dropped_not_a_resume_that_cannot_start(tmp_path, capsys):

@@ -142,15 +142,6 @@ def recorded_config(output_dir: Path) -> Optional[dict]:
     return config if isinstance(config, dict) else None
 
 
-def last_logged_step(output_dir: Path) -> int:
-    from phalanx.observe.metrics import read_records  # here, not at the top: it imports tqdm, the launcher needs none
-
-    try:
-        return max((record["step"] for record in read_records(output_dir / "metrics.jsonl")[0]), default=0)
-    except OSError:
-        return 0
-
-
 def check_start_over(out: Path, cfg: RunConfig, requested: Optional[str]) -> None:
     """output_dir holds no committed checkpoint-N: a fresh start is right when it holds nothing, or a crashed run of
     this config (its logs are set aside at start). A finished run, or one of another config, is refused."""

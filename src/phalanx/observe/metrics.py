@@ -128,6 +128,14 @@ def read_records(path: Path) -> tuple[list[dict], int]:
     return records, torn
 
 
+def last_logged_step(output_dir: Path) -> int:
+    """The last step output_dir/metrics.jsonl logged (0 when none): what a crashed run got to, said when it starts over."""
+    try:
+        return max((record["step"] for record in read_records(output_dir / "metrics.jsonl")[0]), default=0)
+    except OSError:
+        return 0
+
+
 def keep_until(path: Path, step: int) -> list[dict]:
     """Records up to `step` (what a resumed run continues from); later ones, from a crashed run, are dropped, and so
     are lines cut short by a crash mid-write (said on stdout)."""

@@ -28,7 +28,6 @@ from phalanx.checkpoint.resume import (
     FINISHED,
     RUN_RECORD,
     existing_run_artifacts,
-    last_logged_step,
     resume_point,
     set_aside_ahead,
     set_aside_crashed_run,
@@ -49,7 +48,7 @@ from phalanx.models.attention import enable_varlen_attention, packing_unsupporte
 from phalanx.models.compile import compile_decoder_layers
 from phalanx.models.load import cache_root, four_bit_compute_dtype, load_model, load_tokenizer, quantization_config
 from phalanx.observe.memory import peak_memory_mb
-from phalanx.observe.metrics import Reporter
+from phalanx.observe.metrics import Reporter, last_logged_step
 from phalanx.observe.plot import plot_loss_curve
 from phalanx.parallel import Precision, Strategy, make_strategy
 from phalanx.runtime import dist as rt
