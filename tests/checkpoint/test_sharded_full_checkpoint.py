@@ -12,6 +12,7 @@ from helpers import read_metrics, run_phalanx, write_payload
 from phalanx.checkpoint.export import export_checkpoint
 from phalanx.checkpoint.io import load_model_weights
 from phalanx.checkpoint.safe_load import UnsafeCheckpointError
+from phalanx.cli import main
 from phalanx.errors import PhalanxError
 
 pytestmark = pytest.mark.distributed
@@ -37,28 +38,29 @@ def test_full_finetune_checkpoints_are_sharded_only_and_export(name, resume_data
         *shape(2),
         *FLAGS,
         "--max_steps",
-        "4",
+        "2",
+        "--save_steps",
+        "1",
         "--learning_rate",
         "1e-3",
         "--checkpoint.save_best",
         "true",
         "--eval_steps",
-        "2",
+        "1",
     ]
     whole = tmp_path / "whole"
     proc = run_phalanx(*base, "--output_dir", str(whole))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for step in (2, 4):
+    for step in (1, 2):
         checkpoint = whole / f"checkpoint-{step}"
         assert not (checkpoint / "model.safetensors").exists(), "no gathered copy in an intermediate checkpoint"
         assert (checkpoint / "config.json").is_file() and (checkpoint / "tokenizer_config.json").is_file()
         assert len(list((checkpoint / shard_dir).glob(shard_glob))) == 2
     assert (whole / "checkpoint-best" / "model.safetensors").is_file() and (whole / "model.safetensors").is_file()
 
-    # Export: the same bytes of weights as the final model the run wrote (checkpoint-4 is the last step).
+    # Export: the same bytes of weights as the final model the run wrote (checkpoint-2 is the last step).
     exported = tmp_path / "exported"
-    proc = run_phalanx("export", str(whole / "checkpoint-4"), str(exported))
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert main(["export", str(whole / "checkpoint-2"), str(exported)]) == 0  # the command, in this process
     final, export = load_file(whole / "model.safetensors"), load_file(exported / "model.safetensors")
     assert final.keys() == export.keys() and all(torch.equal(final[k], export[k]) for k in final)
     from transformers import AutoModelForCausalLM
@@ -67,7 +69,7 @@ def test_full_finetune_checkpoints_are_sharded_only_and_export(name, resume_data
 
     # A shard file replaced by a pickle that runs code is refused before anything unpickles it for real.
     tampered = tmp_path / "tampered"
-    shutil.copytree(whole / "checkpoint-4", tampered)
+    shutil.copytree(whole / "checkpoint-2", tampered)
     victim = (
         (tampered / shard_dir / ".metadata") if name == "fsdp" else sorted((tampered / shard_dir).glob(shard_glob))[0]
     )
@@ -79,12 +81,12 @@ def test_full_finetune_checkpoints_are_sharded_only_and_export(name, resume_data
 
     # A strategy that would read model.safetensors is told where the weights are.
     with pytest.raises(PhalanxError, match="phalanx export"):
-        load_model_weights(AutoModelForCausalLM.from_pretrained(exported), whole / "checkpoint-2", "full")
+        load_model_weights(AutoModelForCausalLM.from_pretrained(exported), whole / "checkpoint-1", "full")
 
-    # Resume from the sharded-only checkpoint-2: steps 3-4 and the final weights as the uninterrupted run's.
+    # Resume from the sharded-only checkpoint-1: step 2 and the final weights as the uninterrupted run's.
     resumed = tmp_path / "resumed"
-    proc = run_phalanx(*base, "--output_dir", str(resumed), "--resume_from_checkpoint", str(whole / "checkpoint-2"))
+    proc = run_phalanx(*base, "--output_dir", str(resumed), "--resume_from_checkpoint", str(whole / "checkpoint-1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [r["loss"] for r in read_metrics(resumed)] == [r["loss"] for r in read_metrics(whole)][2:]
+    assert [r["loss"] for r in read_metrics(resumed)] == [r["loss"] for r in read_metrics(whole)][1:]
     again = load_file(resumed / "model.safetensors")
     assert all(torch.equal(final[k], again[k]) for k in final)
