@@ -83,22 +83,25 @@ def why_not_committed(path: Path) -> str:
     return f"no {MARKER} in it: not a phalanx checkpoint, or a save that crashed before it committed"
 
 
+def step_folders(output_dir: Path) -> list[tuple[int, Path]]:
+    """Every checkpoint-{step} folder, committed or not (a save or a delete cut short), oldest first."""
+    if not output_dir.is_dir():
+        return []
+    matches = ((STEP_DIR.fullmatch(child.name), child) for child in output_dir.iterdir())
+    return sorted((int(match.group(1)), child) for match, child in matches if match and child.is_dir())
+
+
 def committed_step_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
     """Committed checkpoint-{step} folders, oldest first."""
-    found = []
-    if output_dir.is_dir():
-        for child in output_dir.iterdir():
-            match = STEP_DIR.fullmatch(child.name)
-            if match and child.is_dir() and is_committed(child):
-                found.append((int(match.group(1)), child))
-    return sorted(found)
+    return [(step, path) for step, path in step_folders(output_dir) if is_committed(path)]
 
 
 def apply_retention(output_dir: Path, limit: int | None, keep: set[Path]) -> list[Path]:
     """Delete the oldest committed checkpoint-{step} folders beyond `limit`, never one in `keep`."""
     if limit is None:
         return []
-    committed = committed_step_checkpoints(output_dir)
+    folders = step_folders(output_dir)
+    committed = [(step, path) for step, path in folders if is_committed(path)]
     checkpoints = [path for _, path in committed]
     removable = [p for p in checkpoints[: max(len(checkpoints) - limit, 0)] if p not in keep]
     for path in removable:
@@ -108,17 +111,7 @@ def apply_retention(output_dir: Path, limit: int | None, keep: set[Path]) -> lis
     # than the newest committed checkpoint: never read again, and never saved again under that name to replace it,
     # so without this it would hold its share of the disk for good.
     newest = committed[-1][0] if committed else None
-    for step, path in unmarked_step_folders(output_dir):
-        if newest is not None and step < newest and path not in keep:
+    for step, path in folders:
+        if newest is not None and step < newest and path not in keep and (step, path) not in committed:
             shutil.rmtree(path)
     return removable
-
-
-def unmarked_step_folders(output_dir: Path) -> list[tuple[int, Path]]:
-    """checkpoint-{step} folders without the commit marker (a save or a delete cut short), oldest first."""
-    found = []
-    for child in output_dir.iterdir():
-        match = STEP_DIR.fullmatch(child.name)
-        if match and child.is_dir() and not is_committed(child):
-            found.append((int(match.group(1)), child))
-    return sorted(found)
