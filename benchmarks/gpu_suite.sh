@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU figure the issues ask for, on a CUDA machine (run from the repository root).
 #   benchmarks/gpu_suite.sh                 # `arms`: every arm of issue 15 in one call of at most 600 s
+#   SUITE_SECONDS=450 ORDER=hf-first ARMS=lora-eager benchmarks/gpu_suite.sh   # a shorter call, the other order
 #   benchmarks/gpu_suite.sh smoke|speed|speed-hf-first|profile|qlora|strategies|strategies-full|arms ...
 # Wheels the GPU image lacks travel in .whl/ (trl, liger-kernel, and pydantic/datasets where missing; see
 # benchmarks/RESULTS.md); OUT (optional) collects the logs, and RESULTS-append.md: the entries the scripts appended
@@ -28,23 +29,42 @@ step() {  # step NAME SECONDS CMD...: one part, time-boxed (and never past the c
 }
 for part in $parts; do
   case $part in
-    arms)  # issue 15 item 5, most important first. LoRA default, Trainer+PEFT and TRL (padding-free + Liger) on
-           # the same rows; then QLoRA and full fine-tuning; then generation; Unsloth only where it imports.
-      nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-      python3 -c "import torch, transformers, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
-      python3 -c "import trl; print('trl', trl.__version__)" || echo "trl missing: the TRL arm will fail (carry .whl/trl-*.whl)"
-      python3 -c "import liger_kernel; print('liger-kernel importable')" || echo "liger-kernel missing: TRL runs without Liger"
-      step lora-trainer-trl 250 python3 benchmarks/train_vs_hf.py --gpu-shape r1-distill-qwen-1.5b --steps 20 --warmup 5 \
-        --orders phalanx-first --with-trl --note "gpu_suite arms"
-      step qlora-full 200 python3 benchmarks/phalanx_arms.py --gpu-shape r1-distill-qwen-1.5b --arms qlora,full --steps 12 \
-        --warmup 4 --arm-timeout 95 --work_dir /tmp/phalanx-bench --note "gpu_suite arms"
-      step generate 90 python3 benchmarks/generate_vs_loop.py --device cuda --dtype bfloat16 \
-        --model_name /tmp/phalanx-bench/r1-distill-qwen-1.5b-random --num_questions 8 --repeats 1 --skip-k-loop --note "gpu_suite arms"
+    arms)  # issue 15 item 5, most important first, each time-boxed against the call's deadline (SUITE_SECONDS).
+           # LoRA default, Trainer+PEFT and TRL (padding-free + Liger) on the same rows (ORDER: phalanx-first, or
+           # hf-first for the other running order); then QLoRA, full fine-tuning and LoRA without compile; then
+           # generation; Unsloth only where it imports.
+      nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader
+      python3 - <<'PY'
+import importlib, importlib.metadata as md
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
+for name in ("transformers", "peft", "trl", "liger-kernel", "bitsandbytes", "datasets", "pyarrow", "pydantic", "accelerate", "triton", "flash-attn"):
+    try:
+        version = md.version(name)
+    except md.PackageNotFoundError:
+        version = "missing"
+    print(f"  {name} {version}")
+for module in ("phalanx.train.run", "trl", "liger_kernel.transformers", "bitsandbytes", "torch.nn.attention.varlen"):
+    try:
+        importlib.import_module(module)
+        print(f"  import {module}: ok")
+    except Exception as exc:
+        print(f"  import {module}: FAILED {type(exc).__name__}: {exc}")
+PY
+      step lora-trainer-trl 230 python3 benchmarks/train_vs_hf.py --gpu-shape r1-distill-qwen-1.5b --steps 20 --warmup 5 \
+        --orders "${ORDER:-phalanx-first}" --with-trl --note "gpu_suite arms"
+      step phalanx-arms 170 python3 benchmarks/phalanx_arms.py --gpu-shape r1-distill-qwen-1.5b --arms "${ARMS:-qlora,full,lora-eager}" \
+        --steps 12 --warmup 4 --arm-timeout 75 --work_dir /tmp/phalanx-bench --note "gpu_suite arms"
+      step generate 60 python3 benchmarks/generate_vs_loop.py --device cuda --dtype bfloat16 \
+        --model_name /tmp/phalanx-bench/r1-distill-qwen-1.5b-random --num_questions 4 --repeats 1 --skip-k-loop --note "gpu_suite arms"
       if python3 -c "import unsloth" 2>/dev/null; then
         echo "=== unsloth imports, but benchmarks/ has no Unsloth arm yet: not measured"
       else
         echo "=== unsloth: not importable here (its wheels pin torch/transformers; not carried): not measured"
-      fi ;;
+      fi
+      # What each run said about its kernels (compile, Liger, varlen attention, fused cross-entropy), and every error.
+      find /tmp/phalanx-bench -maxdepth 2 -name "*.log" -print0 | xargs -0 -r grep -H -E "🧩|🧮|Error|error:|Traceback|packing|padded" | cut -c1-400 | head -n 40
+      find /tmp/phalanx-bench -maxdepth 2 -name "*.log" -print0 | tar czf "$OUT/worker-logs.tar.gz" --null -T - 2>/dev/null ;;
     smoke)
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
       python3 -c "import torch, transformers, peft; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'peft', peft.__version__)"

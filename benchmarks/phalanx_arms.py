@@ -49,6 +49,9 @@ ARMS = {  # flags on top of the shared ones; FLOPs factor per token (4N frozen b
     "lora": ([], 4),
     "qlora": (["--load_in_4bit", "true"], 4),
     "full": (["--finetune", "full"], 6),
+    # The default LoRA path without regional compile (and so without Liger's RMSNorm/SwiGLU/RoPE): the A/B of
+    # training.compile=auto on CUDA, and a fallback figure if compilation fails on the device.
+    "lora-eager": (["--training.compile", "false"], 4),
 }
 
 

@@ -182,8 +182,19 @@ def _torch_varlen_usable(module, query, key) -> bool:
         with torch.no_grad():
             a = _torch_varlen(module, q, k, v, rows, None)
             b = _per_row_sdpa(module, q, k, v, rows, None)
-        ok = bool((a.float() - b.float()).abs().max() < 2e-2)
-    except Exception:  # noqa: BLE001 - any failure means: use the per-row path
-        ok = False
+        error = float((a.float() - b.float()).abs().max())
+        ok = error < 2e-2
+        reason = None if ok else f"it differs from the per-row path by {error:.1e}"
+    except Exception as exc:  # noqa: BLE001 - any failure means: use the per-row path
+        ok, reason = False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else exc!r}"
     _torch_varlen_ok[signature] = ok
+    if reason is not None and _main_process():
+        # Said once per head shape: the run is still correct, but each packed row gets its own SDPA call.
+        print(f"🧮 torch varlen_attn is not used ({reason}); packed rows get one SDPA call each.", flush=True)
     return ok
+
+
+def _main_process() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
