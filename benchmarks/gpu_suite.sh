@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU figure the issues ask for, on a CUDA machine (run from the repository root).
 #   benchmarks/gpu_suite.sh                 # `arms`: every arm of issue 15 in one call of at most 600 s
-#   SUITE_SECONDS=450 ORDER=hf-first ARMS=lora-eager benchmarks/gpu_suite.sh   # a shorter call, the other order
+#   SUITE_SECONDS=450 ORDER=hf-first ARMS=lora-plain WITH_GENERATE=1 benchmarks/gpu_suite.sh   # the other order, generation
 #   benchmarks/gpu_suite.sh smoke|speed|speed-hf-first|profile|qlora|strategies|strategies-full|arms ...
 # Wheels the GPU image lacks travel in .whl/ (trl, liger-kernel, and pydantic/datasets where missing; see
 # benchmarks/RESULTS.md); OUT (optional) collects the logs, and RESULTS-append.md: the entries the scripts appended
@@ -31,8 +31,9 @@ for part in $parts; do
   case $part in
     arms)  # issue 15 item 5, most important first, each time-boxed against the call's deadline (SUITE_SECONDS).
            # LoRA default, Trainer+PEFT and TRL (padding-free + Liger) on the same rows (ORDER: phalanx-first, or
-           # hf-first for the other running order); then QLoRA, full fine-tuning and LoRA without compile; then
-           # generation; Unsloth only where it imports.
+           # hf-first for the other running order); a profile of an eager LoRA step; QLoRA, full fine-tuning and the
+           # A/B arms of the default (compiled layers; no Liger kernels); generation with WITH_GENERATE=1; Unsloth
+           # only where it imports.
       nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader
       python3 - <<'PY'
 import importlib, importlib.metadata as md
@@ -51,11 +52,18 @@ for module in ("phalanx.train.run", "trl", "liger_kernel.transformers", "bitsand
     except Exception as exc:
         print(f"  import {module}: FAILED {type(exc).__name__}: {exc}")
 PY
-      step lora-trainer-trl 230 python3 benchmarks/train_vs_hf.py --gpu-shape r1-distill-qwen-1.5b --steps 20 --warmup 5 \
+      step lora-trainer-trl 165 python3 benchmarks/train_vs_hf.py --gpu-shape r1-distill-qwen-1.5b --steps 14 --warmup 4 \
         --orders "${ORDER:-phalanx-first}" --with-trl --note "gpu_suite arms"
-      step phalanx-arms 170 python3 benchmarks/phalanx_arms.py --gpu-shape r1-distill-qwen-1.5b --arms "${ARMS:-qlora,full,lora-eager}" \
-        --steps 12 --warmup 4 --arm-timeout 75 --work_dir /tmp/phalanx-bench --note "gpu_suite arms"
-      step generate 60 python3 benchmarks/generate_vs_loop.py --device cuda --dtype bfloat16 \
+      # Where an eager LoRA step's time goes (kernels, host work, launches), without Liger's kernels.
+      step profile 60 python3 benchmarks/profile_step.py --skip 2 --rows 22 -- \
+        --model_name /tmp/phalanx-bench/r1-distill-qwen-1.5b-random --max_steps 5 --batch_size 4 --max_length 2048 \
+        --mixed_precision bf16 --test_size 0 --eval_steps 1000000000 --save_steps 1000000000 --logging.progress_bar false \
+        --logging.tensorboard false --training.liger_kernels false --output_dir /tmp/phalanx-bench/profile-run \
+        --overwrite_output_dir true
+      step phalanx-arms 200 python3 benchmarks/phalanx_arms.py --gpu-shape r1-distill-qwen-1.5b \
+        --arms "${ARMS:-qlora,full,lora-compile,lora-plain}" --steps 10 --warmup 4 --arm-timeout 65 \
+        --work_dir /tmp/phalanx-bench --note "gpu_suite arms"
+      [ -n "${WITH_GENERATE:-}" ] && step generate 60 python3 benchmarks/generate_vs_loop.py --device cuda --dtype bfloat16 \
         --model_name /tmp/phalanx-bench/r1-distill-qwen-1.5b-random --num_questions 4 --repeats 1 --skip-k-loop --note "gpu_suite arms"
       if python3 -c "import unsloth" 2>/dev/null; then
         echo "=== unsloth imports, but benchmarks/ has no Unsloth arm yet: not measured"
@@ -63,7 +71,8 @@ PY
         echo "=== unsloth: not importable here (its wheels pin torch/transformers; not carried): not measured"
       fi
       # What each run said about its kernels (compile, Liger, varlen attention, fused cross-entropy), and every error.
-      find /tmp/phalanx-bench -maxdepth 2 -name "*.log" -print0 | xargs -0 -r grep -H -E "🧩|🧮|Error|error:|Traceback|packing|padded" | cut -c1-400 | head -n 40
+      find /tmp/phalanx-bench -maxdepth 2 -name "*.log" -print0 | xargs -0 -r grep -H -E "🧩|🧮|Error|error:|Traceback|packing|padded" \
+        | grep -v -E "^[^:]*:W[0-9]{4} " | cut -c1-300 | head -n 30
       find /tmp/phalanx-bench -maxdepth 2 -name "*.log" -print0 | tar czf "$OUT/worker-logs.tar.gz" --null -T - 2>/dev/null ;;
     smoke)
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

@@ -49,9 +49,10 @@ ARMS = {  # flags on top of the shared ones; FLOPs factor per token (4N frozen b
     "lora": ([], 4),
     "qlora": (["--load_in_4bit", "true"], 4),
     "full": (["--finetune", "full"], 6),
-    # The default LoRA path without regional compile (and so without Liger's RMSNorm/SwiGLU/RoPE): the A/B of
-    # training.compile=auto on CUDA, and a fallback figure if compilation fails on the device.
-    "lora-eager": (["--training.compile", "false"], 4),
+    # A/B arms of the default LoRA path: regional compile (which replaces Liger's elementwise kernels), and eager
+    # without Liger's kernels.
+    "lora-compile": (["--training.compile", "true"], 4),
+    "lora-plain": (["--training.compile", "false", "--training.liger_kernels", "false"], 4),
 }
 
 

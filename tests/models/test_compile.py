@@ -20,7 +20,7 @@ from phalanx.data.collate import collate
 from phalanx.models.adapters import apply_finetuning
 from phalanx.models.attention import enable_varlen_attention
 from phalanx.models.blocks import decoder_layers
-from phalanx.models.compile import compile_decoder_layers, compile_wanted
+from phalanx.models.compile import compile_decoder_layers, compile_wanted, fuse_elementwise
 from phalanx.models.load import load_model
 from phalanx.train.loss import install_target_head, token_loss_sum
 
@@ -65,7 +65,7 @@ def step(model, batch):
 def test_compiled_layers_match_eager_loss_and_gradients():
     eager = tiny_lora_model(gradient_checkpointing=True)
     compiled = copy.deepcopy(eager)
-    assert compile_decoder_layers(compiled, "true", CPU, announce=False) is compiled
+    assert compile_decoder_layers(compiled, CPU, announce=False) is compiled
     layers = decoder_layers(compiled)
     assert layers and all(layer._compiled_call_impl is not None for layer in layers)
     # Names are untouched (compiled in place, not wrapped): checkpoints and FSDP see the same model.
@@ -82,12 +82,14 @@ def test_compiled_layers_match_eager_loss_and_gradients():
         torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
-def test_auto_compiles_on_cuda_only():
-    assert compile_wanted("auto", torch.device("cuda")) and not compile_wanted("auto", CPU)
+def test_auto_compiles_nowhere_until_measured_and_never_patches_liger_on_cpu():
+    assert not compile_wanted("auto", torch.device("cuda")) and not compile_wanted("auto", CPU)
     assert compile_wanted("true", CPU) and not compile_wanted("false", torch.device("cuda"))
     model = tiny_lora_model(gradient_checkpointing=False)
-    assert compile_decoder_layers(model, "auto", CPU) is model
+    forwards = [layer.mlp.forward for layer in decoder_layers(model)]
+    assert fuse_elementwise(model, "auto", "auto", CPU) is model
     assert all(getattr(layer, "_compiled_call_impl", None) is None for layer in decoder_layers(model))
+    assert [layer.mlp.forward for layer in decoder_layers(model)] == forwards  # Liger is CUDA-only
 
 
 @pytest.mark.system

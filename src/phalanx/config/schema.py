@@ -194,9 +194,13 @@ class TrainingConfig(Section):
     compile: Literal["auto", "true", "false"] = Field(
         "auto",
         description="Regional torch.compile: each decoder layer compiled on its own (after activation checkpointing, "
-        "before the strategy wraps the model), fusing the elementwise work between matmuls; on CUDA with liger-kernel "
-        "installed, Liger's RMSNorm/SwiGLU/RoPE kernels are patched into Qwen2/Qwen3/Llama first. 'auto' is on for "
-        "CUDA, off on CPU (slow to warm up there, and no faster for small models). The first steps include compiling.",
+        "before the strategy wraps the model), fusing the elementwise work between matmuls; the first steps include "
+        "compiling. 'auto' is off on every device until a GPU measurement shows it pays (benchmarks/RESULTS.md).",
+    )
+    liger_kernels: Literal["auto", "false"] = Field(
+        "auto",
+        description="Liger's RMSNorm/SwiGLU/RoPE kernels in Qwen2/Qwen3/Llama layers: 'auto' patches them in on CUDA "
+        "when liger-kernel is installed and the layers are not compiled (compiled layers fuse that work themselves).",
     )
     loader_workers: Optional[int] = Field(
         None,

@@ -157,10 +157,29 @@ def _torch_varlen(module, query, key, value, rows, scaling) -> torch.Tensor:
     cu = torch.tensor([0, *_cumsum(rows)], dtype=torch.int32).to(query.device, non_blocking=True)
     longest = max(rows)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D)
-    out = varlen_attn(
-        q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[1]
-    )
-    return out.unsqueeze(0)  # (1, T, Hq, D)
+    options, k, v = _varlen_options(varlen_attn, scaling, k, v, q.shape[1])
+    return varlen_attn(q, k, v, cu, cu, longest, longest, **options).unsqueeze(0)  # (1, T, Hq, D)
+
+
+def _varlen_options(varlen_attn, scaling, key, value, query_heads: int) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """Causal, scaled and grouped-query keyword arguments in the form this torch's `varlen_attn` takes (its signature
+    changed between releases: `is_causal` became `window_size=(-1, 0)`; `scale` and `enable_gqa` came later). Where
+    there is no `enable_gqa`, the key/value heads are repeated to the query's."""
+    import inspect
+
+    accepted = inspect.signature(varlen_attn).parameters
+    options: dict = {"window_size": (-1, 0)} if "window_size" in accepted else {"is_causal": True}
+    if scaling is not None and "scale" in accepted:
+        options["scale"] = scaling
+    elif scaling is not None and abs(scaling - key.shape[-1] ** -0.5) > 1e-9:
+        raise TypeError("this torch's varlen_attn takes no scale, and the model's is not 1/sqrt(head_dim)")
+    if key.shape[1] != query_heads:
+        if "enable_gqa" in accepted:
+            options["enable_gqa"] = True
+        else:
+            groups = query_heads // key.shape[1]
+            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    return options, key, value
 
 
 def _torch_varlen_usable(module, query, key) -> bool:

@@ -1,17 +1,19 @@
-"""Regional `torch.compile` (training.compile): each decoder layer compiled on its own, as torchtitan does.
+"""Fusing the elementwise work between the GEMMs (RMSNorm, rotary embedding, SwiGLU, residual adds, the LoRA update's
+scaling): regional `torch.compile` (training.compile), or Liger's kernels (training.liger_kernels), never both.
 
-Compiling the layers one by one, not the whole model, keeps compile time to one layer's graph (the layers share
-their code, so the first one's compiled graph serves the others), leaves the embedding, the target-only head
-(train/loss.py) and the wrappers outside, and keeps every module and state-dict name as it was: each layer is
-compiled in place (`nn.Module.compile`), not wrapped. Order, as in torchtitan: after activation checkpointing
-(models/adapters.py, so a checkpointed layer recomputes its compiled forward), before DDP/FSDP/DeepSpeed wrap
-the model. What it fuses is the elementwise work between the GEMMs: RMSNorm, rotary embedding, SwiGLU, residual
-adds, the LoRA update's scaling.
+Regional compile, as torchtitan does it: each decoder layer compiled on its own, in place (`nn.Module.compile`),
+so compile time is one layer's graph (the layers share their code), the embedding, the target-only head
+(train/loss.py) and the wrappers stay outside, and every module and state-dict name stays as it was. Order: after
+activation checkpointing (models/adapters.py, so a checkpointed layer recomputes its compiled forward), before
+DDP/FSDP/DeepSpeed wrap the model.
 
-On CUDA, when liger-kernel is installed, its RMSNorm, SwiGLU and rotary kernels are patched into Qwen2, Qwen3 and
-Llama models first (not its fused linear cross-entropy: phalanx's own chunked, target-only loss stays).
+Liger's RMSNorm, SwiGLU and rotary kernels (CUDA, liger-kernel installed, Qwen2/Qwen3/Llama) are patched in only when
+the layers run eagerly: on an H100 with torch 2.11 (2026-11-26), dynamo could not trace Liger's autograd functions
+inside a compiled layer and the run died at its first step.
 
-'auto' compiles on CUDA only: on CPU compilation takes minutes to warm up and is not faster for small models.
+'auto' compile is off on every device until a side-by-side GPU measurement shows it pays (benchmarks/RESULTS.md,
+the lora-compile arm of benchmarks/phalanx_arms.py); on CPU compilation takes minutes to warm up and is not faster
+for small models. 'auto' Liger is on for CUDA when liger-kernel imports and the layers are not compiled.
 """
 
 from __future__ import annotations
@@ -35,30 +37,42 @@ LIGER_PATCHES = {
 
 
 def compile_wanted(setting: str, device: torch.device) -> bool:
-    """training.compile: 'true', 'false', or 'auto' (on for CUDA, off elsewhere)."""
-    if setting == "auto":
-        return device.type == "cuda"
+    """training.compile: 'true', 'false', or 'auto' (off everywhere for now: see the module doc)."""
     return setting == "true"
 
 
-def compile_decoder_layers(
-    model: nn.Module, setting: str, device: torch.device, *, announce: bool = True, backend: Optional[str] = None
+def fuse_elementwise(
+    model: nn.Module,
+    compile_setting: str,
+    liger_setting: str,
+    device: torch.device,
+    *,
+    announce: bool = True,
+    backend: Optional[str] = None,
 ) -> nn.Module:
-    """Compile `model`'s decoder layers in place when `setting` asks for it (see the module doc); returns `model`.
+    """Compile `model`'s decoder layers in place when training.compile asks for it, else patch Liger's kernels in when
+    training.liger_kernels allows it (see the module doc); returns `model`. One line says what was done, on the main
+    rank."""
+    if compile_wanted(compile_setting, device):
+        return compile_decoder_layers(model, device, announce=announce, backend=backend)
+    liger = apply_liger_kernels(model, device) if liger_setting == "auto" else None
+    if liger and announce:
+        print(f"🧩 Liger RMSNorm/SwiGLU/RoPE kernels patched into the {liger} layers (eager).", flush=True)
+    return model
 
-    `backend`: torch.compile's (else $PHALANX_COMPILE_BACKEND, else 'inductor'). One line says what was done, on the
-    main rank."""
-    if not compile_wanted(setting, device):
-        return model
+
+def compile_decoder_layers(
+    model: nn.Module, device: torch.device, *, announce: bool = True, backend: Optional[str] = None
+) -> nn.Module:
+    """Compile `model`'s decoder layers in place; returns `model`. `backend`: torch.compile's (else
+    $PHALANX_COMPILE_BACKEND, else 'inductor')."""
     from phalanx.models.blocks import decoder_layers  # the same units FSDP wraps
 
-    liger = apply_liger_kernels(model, device)
     layers = decoder_layers(model)
     if not layers:
         if announce:
             print(
-                f"🧩 training.compile = {setting}: no decoder layers found in {type(model).__name__}; nothing compiled",
-                flush=True,
+                f"🧩 training.compile: no decoder layers found in {type(model).__name__}; nothing compiled", flush=True
             )
         return model
     backend = backend or os.environ.get(BACKEND_ENV) or "inductor"
@@ -69,11 +83,9 @@ def compile_decoder_layers(
         # compiling a static graph first and recompiling at the second length.
         layer.compile(backend=backend, dynamic=True)
     if announce:
-        kind = type(layers[0]).__name__
-        extra = f"; Liger RMSNorm/SwiGLU/RoPE for {liger}" if liger else ""
         print(
-            f"🧩 Compiled {len(layers)} {kind} layers one by one (torch.compile, {backend}){extra}; the first "
-            "steps include compilation.",
+            f"🧩 Compiled {len(layers)} {type(layers[0]).__name__} layers one by one (torch.compile, {backend}); the "
+            "first steps include compilation.",
             flush=True,
         )
     return model

@@ -45,7 +45,7 @@ from phalanx.data.sampler import (
 from phalanx.errors import ConfigError
 from phalanx.models.adapters import apply_finetuning, trainable_parameter_count
 from phalanx.models.attention import enable_varlen_attention, packing_unsupported_reason
-from phalanx.models.compile import compile_decoder_layers
+from phalanx.models.compile import fuse_elementwise
 from phalanx.models.load import cache_root, four_bit_compute_dtype, load_model, load_tokenizer, quantization_config
 from phalanx.observe.memory import peak_memory_mb
 from phalanx.observe.metrics import Reporter, last_logged_step
@@ -341,9 +341,10 @@ def build_run(cfg: RunConfig, preemption: Optional[PreemptionFlag] = None) -> Ru
     packing = choose_packing(cfg.data.packing, model, rank)
     model = apply_finetuning(model, cfg.model, cfg.lora)
     install_target_head(model)  # the output head runs at target positions only, in chunks (train/loss.py)
-    model = compile_decoder_layers(
-        model, cfg.training.compile, rank.device, announce=rank.is_main
-    )  # after AC, before wrapping
+    # After activation checkpointing, before the strategy wraps the model.
+    model = fuse_elementwise(
+        model, cfg.training.compile, cfg.training.liger_kernels, rank.device, announce=rank.is_main
+    )
     strategy = make_strategy(rank, precision, cfg.distributed.ddp_comm_hook, cfg=cfg)
     make = partial(make_optimizer, cfg=cfg.training, fused_on_cuda=cfg.distributed.strategy != "deepspeed")
     model, optimizer = strategy.prepare(model, make)

@@ -1,0 +1,88 @@
+"""Where a `phalanx train` step spends its time: torch.profiler over a short one-process run, as tables.
+
+The run is `phalanx train FLAGS` in this process (one rank), profiled from its first step to its last (model
+loading and tokenization happen before the first step and are left out: the profiler starts when the training
+loop takes its first micro-batch). Printed: the GPU kernels (or CPU ops) by their own time, the operators by
+their own CPU time (host overhead, launches, syncs), how many kernels ran per step, and the share of the steps'
+wall time the device was busy. Timings under the profiler are perturbed; the tables say where time goes, not how
+fast a step is (benchmarks/phalanx_arms.py says that).
+
+  python benchmarks/profile_step.py -- --model_name /tmp/phalanx-bench/r1-distill-qwen-1.5b-random --max_steps 6 \\
+      --batch_size 4 --max_length 2048 --mixed_precision bf16 --output_dir /tmp/prof-run --overwrite_output_dir true
+  .venv/bin/python benchmarks/profile_step.py --skip 1 -- --model_name embedded:tiny-qwen3 --max_steps 3 \\
+      --output_dir /tmp/prof-run --overwrite_output_dir true        # CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--skip", type=int, default=2, help="steps left out before profiling (warm-up; default 2)")
+    p.add_argument("--rows", type=int, default=25, help="rows per table (default 25)")
+    p.add_argument("--trace", default=None, help="also write a Chrome trace (JSON) here")
+    p.add_argument("flags", nargs=argparse.REMAINDER, help="-- then the `phalanx train` flags")
+    args = p.parse_args(argv)
+    flags = [f for f in args.flags if f != "--"]
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import phalanx.train.loop as loop
+    from phalanx.cli import main as phalanx_main
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    prof = profile(activities=activities)
+    state = {"steps": 0, "started": None}
+    original = loop.train_step
+
+    def counted_step(*a, **k):  # the profiler runs from the end of step `skip` to the end of the last step
+        out = original(*a, **k)
+        state["steps"] += 1
+        if state["steps"] == args.skip:
+            if cuda:
+                torch.cuda.synchronize()
+            prof.start()
+            state["started"] = time.perf_counter()
+        return out
+
+    loop.train_step = counted_step
+    code = phalanx_main(["train", *flags])
+    if state["started"] is None:
+        sys.exit(f"the run ended after {state['steps']} step(s), before profiling began (--skip {args.skip})")
+    if cuda:
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - state["started"]
+    prof.stop()
+    steps = state["steps"] - args.skip
+    events = prof.key_averages()
+    device_key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    print(f"\n== {steps} step(s) profiled, {wall:.2f} s wall ({wall / max(steps, 1):.3f} s/step under the profiler)")
+    if cuda:
+        busy = sum(e.self_device_time_total for e in events) / 1e6
+        kernels = sum(e.count for e in events if e.self_device_time_total > 0)
+        print(
+            f"   device busy {busy:.2f} s of {wall:.2f} s ({busy / wall:.0%}); {kernels / max(steps, 1):,.0f} kernels "
+            "per step"
+        )
+    print(f"\n== by own {'device' if cuda else 'CPU'} time")
+    print(events.table(sort_by=device_key, row_limit=args.rows, max_name_column_width=70))
+    if cuda:
+        print("\n== by own CPU time (host work, launches, waits)")
+        print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=70))
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
