@@ -24,8 +24,10 @@ step() {  # step NAME SECONDS CMD...: one part, time-boxed (and never past the c
   if [ "$left" -lt 20 ]; then echo "=== $name skipped: the call's time is spent"; return; fi
   [ "$limit" -gt "$left" ] && limit=$left
   echo "=== $name ($(date +%T), at most ${limit}s): $*"
-  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v -E "^\s*$|Warning|warn\(" | tail -n 40
-  echo "=== $name exit ${PIPESTATUS[0]}"
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v -E "^\s*$|Warning|warn\(|^W[0-9]{4} " | tail -n 40
+  local code=${PIPESTATUS[0]}
+  echo "=== $name exit $code"
+  return "$code"
 }
 for part in $parts; do
   case $part in
@@ -53,7 +55,11 @@ for module in ("phalanx.train.run", "trl", "liger_kernel.transformers", "bitsand
         print(f"  import {module}: FAILED {type(exc).__name__}: {exc}")
 PY
       step lora-trainer-trl 165 python3 benchmarks/train_vs_hf.py --gpu-shape r1-distill-qwen-1.5b --steps 14 --warmup 4 \
-        --orders "${ORDER:-phalanx-first}" --with-trl --note "gpu_suite arms"
+        --orders "${ORDER:-phalanx-first}" --with-trl --note "gpu_suite arms" \
+      || { grep -q "^phalanx failed" "$OUT/lora-trainer-trl.log" \
+        && step lora-trainer-trl-noliger 165 python3 benchmarks/train_vs_hf.py --gpu-shape r1-distill-qwen-1.5b --steps 14 \
+          --warmup 4 --orders "${ORDER:-phalanx-first}" --with-trl --phalanx-flags "--training.liger_kernels false" \
+          --note "gpu_suite arms: phalanx's default failed, rerun without Liger's kernels"; }
       # Where an eager LoRA step's time goes (kernels, host work, launches), without Liger's kernels.
       step profile 60 python3 benchmarks/profile_step.py --skip 2 --rows 22 -- \
         --model_name /tmp/phalanx-bench/r1-distill-qwen-1.5b-random --max_steps 5 --batch_size 4 --max_length 2048 \

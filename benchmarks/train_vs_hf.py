@@ -817,6 +817,12 @@ def parse_args(argv=None):
         action="store_true",
         help="add TRL SFTTrainer with padding_free (and Liger kernels on CUDA when installed), same rows",
     )
+    p.add_argument(
+        "--phalanx-flags",
+        dest="phalanx_flags",
+        default="",
+        help="more `phalanx train` flags for the phalanx runs only (one shell-quoted string), e.g. an A/B of a default",
+    )
     p.add_argument("--_worker", choices=["hf", "trl", "phalanx"], default=None, help=argparse.SUPPRESS)
     p.add_argument("--_spec", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_profile", default=None, help=argparse.SUPPRESS)
@@ -940,6 +946,7 @@ def main(argv=None) -> None:
     ]
     if args.dataset_path:
         flags += ["--dataset_path", args.dataset_path]
+    flags += shlex.split(args.phalanx_flags)
 
     import datasets
 
