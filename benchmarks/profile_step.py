@@ -1,11 +1,10 @@
 """Where a `phalanx train` step spends its time: torch.profiler over a short one-process run, as tables.
 
-The run is `phalanx train FLAGS` in this process (one rank), profiled from its first step to its last (model
-loading and tokenization happen before the first step and are left out: the profiler starts when the training
-loop takes its first micro-batch). Printed: the GPU kernels (or CPU ops) by their own time, the operators by
-their own CPU time (host overhead, launches, syncs), how many kernels ran per step, and the share of the steps'
-wall time the device was busy. Timings under the profiler are perturbed; the tables say where time goes, not how
-fast a step is (benchmarks/phalanx_arms.py says that).
+The run is `phalanx train FLAGS` in this process (one rank). Model loading, tokenization and the first `--skip`
+steps are left out: the profiler starts when step `--skip` ends and stops after the last. Printed: the GPU kernels
+(or CPU ops) by their own time, the operators by their own CPU time (host work, launches, syncs), how many kernels
+the host launched per step, and the share of the profiled wall time the device was busy. Timings under the
+profiler are perturbed; the tables say where time goes, not how fast a step is (benchmarks/phalanx_arms.py does).
 
   python benchmarks/profile_step.py -- --model_name /tmp/phalanx-bench/r1-distill-qwen-1.5b-random --max_steps 6 \\
       --batch_size 4 --max_length 2048 --mixed_precision bf16 --output_dir /tmp/prof-run --overwrite_output_dir true
@@ -69,10 +68,12 @@ def main(argv=None) -> None:
     print(f"\n== {steps} step(s) profiled, {wall:.2f} s wall ({wall / max(steps, 1):.3f} s/step under the profiler)")
     if cuda:
         busy = sum(e.self_device_time_total for e in events) / 1e6
-        kernels = sum(e.count for e in events if e.self_device_time_total > 0)
+        # Launches as the host made them (runtime and driver API calls), not device-side events, which the
+        # averages list twice (the aten op and its kernel).
+        launches = sum(e.count for e in events if e.key.startswith(("cudaLaunch", "cuLaunch")))
         print(
-            f"   device busy {busy:.2f} s of {wall:.2f} s ({busy / wall:.0%}); {kernels / max(steps, 1):,.0f} kernels "
-            "per step"
+            f"   device busy {busy:.2f} s of {wall:.2f} s ({busy / wall:.0%}); {launches / max(steps, 1):,.0f} kernel "
+            "launches per step"
         )
     print(f"\n== by own {'device' if cuda else 'CPU'} time")
     print(events.table(sort_by=device_key, row_limit=args.rows, max_name_column_width=70))
