@@ -4,7 +4,9 @@ A Qwen2-shaped model with random weights (default hidden 512, 4 layers, batch 4 
 every linear, one forward+backward per step, in fp32 and in bf16 (base weights bf16 under bf16 autocast, as phalanx
 runs LoRA with mixed precision; adapters fp32). The arms alternate step by step so that drift in a shared machine's
 load hits both alike. "saved" is every distinct storage that autograd keeps for backward (saved_tensors_hooks),
-parameters excluded: the activation memory of a step. Times are reported, never asserted.
+parameters excluded: the activation memory of a step. "ops" counts the operators of one step that each launch a
+kernel on a GPU (matmuls, casts, elementwise, dropout draws; torch.profiler): on a GPU an eager LoRA step is bound by
+the host launching them, so their number is the figure a CPU can measure for it. Times are reported, never asserted.
 
     python benchmarks/lora_kernel.py [--hidden 512 --layers 4 --seq 512 --batch 4 --steps 5 --threads 2] [--redraw-mask]
 """
@@ -65,6 +67,34 @@ def step(model, ids, autocast: bool, count_saved: bool = False) -> int:
     return sum(seen.values())
 
 
+# Operators that launch one kernel each on a GPU (views, allocations and composite wrappers like aten::to launch none).
+KERNEL_OPS = frozenset(
+    {
+        "aten::copy_",
+        "aten::mm",
+        "aten::addmm",
+        "aten::addmm_",
+        "aten::mul",
+        "aten::mul_",
+        "aten::add",
+        "aten::add_",
+        "aten::bernoulli_",
+        "aten::fill_",
+        "aten::zero_",
+        "aten::bmm",
+        "aten::sum",
+    }
+)
+
+
+def kernel_ops(model, ids, autocast: bool) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step(model, ids, autocast)
+    return sum(e.count for e in prof.key_averages() if e.key in KERNEL_OPS)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=512)
@@ -92,6 +122,7 @@ def main() -> None:
         for dropout in (float(d) for d in args.dropouts.split(",")):
             models = {kernel: build(args, kernel, dropout, dtype) for kernel in ("fused", "peft")}
             saved = {k: step(m, ids, dtype != torch.float32, count_saved=True) for k, m in models.items()}
+            ops = {k: kernel_ops(m, ids, dtype != torch.float32) for k, m in models.items()}
             times: dict[str, list[float]] = {k: [] for k in models}
             for _ in range(args.steps):
                 for kernel, model in models.items():
@@ -106,6 +137,7 @@ def main() -> None:
             for kernel in models:
                 row[f"{kernel}_s_per_step"] = round(statistics.median(times[kernel]), 3)
                 row[f"{kernel}_saved_MiB"] = round(saved[kernel] / 2**20, 1)
+                row[f"{kernel}_ops"] = ops[kernel]
             row["speedup"] = round(row["peft_s_per_step"] / row["fused_s_per_step"], 2)
             row["saved_ratio"] = round(saved["fused"] / saved["peft"], 3)
             results.append(row)

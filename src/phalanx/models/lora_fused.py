@@ -51,8 +51,11 @@ def _default_generator(device: torch.device) -> Optional[torch.Generator]:
 class _LoraUpdate(torch.autograd.Function):
     """out = base_out + alpha * (m ∘ x) @ A^T @ B^T, with m the 0/1 dropout mask (none when p is 0).
 
-    alpha = scale / (1 - p). The matmuls run in `dtype`; A and B are cast to it; gradients return in their dtypes.
-    `inplace`: add into base_out (eager) rather than into a new tensor (compiled graphs, where inductor fuses it)."""
+    alpha = scale / (1 - p). The matmuls run in `dtype`; A and B are cast to it once, in the forward, and the casts
+    (r x features each) are kept for the backward, where alpha rides in the GEMMs (beta 0) instead of a pass of its
+    own; gradients return in the parameters' dtypes. An eager GPU step of ~200 adapters is bound by the host launching
+    their kernels (benchmarks/RESULTS.md, 2026-11-26), so each launch saved counts. `inplace`: add into base_out
+    (eager) rather than into a new tensor (compiled graphs, where inductor fuses it)."""
 
     @staticmethod
     def forward(ctx, base_out, x, weight_a, weight_b, alpha: float, p: float, dtype: torch.dtype, inplace: bool):
@@ -84,23 +87,26 @@ class _LoraUpdate(torch.autograd.Function):
                 out = torch.addmm(out_flat, h, b.t(), alpha=alpha).view(base_out.shape)
         else:
             out = base_out + torch.mm(h, b.t()).mul_(alpha).to(base_out.dtype).view(base_out.shape)
-        ctx.save_for_backward(x, weight_a, weight_b, h, mask)
+        ctx.save_for_backward(x, a, b, h, mask)
         ctx.state, ctx.p, ctx.alpha, ctx.dtype = state, p, alpha, dtype
+        ctx.weight_dtypes = (weight_a.dtype, weight_b.dtype)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight_a, weight_b, h, mask = ctx.saved_tensors
+        x, a, b, h, mask = ctx.saved_tensors  # A and B in the compute dtype
         dtype, alpha = ctx.dtype, ctx.alpha
+        dtype_a, dtype_b = ctx.weight_dtypes
+        unused = h.new_empty(())  # addmm's input, ignored with beta 0: the GEMM scales by alpha itself
         need_x, need_a, need_b = ctx.needs_input_grad[1:4]
         g = grad_out.reshape(-1, grad_out.shape[-1])
         if g.dtype != dtype:
             g = g.to(dtype)
         grad_x = grad_a = grad_b = None
         if need_b:
-            grad_b = torch.mm(g.t(), h).mul_(alpha).to(weight_b.dtype)
+            grad_b = torch.addmm(unused, g.t(), h, beta=0, alpha=alpha).to(dtype_b)
         if need_x or need_a:
-            gh = torch.mm(g, weight_b.to(dtype)).mul_(alpha)  # d out / d h, r wide
+            gh = torch.addmm(unused, g, b, beta=0, alpha=alpha)  # d out / d h, r wide
             flat = x.reshape(-1, x.shape[-1])
             if flat.dtype != dtype:
                 flat = flat.to(dtype)
@@ -109,9 +115,9 @@ class _LoraUpdate(torch.autograd.Function):
                 generator.set_state(ctx.state)
                 mask = torch.empty_like(flat).bernoulli_(1.0 - ctx.p, generator=generator)
             if need_a:
-                grad_a = torch.mm(gh.t(), flat if mask is None else flat * mask).to(weight_a.dtype)
+                grad_a = torch.mm(gh.t(), flat if mask is None else flat * mask).to(dtype_a)
             if need_x:
-                grad_x = torch.mm(gh, weight_a.to(dtype))
+                grad_x = torch.mm(gh, a)
                 if mask is not None:
                     grad_x.mul_(mask)
                 grad_x = grad_x.view(x.shape).to(x.dtype)
