@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU figure the issues ask for, on a CUDA machine (run from the repository root).
 #   benchmarks/gpu_suite.sh                 # `arms`: every arm of issue 15 in one call of at most 600 s
-#   SUITE_SECONDS=450 ORDER=hf-first ARMS=lora-plain WITH_GENERATE=1 benchmarks/gpu_suite.sh   # the other order, generation
+#   SUITE_SECONDS=300 ORDER=hf-first ARMS=lora-plain PROFILE=1 benchmarks/gpu_suite.sh   # one order, a profile
 #   benchmarks/gpu_suite.sh smoke|speed|speed-hf-first|profile|qlora|strategies|strategies-full|arms ...
 # Wheels the GPU image lacks travel in .whl/ (trl, liger-kernel, and pydantic/datasets where missing; see
 # benchmarks/RESULTS.md); OUT (optional) collects the logs, and RESULTS-append.md: the entries the scripts appended
@@ -32,10 +32,9 @@ step() {  # step NAME SECONDS CMD...: one part, time-boxed (and never past the c
 for part in $parts; do
   case $part in
     arms)  # issue 15 item 5, most important first, each time-boxed against the call's deadline (SUITE_SECONDS).
-           # LoRA default, Trainer+PEFT and TRL (padding-free + Liger) on the same rows (ORDER: phalanx-first, or
-           # hf-first for the other running order); a profile of an eager LoRA step; QLoRA, full fine-tuning and the
-           # A/B arms of the default (compiled layers; no Liger kernels); generation with WITH_GENERATE=1; Unsloth
-           # only where it imports.
+           # LoRA default, Trainer+PEFT and TRL (padding-free + Liger) on the same rows in both running orders (ORDER:
+           # both, phalanx-first or hf-first); QLoRA, full fine-tuning and the A/B arms of the default (no Liger
+           # kernels; compiled layers); generation; a profile with PROFILE=1; Unsloth only where it imports.
       nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader
       python3 - <<'PY'
 import importlib, importlib.metadata as md
@@ -54,23 +53,27 @@ for module in ("phalanx.train.run", "trl", "liger_kernel.transformers", "bitsand
     except Exception as exc:
         print(f"  import {module}: FAILED {type(exc).__name__}: {exc}")
 PY
-      step lora-trainer-trl 165 python3 benchmarks/train_vs_hf.py --gpu-shape r1-distill-qwen-1.5b --steps 14 --warmup 4 \
-        --orders "${ORDER:-phalanx-first}" --with-trl --note "gpu_suite arms" \
+      # Sized from the 2026-11-26 H100 calls: each order of the comparison ~110 s, an eager arm ~20-30 s, pip and
+      # imports ~25 s. ORDER=both (default) measures both running orders, as issue 15 asks.
+      step lora-trainer-trl 250 python3 benchmarks/train_vs_hf.py --gpu-shape r1-distill-qwen-1.5b --steps 14 --warmup 4 \
+        --orders "${ORDER:-both}" --with-trl --note "gpu_suite arms" \
       || { grep -q "^phalanx failed" "$OUT/lora-trainer-trl.log" \
         && step lora-trainer-trl-noliger 165 python3 benchmarks/train_vs_hf.py --gpu-shape r1-distill-qwen-1.5b --steps 14 \
-          --warmup 4 --orders "${ORDER:-phalanx-first}" --with-trl --phalanx-flags "--training.liger_kernels false" \
+          --warmup 4 --orders phalanx-first --with-trl --phalanx-flags "--training.liger_kernels false" \
           --note "gpu_suite arms: phalanx's default failed, rerun without Liger's kernels"; }
-      # Where an eager LoRA step's time goes (kernels, host work, launches), without Liger's kernels.
-      step profile 60 python3 benchmarks/profile_step.py --skip 2 --rows 22 -- \
+      step phalanx-arms 110 python3 benchmarks/phalanx_arms.py --gpu-shape r1-distill-qwen-1.5b \
+        --arms "${ARMS:-qlora,full,lora-plain}" --steps 10 --warmup 4 --arm-timeout 45 \
+        --work_dir /tmp/phalanx-bench --note "gpu_suite arms"
+      # Compiled layers: its warm-up outlasted a 65 s box on 2026-11-26, so a long box and 40 steps, 20 of them warm-up.
+      step lora-compile 130 python3 benchmarks/phalanx_arms.py --gpu-shape r1-distill-qwen-1.5b --arms lora-compile \
+        --steps 40 --warmup 20 --arm-timeout 125 --work_dir /tmp/phalanx-bench --note "gpu_suite arms: compile's A/B"
+      step generate 50 python3 benchmarks/generate_vs_loop.py --device cuda --dtype bfloat16 \
+        --model_name /tmp/phalanx-bench/r1-distill-qwen-1.5b-random --num_questions 4 --repeats 1 --skip-k-loop --note "gpu_suite arms"
+      # Where a default LoRA step's time goes (kernels, host work, launches): PROFILE=1, or a second call.
+      [ -n "${PROFILE:-}" ] && step profile 60 python3 benchmarks/profile_step.py --skip 2 --rows 22 -- \
         --model_name /tmp/phalanx-bench/r1-distill-qwen-1.5b-random --max_steps 5 --batch_size 4 --max_length 2048 \
         --mixed_precision bf16 --test_size 0 --eval_steps 1000000000 --save_steps 1000000000 --logging.progress_bar false \
-        --logging.tensorboard false --training.liger_kernels false --output_dir /tmp/phalanx-bench/profile-run \
-        --overwrite_output_dir true
-      step phalanx-arms 200 python3 benchmarks/phalanx_arms.py --gpu-shape r1-distill-qwen-1.5b \
-        --arms "${ARMS:-qlora,full,lora-compile,lora-plain}" --steps 10 --warmup 4 --arm-timeout 65 \
-        --work_dir /tmp/phalanx-bench --note "gpu_suite arms"
-      [ -n "${WITH_GENERATE:-}" ] && step generate 60 python3 benchmarks/generate_vs_loop.py --device cuda --dtype bfloat16 \
-        --model_name /tmp/phalanx-bench/r1-distill-qwen-1.5b-random --num_questions 4 --repeats 1 --skip-k-loop --note "gpu_suite arms"
+        --logging.tensorboard false --output_dir /tmp/phalanx-bench/profile-run --overwrite_output_dir true
       if python3 -c "import unsloth" 2>/dev/null; then
         echo "=== unsloth imports, but benchmarks/ has no Unsloth arm yet: not measured"
       else
