@@ -196,18 +196,29 @@ def test_kill_before_the_first_checkpoint_starts_over_and_keeps_the_crashed_logs
         assert "holds a finished run" in capsys.readouterr().err
 
 
-def test_a_log_line_that_spans_the_resume_averages_every_step_it_covers(dataset, tmp_path):
+def test_a_log_line_that_spans_the_resume_averages_every_step_it_covers(dataset, tmp_path, capsys):
     """log_steps 3 with checkpoints every 2 steps: stopped after checkpoint-4, resumed from it, the line at step 6
     still averages steps 4-6 (step 4's loss came back with the checkpoint), as the uninterrupted run's does. The
     stopped run is the uninterrupted one's folder cut back to checkpoint-4 (helpers.stopped_after): the kill itself
-    is the subject of test_resume_after_sigkill_is_bit_identical."""
-    every_third = ("--log_steps", "3")
+    is the subject of test_resume_after_sigkill_is_bit_identical. In process, one rank: what is tested is the
+    metrics' bookkeeping across a resume, which launched ranks do not change."""
+    from phalanx.config.flags import split_flags
+    from phalanx.config.loader import load_config, overrides_from_flags
+    from phalanx.runtime.signals import PreemptionFlag
+    from phalanx.train.command import train_worker
+
+    def run(out: Path) -> str:
+        flags = ["--dataset_path", str(dataset), "--output_dir", str(out), *COMMON, "--log_steps", "3"]
+        capsys.readouterr()
+        assert train_worker(load_config(None, overrides_from_flags(split_flags(flags)[1])), PreemptionFlag()) == 0
+        return capsys.readouterr().out
+
     reference = tmp_path / "reference"
-    assert train(dataset, reference, *every_third, world=1).returncode == 0
+    run(reference)
     assert [r["step"] for r in read_metrics(reference)] == [3, 6, 8]
     out = stopped_after(reference, 4, tmp_path / "run")
-    resumed = train(dataset, out, *every_third, world=1)
-    assert resumed.returncode == 0 and "checkpoint-4 at step 4" in resumed.stdout, resumed.stderr[-3000:]
+    said = run(out)
+    assert "checkpoint-4 at step 4" in said, said[-3000:]
     assert [(r["step"], r["loss"]) for r in read_metrics(out)] == [
         (r["step"], r["loss"]) for r in read_metrics(reference)
     ]
