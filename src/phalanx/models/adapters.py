@@ -61,8 +61,8 @@ def use_fused_kernel(peft_model: nn.Module) -> None:
     if others and env_rank_info()[0] == 0:
         kept = ", ".join(f"{count} {kind}" for kind, count in sorted(others.items()))
         print(
-            f"LoRA kernel: fused on {fused} layers; PEFT's forward on {kept} (4-bit base or adapter variant, "
-            "which the fused path does not cover; --lora.kernel peft silences this).",
+            f"LoRA kernel: fused on {fused} layers; PEFT's forward on {kept} (an adapter variant, LoRA bias or base "
+            "the fused path does not cover; --lora.kernel peft silences this).",
             flush=True,
         )
 

@@ -24,8 +24,9 @@ instead, as bools (1 byte per element, where PEFT keeps about 9 to 11 bytes per 
 rescaling goes into the scalar alpha, not the mask, so a bf16 mask holds exact 0/1 values and the rescale is not
 rounded to bf16. With dropout 0 (or in eval mode) there is no mask and no copy at all.
 
-Layers this does not cover keep PEFT's forward: 4-bit (bitsandbytes) bases, DoRA and other variants, LoRA biases,
-several active adapters, merged or disabled adapters, per-call `adapter_names`.
+The same forward runs over a bitsandbytes 4-bit base (QLoRA): the update does not depend on how the base computes its
+output. Layers this does not cover keep PEFT's forward: DoRA and other variants, LoRA biases, several active adapters,
+merged or disabled adapters, per-call `adapter_names`, 8-bit bases.
 """
 
 from __future__ import annotations
@@ -131,8 +132,9 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-class FusedLoraLinear(PeftLoraLinear):
-    """PEFT's lora.Linear with the fused forward; everything else (parameters, merging, saving) is PEFT's."""
+class _FusedForward:
+    """The fused forward, mixed in front of a PEFT LoRA layer class; everything else (parameters, merging, saving) is
+    PEFT's, and whatever the fused path does not cover falls through to PEFT's own forward."""
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         adapters = self.active_adapters
@@ -160,9 +162,38 @@ class FusedLoraLinear(PeftLoraLinear):
         )
 
 
+class FusedLoraLinear(_FusedForward, PeftLoraLinear):
+    """PEFT's lora.Linear over an nn.Linear, with the fused forward."""
+
+
+_fused_4bit: Optional[type] = None
+
+
+def fused_4bit_class() -> type:
+    """PEFT's lora Linear4bit (QLoRA: a bitsandbytes 4-bit base) with the fused forward. Made on first use: importing
+    PEFT's bnb module imports bitsandbytes, which a run without a 4-bit base never loads. The base's output is a fresh
+    tensor (bitsandbytes dequantizes and multiplies), so the update is added into it in place, as over nn.Linear;
+    PEFT's forward copies it first and keeps fp32 copies of each adapter's input, like its nn.Linear forward."""
+    global _fused_4bit
+    if _fused_4bit is None:
+        from peft.tuners.lora.bnb import Linear4bit
+
+        _fused_4bit = type("FusedLoraLinear4bit", (_FusedForward, Linear4bit), {"__module__": __name__})
+    return _fused_4bit
+
+
+def _is_peft_4bit(module: nn.Module) -> bool:
+    cls, base = type(module), type(module.get_base_layer())
+    return (cls.__module__, cls.__name__) == ("peft.tuners.lora.bnb", "Linear4bit") and (
+        base.__module__.startswith("bitsandbytes.") and base.__name__ == "Linear4bit"
+    )
+
+
 def fused_applies(module: nn.Module) -> bool:
-    """True for a PEFT lora.Linear over a plain nn.Linear with plain LoRA adapters (no DoRA/variants, no LoRA bias)."""
-    if type(module) is not PeftLoraLinear or type(module.get_base_layer()) is not nn.Linear:
+    """True for a PEFT LoRA linear over a plain nn.Linear or a bitsandbytes 4-bit linear, with plain LoRA adapters (no
+    DoRA/variants, no LoRA bias)."""
+    plain = type(module) is PeftLoraLinear and type(module.get_base_layer()) is nn.Linear
+    if not (plain or (hasattr(module, "get_base_layer") and _is_peft_4bit(module))):
         return False
     if module.lora_variant:
         return False
@@ -180,9 +211,9 @@ def install_fused_lora(model: nn.Module) -> tuple[int, dict[str, int]]:
     fused, others = 0, {}
     for module in model.modules():
         if fused_applies(module):
-            module.__class__ = FusedLoraLinear
+            module.__class__ = FusedLoraLinear if type(module) is PeftLoraLinear else fused_4bit_class()
             fused += 1
-        elif isinstance(module, LoraLayer) and not isinstance(module, FusedLoraLinear):
+        elif isinstance(module, LoraLayer) and not isinstance(module, _FusedForward):
             kind = type(module).__module__.rsplit(".", 1)[-1] + "." + type(module).__name__
             others[kind] = others.get(kind, 0) + 1
     return fused, others

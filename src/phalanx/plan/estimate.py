@@ -216,10 +216,10 @@ def activation_bytes(m: ModelFacts, s: Setup, stream: int, compute: int) -> Acti
     dropout = s.lora_dropout > 0
     mask_bytes = 1 if s.device == "cuda" else stream  # fused CUDA dropout keeps a bool mask, CPU a scaled noise tensor
     trains, lora = m.trainable_linears, m.lora_ranks
-    # phalanx's fused LoRA forward (models/lora_fused.py; not on a 4-bit base) keeps the shared input once, in its
+    # phalanx's fused LoRA forward (models/lora_fused.py; a 4-bit base too) keeps the shared input once, in its
     # own dtype, and each adapter's r-wide x @ A^T; a dropout mask per adapter as bools on CPU and in compiled
     # layers, none in eager CUDA layers (redrawn in backward).
-    fused = m.lora_fused and not s.base_4bit_bytes
+    fused = m.lora_fused
 
     def rms_norm(dim: int, rows: int = 1) -> int:
         # x in fp32 (kept by pow), rsqrt per row, and x * rsqrt when the norm's weight trains.

@@ -110,7 +110,7 @@ def model_facts(cfg: RunConfig) -> ModelFacts:
             lora_a = getattr(module, "lora_A", None)
             if lora_a:
                 lora_ranks[ROLES[short]] = next(iter(lora_a.values())).out_features
-                fused = fused and type(module).__name__ == "FusedLoraLinear"
+                fused = fused and type(module).__name__.startswith("FusedLoraLinear")
         if short.endswith("norm") and any(p.requires_grad for p in module.parameters(recurse=False)):
             trainable_norms = True
     import torch
