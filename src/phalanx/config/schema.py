@@ -77,7 +77,8 @@ class LoraConfig(Section):
         description="Forward of the LoRA layers. 'fused': phalanx's own over PEFT's parameters (same names and "
         "files): the update runs in the activation dtype and keeps no copy of the input, so far less memory; "
         "dropout draws an independent mask per adapter as PEFT does and redraws it in backward instead of keeping "
-        "it. 4-bit (QLoRA) bases keep PEFT's forward (the run says so). 'peft': PEFT's forward everywhere.",
+        "it; over 4-bit (QLoRA) bases too. Variants such as DoRA keep PEFT's forward (the run says so). 'peft': "
+        "PEFT's forward everywhere.",
     )
 
 

@@ -173,7 +173,7 @@ def fused_4bit_class() -> type:
     """PEFT's lora Linear4bit (QLoRA: a bitsandbytes 4-bit base) with the fused forward. Made on first use: importing
     PEFT's bnb module imports bitsandbytes, which a run without a 4-bit base never loads. The base's output is a fresh
     tensor (bitsandbytes dequantizes and multiplies), so the update is added into it in place, as over nn.Linear;
-    PEFT's forward copies it first and keeps fp32 copies of each adapter's input, like its nn.Linear forward."""
+    PEFT's forward copies it first, and keeps each adapter's dropped-out input and mask."""
     global _fused_4bit
     if _fused_4bit is None:
         from peft.tuners.lora.bnb import Linear4bit
