@@ -546,6 +546,9 @@ def hf_worker(spec_path: str, kind: str = "hf") -> None:
             "max_length": None,
             "packing": False,  # rows fit already
             "dataset_num_proc": None,
+            # SFTConfig turns activation checkpointing on by default; phalanx and Trainer do not checkpoint here, so
+            # TRL does not either (held equal, as its speed docs assume). The 2026-11-26 H100 row ran with it on.
+            "gradient_checkpointing": False,
         }
     else:
         Arguments, extra = TrainingArguments, {}
@@ -1185,7 +1188,10 @@ def order_summary(pairs: list, nproc: int, batch: int) -> list[str]:
 
 
 def trl_arm(res: dict) -> str:
-    return f"padding-free, {'Liger kernels' if res.get('liger') else 'no Liger (CUDA only; not installed or no GPU)'}, {res.get('attn')}"
+    return (
+        f"padding-free, {'Liger kernels' if res.get('liger') else 'no Liger (CUDA only; not installed or no GPU)'}, "
+        f"{res.get('attn')}, no activation checkpointing"
+    )
 
 
 def read_phalanx(out: Path, plan: Plan, args, run: tuple, cache_dir: str, log: Path, label: str = "phalanx") -> dict:
