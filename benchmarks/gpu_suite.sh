@@ -65,7 +65,8 @@ PY
         --arms "${ARMS:-qlora,full,lora-plain}" --steps 10 --warmup 4 --arm-timeout 45 \
         --work_dir /tmp/phalanx-bench --note "gpu_suite arms"
       # Compiled layers: its warm-up outlasted a 65 s box on 2026-11-26, so a long box and 40 steps, 20 of them warm-up.
-      step lora-compile 130 python3 benchmarks/phalanx_arms.py --gpu-shape r1-distill-qwen-1.5b --arms lora-compile \
+      # TORCH_LOGS=recompiles: the log says whether packed micro-batches of other lengths recompile the layers.
+      step lora-compile 130 env TORCH_LOGS=recompiles python3 benchmarks/phalanx_arms.py --gpu-shape r1-distill-qwen-1.5b --arms lora-compile \
         --steps 40 --warmup 20 --arm-timeout 125 --work_dir /tmp/phalanx-bench --note "gpu_suite arms: compile's A/B"
       step generate 50 python3 benchmarks/generate_vs_loop.py --device cuda --dtype bfloat16 \
         --model_name /tmp/phalanx-bench/r1-distill-qwen-1.5b-random --num_questions 4 --repeats 1 --skip-k-loop --note "gpu_suite arms"
@@ -80,7 +81,7 @@ PY
         echo "=== unsloth: not importable here (its wheels pin torch/transformers; not carried): not measured"
       fi
       # What each run said about its kernels (compile, Liger, varlen attention, fused cross-entropy), and every error.
-      find /tmp/phalanx-bench -maxdepth 2 -name "*.log" -print0 | xargs -0 -r grep -H -E "🧩|🧮|Error|error:|Traceback|packing|padded" \
+      find /tmp/phalanx-bench -maxdepth 2 -name "*.log" -print0 | xargs -0 -r grep -H -E "🧩|🧮|Error|error:|Traceback|packing|padded|Recompiling" \
         | grep -v -E "^[^:]*:W[0-9]{4} " | cut -c1-300 | head -n 30
       find /tmp/phalanx-bench -maxdepth 2 -name "*.log" -print0 | tar czf "$OUT/worker-logs.tar.gz" --null -T - 2>/dev/null ;;
     smoke)
