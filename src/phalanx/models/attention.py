@@ -18,7 +18,9 @@ others train padded, and the run says so.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import inspect
 from typing import Optional
 
 import torch
@@ -161,13 +163,17 @@ def _torch_varlen(module, query, key, value, rows, scaling) -> torch.Tensor:
     return varlen_attn(q, k, v, cu, cu, longest, longest, **options).unsqueeze(0)  # (1, T, Hq, D)
 
 
+@functools.lru_cache(maxsize=None)
+def _parameters(function) -> frozenset:
+    """The keyword names `function` takes: read once, not in every layer's attention call of every step."""
+    return frozenset(inspect.signature(function).parameters)
+
+
 def _varlen_options(varlen_attn, scaling, key, value, query_heads: int) -> tuple[dict, torch.Tensor, torch.Tensor]:
     """Causal, scaled and grouped-query keyword arguments in the form this torch's `varlen_attn` takes (its signature
     changed between releases: `is_causal` became `window_size=(-1, 0)`; `scale` and `enable_gqa` came later). Where
     there is no `enable_gqa`, the key/value heads are repeated to the query's."""
-    import inspect
-
-    accepted = inspect.signature(varlen_attn).parameters
+    accepted = _parameters(varlen_attn)
     options: dict = {"window_size": (-1, 0)} if "window_size" in accepted else {"is_causal": True}
     if scaling is not None and "scale" in accepted:
         options["scale"] = scaling
