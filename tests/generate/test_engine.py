@@ -1,5 +1,7 @@
 """The decoding loop and sampling: per-row streams, padding and batch-mates that change nothing, stops, OOM halving."""
 
+import inspect
+
 import pytest
 import torch
 
@@ -204,3 +206,27 @@ def test_other_errors_are_not_swallowed(tiny, prompts):
             tok.pad_token_id,
             4,
         )
+
+
+def test_the_cache_goes_by_the_name_the_installed_transformers_takes(tiny, prompts):
+    """transformers 5.24 renamed `past_key_values` to `cache` (the old name warns, and goes in 5.40); older releases
+    take only `past_key_values`. The engine passes whichever the model (or the model inside a wrapper) declares."""
+    import warnings
+
+    from phalanx.generate.engine import _cache_keyword
+
+    model, tok = tiny
+    declared = inspect.signature(type(model).forward).parameters
+    expected = "cache" if "cache" in declared else "past_key_values"
+    assert _cache_keyword(model) == expected
+    assert _cache_keyword(OomAbove(model, limit=99)) == expected  # a wrapper whose forward takes **kwargs
+
+    class OldForward(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None):
+            raise AssertionError("not called")
+
+    assert _cache_keyword(OldForward()) == "past_key_values"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # no deprecated keyword reaches the model
+        out = run(model, tok, prompts, [(0, 0), (1, 0)], SamplingParams(max_new_tokens=4, temperature=0, seed=1))
+    assert all(r.computed_tokens >= 1 for r in out)

@@ -21,11 +21,13 @@ the batches that follow, and reports it.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from phalanx.errors import PhalanxError
@@ -84,15 +86,18 @@ def generate_rows(
 
     uniforms = row_uniforms(list(pairs), params).to(device)
     stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
+    cache_keyword = _cache_keyword(model)
     results: list[Optional[Finished]] = [None] * len(pairs)
     tokens: list[list[int]] = [[] for _ in pairs]
     active = torch.arange(len(pairs), device=device)  # slot -> row
+    rows = list(range(len(pairs)))  # slot -> row, on the host
     for step in range(params.max_new_tokens):
         chosen = next_tokens(logits, uniforms[active, step], params, vocab_limit)
-        stopped = torch.isin(chosen, stops)
+        # One device-to-host copy per step (tokens and stop flags together): each copy waits for the device.
+        picked, stopped = torch.stack([chosen, torch.isin(chosen, stops).long()]).tolist()
         last = step == params.max_new_tokens - 1
         keep = []
-        for slot, (row, token, stop) in enumerate(zip(active.tolist(), chosen.tolist(), stopped.tolist())):
+        for slot, (row, token, stop) in enumerate(zip(rows, picked, stopped)):
             if stop:
                 results[row] = Finished(tokens[row], "stop")
                 continue
@@ -107,13 +112,14 @@ def generate_rows(
             index = torch.tensor(keep, dtype=torch.long, device=device)
             cache.batch_select_indices(index)
             active, chosen, mask, next_position = active[index], chosen[index], mask[index], next_position[index]
+            rows = [rows[slot] for slot in keep]
         mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=-1)
         out = model(
             input_ids=chosen.unsqueeze(-1),
             attention_mask=mask,
             position_ids=next_position.unsqueeze(-1),
-            past_key_values=cache,
             use_cache=True,
+            **{cache_keyword: cache},
         )
         logits = out.logits[:, -1]
         next_position = next_position + 1
@@ -129,13 +135,14 @@ def _prefill(model, prompts: Sequence[Sequence[int]], device: torch.device, room
     """
     longest = max(len(p) for p in prompts)
     mask = torch.zeros((len(prompts), longest), dtype=torch.long, device=device)
+    cache_keyword = _cache_keyword(model)
     logits, layers = [], []
     for i, ids in enumerate(prompts):
         cache = DynamicCache(config=model.config)
         out = model(
             input_ids=torch.tensor([list(ids)], dtype=torch.long, device=device),
-            past_key_values=cache,
             use_cache=True,
+            **{cache_keyword: cache},
             logits_to_keep=1,
         )
         logits.append(out.logits[:, -1])
@@ -149,6 +156,19 @@ def _prefill(model, prompts: Sequence[Sequence[int]], device: torch.device, room
         values = [prompt_layers[index][1] for prompt_layers in layers]
         merged.update(_left_pad(keys, longest), _left_pad(values, longest), index)
     return torch.cat(logits), merged, mask
+
+
+def _cache_keyword(model: torch.nn.Module) -> str:
+    """The name under which the model takes its KV cache: `cache` from transformers 5.24 on (where `past_key_values`
+    warns that it goes away in 5.40), `past_key_values` before. Read from the first transformers model inside, so
+    wrappers that pass keywords through (PEFT's) get the name their base model takes."""
+    inner = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), model)
+    return _forward_cache_keyword(type(inner))
+
+
+@functools.cache
+def _forward_cache_keyword(model_class: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 class _RoomyLayer(DynamicLayer):
