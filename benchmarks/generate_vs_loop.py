@@ -21,7 +21,15 @@ with every round's time and the CPU that other processes used meanwhile (the mac
 What phalanx does that (b) does not: K sequences of a question share one prefill, sequences of
 different questions share forward passes, and finished sequences leave the batch.
 
-Not measured here: the GPU path with a static KV cache / torch.compile (no GPU on this machine).
+`--loop_sequences N` runs the loops on N of the (prompt, sequence) pairs only, taken round-robin over the prompts
+so every prompt length is represented: a loop's tokens/s does not depend on how many sequences it is given (it
+generates them one after the other), and at the seeds' shape (25 sequences per question, batch 38) the full loop
+would take minutes of device time. The phalanx arm always generates every pair.
+
+The phalanx arm's time is also split: its prefills (each distinct prompt alone, timed with a device sync around
+each) against its decode steps (how many, the mean rows per step, ms per step), so a slow arm says where.
+
+Not measured here: the GPU path with a static KV cache / torch.compile (not built).
 
 Run from the repository root:
   .venv/bin/python benchmarks/generate_vs_loop.py                       # 16 prompts x 4, 64 new tokens
@@ -109,6 +117,12 @@ def parse_args(argv):
         help="before each arm, wait up to SECONDS for the machine to be idle (shared machines)",
     )
     p.add_argument("--skip-k-loop", dest="skip_k_loop", action="store_true", help="leave out arm (c)")
+    p.add_argument(
+        "--loop_sequences",
+        type=int,
+        default=0,
+        help="run the loops on this many (prompt, sequence) pairs, round-robin over the prompts (0: all)",
+    )
     p.add_argument("--no-results", dest="no_results", action="store_true", help="do not append to RESULTS.md")
     p.add_argument("--note", default="", help="free text for the RESULTS.md entry")
     return p.parse_args(argv)
@@ -120,6 +134,7 @@ def main(argv=None) -> None:
     import torch
     import transformers
 
+    from phalanx.generate import engine
     from phalanx.generate.engine import generate_with_fallback
     from phalanx.generate.job import DTYPES, generation_stop_ids, plan_batches, resolve_dtype
     from phalanx.generate.prompts import read_prompts
@@ -152,15 +167,41 @@ def main(argv=None) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
+    split = {"prefill_s": 0.0, "prefills": 0, "decode_steps": 0, "decode_rows": 0}
+    prefill = engine._prefill
+
+    def timed_prefill(*a, **kw):  # the phalanx arm's prefills, apart from its decode steps (one sync each)
+        sync()
+        start = time.perf_counter()
+        out = prefill(*a, **kw)
+        sync()
+        split["prefill_s"] += time.perf_counter() - start
+        split["prefills"] += len(a[1])
+        return out
+
+    def count_decode_step(_module, args_, kwargs):
+        ids = kwargs.get("input_ids", args_[0] if args_ else None)
+        if ids is not None and ids.shape[1] == 1:
+            split["decode_steps"] += 1
+            split["decode_rows"] += ids.shape[0]
+
     def phalanx_arm(pairs_batches):
         tokens = 0
         ids = {p.id: list(p.input_ids) for p in prompts}
-        for pairs in pairs_batches:
-            finished, _ = generate_with_fallback(
-                model, ids, pairs, params, stops, tok.pad_token_id, args.batch_size, vocab_limit=vocab
-            )
-            tokens += sum(f.computed_tokens for f in finished)
-        sync()
+        for key in split:
+            split[key] = 0
+        engine._prefill = timed_prefill
+        hook = model.register_forward_pre_hook(count_decode_step, with_kwargs=True)
+        try:
+            for pairs in pairs_batches:
+                finished, _ = generate_with_fallback(
+                    model, ids, pairs, params, stops, tok.pad_token_id, args.batch_size, vocab_limit=vocab
+                )
+                tokens += sum(f.computed_tokens for f in finished)
+            sync()
+        finally:
+            engine._prefill = prefill
+            hook.remove()
         return tokens
 
     hf_kwargs = dict(
@@ -185,17 +226,23 @@ def main(argv=None) -> None:
             total += n
         return total
 
+    # The loops' calls: (prompt, call index) round-robin over the prompts, cut at --loop_sequences sequences.
+    def loop_calls(per_call: int) -> list:
+        calls = [(p, call) for call in range(k // per_call) for p in prompts]
+        if args.loop_sequences:
+            calls = calls[: max(1, args.loop_sequences // per_call)]
+        return calls
+
     def loop_arm(per_call: int):
         tokens = 0
         with torch.inference_mode():
-            for p in prompts:
+            for p, call in loop_calls(per_call):
                 ids = torch.tensor([p.input_ids], device=device)
-                for call in range(k // per_call):
-                    torch.manual_seed(p.id * 1000 + call)
-                    out = model.generate(
-                        input_ids=ids, attention_mask=torch.ones_like(ids), num_return_sequences=per_call, **hf_kwargs
-                    )
-                    tokens += new_tokens(out, ids.shape[1])
+                torch.manual_seed(p.id * 1000 + call)
+                out = model.generate(
+                    input_ids=ids, attention_mask=torch.ones_like(ids), num_return_sequences=per_call, **hf_kwargs
+                )
+                tokens += new_tokens(out, ids.shape[1])
         sync()
         return tokens
 
@@ -222,8 +269,22 @@ def main(argv=None) -> None:
     ]
     if not args.skip_k_loop and k > 1:
         runs.append((f"loop: model.generate, one prompt, num_return_sequences={k}", lambda: loop_arm(k)))
+    sequences = {runs[0][0]: len(prompts) * k}
+    sequences.update({label: len(loop_calls(1)) for label, _ in runs[1:2]})
+    sequences.update({label: len(loop_calls(k)) * k for label, _ in runs[2:]})
     # Rounds interleave the arms, so load from other processes falls on all of them alike; the median counts.
     timings: dict[str, list] = {label: [] for label, _ in runs}
+    splits: list[dict] = []
+
+    def phalanx_split(x: dict) -> str:
+        decode = x["wall"] - x["prefill_s"]
+        steps = max(1, x["decode_steps"])
+        return (
+            f"phalanx arm split: prefill {x['prefill_s']:.2f} s for {x['prefills']} distinct prompts; "
+            f"decode {decode:.2f} s over {x['decode_steps']} steps, {x['decode_rows'] / steps:.1f} rows per step "
+            f"on average, {1000 * decode / steps:.1f} ms per step"
+        )
+
     for round_ in range(args.repeats):
         for label, fn in runs:
             if args.wait_idle:
@@ -232,6 +293,9 @@ def main(argv=None) -> None:
                 tokens = fn()
             timings[label].append((t.wall, tokens, t.others))
             print(f"round {round_ + 1}: {label}: {tokens} tokens in {t.wall:.2f}s")
+            if label == runs[0][0]:
+                splits.append(dict(split, wall=t.wall))
+                print(f"round {round_ + 1}: {phalanx_split(splits[-1])}")
 
     def median(label):
         ordered = sorted(timings[label], key=lambda x: x[0])
@@ -245,7 +309,7 @@ def main(argv=None) -> None:
         rate = tokens / wall
         spread = ", ".join(f"{w:.2f}" for w, _, _ in timings[label])
         lines.append(
-            f"| {label} | {len(prompts) * k} | {tokens} | {wall:.2f} ({spread}) | {rate:.1f} | "
+            f"| {label} | {sequences[label]} | {tokens} | {wall:.2f} ({spread}) | {rate:.1f} | "
             f"{rate / base_rate:.2f}x | {'n/a' if others is None else f'{others:.1f}'} |"
         )
     header = [
@@ -274,7 +338,9 @@ def main(argv=None) -> None:
         *lines,
         "",
         f"**phalanx batched: {ratio:.2f}x the tokens/s of the one-prompt-at-a-time `model.generate` loop.** "
-        "GPU static KV cache / `torch.compile` path: not measured (no GPU on this machine).",
+        "GPU static KV cache / `torch.compile` path: not built.",
+        "",
+        f"{phalanx_split(sorted(splits, key=lambda x: x['wall'])[len(splits) // 2])} (median round).",
     ]
     if args.note:
         entry += ["", args.note]
