@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import phalanx.checkpoint.export as export_module
 from checkpoint.resume_ranks import FLAGS, shape
 from helpers import read_metrics, run_phalanx, write_payload
 from phalanx.checkpoint.export import export_checkpoint
@@ -26,7 +27,7 @@ SHARDS = {
 
 
 @pytest.mark.parametrize("name", list(SHARDS))
-def test_full_finetune_checkpoints_are_sharded_only_and_export(name, resume_data, tmp_path):
+def test_full_finetune_checkpoints_are_sharded_only_and_export(name, resume_data, tmp_path, monkeypatch):
     strategy, shard_dir, shard_glob = SHARDS[name]
     base = [
         "train",
@@ -60,7 +61,26 @@ def test_full_finetune_checkpoints_are_sharded_only_and_export(name, resume_data
 
     # Export: the same bytes of weights as the final model the run wrote (checkpoint-2 is the last step).
     exported = tmp_path / "exported"
+    # Another export into the same folder, still writing: its staging files are not this export's to clear.
+    elsewhere = tmp_path / ".exported.staging-1"
+    elsewhere.mkdir()
+    (elsewhere / "model.safetensors").write_bytes(b"another export's bytes")
     assert main(["export", str(whole / "checkpoint-2"), str(exported)]) == 0  # the command, in this process
+    assert (elsewhere / "model.safetensors").read_bytes() == b"another export's bytes"
+    assert sorted(p.name for p in tmp_path.glob(".exported.staging*")) == [elsewhere.name]  # its own is gone
+    # And when that other export finished first, this one stops without touching its folder or leaving files.
+    real_fsync = export_module.fsync_tree
+
+    def other_export_finishes(path):
+        real_fsync(path)
+        (tmp_path / "exported-raced").mkdir()
+        (tmp_path / "exported-raced" / "model.safetensors").write_bytes(b"the other export")
+
+    with monkeypatch.context() as patch, pytest.raises(PhalanxError, match="appeared while this export was writing"):
+        patch.setattr(export_module, "fsync_tree", other_export_finishes)
+        export_checkpoint(whole / "checkpoint-2", tmp_path / "exported-raced")
+    assert (tmp_path / "exported-raced" / "model.safetensors").read_bytes() == b"the other export"
+    assert not list(tmp_path.glob(".exported-raced.staging*"))
     final, export = load_file(whole / "model.safetensors"), load_file(exported / "model.safetensors")
     assert final.keys() == export.keys() and all(torch.equal(final[k], export[k]) for k in final)
     from transformers import AutoModelForCausalLM

@@ -12,6 +12,7 @@ model.safetensors, the config and the tokenizer files.
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import warnings
@@ -59,12 +60,18 @@ def export_checkpoint(folder: Path, out: Path) -> Path:
             f"{source} does not fit its config.json: {len(still_meta)} weight(s) missing "
             f"{still_meta[:3]}, {len(unexpected)} unknown {unexpected[:3]}"
         )
-    staging = staging_dir(out)
+    # This process's own staging folder: two exports into one folder at once must not clear each other's files.
+    staging = staging_dir(out).with_name(f"{staging_dir(out).name}-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging, safe_serialization=True)
-    AutoTokenizer.from_pretrained(folder).save_pretrained(staging)
-    fsync_tree(staging)
-    staging.rename(out)
+    try:
+        model.save_pretrained(staging, safe_serialization=True)
+        AutoTokenizer.from_pretrained(folder).save_pretrained(staging)
+        fsync_tree(staging)
+        if out.exists():  # written meanwhile (another export): it is kept, this one is not moved over it
+            raise PhalanxError(f"{out} appeared while this export was writing (another export?); it is left as it is")
+        staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return out
 
 
