@@ -78,3 +78,27 @@ def test_a_refused_generated_file_leaves_no_new_folder(tmp_path: Path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.json"] and mine.read_text() == "tuned by hand"
     write_generated_files({tmp_path / "new" / "run.sh": "a", mine: "b"}, True, "--output x")
     assert (tmp_path / "new" / "run.sh").read_text() == "a" and mine.read_text() == "b"
+
+
+def test_an_atomic_write_is_synced_before_and_after_its_rename(tmp_path: Path, monkeypatch):
+    """The new bytes reach the disk before the rename, and the rename itself (the folder) after it: a power loss
+    leaves the old file or the new one (metrics.jsonl cut back on resume, info files, generated scripts)."""
+    import os
+
+    from phalanx.observe.metrics import keep_until
+    from phalanx.runtime import durable
+
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(durable.os, "fsync", recording_fsync)
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo', encoding="utf-8")
+    assert [r["step"] for r in keep_until(metrics, 1)] == [1]
+    assert metrics.read_text(encoding="utf-8") == '{"step": 1, "loss": 2.0}\n'
+    assert synced == [str(tmp_path / ".metrics.jsonl.tmp"), str(tmp_path)]
+    assert not (tmp_path / ".metrics.jsonl.tmp").exists()

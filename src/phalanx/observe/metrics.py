@@ -9,13 +9,14 @@ one plain line instead.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Optional
 
 from tqdm.auto import tqdm
+
+from phalanx.runtime.durable import write_bytes_atomic
 
 
 class Reporter:
@@ -145,7 +146,6 @@ def keep_until(path: Path, step: int) -> list[dict]:
     kept = [r for r in records if r["step"] <= step]
     if torn:
         print(f"{path}: dropped {torn} line(s) that hold no record (cut short by a crash while being written)")
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
-    os.replace(tmp, path)
+    # Atomic and fsynced: the records a resumed run continues from must survive a crash right after this rewrite.
+    write_bytes_atomic(path, "".join(json.dumps(r) + "\n" for r in kept).encode("utf-8"))
     return kept

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 
 
@@ -29,14 +30,23 @@ def fsync_tree(root: Path) -> None:
         fsync_path(Path(dirpath))
 
 
-def write_json_atomic(path: Path, payload: dict) -> None:
-    """Write `payload` to `path` through a fsynced temporary file and one rename: readers see the old or the new."""
+def write_bytes_atomic(path: Path, data: bytes, executable: bool = False) -> None:
+    """Write `data` to `path` through a fsynced temporary file and one rename, then fsync the folder: readers see the
+    old content or the new, and after a power loss the file holds one of them, never nothing."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(payload, f, indent=2, default=str)
+    with open(tmp, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    if executable:
+        tmp.chmod(tmp.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     os.replace(tmp, path)
+    fsync_path(path.parent)
+
+
+def write_json_atomic(path: Path, payload: dict) -> None:
+    """Write `payload` to `path` as indented JSON, atomically (write_bytes_atomic)."""
+    write_bytes_atomic(path, json.dumps(payload, indent=2, default=str).encode("utf-8"))
 
 
 def check_can_create(folder: Path, subject: str) -> None:
@@ -80,7 +90,6 @@ def write_generated_files(files: dict[Path, str], overwrite: bool, subject: str,
     `overwrite`, it is refused naming `subject` (what the user gave, e.g. "--output scripts/run.sh"), and every file
     is checked before any is written, so nothing already written is lost or left half-replaced. The checks create
     nothing either (check_can_create, not create_folder): a refused command leaves no new folder behind."""
-    import stat
 
     from phalanx.errors import ConfigError
 
@@ -102,12 +111,5 @@ def write_generated_files(files: dict[Path, str], overwrite: bool, subject: str,
         if path in unchanged:
             continue
         create_folder(path.parent, subject)
-        tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        if executable:
-            tmp.chmod(tmp.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-        os.replace(tmp, path)
+        write_bytes_atomic(path, data, executable)
     return ["unchanged" if path in unchanged else "wrote" for path in encoded]
