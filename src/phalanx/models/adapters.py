@@ -27,8 +27,12 @@ def apply_finetuning(model: nn.Module, model_cfg: ModelConfig, lora_cfg: LoraCon
     # would upcast them to fp32, which makes the residual stream fp32: measured on an H100 (Qwen2.5-1.5B shape,
     # batch 4 x 2048, bf16) that took the 4-bit run's peak to 50.2 GB against 41.1 GB for plain LoRA.
     if model_cfg.gradient_checkpointing:
-        # Non-reentrant checkpointing works with frozen base weights and DDP's single gradient-ready hook.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # Non-reentrant checkpointing works with frozen base weights and DDP's single gradient-ready hook. transformers
+        # 5.24 renamed the method (the old name warns, and goes in v6); earlier releases have only the old one.
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     if model_cfg.finetune == "full":
         for param in model.parameters():
