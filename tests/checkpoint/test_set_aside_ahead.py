@@ -96,3 +96,49 @@ def test_going_back_to_an_older_checkpoint_sets_the_later_ones_and_the_final_mod
     assert [lrs[s] for s in (1, 2)] == [first_lr[s] for s in (1, 2)]
     assert [lrs[s] for s in (3, 4)] == pytest.approx([first_lr[s] / 10 for s in (3, 4)], rel=1e-9)
     assert resumed[4] != first[4]
+
+
+def _committed(folder: Path, step: int, files: dict[str, bytes]) -> Path:
+    from phalanx.checkpoint.commit import commit
+
+    staging = folder.with_name(f".{folder.name}.staging")
+    staging.mkdir(parents=True)
+    for name, data in files.items():
+        (staging / name).write_bytes(data)
+    commit(staging, folder, {"global_step": step})
+    return folder
+
+
+@pytest.mark.parametrize("source", ["kept", "gone", "sharded only"])
+def test_a_best_set_aside_is_rebuilt_from_the_checkpoint_that_holds_the_resumed_records_best(tmp_path, source):
+    """The record at step 4 says the best eval came at step 2; checkpoint-best holds step 5's (saved, then a crash
+    before checkpoint-6). Set aside, it is rebuilt from checkpoint-2 when that still holds the weights: a resumed run
+    that never beats step 2 then ends with the checkpoint-best its record names. Otherwise the line says what will
+    write it."""
+    from phalanx.checkpoint.resume import set_aside_ahead
+
+    out = tmp_path / "o"
+    weights = {"adapter_model.safetensors": b"step 2 weights", "adapter_config.json": b"{}", "optimizer.pt": b"opt"}
+    if source == "kept":
+        _committed(out / "checkpoint-2", 2, weights)
+    elif source == "sharded only":
+        _committed(out / "checkpoint-2", 2, {"sharded_state.distcp": b"shards"})
+    _committed(out / "checkpoint-4", 4, {"adapter_model.safetensors": b"step 4 weights"})
+    _committed(out / "checkpoint-best", 5, {"adapter_model.safetensors": b"step 5 weights"})
+
+    lines = set_aside_ahead(out, 4, "best eval loss 1.2345 at step 2", best_step=2)
+    [aside] = out.glob("crashed-*")
+    assert marked_step(aside / "checkpoint-best") == 5
+    said = "\n".join(lines)
+    assert f"checkpoint-best came from step 5, after step 4 where this run resumes: moved to {aside}" in said
+    if source == "kept":
+        assert "checkpoint-best is rebuilt from checkpoint-2, which holds that best" in said
+        best = out / "checkpoint-best"
+        assert marked_step(best) == 2
+        assert {p.name: p.read_bytes() for p in best.iterdir() if p.name != MARKER} == weights
+        assert (out / "checkpoint-2" / "adapter_model.safetensors").read_bytes() == b"step 2 weights"  # left as it was
+        assert not list(out.glob(".checkpoint-best*"))  # no staging left behind
+    else:
+        why = "is gone" if source == "gone" else "holds no model weights (sharded state only)"
+        assert f"checkpoint-2 {why}, so checkpoint-best is written again when an eval beats step 2's" in said
+        assert not (out / "checkpoint-best").exists()

@@ -10,12 +10,28 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-from phalanx.checkpoint.commit import committed_step_checkpoints, is_committed, recover_replaced, why_not_committed
-from phalanx.checkpoint.layout import BEST, MARKER, TRAINER_STATE, final_model_staging
+from phalanx.checkpoint.commit import (
+    commit,
+    committed_step_checkpoints,
+    fresh_staging_dir,
+    is_committed,
+    recover_replaced,
+    why_not_committed,
+)
+from phalanx.checkpoint.layout import (
+    ADAPTER_WEIGHTS,
+    BEST,
+    MARKER,
+    TRAINER_STATE,
+    WEIGHTS,
+    final_model_staging,
+    step_dir,
+)
 from phalanx.config.schema import RunConfig
 from phalanx.errors import ConfigError
 from phalanx.runtime.durable import check_can_create
@@ -223,7 +239,7 @@ def crashed_folder(output_dir: Path) -> Path:
     return aside
 
 
-def set_aside_ahead(output_dir: Path, step: int, best_now: str) -> list[str]:
+def set_aside_ahead(output_dir: Path, step: int, best_now: str, best_step: Optional[int] = None) -> list[str]:
     """Move what output_dir holds from after `step`, the checkpoint a run resumes from, into one
     output_dir/crashed-<time>/: checkpoint-best, checkpoint-{N} with N > step, and a final model; returns the lines that
     say so (none when nothing is ahead). `best_now`: the best the resumed run starts from, as its record reads (said
@@ -235,7 +251,10 @@ def set_aside_ahead(output_dir: Path, step: int, best_now: str) -> list[str]:
       from checkpoint-6 with the best eval loss recorded there. Kept in place, it would outlive the resumed run's own
       records (training_info.json would name a best that checkpoint-best does not hold) whenever the resumed run goes
       another way (--force with another config, kernels that are not bit-reproducible) and never beats it; adopting
-      its loss would compare against a value the run never reached.
+      its loss would compare against a value the run never reached. When the record names its best's step
+      (`best_step`, at or before `step`) and checkpoint-{best_step} is still there with the model's weights,
+      checkpoint-best is rebuilt from it, so the best the run reports has its folder even if the resumed run never
+      beats it; otherwise the lines say that the next eval to beat it writes checkpoint-best.
     - checkpoint-{N}: a run resumed from an older checkpoint on purpose (--resume_from_checkpoint out/checkpoint-2,
       often with --force and a lower learning rate) left checkpoint-4 and checkpoint-6 of the run it abandons; if it
       stopped before writing its own, a requeue's --resume_from_checkpoint latest resumed checkpoint-6, the abandoned
@@ -245,8 +264,8 @@ def set_aside_ahead(output_dir: Path, step: int, best_now: str) -> list[str]:
     them again."""
     moves: list[tuple[Path, str]] = []
     lines: list[str] = []
-    best_step = _committed_best_step(output_dir)
-    if best_step is not None and best_step > step:
+    committed_best = _committed_best_step(output_dir)
+    if committed_best is not None and committed_best > step:
         moves.append((output_dir / BEST, BEST))
     later = [path for n, path in committed_step_checkpoints(output_dir) if n > step]
     moves += [(path, path.name) for path in later]
@@ -259,10 +278,11 @@ def set_aside_ahead(output_dir: Path, step: int, best_now: str) -> list[str]:
     aside = crashed_folder(output_dir)
     for path, name in moves:
         os.replace(path, aside / name)
-    if best_step is not None and best_step > step:
+    if committed_best is not None and committed_best > step:
         lines.append(
-            f"checkpoint-best came from step {best_step}, after step {step} where this run resumes: moved to "
+            f"checkpoint-best came from step {committed_best}, after step {step} where this run resumes: moved to "
             f"{aside / BEST}; the best is tracked again from step {step}'s record ({best_now})"
+            + _rebuild_best(output_dir, best_step)
         )
     if later:
         lines.append(
@@ -275,6 +295,30 @@ def set_aside_ahead(output_dir: Path, step: int, best_now: str) -> list[str]:
             "this run writes its own when it ends"
         )
     return lines
+
+
+def _rebuild_best(output_dir: Path, best_step: Optional[int]) -> str:
+    """Commit checkpoint-best again from checkpoint-{best_step} (hard links where the file system allows, else
+    copies); returns the words to add to the line that says checkpoint-best was set aside."""
+    if best_step is None:
+        return ""
+    source = output_dir / step_dir(best_step)
+    if not is_committed(source) or not any((source / name).is_file() for name in (WEIGHTS, ADAPTER_WEIGHTS)):
+        why = "is gone" if not source.exists() else "holds no model weights (sharded state only)"
+        return f"; {source.name} {why}, so checkpoint-best is written again when an eval beats step {best_step}'s"
+    staging = fresh_staging_dir(output_dir / BEST)
+    staging.rmdir()
+    shutil.copytree(source, staging, copy_function=_link_or_copy, ignore=shutil.ignore_patterns(MARKER))
+    commit(staging, output_dir / BEST, json.loads((source / MARKER).read_text(encoding="utf-8")))
+    return f"; checkpoint-best is rebuilt from {source.name}, which holds that best"
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """A hard link (no bytes copied; checkpoints are never changed in place), else a copy."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def _committed_best_step(output_dir: Path) -> Optional[int]:

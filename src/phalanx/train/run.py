@@ -189,7 +189,7 @@ def start_over(cfg: RunConfig, output_dir: Path) -> None:
 def set_aside_future(output_dir: Path, state: TrainerState) -> None:
     """Rank 0, on a resume: checkpoints and a final model from after the resumed step are set aside (set_aside_ahead)."""
     best = "none yet" if state.best_step is None else f"{state.best_eval_loss:.4f} at step {state.best_step}"
-    for line in set_aside_ahead(output_dir, state.global_step, f"best eval loss {best}"):
+    for line in set_aside_ahead(output_dir, state.global_step, f"best eval loss {best}", state.best_step):
         print(f"↩️  {line}", flush=True)
 
 
