@@ -44,6 +44,7 @@ import datetime as _dt
 import os
 import platform
 import resource
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -91,6 +92,16 @@ class Timer:
         self.wall = time.perf_counter() - self.start
         busy = busy_core_seconds()
         self.others = None if busy is None else max(0.0, (busy - self.busy) - (own_core_seconds() - self.own))
+
+
+def _git(*args: str) -> str:
+    """git's output in the repository ("" where git or the repository is missing, as on a copied tree)."""
+    try:
+        return subprocess.run(
+            ["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=30
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 def parse_args(argv):
@@ -325,9 +336,12 @@ def main(argv=None) -> None:
     if args.no_results:
         return
     stamp = _dt.datetime.now().strftime("%Y-%m-%d %H:%M")
+    commit = _git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = " (with uncommitted changes under src/)" if _git("status", "--porcelain", "--", "src") else ""
     entry = [
         f"\n### {stamp}: `generate_vs_loop.py` {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip(),
         "",
+        f"commit {commit}{dirty}; "
         f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, transformers {transformers.__version__}; "
         f"{args.model_name} ({dtype}, {device}, {args.threads} thread(s)); {len(prompts)} prompts from {args.prompts} "
         f"({min(lengths)}-{max(lengths)} prompt tokens) x {k} sequences, max_new_tokens {args.max_new_tokens}, "
