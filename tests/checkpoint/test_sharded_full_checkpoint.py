@@ -2,6 +2,8 @@
 gathered to rank 0), resumes exactly from it, and `phalanx export` turns it into a from_pretrained folder."""
 
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -65,8 +67,14 @@ def test_full_finetune_checkpoints_are_sharded_only_and_export(name, resume_data
     elsewhere = tmp_path / ".exported.staging-1"
     elsewhere.mkdir()
     (elsewhere / "model.safetensors").write_bytes(b"another export's bytes")
+    # And the staging folder of an export that was killed (its process is gone) is removed.
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    killed = tmp_path / f".exported.staging-{int(gone.stdout)}"
+    killed.mkdir()
+    (killed / "model.safetensors").write_bytes(b"cut short")
     assert main(["export", str(whole / "checkpoint-2"), str(exported)]) == 0  # the command, in this process
     assert (elsewhere / "model.safetensors").read_bytes() == b"another export's bytes"
+    assert not killed.exists()
     assert sorted(p.name for p in tmp_path.glob(".exported.staging*")) == [elsewhere.name]  # its own is gone
     # And when that other export finished first, this one stops without touching its folder or leaving files.
     real_fsync = export_module.fsync_tree

@@ -102,3 +102,26 @@ def test_an_atomic_write_is_synced_before_and_after_its_rename(tmp_path: Path, m
     assert metrics.read_text(encoding="utf-8") == '{"step": 1, "loss": 2.0}\n'
     assert synced == [str(tmp_path / ".metrics.jsonl.tmp"), str(tmp_path)]
     assert not (tmp_path / ".metrics.jsonl.tmp").exists()
+
+
+def test_what_a_killed_writer_left_is_removed_and_a_live_writers_files_stay(tmp_path: Path):
+    """Writers name their temporary file or staging folder with their pid, so a rerun never reuses a killed one's:
+    remove_dead_writers clears those whose process is gone (file or folder), never a live one's or another name."""
+    import os
+    import subprocess
+    import sys
+
+    from phalanx.runtime.durable import remove_dead_writers
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(gone.stdout)
+    (tmp_path / f".model.staging-{dead}").mkdir()
+    (tmp_path / f".model.staging-{dead}" / "model.safetensors").write_bytes(b"half written")
+    (tmp_path / f".model.staging-{dead + 1000000}").write_bytes(b"a file, no such process either")
+    live = tmp_path / f".model.staging-{os.getpid()}"
+    live.mkdir()
+    other = tmp_path / ".model.staging-notapid"
+    other.mkdir()
+    removed = remove_dead_writers(tmp_path, ".model.staging-")
+    assert sorted(p.name for p in removed) == sorted([f".model.staging-{dead}", f".model.staging-{dead + 1000000}"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name])

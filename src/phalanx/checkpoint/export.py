@@ -24,7 +24,7 @@ from phalanx.checkpoint.commit import is_committed, why_not_committed
 from phalanx.checkpoint.layout import ADAPTER_WEIGHTS, DS_DIR, DS_TAG, SHARDED_DIR, WEIGHTS, staging_dir
 from phalanx.checkpoint.safe_load import check_deepspeed_checkpoint, dcp_reader
 from phalanx.errors import PhalanxError
-from phalanx.runtime.durable import fsync_tree
+from phalanx.runtime.durable import fsync_tree, remove_dead_writers
 
 
 def export_checkpoint(folder: Path, out: Path) -> Path:
@@ -60,8 +60,11 @@ def export_checkpoint(folder: Path, out: Path) -> Path:
             f"{source} does not fit its config.json: {len(still_meta)} weight(s) missing "
             f"{still_meta[:3]}, {len(unexpected)} unknown {unexpected[:3]}"
         )
-    # This process's own staging folder: two exports into one folder at once must not clear each other's files.
-    staging = staging_dir(out).with_name(f"{staging_dir(out).name}-{os.getpid()}")
+    # This process's own staging folder: two exports into one folder at once must not clear each other's files. Those
+    # of exports that were killed (their process is gone) are removed.
+    prefix = f"{staging_dir(out).name}-"
+    remove_dead_writers(out.parent, prefix)
+    staging = out.parent / f"{prefix}{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     try:
         model.save_pretrained(staging, safe_serialization=True)

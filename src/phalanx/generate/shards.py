@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from phalanx.errors import ConfigError, DataError, PhalanxError
-from phalanx.runtime.durable import check_can_create, write_json_atomic
+from phalanx.runtime.durable import check_can_create, remove_dead_writers, write_json_atomic
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -256,10 +256,7 @@ class ShardWriter:
 def _remove_dead_writers_files(path: Path) -> None:
     """A merge killed with SIGKILL leaves its `.NAME.tmp-PID` (as large as the output) where no rerun looked: each
     kill during a merge kept another hidden copy. Those of processes that are gone are removed; a live one's stays."""
-    for tmp in path.parent.glob(f".{path.name}.tmp-*"):
-        pid = tmp.name.rpartition("-")[2]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            tmp.unlink(missing_ok=True)
+    remove_dead_writers(path.parent, f".{path.name}.tmp-")
 
 
 def val_prompt_ids(num_prompts: int, val_fraction: float, seed: int) -> set[int]:

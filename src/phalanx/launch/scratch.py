@@ -18,6 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from phalanx.runtime.durable import pid_alive
+
 PREFIX = "phalanx-launch-"
 # phalanx-launch-<pid>@<host>-<mkdtemp's 8 random characters>
 _NAME = re.compile(rf"^{PREFIX}(\d+)@(.*)-[a-z0-9_]{{8}}$")
@@ -42,7 +44,7 @@ def remove_abandoned_scratch(root: Path | None = None) -> list[Path]:
         if not match or match.group(2) != _host():
             continue
         try:
-            if folder.stat().st_uid != os.getuid() or _alive(int(match.group(1))):
+            if folder.stat().st_uid != os.getuid() or pid_alive(int(match.group(1))):
                 continue
         except OSError:
             continue  # removed meanwhile
@@ -53,13 +55,3 @@ def remove_abandoned_scratch(root: Path | None = None) -> list[Path]:
 
 def _host() -> str:
     return re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True

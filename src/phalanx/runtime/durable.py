@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 from pathlib import Path
 
@@ -28,6 +29,36 @@ def fsync_tree(root: Path) -> None:
         for name in files:
             fsync_path(Path(dirpath) / name)
         fsync_path(Path(dirpath))
+
+
+def remove_dead_writers(parent: Path, prefix: str) -> list[Path]:
+    """Remove the files and folders `parent/<prefix><pid>` whose process is gone: what a writer killed with SIGKILL
+    left (a temporary file, a staging folder), where no rerun looks since each writer names its own. A live process's
+    entry stays. Returns what was removed."""
+    removed = []
+    for entry in parent.glob(f"{prefix}*"):
+        pid = entry.name[len(prefix) :]
+        if not pid.isdigit() or pid_alive(int(pid)):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+        removed.append(entry)
+    return removed
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id runs on this machine (someone else's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OverflowError:
+        return False
+    return True
 
 
 def write_bytes_atomic(path: Path, data: bytes, executable: bool = False) -> None:
