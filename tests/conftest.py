@@ -22,6 +22,18 @@ def phalanx_cache(tmp_path_factory):
         os.environ["PHALANX_CACHE"] = old
 
 
+@pytest.fixture(scope="session", autouse=True)
+def hub_not_looked_up():
+    """The test process never looks the Hub's name up (phalanx.runtime.hub): on a machine without DNS the lookup would
+    switch this process, and every run it starts, to offline mode for the rest of the session. tests/runtime/test_hub.py
+    resets it where that is the subject."""
+    import phalanx.runtime.hub as hub
+
+    hub._checked = True
+    yield
+    hub._checked = False
+
+
 @pytest.fixture(scope="session")
 def equivalence_data(tmp_path_factory) -> Path:
     """48 tool-call chats: 5 steps of a global batch of 4 with rows to spare."""

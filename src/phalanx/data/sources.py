@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Literal, Optional
 
 from phalanx.errors import HUB_ID, DataError
+from phalanx.runtime.hub import hub_load_failure, read_hub_from_cache_if_unresolvable
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +72,12 @@ def load_named_dataset(name: str, split: str = "train"):
     import datasets
 
     refuse_unloadable_name(name)
+    if not Path(name).expanduser().exists():  # a Hub id, not a local folder
+        read_hub_from_cache_if_unresolvable()
     try:
         return datasets.load_dataset(name, split=split)
     except Exception as e:  # noqa: BLE001 - missing repo, bad split, bad files: the user's to fix; or no network
-        from phalanx.errors import hub_failure, network_failed
+        from phalanx.errors import network_failed
 
         bad_line = first_unreadable_line(Path(name).expanduser())
         if bad_line is not None:
@@ -87,7 +90,7 @@ def load_named_dataset(name: str, split: str = "train"):
         # else the causes say what went wrong.
         said = f"{type(e).__name__}: {e}" if network_failed(e) else describe_causes(e)
         message = f"dataset '{name}' (split '{split}'): datasets.load_dataset failed: {said}"
-        raise hub_failure(e, message, DataError) from None
+        raise hub_load_failure(e, message, DataError) from None
 
 
 def first_unreadable_line(folder: Path) -> Optional[DataError]:

@@ -7,11 +7,8 @@ tests exercise is the path users' own models take.
 from __future__ import annotations
 
 import os
-import socket
-import threading
 from pathlib import Path
 from typing import Optional
-from urllib.parse import urlparse
 
 import torch
 from transformers import (
@@ -23,13 +20,11 @@ from transformers import (
 )
 
 from phalanx.config.schema import ModelConfig
-from phalanx.errors import HUB_ID, ConfigError, HubUnreachable, PhalanxError, hub_failure
+from phalanx.errors import HUB_ID, ConfigError
 from phalanx.models.packages import require_4bit_packages
+from phalanx.runtime.hub import hub_load_failure, read_hub_from_cache_if_unresolvable
 
 EMBEDDED_PREFIX = "embedded:"
-PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
-_hub_unresolved: Optional[str] = None  # why this process reads the Hub from the local cache only (None: it does not)
-_hub_checked = False
 
 
 def cache_root() -> Path:
@@ -67,54 +62,6 @@ def resolve_model_path(model_name: str, field: str = "model.model_name") -> str:
     return model_name
 
 
-def read_hub_from_cache_if_unresolvable(wait: float = 5.0) -> None:
-    """Once per process, before the first Hub id is loaded: when the Hub's host name does not resolve (no network, or
-    a compute node without DNS), switch huggingface_hub to offline mode, so that a model in the local cache loads at
-    once and one that is not fails at once, instead of after about 50 s of retries per file. Left alone: offline mode
-    already set, a proxy configured (the proxy resolves names), or no answer within `wait` seconds."""
-    global _hub_checked, _hub_unresolved
-    if _hub_checked:
-        return
-    _hub_checked = True
-    import huggingface_hub.constants as hub
-
-    if hub.HF_HUB_OFFLINE or any(os.environ.get(name) for name in PROXY_VARIABLES):
-        return
-    host = urlparse(hub.ENDPOINT).hostname or "huggingface.co"
-    answer: dict = {}
-
-    def resolve() -> None:
-        try:
-            socket.getaddrinfo(host, 443)
-        except socket.gaierror as exc:
-            answer["error"] = exc.strerror or str(exc)
-        except OSError:
-            pass  # not a name-lookup failure: the Hub client decides
-
-    lookup = threading.Thread(target=resolve, daemon=True)
-    lookup.start()
-    lookup.join(wait)
-    if "error" not in answer:
-        return
-    _hub_unresolved = f"The Hub's host {host} does not resolve ({answer['error']})"
-    os.environ["HF_HUB_OFFLINE"] = "1"  # for the ranks this process starts
-    hub.HF_HUB_OFFLINE = True
-    if os.environ.get("RANK", "0") == "0":  # every rank switches; one says so
-        print(f"🌐 {_hub_unresolved}: models are read from the local cache only (HF_HUB_OFFLINE=1).", flush=True)
-
-
-def _load_failure(exc: BaseException, message: str) -> PhalanxError:
-    """What a failed from_pretrained raises: HubUnreachable when the network failed or the Hub did not resolve (a
-    rerun with the network succeeds), else ConfigError."""
-    if _hub_unresolved is not None:
-        return HubUnreachable(
-            f"{message.rstrip().rstrip('.')}. {_hub_unresolved}, and the local cache "
-            "does not hold it: rerun once the network is back (status 1: a requeue may retry), or download it on a "
-            "machine that has the network and give its folder."
-        )
-    return hub_failure(exc, message, ConfigError)
-
-
 def load_tokenizer(
     model_name: str,
     trust_remote_code: bool = False,
@@ -127,7 +74,9 @@ def load_tokenizer(
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
-        raise _load_failure(exc, f"{model_label(model_name, field)}: could not load its tokenizer: {exc}") from None
+        raise hub_load_failure(
+            exc, f"{model_label(model_name, field)}: could not load its tokenizer: {exc}", ConfigError
+        ) from None
     if tokenizer.pad_token_id is None:
         # Padding positions never reach the loss (labels -100, attention mask 0), so eos is a safe pad.
         tokenizer.pad_token = tokenizer.eos_token
@@ -183,7 +132,9 @@ def load_model(
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
     except (OSError, ValueError) as exc:
-        raise _load_failure(exc, f"{model_label(model_name, field)}: could not load the model: {exc}") from None
+        raise hub_load_failure(
+            exc, f"{model_label(model_name, field)}: could not load the model: {exc}", ConfigError
+        ) from None
     if quantization is not None:
         keep_4bit_layout_trainable(model)
     return model
