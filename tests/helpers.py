@@ -187,6 +187,12 @@ def write_chat_jsonl(path: Path, rows: int, start: int = 0) -> Path:
     return path
 
 
+def gone_pid() -> int:
+    """The id of a process that has ended: what a writer killed with SIGKILL leaves in its file names."""
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(child.stdout)
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below `pid` (torch starts its ranks in sessions of their own, so killpg misses them)."""
     parents: dict[int, list[int]] = {}

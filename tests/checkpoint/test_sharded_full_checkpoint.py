@@ -2,8 +2,6 @@
 gathered to rank 0), resumes exactly from it, and `phalanx export` turns it into a from_pretrained folder."""
 
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -11,7 +9,7 @@ from safetensors.torch import load_file
 
 import phalanx.checkpoint.export as export_module
 from checkpoint.resume_ranks import FLAGS, shape
-from helpers import read_metrics, run_phalanx, write_payload
+from helpers import gone_pid, read_metrics, run_phalanx, write_payload
 from phalanx.checkpoint.export import export_checkpoint
 from phalanx.checkpoint.io import load_model_weights
 from phalanx.checkpoint.safe_load import UnsafeCheckpointError
@@ -68,8 +66,7 @@ def test_full_finetune_checkpoints_are_sharded_only_and_export(name, resume_data
     elsewhere.mkdir()
     (elsewhere / "model.safetensors").write_bytes(b"another export's bytes")
     # And the staging folder of an export that was killed (its process is gone) is removed.
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    killed = tmp_path / f".exported.staging-{int(gone.stdout)}"
+    killed = tmp_path / f".exported.staging-{gone_pid()}"
     killed.mkdir()
     (killed / "model.safetensors").write_bytes(b"cut short")
     assert main(["export", str(whole / "checkpoint-2"), str(exported)]) == 0  # the command, in this process

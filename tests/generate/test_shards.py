@@ -2,11 +2,10 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
+from helpers import gone_pid
 from phalanx.errors import ConfigError, DataError
 from phalanx.generate.job import plan_batches, rank_batches
 from phalanx.generate.prompts import Prompt
@@ -99,8 +98,7 @@ def test_merge_sorts_splits_by_prompt_and_writes_atomically(tmp_path):
     assert [json.loads(x)["metadata"]["prompt_id"] for x in val.read_text().splitlines()] == [1, 1]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "out.jsonl.shards", "val.jsonl"]  # no temp files
     # A merge killed with SIGKILL left its temporary file; the next merge removes it, not a live writer's.
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead, live = tmp_path / f".out.jsonl.tmp-{gone.stdout.strip()}", tmp_path / f".val.jsonl.tmp-{os.getppid()}"
+    dead, live = tmp_path / f".out.jsonl.tmp-{gone_pid()}", tmp_path / f".val.jsonl.tmp-{os.getppid()}"
     dead.write_text("half"), live.write_text("being written")
     assert merge(folder, expected, {1}, out, val) == (4, 2)
     assert not dead.exists() and live.read_text() == "being written"

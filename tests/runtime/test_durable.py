@@ -108,13 +108,11 @@ def test_what_a_killed_writer_left_is_removed_and_a_live_writers_files_stay(tmp_
     """Writers name their temporary file or staging folder with their pid, so a rerun never reuses a killed one's:
     remove_dead_writers clears those whose process is gone (file or folder), never a live one's or another name."""
     import os
-    import subprocess
-    import sys
 
+    from helpers import gone_pid
     from phalanx.runtime.durable import remove_dead_writers
 
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead = int(gone.stdout)
+    dead = gone_pid()
     (tmp_path / f".model.staging-{dead}").mkdir()
     (tmp_path / f".model.staging-{dead}" / "model.safetensors").write_bytes(b"half written")
     (tmp_path / f".model.staging-{dead + 1000000}").write_bytes(b"a file, no such process either")
