@@ -1,6 +1,7 @@
 """The one exception type users see: a message that says where the problem is and what is accepted."""
 
 import re
+from typing import Iterator
 
 # What the Hub accepts as a repository id (a model's or a dataset's): "name" or "org/name", nothing path-like. A name
 # that does not match and is no existing path is a missing folder, said as such instead of the Hub client's complaint.
@@ -41,14 +42,17 @@ def network_failed(exc: BaseException) -> bool:
     connection, a timeout, or a name that did not resolve. (A missing repository or file is the user's to fix.)"""
     import socket
 
+    return any(isinstance(e, (ConnectionError, TimeoutError, socket.gaierror)) for e in exception_chain(exc))
+
+
+def exception_chain(exc: BaseException) -> Iterator[BaseException]:
+    """`exc`, then the exception it was raised from (its cause, else its context), and so on, each once."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
-        if isinstance(current, (ConnectionError, TimeoutError, socket.gaierror)):
-            return True
         seen.add(id(current))
+        yield current
         current = current.__cause__ or current.__context__
-    return False
 
 
 def hub_failure(exc: BaseException, message: str, bad_input: type[PhalanxError]) -> PhalanxError:

@@ -7,13 +7,14 @@ rows of an Arrow dataset count from 0 as ``dataset[i]`` does.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import re
 from pathlib import Path
 from typing import Callable, Iterator, Literal, Optional
 
-from phalanx.errors import HUB_ID, DataError
+from phalanx.errors import HUB_ID, DataError, exception_chain
 from phalanx.runtime.hub import hub_load_failure, read_hub_from_cache_if_unresolvable
 
 log = logging.getLogger(__name__)
@@ -109,12 +110,7 @@ def first_unreadable_line(folder: Path) -> Optional[DataError]:
 def describe_causes(exc: BaseException) -> str:
     """'DatasetGenerationError: An error occurred ... (ArrowInvalid: JSON parse error ...)': the exception and the
     ones it was raised from, since datasets' own message often says nothing of what went wrong."""
-    parts, seen = [], set()
-    current: Optional[BaseException] = exc
-    while current is not None and id(current) not in seen and len(parts) < 3:
-        seen.add(id(current))
-        parts.append(f"{type(current).__name__}: {current}")
-        current = current.__cause__ or current.__context__
+    parts = [f"{type(e).__name__}: {e}" for e in itertools.islice(exception_chain(exc), 3)]
     return parts[0] + "".join(f" ({part})" for part in parts[1:])
 
 

@@ -18,7 +18,7 @@ import threading
 from typing import Optional
 from urllib.parse import urlparse
 
-from phalanx.errors import HubUnreachable, PhalanxError, hub_failure
+from phalanx.errors import HubUnreachable, PhalanxError, exception_chain, hub_failure
 
 # With a proxy, the proxy resolves names: a name this machine cannot resolve says nothing about the Hub.
 PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
@@ -85,11 +85,5 @@ def _not_in_cache(exc: BaseException) -> bool:
     """True when `exc`, or an exception it was raised from, says an offline load found nothing in the cache."""
     from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
 
-    seen: set[int] = set()
-    current: Optional[BaseException] = exc
-    while current is not None and id(current) not in seen:
-        if isinstance(current, (LocalEntryNotFoundError, OfflineModeIsEnabled, ConnectionError)):
-            return True
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return False
+    missing = (LocalEntryNotFoundError, OfflineModeIsEnabled, ConnectionError)
+    return any(isinstance(e, missing) for e in exception_chain(exc))
