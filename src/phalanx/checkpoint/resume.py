@@ -307,8 +307,9 @@ def _rebuild_best(output_dir: Path, best_step: Optional[int]) -> str:
         why = "is gone" if not source.exists() else "holds no model weights (sharded state only)"
         return f"; {source.name} {why}, so checkpoint-best is written again when an eval beats step {best_step}'s"
     staging = fresh_staging_dir(output_dir / BEST)
-    staging.rmdir()
-    shutil.copytree(source, staging, copy_function=_link_or_copy, ignore=shutil.ignore_patterns(MARKER))
+    shutil.copytree(
+        source, staging, copy_function=_link_or_copy, ignore=shutil.ignore_patterns(MARKER), dirs_exist_ok=True
+    )
     commit(staging, output_dir / BEST, json.loads((source / MARKER).read_text(encoding="utf-8")))
     return f"; checkpoint-best is rebuilt from {source.name}, which holds that best"
 
