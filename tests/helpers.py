@@ -4,6 +4,7 @@ import contextlib
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -74,6 +75,14 @@ TINY_RUN: dict[str, object] = {
     "logging.progress_bar": False,
     "logging.tensorboard": False,
 }
+
+
+def preempted_at(text: str, signal_name: str = "SIGTERM") -> int:
+    """The step a preempted run's output says it stopped at, committing checkpoint-{step} there. A signal that comes
+    just after checkpoint-N is committed may find the ranks before step N+1 starts: they stop at N."""
+    found = re.search(rf"preempted \({signal_name}\) at step (\d+); checkpoint-\1 saved", text)
+    assert found, text[-3000:]
+    return int(found[1])
 
 
 def tiny_run(changes: dict[str, object] | None = None) -> list[str]:

@@ -15,7 +15,7 @@ from typing import Iterator
 
 import pytest
 
-from helpers import ctrl_c_twice_while_starting
+from helpers import ctrl_c_twice_while_starting, preempted_at
 from phalanx.checkpoint.commit import committed_step_checkpoints, is_committed
 
 pytestmark = pytest.mark.system
@@ -196,7 +196,7 @@ def running_script(support, project: Path, log: Path, *args: str) -> Iterator[su
 
 def sigterm_after_a_checkpoint_ends_with_75(support, project: Path, script: str, name: str) -> None:
     """Start `script` for a long run, send its process a SIGTERM once a checkpoint is committed: every rank commits
-    another and the script exits 75, saying so once, without a traceback."""
+    one at the step it stops at and the script exits 75, saying so once, without a traceback."""
     out, log = project / "runs" / name, project / f"{name}.log"
     with running_script(support, project, log, script, "--output_dir", str(out), "--max_steps", "200") as proc:
         deadline = time.monotonic() + 180
@@ -208,7 +208,9 @@ def sigterm_after_a_checkpoint_ends_with_75(support, project: Path, script: str,
     text = log.read_text()
     assert rc == 75, text[-4000:]
     assert text.count("preempted (SIGTERM) at step") == 1 and "Traceback" not in text, text[-4000:]
-    assert committed_step_checkpoints(out)[-1][0] > support.SAVE_STEPS, "the ranks saved when they stopped"
+    stopped_at = preempted_at(text)
+    assert stopped_at >= support.SAVE_STEPS
+    assert committed_step_checkpoints(out)[-1][0] == stopped_at, "the ranks saved when they stopped"
 
 
 def test_script_status_tells_a_requeue_what_the_ranks_did(project, generate, support):

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from helpers import preempted_at
 from phalanx.checkpoint.commit import committed_step_checkpoints, is_committed
 
 pytestmark = pytest.mark.system
@@ -160,4 +161,5 @@ def test_sigterm_on_both_nodes_ends_each_script_with_75(project, generate, node_
     text = "\n".join(log.read_text()[-2500:] for log in logs)
     assert codes == {0: 75, 1: 75}, text
     assert text.count("preempted (SIGTERM) at step") == 1, text
-    assert committed_step_checkpoints(out)[-1][0] > support.SAVE_STEPS
+    stopped_at = preempted_at(text)
+    assert stopped_at >= support.SAVE_STEPS and committed_step_checkpoints(out)[-1][0] == stopped_at

@@ -1,5 +1,6 @@
 """The node checks behind the launcher's clear failure messages, one by one (in process, loopback only)."""
 
+import os
 import socket
 import time
 
@@ -24,7 +25,7 @@ def test_taken_port_names_the_port_and_the_holder(listener):
         preflight.check_port_free(listener)
     message = str(err.value)
     assert f"port {listener} is already in use" in message and "--master_port" in message
-    assert "pid " in message and "pytest" in message, "the process holding the port is named"
+    assert f"by pid {os.getpid()}: " in message, "the process holding the port (this one) is named, with its command"
 
 
 def test_free_port_passes():
