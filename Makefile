@@ -33,8 +33,12 @@ format: install
 	$(PY) -m ruff check --fix src tests benchmarks scripts
 	$(PY) -m ruff format src tests benchmarks scripts
 
+# Two workers (pytest-xdist), each taking a whole test file at a time: the launch-heavy tests are
+# seconds of single-threaded imports and waits each, so two at once fill the two cores a CI machine has
+# (22 -> 18 minutes there). TEST_WORKERS=0 runs them one by one in this process.
+TEST_WORKERS ?= 2
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The fast tier: one process, no launched ranks, no generated scripts run (a few minutes on 2 cores).
 test-unit: install

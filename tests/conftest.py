@@ -2,12 +2,26 @@
 references of the equivalence tier (tests/train, tests/parallel), trained once per session."""
 
 import os
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from equivalence import train
 from helpers import write_chat_jsonl
+
+
+def pytest_collection_modifyitems(items):
+    """Files that launch ranks or run scripts first, the most such tests first; each file's own order kept. Under
+    `make test`'s two workers (a whole file per worker at a time) the short one-process files then fill the end,
+    instead of one long file running alone while the other worker has nothing left."""
+    launches = Counter(
+        item.path for item in items if item.get_closest_marker("distributed") or item.get_closest_marker("system")
+    )
+    first = {}
+    for index, item in enumerate(items):
+        first.setdefault(item.path, index)
+    items.sort(key=lambda item: (-launches[item.path], first[item.path]))
 
 
 @pytest.fixture(scope="session", autouse=True)
