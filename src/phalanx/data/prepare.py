@@ -32,13 +32,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import datasets
 from filelock import FileLock
 
 from phalanx.config.chat_templates import template_variables
 from phalanx.config.schema import BUNDLED_DATASET, DataConfig
 from phalanx.data.chat import IGNORE_INDEX, Tokenized, tokenize_conversation
 from phalanx.data.formats import detect_format, to_conversation
+from phalanx.data.rows import TokenizedRows
 from phalanx.data.sources import (
     ACCEPTED_PATHS,
     DISK_MARKERS,
@@ -54,12 +54,9 @@ from phalanx.runtime.durable import fsync_tree
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 2  # bump when the cache layout changes meaning (a change in masking code changes the key itself)
+CACHE_VERSION = 3  # bump when the cache layout changes meaning (a change in masking code changes the key itself)
 MAX_SKIP_REASONS = 10
 _HASH_CONTENT_UP_TO = 64 * 2**20
-_FEATURES = datasets.Features(
-    {"input_ids": datasets.List(datasets.Value("int32")), "labels": datasets.List(datasets.Value("int32"))}
-)
 
 
 @dataclass
@@ -93,8 +90,8 @@ class DataReport:
 
 @dataclass
 class PreparedData:
-    train: datasets.Dataset  # columns input_ids, labels (lists of ints)
-    eval: Optional[datasets.Dataset]
+    train: TokenizedRows
+    eval: Optional[TokenizedRows]
     report: DataReport
 
 
@@ -118,9 +115,10 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, *, seed: int, cache_root: Path
         train, eval_, report = _build(cfg, tokenizer, seed, train_source, eval_source)
         tmp = cache_root / f"{key}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
-            _dataset(train).save_to_disk(str(tmp / "train"))
+            tmp.mkdir()
+            TokenizedRows.from_examples(train).write(tmp / "train.arrow")
             if eval_ is not None:
-                _dataset(eval_).save_to_disk(str(tmp / "eval"))
+                TokenizedRows.from_examples(eval_).write(tmp / "eval.arrow")
             (tmp / "report.json").write_text(json.dumps(report, indent=2))
             fsync_tree(tmp)
             os.replace(tmp, final)
@@ -563,18 +561,11 @@ def _split(rows: list[tuple[int, dict]], test_size: float, seed: int, n_read: in
 # ---------------------------------------------------------------------------- storage
 
 
-def _dataset(examples: list[dict]) -> datasets.Dataset:
-    return datasets.Dataset.from_dict(
-        {"input_ids": [ex["input_ids"] for ex in examples], "labels": [ex["labels"] for ex in examples]},
-        features=_FEATURES,
-    )
-
-
 def _load(folder: Path, *, cache_hit: bool) -> PreparedData:
     fields = json.loads((folder / "report.json").read_text())
     report = DataReport(**fields, cache_hit=cache_hit, cache_dir=str(folder))
-    train = datasets.load_from_disk(str(folder / "train"))
-    eval_ = datasets.load_from_disk(str(folder / "eval")) if (folder / "eval").is_dir() else None
+    train = TokenizedRows.read(folder / "train.arrow")
+    eval_ = TokenizedRows.read(folder / "eval.arrow") if (folder / "eval.arrow").is_file() else None
     return PreparedData(train=train, eval=eval_, report=report)
 
 

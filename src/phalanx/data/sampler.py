@@ -282,7 +282,7 @@ class WithPaddingRows(Dataset):
 
     def __getitems__(self, indices: list[int]) -> list[dict]:
         rows = [index % self.num_rows for index in indices]
-        fetch = getattr(self.rows, "__getitems__", None)  # a datasets.Dataset reads many rows in one go
+        fetch = getattr(self.rows, "__getitems__", None)  # containers that read a batch of rows in one call
         examples = fetch(rows) if fetch is not None else [self.rows[row] for row in rows]
         return [
             {**example, "labels": [IGNORE_INDEX] * len(example["labels"])} if index >= self.num_rows else example

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 
 def quiet_import_notes() -> None:
     """Before anything imports peft: on CPUs with AVX512-bf16, importing bitsandbytes (peft does) warns that an
@@ -21,11 +24,14 @@ def quiet_libraries() -> None:
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     quiet_import_notes()
+    # datasets reads this as it imports (only a Hub name or a save_to_disk source needs it: a rank reading the
+    # tokenized cache never does), and the ranks a command starts inherit it.
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].disable_progress_bars()
     try:
-        import datasets
         import transformers
 
-        datasets.disable_progress_bars()
         transformers.utils.logging.disable_progress_bar()
         transformers.utils.logging.set_verbosity_error()
     except ImportError:
