@@ -1,6 +1,7 @@
 """The tokenized cache's rows: what is written is read back row for row, and reading it imports neither datasets nor
 pandas (the ranks that read it start without them)."""
 
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -27,6 +28,10 @@ def test_rows_round_trip_through_the_file(tmp_path):
     assert rows["labels"] == [e["labels"] for e in EXAMPLES]
     with pytest.raises(IndexError, match="row 3 of 3"):
         rows[3]
+    # A loader worker that is spawned, not forked, gets the file's name and maps it again, not a copy of the rows.
+    sent = pickle.dumps(rows)
+    assert len(sent) < 1000 and pickle.loads(sent)[2] == EXAMPLES[2]
+    assert pickle.loads(pickle.dumps(TokenizedRows.from_examples(EXAMPLES)))[1] == EXAMPLES[1]
 
 
 def test_an_empty_split_round_trips(tmp_path):

@@ -8,7 +8,7 @@ Rows are fetched as zero-copy slices: `Table.take` and `pa.array` on Python valu
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import pyarrow as pa
 
@@ -20,8 +20,14 @@ class TokenizedRows:
     """A split's rows: `rows[i]` and `rows.__getitems__(indices)` give {column: ids} dicts (the DataLoader asks for
     a micro-batch's rows in one call), `rows["input_ids"]` a whole column as lists."""
 
-    def __init__(self, table: pa.Table):
+    def __init__(self, table: pa.Table, path: Optional[Path] = None):
         self.table = table
+        self.path = path  # the file it was read from: a loader worker that is not forked opens it again
+
+    def __reduce__(self):
+        if self.path is not None:
+            return TokenizedRows.read, (self.path,)
+        return TokenizedRows, (self.table,)
 
     @classmethod
     def from_examples(cls, examples: list[dict]) -> "TokenizedRows":
@@ -33,7 +39,7 @@ class TokenizedRows:
     @classmethod
     def read(cls, path: Path) -> "TokenizedRows":
         # The table's buffers point into the map, which stays open as long as they are referenced.
-        return cls(pa.ipc.open_file(pa.memory_map(str(path))).read_all())
+        return cls(pa.ipc.open_file(pa.memory_map(str(path))).read_all(), Path(path))
 
     def write(self, path: Path) -> None:
         with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, _SCHEMA) as writer:
