@@ -487,6 +487,7 @@ def hf_worker(spec_path: str, kind: str = "hf") -> None:
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
     from phalanx.data.collate import pad_batch
+    from phalanx.data.rows import TokenizedRows
 
     spec = json.loads(Path(spec_path).read_text())
     out_dir = Path(spec_path).parent
@@ -495,7 +496,8 @@ def hf_worker(spec_path: str, kind: str = "hf") -> None:
     transformers.utils.logging.set_verbosity_error()
     datasets.disable_progress_bars()
 
-    rows = datasets.load_from_disk(spec["train_dir"]).select(spec["global_order"])
+    # The same tokenized rows as phalanx's, in the plan's order, as the datasets.Dataset Trainer and TRL expect.
+    rows = datasets.Dataset.from_list(TokenizedRows.read(Path(spec["train_rows"])).__getitems__(spec["global_order"]))
     seen: list[list[int]] = []  # row lengths of every micro-batch this rank collated, in order
 
     def collate(examples):
@@ -1054,7 +1056,7 @@ def main(argv=None) -> None:
     spec = {
         "cuda": gpu,
         "model_path": model_path,
-        "train_dir": str(Path(data.report.cache_dir) / "train"),
+        "train_rows": str(Path(data.report.cache_dir) / "train.arrow"),
         "global_order": plan.global_order(),
         "pad_token_id": tokenizer.pad_token_id,
         "seed": args.seed,
