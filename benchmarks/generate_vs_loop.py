@@ -29,7 +29,9 @@ would take minutes of device time. The phalanx arm always generates every pair.
 The phalanx arm's time is also split: its prefills (each distinct prompt alone, timed with a device sync around
 each) against its decode steps (how many, the mean rows per step, ms per step), so a slow arm says where.
 
-Not measured here: the GPU path with a static KV cache / torch.compile (not built).
+`--kv_caches` runs the phalanx arm once per decoding cache (default both): `growing` (finished rows leave the
+batch; one device sync per step) and `fixed` (a preallocated cache; on CUDA each decoding step is one CUDA graph
+replay, and the stop flags are read every few steps). Both draw the same tokens for the same rows.
 
 Run from the repository root:
   .venv/bin/python benchmarks/generate_vs_loop.py                       # 16 prompts x 4, 64 new tokens
@@ -134,6 +136,11 @@ def parse_args(argv):
         default=0,
         help="run the loops on this many (prompt, sequence) pairs, round-robin over the prompts (0: all)",
     )
+    p.add_argument(
+        "--kv_caches",
+        default="growing,fixed",
+        help="phalanx arms, one per decoding cache (comma-separated: growing, fixed)",
+    )
     p.add_argument("--no-results", dest="no_results", action="store_true", help="do not append to RESULTS.md")
     p.add_argument("--note", default="", help="free text for the RESULTS.md entry")
     return p.parse_args(argv)
@@ -145,11 +152,12 @@ def main(argv=None) -> None:
     import torch
     import transformers
 
-    from phalanx.generate import engine
+    from phalanx.generate import engine, static_decode
     from phalanx.generate.engine import generate_with_fallback
     from phalanx.generate.job import DTYPES, generation_stop_ids, plan_batches, resolve_dtype
     from phalanx.generate.prompts import read_prompts
     from phalanx.generate.sampling import SamplingParams
+    from phalanx.generate.static_decode import choose_decoder
     from phalanx.models.load import load_model, load_tokenizer
 
     transformers.utils.logging.set_verbosity_error()
@@ -178,6 +186,8 @@ def main(argv=None) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
+    caches = [c.strip() for c in args.kv_caches.split(",") if c.strip()]
+    decoders = {cache: choose_decoder(cache, model, flag="--kv_caches", warn=print) for cache in caches}
     split = {"prefill_s": 0.0, "prefills": 0, "decode_steps": 0, "decode_rows": 0}
     prefill = engine._prefill
 
@@ -196,22 +206,40 @@ def main(argv=None) -> None:
             split["decode_steps"] += 1
             split["decode_rows"] += ids.shape[0]
 
-    def phalanx_arm(pairs_batches):
+    run_step = static_decode._Batch.run_step
+
+    def counted_run_step(batch):  # a CUDA graph replay runs no Python forward for the hook above to see
+        if batch.graph is not None:
+            split["decode_steps"] += 1
+            split["decode_rows"] += batch.rows
+        return run_step(batch)
+
+    def phalanx_arm(pairs_batches, cache: str):
         tokens = 0
         ids = {p.id: list(p.input_ids) for p in prompts}
         for key in split:
             split[key] = 0
         engine._prefill = timed_prefill
+        static_decode._Batch.run_step = counted_run_step
         hook = model.register_forward_pre_hook(count_decode_step, with_kwargs=True)
         try:
             for pairs in pairs_batches:
                 finished, _ = generate_with_fallback(
-                    model, ids, pairs, params, stops, tok.pad_token_id, args.batch_size, vocab_limit=vocab
+                    model,
+                    ids,
+                    pairs,
+                    params,
+                    stops,
+                    tok.pad_token_id,
+                    args.batch_size,
+                    vocab_limit=vocab,
+                    decoder=decoders[cache],
                 )
                 tokens += sum(f.computed_tokens for f in finished)
             sync()
         finally:
             engine._prefill = prefill
+            static_decode._Batch.run_step = run_step
             hook.remove()
         return tokens
 
@@ -262,25 +290,39 @@ def main(argv=None) -> None:
     # cache reordering: on CPU a first round without it took 2.1x the second), and one call of the loop.
     warm_ids = {p.id: list(p.input_ids) for p in prompts}
     short = SamplingParams(**{**params.as_dict(), "max_new_tokens": min(4, args.max_new_tokens)})
-    generate_with_fallback(
-        model, warm_ids, batches[0], short, stops, tok.pad_token_id, args.batch_size, vocab_limit=vocab
-    )
+    for decoder in decoders.values():  # the fixed cache captures its CUDA graph for the first batch's shape here
+        generate_with_fallback(
+            model,
+            warm_ids,
+            batches[0],
+            short,
+            stops,
+            tok.pad_token_id,
+            args.batch_size,
+            vocab_limit=vocab,
+            decoder=decoder,
+        )
     with torch.inference_mode():
         w = torch.tensor([prompts[0].input_ids], device=device)
         model.generate(input_ids=w, attention_mask=torch.ones_like(w), **{**hf_kwargs, "max_new_tokens": 4})
     sync()
-    runs = [
-        (f"phalanx batched (batch_size {args.batch_size}, {len(batches)} batches)", lambda: phalanx_arm(batches)),
-        ("loop: model.generate, one prompt, one sequence per call", lambda: loop_arm(1)),
+    phalanx_runs = [
+        (
+            f"phalanx batched, {cache} KV cache (batch_size {args.batch_size}, {len(batches)} batches)",
+            lambda cache=cache: phalanx_arm(batches, cache),
+        )
+        for cache in caches
     ]
+    loop_label = "loop: model.generate, one prompt, one sequence per call"
+    runs = [*phalanx_runs, (loop_label, lambda: loop_arm(1))]
     if not args.skip_k_loop and k > 1:
         runs.append((f"loop: model.generate, one prompt, num_return_sequences={k}", lambda: loop_arm(k)))
-    sequences = {runs[0][0]: len(prompts) * k}
-    sequences.update({label: len(loop_calls(1)) for label, _ in runs[1:2]})
-    sequences.update({label: len(loop_calls(k)) * k for label, _ in runs[2:]})
+    sequences = {label: len(prompts) * k for label, _ in phalanx_runs}
+    sequences[loop_label] = len(loop_calls(1))
+    sequences.update({label: len(loop_calls(k)) * k for label, _ in runs[len(phalanx_runs) + 1 :]})
     # Rounds interleave the arms, so load from other processes falls on all of them alike; the median counts.
     timings: dict[str, list] = {label: [] for label, _ in runs}
-    splits: list[dict] = []
+    splits: dict[str, list[dict]] = {label: [] for label, _ in phalanx_runs}
 
     def phalanx_split(x: dict) -> str:
         decode = x["wall"] - x["prefill_s"]
@@ -299,15 +341,15 @@ def main(argv=None) -> None:
                 tokens = fn()
             timings[label].append((t.wall, tokens, t.others))
             print(f"round {round_ + 1}: {label}: {tokens} tokens in {t.wall:.2f}s")
-            if label == runs[0][0]:
-                splits.append(dict(split, wall=t.wall))
-                print(f"round {round_ + 1}: {phalanx_split(splits[-1])}")
+            if label in splits:
+                splits[label].append(dict(split, wall=t.wall))
+                print(f"round {round_ + 1}: {phalanx_split(splits[label][-1])}")
 
     def median(label):
         ordered = sorted(timings[label], key=lambda x: x[0])
         return ordered[len(ordered) // 2]
 
-    base_wall, base_tokens, _ = median(runs[1][0])
+    base_wall, base_tokens, _ = median(loop_label)
     base_rate = base_tokens / base_wall
     lines = []
     for label, _ in runs:
@@ -324,9 +366,11 @@ def main(argv=None) -> None:
         "|---|---|---|---|---|---|---|",
     ]
     print("\n".join(header + lines))
-    wall, tokens, _ = median(runs[0][0])
-    ratio = (tokens / wall) / base_rate
-    print(f"phalanx batched / one-at-a-time loop: {ratio:.2f}x tokens/s")
+    ratios = {}
+    for label, _ in phalanx_runs:
+        wall, tokens, _ = median(label)
+        ratios[label] = (tokens / wall) / base_rate
+        print(f"{label} / one-at-a-time loop: {ratios[label]:.2f}x tokens/s")
 
     if args.no_results:
         return
@@ -346,10 +390,15 @@ def main(argv=None) -> None:
         *header,
         *lines,
         "",
-        f"**phalanx batched: {ratio:.2f}x the tokens/s of the one-prompt-at-a-time `model.generate` loop.** "
-        "GPU static KV cache / `torch.compile` path: not built.",
+        "**"
+        + "; ".join(f"{label.split(' (')[0]}: {ratio:.2f}x" for label, ratio in ratios.items())
+        + " the tokens/s of the one-prompt-at-a-time `model.generate` loop.**",
         "",
-        f"{phalanx_split(sorted(splits, key=lambda x: x['wall'])[len(splits) // 2])} (median round).",
+        *(
+            f"{label.split(' (')[0]}: {phalanx_split(sorted(rounds, key=lambda x: x['wall'])[len(rounds) // 2])} "
+            "(median round)."
+            for label, rounds in splits.items()
+        ),
     ]
     if args.note:
         entry += ["", args.note]

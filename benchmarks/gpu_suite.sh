@@ -64,12 +64,14 @@ PY
       step phalanx-arms 110 python3 benchmarks/phalanx_arms.py --gpu-shape r1-distill-qwen-1.5b \
         --arms "${ARMS:-qlora,full,lora-plain}" --steps 10 --warmup 4 --arm-timeout 45 \
         --work_dir /tmp/phalanx-bench --note "gpu_suite arms"
-      # Generation at the seeds' shape (25 sequences per question, batch 38), two rounds: the 2026-11-26 run (16 rows,
-      # one round) decoded at ~131 ms per step, unexplained; the arm's prefill/decode split now says where time goes.
-      # The loop's tokens/s does not depend on how many sequences it runs, so it runs 8 (round-robin over prompts).
-      step generate 100 python3 benchmarks/generate_vs_loop.py --device cuda --dtype bfloat16 \
+      # Generation at the seeds' shape (25 sequences per question, batch 38), two rounds, both decoding caches: the
+      # 2026-11-26 run (growing cache, 16 rows, one round) decoded at ~131 ms per step, nearly all host time; the fixed
+      # cache replays one CUDA graph per step. Each phalanx arm's prefill/decode split says where time goes.
+      # The loop's tokens/s does not depend on how many sequences it runs, so it runs 4 (round-robin over prompts).
+      step generate 140 python3 benchmarks/generate_vs_loop.py --device cuda --dtype bfloat16 \
         --model_name /tmp/phalanx-bench/r1-distill-qwen-1.5b-random --num_questions 4 --num_sequences_per_question 25 \
-        --batch_size 38 --loop_sequences 8 --repeats 2 --skip-k-loop --note "gpu_suite arms: the seeds' generation shape"
+        --batch_size 38 --loop_sequences 4 --repeats 2 --skip-k-loop --kv_caches growing,fixed \
+        --note "gpu_suite arms: the seeds' generation shape"
       # Compiled layers: its warm-up outlasted a 65 s box on 2026-11-26, so a long box and 40 steps, 20 of them warm-up.
       # TORCH_LOGS=recompiles: the log says whether packed micro-batches of other lengths recompile the layers.
       step lora-compile 130 env TORCH_LOGS=recompiles python3 benchmarks/phalanx_arms.py --gpu-shape r1-distill-qwen-1.5b --arms lora-compile \

@@ -8,6 +8,7 @@ import torch
 from phalanx.errors import PhalanxError
 from phalanx.generate.engine import generate_rows, generate_with_fallback, stop_token_ids
 from phalanx.generate.sampling import SamplingParams, next_tokens, row_seed, row_uniforms
+from phalanx.generate.static_decode import StaticDecoder
 from phalanx.models.load import load_model, load_tokenizer
 
 MODEL = "embedded:tiny-qwen3"
@@ -41,7 +42,17 @@ def prompts(tiny):
     ]
 
 
-def run(model, tok, prompts, pairs, params, stops=None):
+@pytest.fixture(params=["growing", "fixed"])
+def decoding(request):
+    """Each decoding loop: the growing cache that finished rows leave, and the fixed-size one (CUDA graphs on CUDA)."""
+    return request.param
+
+
+def decoder_for(decoding: str):
+    return StaticDecoder() if decoding == "fixed" else None
+
+
+def run(model, tok, prompts, pairs, params, stops=None, decoder=None):
     distinct = sorted({p for p, _ in pairs})
     at = {p: i for i, p in enumerate(distinct)}
     return generate_rows(
@@ -53,6 +64,7 @@ def run(model, tok, prompts, pairs, params, stops=None):
         stop_token_ids(tok, model.generation_config) if stops is None else stops,
         tok.pad_token_id,
         len(tok),
+        decoder,
     )
 
 
@@ -86,12 +98,14 @@ def test_sampling_is_inverse_cdf_over_filtered_rows():
     )
 
 
-def test_batch_mates_padding_and_shared_prefill_change_nothing(tiny, prompts):
+def test_batch_mates_padding_and_shared_prefill_change_nothing(tiny, prompts, decoding):
     model, tok = tiny
     params = SamplingParams(max_new_tokens=24, temperature=1.0, top_p=0.95, top_k=50, seed=5)
     pairs = [(p, s) for p in range(len(prompts)) for s in range(3)]
-    together = run(model, tok, prompts, pairs, params)  # 4 prompts, left-padded, 3 rows each share a prefill
-    alone = [run(model, tok, prompts, [pair], params)[0] for pair in pairs]
+    decoder = decoder_for(decoding)  # one decoder for every call: its buffers are reused across batch shapes
+    together = run(model, tok, prompts, pairs, params, decoder=decoder)  # left-padded, 3 rows each share a prefill
+    alone = [run(model, tok, prompts, [pair], params, decoder=decoder)[0] for pair in pairs]
+    assert [r.tokens for r in run(model, tok, prompts, pairs, params, decoder=decoder)] == [r.tokens for r in together]
     assert [r.tokens for r in together] == [r.tokens for r in alone]
     assert [r.finish_reason for r in together] == [r.finish_reason for r in alone]
     # Sequences of one prompt differ (own streams); every row has tokens or stopped.
@@ -103,10 +117,10 @@ def test_batch_mates_padding_and_shared_prefill_change_nothing(tiny, prompts):
     assert [r.tokens for r in other] != [r.tokens for r in together]
 
 
-def test_greedy_matches_hf_generate_with_left_padding(tiny, prompts):
+def test_greedy_matches_hf_generate_with_left_padding(tiny, prompts, decoding):
     model, tok = tiny
     params = SamplingParams(max_new_tokens=12, temperature=0)
-    ours = run(model, tok, prompts, [(0, 0), (1, 0), (3, 0)], params, stops=[])
+    ours = run(model, tok, prompts, [(0, 0), (1, 0), (3, 0)], params, stops=[], decoder=decoder_for(decoding))
     longest = max(len(prompts[i]) for i in (0, 1, 3))
     ids = torch.tensor([[tok.pad_token_id] * (longest - len(prompts[i])) + prompts[i] for i in (0, 1, 3)])
     mask = (torch.arange(longest) >= torch.tensor([longest - len(prompts[i]) for i in (0, 1, 3)])[:, None]).long()
@@ -123,13 +137,14 @@ def test_greedy_matches_hf_generate_with_left_padding(tiny, prompts):
     assert all(r.finish_reason == "length" for r in ours)
 
 
-def test_rows_stop_at_a_stop_token_and_leave_the_batch(tiny, prompts):
+def test_rows_stop_at_a_stop_token_and_leave_the_batch(tiny, prompts, decoding):
     model, tok = tiny
     params = SamplingParams(max_new_tokens=16, temperature=0)
-    free = run(model, tok, prompts, [(0, 0), (2, 0)], params, stops=[])
+    decoder = decoder_for(decoding)
+    free = run(model, tok, prompts, [(0, 0), (2, 0)], params, stops=[], decoder=decoder)
     stop = free[0].tokens[5]
     first = free[0].tokens.index(stop)
-    stopped = run(model, tok, prompts, [(0, 0), (2, 0)], params, stops=[stop])
+    stopped = run(model, tok, prompts, [(0, 0), (2, 0)], params, stops=[stop], decoder=decoder)
     assert stopped[0].tokens == free[0].tokens[:first] and stopped[0].finish_reason == "stop"
     assert stopped[0].computed_tokens == first + 1
     # The other row goes on as before (until it meets the same token, if it does).
@@ -157,7 +172,7 @@ class OomAbove(torch.nn.Module):
         return self.inner(input_ids=input_ids, **kwargs)
 
 
-def test_out_of_memory_halves_the_batch_and_keeps_the_results(tiny, prompts):
+def test_out_of_memory_halves_the_batch_and_keeps_the_results(tiny, prompts, decoding):
     model, tok = tiny
     params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=3)
     pairs = [(p, s) for p in range(3) for s in range(3)]
@@ -179,6 +194,7 @@ def test_out_of_memory_halves_the_batch_and_keeps_the_results(tiny, prompts):
         8,
         lambda old, new: shrinks.append((old, new)),
         vocab_limit=len(tok),
+        decoder=decoder_for(decoding),
     )
     assert shrinks == [(8, 4), (4, 2)] and size == 2
     assert max(flaky.calls[-3:]) <= 2
@@ -213,7 +229,7 @@ def test_the_cache_goes_by_the_name_the_installed_transformers_takes(tiny, promp
     take only `past_key_values`. The engine passes whichever the model (or the model inside a wrapper) declares."""
     import warnings
 
-    from phalanx.generate.engine import _cache_keyword
+    from phalanx.generate.kv_cache import cache_keyword as _cache_keyword
 
     model, tok = tiny
     declared = inspect.signature(type(model).forward).parameters
@@ -230,3 +246,94 @@ def test_the_cache_goes_by_the_name_the_installed_transformers_takes(tiny, promp
         warnings.simplefilter("error", FutureWarning)  # no deprecated keyword reaches the model
         out = run(model, tok, prompts, [(0, 0), (1, 0)], SamplingParams(max_new_tokens=4, temperature=0, seed=1))
     assert all(r.computed_tokens >= 1 for r in out)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_the_fixed_cache_draws_what_the_growing_one_draws(tiny, prompts, attention):
+    """Same rows, same streams, stops in the middle: the fixed-size cache (its 4-D mask built for the model's
+    attention) gives every row the tokens and finish reason the growing cache gives it."""
+    model, tok = tiny
+    params = SamplingParams(max_new_tokens=30, temperature=0.9, top_p=0.9, seed=11)
+    pairs = [(p, s) for p in range(len(prompts)) for s in range(2)]
+    free = run(model, tok, prompts, pairs, params, stops=[])
+    stop = free[0].tokens[7]  # a token some rows meet early and others late or never
+    saved = model.config._attn_implementation
+    model.config._attn_implementation = attention
+    try:
+        growing = run(model, tok, prompts, pairs, params, stops=[stop])
+        fixed = run(model, tok, prompts, pairs, params, stops=[stop], decoder=StaticDecoder())
+    finally:
+        model.config._attn_implementation = saved
+    assert [(r.tokens, r.finish_reason) for r in fixed] == [(r.tokens, r.finish_reason) for r in growing]
+    assert {r.finish_reason for r in growing} == {"stop", "length"}
+
+
+def test_the_fixed_cache_ends_at_the_first_look_that_finds_every_row_stopped(tiny, prompts):
+    """Rows that stop stay in the fixed batch; the loop looks at the stop flags every CHECK_EVERY steps, so a batch
+    whose rows all stop by step 4 runs CHECK_EVERY - 1 decoding forwards, not max_new_tokens."""
+    from phalanx.generate.static_decode import CHECK_EVERY
+
+    model, tok = tiny
+    params = SamplingParams(max_new_tokens=40, temperature=0)
+    pairs = [(0, 0), (2, 0)]
+    free = run(model, tok, prompts, pairs, params, stops=[])
+    stops = [free[0].tokens[3], free[1].tokens[2]]
+    decoding_forwards = []
+    hook = model.register_forward_pre_hook(
+        lambda _m, _a, kw: decoding_forwards.append(1) if kw["input_ids"].shape[1] == 1 else None, with_kwargs=True
+    )
+    try:
+        got = run(model, tok, prompts, pairs, params, stops=stops, decoder=StaticDecoder())
+    finally:
+        hook.remove()
+    assert [r.finish_reason for r in got] == ["stop", "stop"]
+    assert got == run(model, tok, prompts, pairs, params, stops=stops)
+    assert len(decoding_forwards) == CHECK_EVERY - 1
+
+
+def test_kv_cache_choice_names_what_a_model_cannot_do(tiny):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from phalanx.errors import ConfigError
+    from phalanx.generate.kv_cache import fixed_cache_problem
+    from phalanx.generate.static_decode import choose_decoder
+
+    model, _ = tiny
+    assert choose_decoder("auto", model) is None  # CPU: the growing cache, whose finished rows leave the batch
+    assert choose_decoder("growing", model) is None
+    assert isinstance(choose_decoder("fixed", model), StaticDecoder)
+    with pytest.raises(ConfigError, match="--kv_cache 'static': expected one of auto, fixed, growing"):
+        choose_decoder("static", model)
+    windowed = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            use_sliding_window=True,
+            sliding_window=16,
+            max_window_layers=0,
+        )
+    )
+    assert "DynamicSlidingWindowLayer" in fixed_cache_problem(windowed)
+    with pytest.raises(ConfigError, match="--kv_cache fixed: this model cannot .*sliding-window.*; use growing"):
+        choose_decoder("fixed", windowed)
+    assert choose_decoder("auto", windowed) is None
+    windowed.config._attn_implementation = "flash_attention_2"
+    assert "'flash_attention_2'" in fixed_cache_problem(windowed)
+
+
+def test_a_graph_capture_that_fails_leaves_the_eager_step(tiny, prompts):
+    """No CUDA here, so capture fails; the decoder says so once and decodes eagerly, drawing the same tokens."""
+    model, tok = tiny
+    said = []
+    decoder = StaticDecoder(warn=said.append)
+    params = SamplingParams(max_new_tokens=10, temperature=0.8, seed=2)
+    pairs = [(1, 0), (3, 0)]
+    reference = run(model, tok, prompts, pairs, params, decoder=decoder)
+    decoder._batch.capture(said.append)
+    assert len(said) == 1 and said[0].startswith("⚠️  CUDA graph capture of the decoding step failed (")
+    assert decoder._batch.graph is None
+    assert run(model, tok, prompts, pairs, params, decoder=decoder) == reference

@@ -92,7 +92,11 @@ def runs(tmp_path_factory):
     prompts = write_prompts(root / "prompts.jsonl")
     one = run_phalanx(*generate_args(prompts, root / "w1" / "traj_chat.jsonl"))
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
-    two = run_phalanx(*generate_args(prompts, root / "w2" / "traj_chat.jsonl", "--world_size", "2"))
+    # The second job also decodes over the fixed-size cache (a CUDA graph per step on CUDA; eager here), which must
+    # not change a byte either.
+    two = run_phalanx(
+        *generate_args(prompts, root / "w2" / "traj_chat.jsonl", "--world_size", "2", "--kv_cache", "fixed")
+    )
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     return root, prompts, one, two
 
@@ -101,8 +105,9 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
 
 
-def test_one_and_two_ranks_write_identical_files(runs):
+def test_one_rank_and_two_ranks_over_the_fixed_cache_write_identical_files(runs):
     root, _, one, two = runs
+    assert "KV cache: fixed size" in two.stdout and "KV cache" not in one.stdout
     for name in ("traj_chat.jsonl", "traj_val.jsonl"):
         assert (root / "w1" / name).read_bytes() == (root / "w2" / name).read_bytes(), name
     assert sorted(p.name for p in (root / "w2" / "traj_chat.jsonl.shards").iterdir()) == [

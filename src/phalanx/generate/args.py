@@ -88,6 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "float32", "bfloat16", "float16"],
         help="Model weights; auto is bfloat16 (or float16) on CUDA, float32 on CPU (fp32, bf16, fp16 also read).",
     )
+    add(
+        "kv_cache",
+        default="auto",
+        choices=["auto", "fixed", "growing"],
+        help="Decoding cache. fixed: preallocated, and on CUDA each decoding step is one CUDA graph replay; "
+        "growing: rows that finish leave the batch at once; auto (default): fixed on CUDA where the model "
+        "allows it (sdpa or eager attention, no sliding window), growing otherwise. Both draw the same tokens.",
+    )
     add("world_size", type=int, default=1, help="Ranks to start on this machine (ignored under torchrun).")
     add("master_port", type=int, default=None, help="Rendezvous port for --world_size (default: a free one).")
     add("timeout_minutes", type=float, default=30.0, help="How long a rank waits for the others at the end.")

@@ -126,6 +126,7 @@ def _generate(job, rank, done: set, say, preemption) -> dict:
     from phalanx.generate.engine import generate_with_fallback
     from phalanx.generate.job import load_generation_model, make_record, plan_batches, rank_batches
     from phalanx.generate.shards import ShardWriter, shard_path
+    from phalanx.generate.static_decode import choose_decoder
 
     batches = plan_batches(job.prompts, job.num_sequences, job.batch_size)
     total = sum(len(b) for b in batches)
@@ -157,9 +158,13 @@ def _generate(job, rank, done: set, say, preemption) -> dict:
     if not mine or stop_requested():
         return stats
     model = load_generation_model(job, rank.device)
+    prefix = "" if rank.is_main else f"[rank {rank.rank}] "
+    decoder = choose_decoder(job.kv_cache, model, warn=lambda message: print(f"{prefix}{message}", flush=True))
+    if decoder is not None:
+        graphs = " (one CUDA graph per decoding step)" if rank.device.type == "cuda" else ""
+        say(f"   KV cache: fixed size{graphs}; --kv_cache growing lets finished rows leave the batch instead")
     prompt_ids = {p.id: list(p.input_ids) for p in job.prompts}
     by_id = {p.id: p for p in job.prompts}
-    prefix = "" if rank.is_main else f"[rank {rank.rank}] "
 
     def shrink(old: int, new: int) -> None:
         stats["shrunk"] = True
@@ -183,6 +188,7 @@ def _generate(job, rank, done: set, say, preemption) -> dict:
                 micro,
                 shrink,
                 len(job.tokenizer),
+                decoder,
             )
             writer.commit(index, [make_record(job, by_id[p], s, f) for (p, s), f in zip(pairs, finished)])
             tokens = sum(f.computed_tokens for f in finished)

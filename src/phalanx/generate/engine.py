@@ -21,17 +21,17 @@ the batches that follow, and reports it.
 
 from __future__ import annotations
 
-import functools
-import inspect
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from phalanx.errors import PhalanxError
+from phalanx.generate.kv_cache import GrowingLayer, cache_keyword
 from phalanx.generate.sampling import SamplingParams, next_tokens, row_uniforms
+from phalanx.generate.static_decode import StaticDecoder
 
 # The end-of-turn tokens of common chat templates; any that the tokenizer knows also stop a row.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>", "</s>")
@@ -71,26 +71,48 @@ def generate_rows(
     stop_ids: Sequence[int],
     pad_id: int,
     vocab_limit: Optional[int] = None,
+    decoder: Optional[StaticDecoder] = None,
 ) -> list[Finished]:
     """Continue `prompts[row_prompt[i]]` for every row i, sampling row i from the stream of `pairs[i]`.
 
-    Ids at or above `vocab_limit` (len(tokenizer)) are never drawn.
+    Ids at or above `vocab_limit` (len(tokenizer)) are never drawn. With a `decoder`, the decoding steps run
+    over its fixed-size cache (one CUDA graph per step on CUDA); without, over a growing cache that finished
+    rows leave. Both draw the same tokens.
     """
     device = next(model.parameters()).device
-    logits, cache, mask = _prefill(model, prompts, device, room=params.max_new_tokens)
+    logits, states = _prefill(model, prompts, device)
     expand = torch.tensor(list(row_prompt), dtype=torch.long, device=device)
-    logits = logits[expand]
-    cache.reorder_cache(expand)  # index_select on the batch dimension: rows of one prompt share its prefill
-    mask = mask[expand]
-    next_position = torch.tensor([len(prompts[p]) for p in row_prompt], dtype=torch.long, device=device)
-
     uniforms = row_uniforms(list(pairs), params).to(device)
     stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
-    cache_keyword = _cache_keyword(model)
-    results: list[Optional[Finished]] = [None] * len(pairs)
-    tokens: list[list[int]] = [[] for _ in pairs]
-    active = torch.arange(len(pairs), device=device)  # slot -> row
-    rows = list(range(len(pairs)))  # slot -> row, on the host
+    if decoder is not None:
+        drawn, _ = decoder.decode(model, logits[expand], states, row_prompt, uniforms, params, stops, vocab_limit)
+        return [_cut_at_stop(row, set(stop_ids)) for row in drawn]
+    cache, mask = _side_by_side(model, states, room=params.max_new_tokens)
+    cache.reorder_cache(expand)  # index_select on the batch dimension: rows of one prompt share its prefill
+    next_position = torch.tensor([len(prompts[p]) for p in row_prompt], dtype=torch.long, device=device)
+    return _decode_growing(
+        model, logits[expand], cache, mask[expand], next_position, uniforms, stops, params, vocab_limit
+    )
+
+
+def _cut_at_stop(tokens: list[int], stops: set[int]) -> Finished:
+    """A row of the fixed-size decoder: its tokens up to the first stop token (what follows it is not the row's)."""
+    for i, token in enumerate(tokens):
+        if token in stops:
+            return Finished(tokens[:i], "stop")
+    return Finished(tokens, "length")
+
+
+def _decode_growing(
+    model, logits, cache, mask, next_position, uniforms, stops, params: SamplingParams, vocab_limit
+) -> list[Finished]:
+    """The decoding loop over a growing cache: one step per token, the rows that stop leave the batch at once."""
+    rows_total = logits.shape[0]
+    keyword = cache_keyword(model)
+    results: list[Optional[Finished]] = [None] * rows_total
+    tokens: list[list[int]] = [[] for _ in range(rows_total)]
+    active = torch.arange(rows_total, device=logits.device)  # slot -> row
+    rows = list(range(rows_total))  # slot -> row, on the host
     for step in range(params.max_new_tokens):
         chosen = next_tokens(logits, uniforms[active, step], params, vocab_limit)
         # One device-to-host copy per step (tokens and stop flags together): each copy waits for the device.
@@ -109,7 +131,7 @@ def generate_rows(
         if not keep:
             break
         if len(keep) < len(active):
-            index = torch.tensor(keep, dtype=torch.long, device=device)
+            index = torch.tensor(keep, dtype=torch.long, device=logits.device)
             cache.batch_select_indices(index)
             active, chosen, mask, next_position = active[index], chosen[index], mask[index], next_position[index]
             rows = [rows[slot] for slot in keep]
@@ -119,100 +141,51 @@ def generate_rows(
             attention_mask=mask,
             position_ids=next_position.unsqueeze(-1),
             use_cache=True,
-            **{cache_keyword: cache},
+            **{keyword: cache},
         )
         logits = out.logits[:, -1]
         next_position = next_position + 1
     return results  # type: ignore[return-value]
 
 
-def _prefill(model, prompts: Sequence[Sequence[int]], device: torch.device, room: int):
-    """Last-position logits [P, vocab], a KV cache left-padded to the longest prompt, and its attention mask.
+def _prefill(model, prompts: Sequence[Sequence[int]], device: torch.device):
+    """Each prompt's last-position logits [P, vocab] and its keys and values, [(keys, values)] per layer.
 
     Each prompt is prefilled alone: no padding to compute, the plain causal attention path, and
-    a prompt's cache does not depend on the prompts it is batched with. The caches are then laid
-    side by side, left-padded with zeros that the mask hides.
+    a prompt's cache does not depend on the prompts it is batched with.
     """
-    longest = max(len(p) for p in prompts)
-    mask = torch.zeros((len(prompts), longest), dtype=torch.long, device=device)
-    cache_keyword = _cache_keyword(model)
-    logits, layers = [], []
-    for i, ids in enumerate(prompts):
+    keyword = cache_keyword(model)
+    logits, states = [], []
+    for ids in prompts:
         cache = DynamicCache(config=model.config)
         out = model(
             input_ids=torch.tensor([list(ids)], dtype=torch.long, device=device),
             use_cache=True,
-            **{cache_keyword: cache},
+            **{keyword: cache},
             logits_to_keep=1,
         )
         logits.append(out.logits[:, -1])
-        layers.append([(layer.keys, layer.values) for layer in cache.layers])
-        mask[i, longest - len(ids) :] = 1
+        states.append([(layer.keys, layer.values) for layer in cache.layers])
+    return torch.cat(logits), states
+
+
+def _side_by_side(model, states, room: int):
+    """The prompts' caches laid side by side in one growing cache, left-padded with zeros, and the mask that hides
+    the padding [P, longest]."""
+    lengths = [prompt[0][0].shape[-2] for prompt in states]
+    longest = max(lengths)
+    device = states[0][0][0].device
+    mask = torch.zeros((len(states), longest), dtype=torch.long, device=device)
+    for i, length in enumerate(lengths):
+        mask[i, longest - length :] = 1
     merged = DynamicCache(config=model.config)
     # Plain full-attention layers (not sliding-window ones) get room to grow in place.
-    merged.layers = [_RoomyLayer(room) if type(layer) is DynamicLayer else layer for layer in merged.layers]
-    for index in range(len(layers[0])):
-        keys = [prompt_layers[index][0] for prompt_layers in layers]
-        values = [prompt_layers[index][1] for prompt_layers in layers]
+    merged.layers = [GrowingLayer(room) if type(layer) is DynamicLayer else layer for layer in merged.layers]
+    for index in range(len(states[0])):
+        keys = [prompt[index][0] for prompt in states]
+        values = [prompt[index][1] for prompt in states]
         merged.update(_left_pad(keys, longest), _left_pad(values, longest), index)
-    return torch.cat(logits), merged, mask
-
-
-def _cache_keyword(model: torch.nn.Module) -> str:
-    """The name under which the model takes its KV cache: `cache` from transformers 5.24 on (where `past_key_values`
-    warns that it goes away in 5.40), `past_key_values` before. Read from the first transformers model inside, so
-    wrappers that pass keywords through (PEFT's) get the name their base model takes."""
-    inner = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), model)
-    return _forward_cache_keyword(type(inner))
-
-
-@functools.cache
-def _forward_cache_keyword(model_class: type) -> str:
-    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
-
-
-class _RoomyLayer(DynamicLayer):
-    """A DynamicLayer that appends into spare room instead of copying the whole cache at every step.
-
-    DynamicLayer.update concatenates, so every decoding step copies the entire cache (as much memory
-    traffic as the attention itself; half the decoding time on CPU here). Here keys and values are
-    views into a buffer with `room` spare positions, and a step writes one position. Rows leaving
-    the batch are selected from the buffer, room included; any other replacement of the tensors
-    (reorder_cache) is noticed by the data pointer and moves into a fresh buffer at the next update.
-    """
-
-    def __init__(self, room: int):
-        super().__init__()
-        self.room = room
-        self.buffers: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized or self.keys.numel() == 0:
-            return super().update(key_states, value_states, *args, **kwargs)
-        used, adding = self.keys.shape[-2], key_states.shape[-2]
-        buffers = self.buffers
-        if (
-            buffers is None
-            or buffers[0].data_ptr() != self.keys.data_ptr()
-            or buffers[0].shape[0] != self.keys.shape[0]
-            or buffers[0].shape[-2] < used + adding
-        ):
-            size = (*self.keys.shape[:-2], used + max(adding, self.room), self.keys.shape[-1])
-            buffers = (self.keys.new_empty(size), self.values.new_empty(size))
-            buffers[0][..., :used, :] = self.keys
-            buffers[1][..., :used, :] = self.values
-            self.buffers = buffers
-        buffers[0][..., used : used + adding, :] = key_states
-        buffers[1][..., used : used + adding, :] = value_states
-        self.keys, self.values = buffers[0][..., : used + adding, :], buffers[1][..., : used + adding, :]
-        return self.keys, self.values
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.buffers is None or self.buffers[0].data_ptr() != self.keys.data_ptr():
-            return super().batch_select_indices(indices)
-        used = self.keys.shape[-2]
-        self.buffers = (self.buffers[0][indices], self.buffers[1][indices])
-        self.keys, self.values = self.buffers[0][..., :used, :], self.buffers[1][..., :used, :]
+    return merged, mask
 
 
 def _left_pad(states: list[torch.Tensor], length: int) -> torch.Tensor:
@@ -238,6 +211,7 @@ def generate_with_fallback(
     micro_batch: int,
     on_shrink: Callable[[int, int], None] = lambda old, new: None,
     vocab_limit: Optional[int] = None,
+    decoder: Optional[StaticDecoder] = None,
 ) -> tuple[list[Finished], int]:
     """Generate every (prompt id, sequence index) of `pairs` in chunks of at most `micro_batch` rows.
 
@@ -261,6 +235,7 @@ def generate_with_fallback(
                 stop_ids,
                 pad_id,
                 vocab_limit,
+                decoder,
             )
         except Exception as exc:  # noqa: BLE001 - only out-of-memory is handled, the rest re-raised
             if not is_out_of_memory(exc):
@@ -269,6 +244,8 @@ def generate_with_fallback(
             start += len(chunk)
             continue
         # Out of the except block, so the failed attempt's tensors are no longer referenced.
+        if decoder is not None:
+            decoder.release()  # its cache (and graph) was sized for the batch that did not fit
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         if micro_batch == 1:

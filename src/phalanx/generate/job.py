@@ -45,6 +45,7 @@ class Job:
     val_fraction: float
     folder: Path
     settings: dict  # what the records depend on; a resume must match it exactly
+    kv_cache: str = "auto"  # the decoding cache (--kv_cache); not a setting: both caches draw the same tokens
 
     def pairs(self) -> list[tuple[int, int]]:
         return [(p.id, s) for p in self.prompts for s in range(self.num_sequences)]
@@ -196,6 +197,7 @@ def plan_job(args, warn: Callable[[str], None]) -> Job:
         val_fraction=args.val_fraction,
         folder=shard_dir(output),
         settings=settings,
+        kv_cache=args.kv_cache,
     )
 
 

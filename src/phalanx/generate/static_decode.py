@@ -1,0 +1,218 @@
+"""Decoding over a KV cache of fixed size, so that on CUDA a decoding step is one CUDA graph replay.
+
+A decoding step of a 1.5B model at a few dozen rows is a few milliseconds of GPU work but several
+hundred kernel launches, each issued by Python through transformers' modules: on an H100 the
+growing-cache loop (engine.py) spent about 131 ms per step, nearly all of it on the host. Here every
+tensor a step touches has a fixed shape and address:
+
+- the cache is preallocated, [rows, kv_heads, capacity, head_dim] per layer, each prompt's prefill
+  copied in right-aligned at `longest` (the padding before a short prompt is masked out), and step s
+  writes position `longest + s` of every row (one index tensor on the device, advanced in place);
+- the attention mask is a prepared [rows, 1, 1, capacity] tensor (transformers passes a 4-D mask
+  through untouched), opened one position per step, in place;
+- rows that finish stay in the batch (their tokens are ignored afterwards) and the tokens and stop
+  flags stay on the device: the host looks at them every CHECK_EVERY steps, not after every step.
+
+The same step runs eagerly on CPU (the tests compare it token for token with the growing-cache loop)
+and is captured once per batch shape as a CUDA graph on CUDA. Models this cannot serve (sliding-window
+or other non-plain cache layers, an attention other than sdpa/eager) are named by `kv_cache.fixed_cache_problem`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Optional, Sequence
+
+import torch
+from transformers import DynamicCache
+
+from phalanx.errors import ConfigError
+from phalanx.generate.kv_cache import FixedLayer, cache_keyword, fixed_cache_problem, inner_model
+from phalanx.generate.sampling import SamplingParams, next_tokens
+
+# How many decoding steps run between two looks at the stop flags (each look waits for the device).
+CHECK_EVERY = 8
+# Cache capacities are rounded up to this, so batches of similar prompt lengths reuse one captured graph.
+CAPACITY_STEP = 256
+
+
+class _Batch:
+    """Every tensor one batch shape decodes with, and the step (captured as a CUDA graph where there is one)."""
+
+    def __init__(self, model, rows: int, capacity: int, layer_shapes: list[tuple[torch.Size, torch.Size]], dtype):
+        device = next(model.parameters()).device
+        self.model, self.rows, self.capacity, self.device = model, rows, capacity, device
+        self.index = torch.zeros(1, dtype=torch.long, device=device)
+        self.keys = [torch.zeros((rows, k[1], capacity, k[3]), dtype=dtype, device=device) for k, _ in layer_shapes]
+        self.values = [torch.zeros((rows, v[1], capacity, v[3]), dtype=dtype, device=device) for _, v in layer_shapes]
+        self.cache = DynamicCache(config=inner_model(model).config)
+        self.cache.layers = [FixedLayer(k, v, self.index) for k, v in zip(self.keys, self.values)]
+        self.input_ids = torch.zeros((rows, 1), dtype=torch.long, device=device)
+        self.position_ids = torch.zeros((rows, 1), dtype=torch.long, device=device)
+        # sdpa takes a boolean mask (True = attend); eager attention adds the mask to its scores.
+        if inner_model(model).config._attn_implementation == "sdpa":
+            self.mask = torch.zeros((rows, 1, 1, capacity), dtype=torch.bool, device=device)
+            self.open, self.shut = True, False
+        else:
+            self.mask = torch.full((rows, 1, 1, capacity), torch.finfo(dtype).min, dtype=dtype, device=device)
+            self.open, self.shut = 0.0, torch.finfo(dtype).min
+        self.cache_keyword = cache_keyword(model)
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.logits: Optional[torch.Tensor] = None
+
+    def step(self) -> torch.Tensor:
+        """One decoding step from `input_ids`: open the written position, run the model, advance. Logits [rows, vocab]."""
+        self.mask.index_fill_(-1, self.index, self.open)
+        out = self.model(
+            input_ids=self.input_ids,
+            attention_mask=self.mask,
+            position_ids=self.position_ids,
+            use_cache=True,
+            **{self.cache_keyword: self.cache},
+        )
+        self.index.add_(1)
+        self.position_ids.add_(1)
+        return out.logits[:, -1]
+
+    def capture(self, warn: Callable[[str], None]) -> None:
+        """Record the step as a CUDA graph (after two eager runs on a side stream, which set up cuBLAS workspaces
+        and lazy state, as capture requires). What the runs wrote is overwritten by `load`."""
+        try:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self.step()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.logits = self.step()
+            self.graph = graph
+        except Exception as exc:  # noqa: BLE001 - any failure leaves the eager step, which is always correct
+            self.graph, self.logits = None, None
+            warn(f"⚠️  CUDA graph capture of the decoding step failed ({type(exc).__name__}: {exc}); decoding eagerly")
+
+    def run_step(self) -> torch.Tensor:
+        if self.graph is None:
+            return self.step()
+        self.graph.replay()
+        return self.logits  # type: ignore[return-value]
+
+    def load(self, prompt_states: list[list[tuple[torch.Tensor, torch.Tensor]]], row_prompt: Sequence[int]) -> int:
+        """Lay each row's prompt keys/values right-aligned at `longest`, open its positions; returns `longest`."""
+        lengths = [states[0][0].shape[-2] for states in prompt_states]
+        longest = max(lengths)
+        for buffer in (*self.keys, *self.values):
+            buffer.zero_()  # stale values are masked, but must be finite (0 x NaN is NaN)
+        self.mask.fill_(self.shut)
+        rows_of: dict[int, list[int]] = {}
+        for row, prompt in enumerate(row_prompt):
+            rows_of.setdefault(prompt, []).append(row)
+        for prompt, rows in rows_of.items():
+            index = torch.tensor(rows, dtype=torch.long, device=self.device)
+            start = longest - lengths[prompt]
+            for layer, (k, v) in enumerate(prompt_states[prompt]):
+                self.keys[layer][index, :, start:longest] = k
+                self.values[layer][index, :, start:longest] = v
+            self.mask[index, :, :, start:longest] = self.open
+        self.position_ids.copy_(
+            torch.tensor([[lengths[p]] for p in row_prompt], dtype=torch.long).to(self.device, non_blocking=True)
+        )
+        self.index.fill_(longest)
+        return longest
+
+
+class StaticDecoder:
+    """Decodes batches over fixed-size caches; keeps the last batch shape's buffers (and graph) for the next batch.
+
+    `graphs`: capture the step as a CUDA graph (only on CUDA). Only one shape is kept, so memory holds one cache.
+    """
+
+    def __init__(
+        self, graphs: bool = True, warn: Callable[[str], None] = lambda message: warnings.warn(message, stacklevel=2)
+    ):
+        self.graphs = graphs
+        self.warn = warn
+        self._batch: Optional[_Batch] = None
+
+    def release(self) -> None:
+        """Drop the kept cache and graph (after an out-of-memory error: the next batch is smaller)."""
+        self._batch = None
+
+    def _batch_for(self, model, rows: int, capacity: int, prompt_states) -> _Batch:
+        batch = self._batch
+        first = prompt_states[0]
+        dtype = first[0][0].dtype
+        if (
+            batch is None
+            or batch.model is not model
+            or (batch.rows, batch.capacity) != (rows, capacity)
+            or batch.keys[0].dtype != dtype
+        ):
+            self._batch = batch = None  # the old graph and cache go before the new ones are allocated
+            batch = _Batch(model, rows, capacity, [(k.shape, v.shape) for k, v in first], dtype)
+            if self.graphs and batch.device.type == "cuda":
+                batch.capture(self.warn)
+            self._batch = batch
+        return batch
+
+    def decode(
+        self,
+        model,
+        first_logits: torch.Tensor,
+        prompt_states: list[list[tuple[torch.Tensor, torch.Tensor]]],
+        row_prompt: Sequence[int],
+        uniforms: torch.Tensor,
+        params: SamplingParams,
+        stops: torch.Tensor,
+        vocab_limit: Optional[int],
+    ) -> tuple[list[list[int]], int]:
+        """Tokens [rows][steps] drawn from `first_logits` (each row's prompt's last logits) onwards, and the steps run.
+
+        Decoding ends after max_new_tokens steps, or at the first look at the stop flags that finds every row
+        stopped; a row's tokens after its first stop token are not its own (the caller cuts them)."""
+        rows = len(row_prompt)
+        longest = max(states[0][0].shape[-2] for states in prompt_states)
+        needed = longest + params.max_new_tokens
+        capacity = -(-needed // CAPACITY_STEP) * CAPACITY_STEP
+        batch = self._batch_for(model, rows, capacity, prompt_states)
+        batch.load(prompt_states, row_prompt)
+        device = batch.device
+        drawn = torch.empty((rows, params.max_new_tokens), dtype=torch.long, device=device)
+        stopped = torch.zeros(rows, dtype=torch.bool, device=device)
+        logits = first_logits
+        steps = 0
+        for step in range(params.max_new_tokens):
+            chosen = next_tokens(logits, uniforms[:, step], params, vocab_limit)
+            drawn[:, step] = chosen
+            steps = step + 1
+            if steps == params.max_new_tokens:
+                break
+            stopped |= torch.isin(chosen, stops)
+            if steps % CHECK_EVERY == 0 and bool(stopped.all()):
+                break
+            batch.input_ids.copy_(chosen.unsqueeze(-1))
+            logits = batch.run_step()
+        return drawn[:, :steps].tolist(), steps
+
+
+KV_CACHES = ("auto", "fixed", "growing")
+
+
+def choose_decoder(
+    kv_cache: str, model: torch.nn.Module, flag: str = "--kv_cache", warn: Optional[Callable[[str], None]] = None
+) -> Optional[StaticDecoder]:
+    """The decoder `kv_cache` asks for: a StaticDecoder for "fixed", None (the growing cache) for "growing"; "auto"
+    is fixed on CUDA where the model allows it (the step is bound by launching kernels there, which a graph
+    removes) and growing on CPU (where finished rows leaving the batch saves real compute)."""
+    if kv_cache not in KV_CACHES:
+        raise ConfigError(f"{flag} {kv_cache!r}: expected one of {', '.join(KV_CACHES)}")
+    if kv_cache == "growing":
+        return None
+    problem = fixed_cache_problem(model)
+    if kv_cache == "fixed" and problem:
+        raise ConfigError(f"{flag} fixed: this model cannot decode over a fixed-size cache: {problem}; use growing")
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    if problem or (kv_cache == "auto" and not on_cuda):
+        return None
+    return StaticDecoder(graphs=True, **({"warn": warn} if warn else {}))
