@@ -109,6 +109,13 @@ def _git(*args: str) -> str:
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model_name", default="embedded:tiny-qwen3")
+    p.add_argument(
+        "--gpu-shape",
+        dest="gpu_shape",
+        default=None,
+        help="generate with a random-weight model of this shape (train_vs_hf's GPU_SHAPES, e.g. r1-distill-qwen-1.5b), "
+        "built once under /tmp/phalanx-bench; replaces --model_name",
+    )
     p.add_argument("--prompts", default="bundled:health-agent")
     p.add_argument("--num_questions", type=int, default=16)
     p.add_argument("--num_sequences_per_question", type=int, default=4)
@@ -165,6 +172,12 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype = resolve_dtype(args.dtype) if device.type == "cuda" else "float32"
+    if args.gpu_shape:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        from train_vs_hf import build_gpu_shape_folder
+
+        folder = Path("/tmp/phalanx-bench") / f"{args.gpu_shape}-random"
+        args.model_name = str(build_gpu_shape_folder(args.gpu_shape, folder, device=args.device))
     tok = load_tokenizer(args.model_name)
     model = load_model(args.model_name, DTYPES[dtype]).to(device).eval()
     prompts = read_prompts(args.prompts, tok, args.num_questions, warn=print)

@@ -2,7 +2,7 @@
 # Every GPU figure the issues ask for, on a CUDA machine (run from the repository root).
 #   benchmarks/gpu_suite.sh                 # `arms`: every arm of issue 15 in one call of at most 600 s
 #   SUITE_SECONDS=300 ORDER=hf-first ARMS=lora-plain PROFILE=1 benchmarks/gpu_suite.sh   # one order, a profile
-#   benchmarks/gpu_suite.sh smoke|speed|speed-hf-first|profile|qlora|strategies|strategies-full|arms ...
+#   benchmarks/gpu_suite.sh smoke|speed|speed-hf-first|profile|qlora|strategies|strategies-full|generate|arms ...
 # Wheels the GPU image lacks travel in .whl/ (trl, liger-kernel, and pydantic/datasets where missing; see
 # benchmarks/RESULTS.md); OUT (optional) collects the logs, and RESULTS-append.md: the entries the scripts appended
 # to benchmarks/RESULTS.md there, to append here (the device's copy of the tree does not come back).
@@ -90,6 +90,10 @@ PY
       find /tmp/phalanx-bench -maxdepth 2 -name "*.log" -print0 | xargs -0 -r grep -H -E "🧩|🧮|Error|error:|Traceback|packing|padded|Recompiling" \
         | grep -v -E "^[^:]*:W[0-9]{4} " | cut -c1-300 | head -n 30
       find /tmp/phalanx-bench -maxdepth 2 -name "*.log" -print0 | tar czf "$OUT/worker-logs.tar.gz" --null -T - 2>/dev/null ;;
+    generate)  # generation alone, at the seeds' shape, both decoding caches (about 2 minutes with the model build)
+      step generate 240 python3 benchmarks/generate_vs_loop.py --device cuda --dtype bfloat16 --gpu-shape r1-distill-qwen-1.5b \
+        --num_questions 4 --num_sequences_per_question 25 --batch_size 38 --loop_sequences 4 --repeats 2 --skip-k-loop \
+        --kv_caches growing,fixed --note "gpu_suite generate: the seeds' generation shape" ;;
     smoke)
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
       python3 -c "import torch, transformers, peft; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'peft', peft.__version__)"
