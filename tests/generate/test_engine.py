@@ -337,3 +337,47 @@ def test_a_graph_capture_that_fails_leaves_the_eager_step(tiny, prompts):
     assert len(said) == 1 and said[0].startswith("⚠️  CUDA graph capture of the decoding step failed (")
     assert decoder._batch.graph is None
     assert run(model, tok, prompts, pairs, params, decoder=decoder) == reference
+
+
+def test_keys_and_values_of_different_widths_decode_as_hf_generate(decoding):
+    """Multi-head latent attention (DeepSeek-V2/V3, and the R1 models built on them) caches keys 16 wide and values
+    32 wide here (192 and 128 in DeepSeek-V3): both caches keep the two widths apart. The growing cache once sized
+    the values' buffer from the keys' and failed at the second decoding step."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,  # one dense layer, one mixture-of-experts layer
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = DeepseekV3ForCausalLM(config).eval()
+    prompts = [list(range(5, 30)), list(range(7, 12))]
+    pairs, row_prompt = [(0, 0), (0, 1), (1, 0)], [0, 0, 1]
+    params = SamplingParams(max_new_tokens=10, temperature=0)
+    got = generate_rows(model, prompts, pairs, row_prompt, params, [], 0, None, decoder_for(decoding))
+    for row, prompt in zip(got, row_prompt):
+        ids = torch.tensor([prompts[prompt]])
+        reference = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=10, pad_token_id=0
+        )
+        assert row.tokens == reference[0, ids.shape[1] :].tolist()

@@ -63,8 +63,12 @@ class GrowingLayer(DynamicLayer):
             or buffers[0].shape[0] != self.keys.shape[0]
             or buffers[0].shape[-2] < used + adding
         ):
-            size = (*self.keys.shape[:-2], used + max(adding, self.room), self.keys.shape[-1])
-            buffers = (self.keys.new_empty(size), self.values.new_empty(size))
+            length = used + max(adding, self.room)
+            # Keys and values may differ in width (multi-head latent attention: DeepSeek-V2/V3's 192 against 128).
+            buffers = (
+                self.keys.new_empty((*self.keys.shape[:-2], length, self.keys.shape[-1])),
+                self.values.new_empty((*self.values.shape[:-2], length, self.values.shape[-1])),
+            )
             buffers[0][..., :used, :] = self.keys
             buffers[1][..., :used, :] = self.values
             self.buffers = buffers
