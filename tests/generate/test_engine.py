@@ -381,3 +381,29 @@ def test_keys_and_values_of_different_widths_decode_as_hf_generate(decoding):
             input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=10, pad_token_id=0
         )
         assert row.tokens == reference[0, ids.shape[1] :].tolist()
+
+
+def test_graph_replays_are_checked_against_the_eager_step_over_two_steps(tiny, prompts):
+    """After a capture, two replays from a reset state must give the logits of two eager steps. A graph that froze a
+    value at capture (here the positions) agrees at the first step and is caught at the second. Stand-ins replace
+    the CUDA graph: no CUDA here."""
+    model, tok = tiny
+    decoder = StaticDecoder()
+    run(model, tok, prompts, [(1, 0), (3, 0)], SamplingParams(max_new_tokens=3, temperature=0), decoder=decoder)
+    batch = decoder._batch
+
+    class Faithful:
+        def replay(self):
+            batch.logits = batch.step()
+
+    class FrozenPositions:
+        def replay(self):
+            batch.position_ids.zero_()
+            batch.logits = batch.step()
+
+    with torch.inference_mode():
+        batch.graph = Faithful()
+        assert batch.replay_problem() is None
+        batch.graph = FrozenPositions()
+        problem = batch.replay_problem()
+    assert problem.startswith("gave other logits than the eager step at step 2 (largest gap ")

@@ -76,21 +76,49 @@ class _Batch:
 
     def capture(self, warn: Callable[[str], None]) -> None:
         """Record the step as a CUDA graph (after two eager runs on a side stream, which set up cuBLAS workspaces
-        and lazy state, as capture requires). What the runs wrote is overwritten by `load`."""
+        and lazy state, as capture requires), then check that replays compute what the eager step computes. Any
+        failure leaves the eager step, which is always correct. What these runs write is overwritten by `load`."""
         try:
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self.step()
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self.logits = self.step()
-            self.graph = graph
-        except Exception as exc:  # noqa: BLE001 - any failure leaves the eager step, which is always correct
-            self.graph, self.logits = None, None
+            with torch.cuda.device(self.device):
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        self.step()
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    logits = self.step()
+        except Exception as exc:  # noqa: BLE001 - whatever the model does that a graph cannot hold
             warn(f"⚠️  CUDA graph capture of the decoding step failed ({type(exc).__name__}: {exc}); decoding eagerly")
+            return
+        self.graph, self.logits = graph, logits
+        problem = self.replay_problem()
+        if problem:
+            self.graph, self.logits = None, None
+            warn(f"⚠️  the CUDA graph of the decoding step {problem}; decoding eagerly")
+
+    def replay_problem(self) -> Optional[str]:
+        """None when two replays from a reset state give the logits of two eager steps from it, else what differs.
+
+        Two steps, because a value the graph froze at capture (a position read on the host, say) shows only once the
+        state has moved on from where it was captured."""
+        runs = []
+        for replay in (False, True):
+            self.index.zero_()
+            self.position_ids.zero_()
+            self.mask.fill_(self.shut)
+            logits = []
+            for token in (1, 2):  # two different tokens: with equal ones, attention averages equal values
+                self.input_ids.fill_(token)
+                logits.append((self.run_step() if replay else self.step()).float().clone())
+            runs.append(logits)
+        for step, (eager, replayed) in enumerate(zip(*runs), start=1):
+            gap = (eager - replayed).abs().max().item()
+            largest = eager.abs().max().item()
+            if not gap <= 1e-2 * max(largest, 1.0):  # also catches NaN
+                return f"gave other logits than the eager step at step {step} (largest gap {gap:.3g}, largest logit {largest:.3g})"
+        return None
 
     def run_step(self) -> torch.Tensor:
         if self.graph is None:
