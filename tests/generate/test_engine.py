@@ -407,3 +407,30 @@ def test_graph_replays_are_checked_against_the_eager_step_over_two_steps(tiny, p
         batch.graph = FrozenPositions()
         problem = batch.replay_problem()
     assert problem.startswith("gave other logits than the eager step at step 2 (largest gap ")
+
+
+def test_a_kept_graph_serves_smaller_batches_with_padded_rows(tiny, prompts):
+    """With a graph, the first batch's cache serves every later batch that fits (fewer rows, shorter prompts), the
+    missing rows padded and thrown away; the rows drawn are the growing cache's. A batch that does not fit gets a
+    new cache. A stand-in replays the step eagerly (no CUDA here); without one, each batch gets a cache its size."""
+    model, tok = tiny
+    said = []
+    decoder = StaticDecoder(warn=said.append)
+    params = SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.9, seed=4)
+    stops = stop_token_ids(tok, model.generation_config)
+    big = [(p, s) for p in (1, 3) for s in range(3)]
+    assert run(model, tok, prompts, big, params, decoder=decoder) == run(model, tok, prompts, big, params)
+    kept = decoder._batch
+    assert (kept.rows, kept.capacity) == (6, 256)
+    kept.graph = type("EagerReplay", (), {"replay": lambda self: setattr(kept, "logits", kept.step())})()
+    for small in ([(0, 0), (2, 1)], [(2, 0)], [(1, 5), (0, 2), (0, 3)]):
+        got = run(model, tok, prompts, small, params, stops, decoder=decoder)
+        assert decoder._batch is kept
+        assert got == run(model, tok, prompts, small, params, stops)
+    more_rows = [(p, s) for p in range(4) for s in range(2)]
+    assert run(model, tok, prompts, more_rows, params, decoder=decoder) == run(model, tok, prompts, more_rows, params)
+    assert decoder._batch is not kept and decoder._batch.rows == 8 and decoder._batch.graph is None
+    assert said == []  # on CPU nothing is captured, so nothing failed
+    decoder._batch.graph = None
+    run(model, tok, prompts, [(2, 0)], params, decoder=decoder)
+    assert decoder._batch.rows == 1  # no graph: a cache of the batch's own size

@@ -151,10 +151,14 @@ class _Batch:
 
 
 class StaticDecoder:
-    """Decodes batches over fixed-size caches; keeps the last batch shape's buffers (and graph) for the next batch.
+    """Decodes batches over fixed-size caches, keeping the last one (and its graph) for the batches that follow.
 
-    `graphs`: capture the step as a CUDA graph (only on CUDA). Only one shape is kept, so memory holds one cache.
-    """
+    A kept cache with a CUDA graph serves every later batch that fits in it (as many rows or fewer, prompts plus
+    max_new_tokens as long or shorter), the missing rows padded with copies of the first: a capture costs several
+    eager steps, while a padded row costs nothing a graph replay does not already pay. The batches of a job come
+    longest prompts first (job.plan_batches), so the first batch's cache usually serves them all. Without a graph
+    (CPU, or a capture that failed) padding would be real compute, so the cache is remade to each batch's size.
+    `graphs`: capture the step as a CUDA graph (only on CUDA)."""
 
     def __init__(
         self, graphs: bool = True, warn: Callable[[str], None] = lambda message: warnings.warn(message, stacklevel=2)
@@ -167,21 +171,21 @@ class StaticDecoder:
         """Drop the kept cache and graph (after an out-of-memory error: the next batch is smaller)."""
         self._batch = None
 
-    def _batch_for(self, model, rows: int, capacity: int, prompt_states) -> _Batch:
-        batch = self._batch
+    def _batch_for(self, model, rows: int, needed: int, prompt_states) -> _Batch:
         first = prompt_states[0]
         dtype = first[0][0].dtype
-        if (
-            batch is None
-            or batch.model is not model
-            or (batch.rows, batch.capacity) != (rows, capacity)
-            or batch.keys[0].dtype != dtype
-        ):
-            self._batch = batch = None  # the old graph and cache go before the new ones are allocated
-            batch = _Batch(model, rows, capacity, [(k.shape, v.shape) for k, v in first], dtype)
-            if self.graphs and batch.device.type == "cuda":
-                batch.capture(self.warn)
-            self._batch = batch
+        capacity = -(-needed // CAPACITY_STEP) * CAPACITY_STEP
+        batch = self._batch
+        if batch is not None and batch.model is model and batch.keys[0].dtype == dtype:
+            if batch.graph is not None and batch.rows >= rows and batch.capacity >= needed:
+                return batch
+            if (batch.rows, batch.capacity) == (rows, capacity):
+                return batch
+        self._batch = batch = None  # the old graph and cache go before the new ones are allocated
+        batch = _Batch(model, rows, capacity, [(k.shape, v.shape) for k, v in first], dtype)
+        if self.graphs and batch.device.type == "cuda":
+            batch.capture(self.warn)
+        self._batch = batch
         return batch
 
     def decode(
@@ -201,13 +205,17 @@ class StaticDecoder:
         stopped; a row's tokens after its first stop token are not its own (the caller cuts them)."""
         rows = len(row_prompt)
         longest = max(states[0][0].shape[-2] for states in prompt_states)
-        needed = longest + params.max_new_tokens
-        capacity = -(-needed // CAPACITY_STEP) * CAPACITY_STEP
-        batch = self._batch_for(model, rows, capacity, prompt_states)
+        batch = self._batch_for(model, rows, longest + params.max_new_tokens, prompt_states)
+        padding = batch.rows - rows  # rows that repeat the first one, drawn and thrown away
+        if padding:
+            row_prompt = [*row_prompt, *[row_prompt[0]] * padding]
+            first_logits = torch.cat([first_logits, first_logits[:1].expand(padding, -1)])
+            uniforms = torch.cat([uniforms, uniforms[:1].expand(padding, -1)])
         batch.load(prompt_states, row_prompt)
         device = batch.device
-        drawn = torch.empty((rows, params.max_new_tokens), dtype=torch.long, device=device)
-        stopped = torch.zeros(rows, dtype=torch.bool, device=device)
+        drawn = torch.empty((batch.rows, params.max_new_tokens), dtype=torch.long, device=device)
+        stopped = torch.zeros(batch.rows, dtype=torch.bool, device=device)
+        stopped[rows:] = True
         logits = first_logits
         steps = 0
         for step in range(params.max_new_tokens):
@@ -221,7 +229,7 @@ class StaticDecoder:
                 break
             batch.input_ids.copy_(chosen.unsqueeze(-1))
             logits = batch.run_step()
-        return drawn[:, :steps].tolist(), steps
+        return drawn[:rows, :steps].tolist(), steps
 
 
 KV_CACHES = ("auto", "fixed", "growing")
