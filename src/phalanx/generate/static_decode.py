@@ -93,7 +93,10 @@ class _Batch:
             warn(f"⚠️  CUDA graph capture of the decoding step failed ({type(exc).__name__}: {exc}); decoding eagerly")
             return
         self.graph, self.logits = graph, logits
-        problem = self.replay_problem()
+        try:
+            problem = self.replay_problem()
+        except Exception as exc:  # noqa: BLE001 - a graph that cannot even be replayed is not used
+            problem = f"could not be replayed ({type(exc).__name__}: {exc})"
         if problem:
             self.graph, self.logits = None, None
             warn(f"⚠️  the CUDA graph of the decoding step {problem}; decoding eagerly")
