@@ -65,7 +65,7 @@ PY
         --arms "${ARMS:-qlora,full,lora-plain}" --steps 10 --warmup 4 --arm-timeout 45 \
         --work_dir /tmp/phalanx-bench --note "gpu_suite arms"
       # Generation at the seeds' shape (25 sequences per question, batch 38), two rounds, both decoding caches: the
-      # 2026-11-26 run (growing cache, 16 rows, one round) decoded at ~131 ms per step, nearly all host time; the fixed
+      # 2026-11-26 run (growing cache, 16 rows, one round) decoded at ~131 ms per step for a few ms of GPU work by estimate; the fixed
       # cache replays one CUDA graph per step. Each phalanx arm's prefill/decode split says where time goes.
       # The loop's tokens/s does not depend on how many sequences it runs, so it runs 4 (round-robin over prompts).
       step generate 140 python3 benchmarks/generate_vs_loop.py --device cuda --dtype bfloat16 \

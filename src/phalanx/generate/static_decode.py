@@ -1,9 +1,10 @@
 """Decoding over a KV cache of fixed size, so that on CUDA a decoding step is one CUDA graph replay.
 
-A decoding step of a 1.5B model at a few dozen rows is a few milliseconds of GPU work but several
-hundred kernel launches, each issued by Python through transformers' modules: on an H100 the
-growing-cache loop (engine.py) spent about 131 ms per step, nearly all of it on the host. Here every
-tensor a step touches has a fixed shape and address:
+A decoding step of a 1.5B model at a few dozen rows is a few milliseconds of GPU work (by estimate:
+its weights and KV cache read once) behind several hundred kernel launches, each issued by Python
+through transformers' modules. On an H100 the growing-cache loop (engine.py) took about 131 ms per
+step (not profiled; the host's launches are the likely rest). Here every tensor a step touches has a
+fixed shape and address:
 
 - the cache is preallocated, [rows, kv_heads, capacity, head_dim] per layer, each prompt's prefill
   copied in right-aligned at `longest` (the padding before a short prompt is masked out), and step s
@@ -14,7 +15,8 @@ tensor a step touches has a fixed shape and address:
   flags stay on the device: the host looks at them every CHECK_EVERY steps, not after every step.
 
 The same step runs eagerly on CPU (the tests compare it token for token with the growing-cache loop)
-and is captured once per batch shape as a CUDA graph on CUDA. Models this cannot serve (sliding-window
+and is captured as a CUDA graph on CUDA, checked against the eager step, and kept for the later
+batches that fit in its cache (StaticDecoder). Models this cannot serve (sliding-window
 or other non-plain cache layers, an attention other than sdpa/eager) are named by `kv_cache.fixed_cache_problem`.
 """
 
