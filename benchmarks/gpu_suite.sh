@@ -61,8 +61,9 @@ PY
         && step lora-trainer-trl-noliger 165 python3 benchmarks/train_vs_hf.py --gpu-shape r1-distill-qwen-1.5b --steps 14 \
           --warmup 4 --orders phalanx-first --with-trl --phalanx-flags "--training.liger_kernels false" \
           --note "gpu_suite arms: phalanx's default failed, rerun without Liger's kernels"; }
-      step phalanx-arms 110 python3 benchmarks/phalanx_arms.py --gpu-shape r1-distill-qwen-1.5b \
-        --arms "${ARMS:-qlora,full,lora-plain}" --steps 10 --warmup 4 --arm-timeout 45 \
+      # lora-16k: the default with 16,384-token micro-batches, to see how much of the MFU gap is launches per token.
+      step phalanx-arms 140 python3 benchmarks/phalanx_arms.py --gpu-shape r1-distill-qwen-1.5b \
+        --arms "${ARMS:-qlora,full,lora-plain,lora-16k}" --steps 10 --warmup 4 --arm-timeout 45 \
         --work_dir /tmp/phalanx-bench --note "gpu_suite arms"
       # Generation at the seeds' shape (25 sequences per question, batch 38), two rounds, both decoding caches: the
       # 2026-11-26 run (growing cache, 16 rows, one round) decoded at ~131 ms per step for a few ms of GPU work by estimate; the fixed

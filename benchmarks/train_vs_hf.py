@@ -139,25 +139,35 @@ class Plan:
         return order
 
 
-def make_plan(train, world: int, batch: int, accum: int, steps: int, seed: int) -> Plan:
-    from phalanx.data.sampler import StatefulDistributedSampler
+def make_plan(
+    train, world: int, batch: int, accum: int, steps: int, seed: int, batch_tokens: Optional[int] = None
+) -> Plan:
+    """The rows of every micro-batch of every rank, as the runs' loaders draw them: `batch` rows each, or packed to
+    `batch_tokens` (training.batch_tokens) by phalanx's own token-budget sampler."""
+    from phalanx.data.sampler import StatefulDistributedSampler, TokenBudgetBatchSampler
 
     lengths = [len(x) for x in train["input_ids"]]
     targets = [sum(1 for y in labels[1:] if y != -100) for labels in train["labels"]]
-    samplers = [StatefulDistributedSampler(len(train), r, world, seed=seed) for r in range(world)]
+    if batch_tokens:
+        samplers = [TokenBudgetBatchSampler(lengths, batch_tokens, r, world, seed=seed) for r in range(world)]
+    else:
+        samplers = [StatefulDistributedSampler(len(train), r, world, seed=seed) for r in range(world)]
     plan_steps, epoch, short, uneven = [], 0, False, False
     while len(plan_steps) < steps:
         per_rank = []
         for sampler in samplers:
             sampler.set_epoch(epoch)
             rows = list(sampler)
+            if batch_tokens:
+                per_rank.append(rows)  # the sampler yields micro-batches
+                continue
             per_rank.append([rows[i : i + batch] for i in range(0, len(rows), batch)])  # DataLoader, no drop_last
         micro = len(per_rank[0])
         for start in range(0, micro, accum):
             group = [mbs[start : start + accum] for mbs in per_rank]
             if len(group[0]) < accum:
                 short = True
-            if any(len(mb) < batch for mbs in group for mb in mbs):
+            if not batch_tokens and any(len(mb) < batch for mbs in group for mb in mbs):
                 uneven = True
             plan_steps.append(group)
             if len(plan_steps) == steps:
