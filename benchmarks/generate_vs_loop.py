@@ -31,7 +31,7 @@ each) against its decode steps (how many, the mean rows per step, ms per step), 
 
 `--kv_caches` runs the phalanx arm once per decoding cache (default both): `growing` (finished rows leave the
 batch; one device sync per step) and `fixed` (a preallocated cache; on CUDA each decoding step is one CUDA graph
-replay, and the stop flags are read every few steps). Both draw the same tokens for the same rows.
+replay, and the stop flags are read every few steps). In float32 both draw the same tokens for the same rows.
 
 Run from the repository root:
   .venv/bin/python benchmarks/generate_vs_loop.py                       # 16 prompts x 4, 64 new tokens

@@ -434,3 +434,19 @@ def test_a_kept_graph_serves_smaller_batches_with_padded_rows(tiny, prompts):
     decoder._batch.graph = None
     run(model, tok, prompts, [(2, 0)], params, decoder=decoder)
     assert decoder._batch.rows == 1  # no graph: a cache of the batch's own size
+
+
+def test_a_jobs_decoder_uses_one_cache_shape_for_every_batch(tiny, prompts):
+    """Given the job's batch size and longest prompt plus max_new_tokens, every batch decodes over a cache of that
+    shape whatever came before (in bf16 a kernel's rounding can follow its sizes, and a resumed job must draw what an
+    uninterrupted one draws); after an out-of-memory error the rows follow the smaller batch."""
+    model, tok = tiny
+    params = SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.9, seed=4)
+    longest = max(len(p) for p in prompts)
+    decoder = StaticDecoder(rows=5, capacity=longest + params.max_new_tokens)
+    for pairs in ([(0, 0), (2, 1)], [(3, 0), (3, 1), (1, 0), (0, 4), (2, 2)], [(1, 1)]):
+        assert run(model, tok, prompts, pairs, params, decoder=decoder) == run(model, tok, prompts, pairs, params)
+        assert (decoder._batch.rows, decoder._batch.capacity) == (5, 256)
+    decoder.release(2)
+    assert run(model, tok, prompts, [(1, 1)], params, decoder=decoder) == run(model, tok, prompts, [(1, 1)], params)
+    assert (decoder._batch.rows, decoder._batch.capacity) == (2, 256)

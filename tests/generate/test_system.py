@@ -162,9 +162,13 @@ def test_records_train_as_they_are(runs):
 
 
 def test_finished_rerun_only_merges_again(runs, capsys):
+    """w2 was generated over the fixed cache, which its manifest records (in bf16 the caches can round differently):
+    a rerun that asks for the other cache is refused, naming it; the same command only merges again."""
     root, prompts, _, _ = runs
     before = (root / "w2" / "traj_chat.jsonl").read_bytes()
     code, out = run_in_process(generate_args(prompts, root / "w2" / "traj_chat.jsonl"), capsys)
+    assert code == 2 and "other settings (kv_cache: 'fixed' before, None now)" in out, out
+    code, out = run_in_process(generate_args(prompts, root / "w2" / "traj_chat.jsonl", "--kv_cache", "fixed"), capsys)
     assert code == 0, out
     assert f"Resuming: {PROMPTS * K} of {PROMPTS * K} sequences are already committed" in out
     assert "Generated 0 sequences" in out

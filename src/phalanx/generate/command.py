@@ -159,7 +159,13 @@ def _generate(job, rank, done: set, say, preemption) -> dict:
         return stats
     model = load_generation_model(job, rank.device)
     prefix = "" if rank.is_main else f"[rank {rank.rank}] "
-    decoder = choose_decoder(job.kv_cache, model, warn=lambda message: print(f"{prefix}{message}", flush=True))
+    decoder = choose_decoder(
+        job.kv_cache,
+        model,
+        warn=lambda message: print(f"{prefix}{message}", flush=True),
+        rows=job.batch_size,  # one cache shape for the whole job: a resumed job draws what an uninterrupted one draws
+        capacity=max(len(p.input_ids) for p in job.prompts) + job.params.max_new_tokens,
+    )
     if decoder is not None:
         graphs = " (one CUDA graph per decoding step)" if rank.device.type == "cuda" else ""
         say(f"   KV cache: fixed size{graphs}; --kv_cache growing lets finished rows leave the batch instead")

@@ -77,7 +77,7 @@ def generate_rows(
 
     Ids at or above `vocab_limit` (len(tokenizer)) are never drawn. With a `decoder`, the decoding steps run
     over its fixed-size cache (one CUDA graph per step on CUDA); without, over a growing cache that finished
-    rows leave. Both draw the same tokens.
+    rows leave. Both draw the same tokens in float32 (in bf16 attention over other lengths may round differently).
     """
     device = next(model.parameters()).device
     logits, states = _prefill(model, prompts, device)
@@ -245,7 +245,7 @@ def generate_with_fallback(
             continue
         # Out of the except block, so the failed attempt's tensors are no longer referenced.
         if decoder is not None:
-            decoder.release()  # its cache (and graph) was sized for the batch that did not fit
+            decoder.release(micro_batch // 2)  # its cache (and graph) was sized for the batch that did not fit
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         if micro_batch == 1:

@@ -45,7 +45,7 @@ class Job:
     val_fraction: float
     folder: Path
     settings: dict  # what the records depend on; a resume must match it exactly
-    kv_cache: str = "auto"  # the decoding cache (--kv_cache); not a setting: both caches draw the same tokens
+    kv_cache: str = "auto"  # the decoding cache (--kv_cache); settings records a fixed one
 
     def pairs(self) -> list[tuple[int, int]]:
         return [(p.id, s) for p in self.prompts for s in range(self.num_sequences)]
@@ -137,6 +137,12 @@ def check_lengths(prompts: list[Prompt], model_name: str, max_new_tokens: int) -
             )
 
 
+def decodes_over_fixed_cache(kv_cache: str) -> bool:
+    """Whether --kv_cache means the fixed cache (auto: on CUDA; the model may still take the growing one, the same on
+    every rerun). Decided before any model loads, as --dtype auto is."""
+    return kv_cache == "fixed" or (kv_cache == "auto" and torch.cuda.is_available())
+
+
 def plan_job(args, warn: Callable[[str], None]) -> Job:
     """Everything but the model: reads and checks the prompts (errors name the line), writes nothing."""
     model_name = args.model_name or (adapter_base(args.adapter) if args.adapter else "embedded:tiny-qwen3")
@@ -177,6 +183,10 @@ def plan_job(args, warn: Callable[[str], None]) -> Job:
         "sampling": params.as_dict(),
         "stop_ids": stop_ids,
     }
+    if decodes_over_fixed_cache(args.kv_cache):
+        # In bf16 the two caches can round a token's logits differently (attention over other lengths), so the
+        # records depend on it; a growing-cache job records nothing here, as jobs did before the fixed cache.
+        settings["kv_cache"] = "fixed"
     output = Path(args.output)
     val_output = val_output_of(output, args.val_output, args.val_fraction)
     if val_output is not None and val_output.resolve() == output.resolve():

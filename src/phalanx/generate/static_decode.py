@@ -158,33 +158,45 @@ class _Batch:
 class StaticDecoder:
     """Decodes batches over fixed-size caches, keeping the last one (and its graph) for the batches that follow.
 
-    A kept cache with a CUDA graph serves every later batch that fits in it (as many rows or fewer, prompts plus
-    max_new_tokens as long or shorter), the missing rows padded with copies of the first: a capture costs several
-    eager steps, while a padded row costs nothing a graph replay does not already pay. The batches of a job come
-    longest prompts first (job.plan_batches), so the first batch's cache usually serves them all. Without a graph
-    (CPU, or a capture that failed) padding would be real compute, so the cache is remade to each batch's size.
+    `rows` and `capacity` (a job's batch size, and its longest prompt plus max_new_tokens) make every batch of a job
+    decode over a cache of that one shape, whichever batches came before: in bf16 a kernel's rounding can depend on
+    its sizes (the number of rows a GEMM gets, the key length an attention splits), so a shape that followed the
+    batch history would let a resumed job draw other tokens than an uninterrupted one. Fewer rows are padded with
+    copies of the first and thrown away; a graph replay pays for them anyway, and it is captured once.
+
+    Without them, a kept cache with a CUDA graph serves every later batch that fits in it (padded the same way),
+    and without a graph (CPU, or a capture that failed) the cache is made to each batch's own size.
     `graphs`: capture the step as a CUDA graph (only on CUDA)."""
 
     def __init__(
-        self, graphs: bool = True, warn: Callable[[str], None] = lambda message: warnings.warn(message, stacklevel=2)
+        self,
+        graphs: bool = True,
+        warn: Callable[[str], None] = lambda message: warnings.warn(message, stacklevel=2),
+        rows: Optional[int] = None,
+        capacity: Optional[int] = None,
     ):
         self.graphs = graphs
         self.warn = warn
+        self.rows, self.capacity = rows, capacity
         self._batch: Optional[_Batch] = None
 
-    def release(self) -> None:
-        """Drop the kept cache and graph (after an out-of-memory error: the next batch is smaller)."""
+    def release(self, rows: Optional[int] = None) -> None:
+        """Drop the kept cache and graph: after an out-of-memory error, the batches that follow have `rows` rows."""
         self._batch = None
+        if self.rows is not None and rows is not None:
+            self.rows = rows
 
     def _batch_for(self, model, rows: int, needed: int, prompt_states) -> _Batch:
         first = prompt_states[0]
         dtype = first[0][0].dtype
-        capacity = -(-needed // CAPACITY_STEP) * CAPACITY_STEP
+        rows = max(rows, self.rows or 0)
+        capacity = -(-max(needed, self.capacity or 0) // CAPACITY_STEP) * CAPACITY_STEP
         batch = self._batch
         if batch is not None and batch.model is model and batch.keys[0].dtype == dtype:
-            if batch.graph is not None and batch.rows >= rows and batch.capacity >= needed:
-                return batch
             if (batch.rows, batch.capacity) == (rows, capacity):
+                return batch
+            fixed_shape = self.rows is not None and self.capacity is not None
+            if batch.graph is not None and not fixed_shape and batch.rows >= rows and batch.capacity >= needed:
                 return batch
         self._batch = batch = None  # the old graph and cache go before the new ones are allocated
         batch = _Batch(model, rows, capacity, [(k.shape, v.shape) for k, v in first], dtype)
@@ -241,11 +253,17 @@ KV_CACHES = ("auto", "fixed", "growing")
 
 
 def choose_decoder(
-    kv_cache: str, model: torch.nn.Module, flag: str = "--kv_cache", warn: Optional[Callable[[str], None]] = None
+    kv_cache: str,
+    model: torch.nn.Module,
+    flag: str = "--kv_cache",
+    warn: Optional[Callable[[str], None]] = None,
+    rows: Optional[int] = None,
+    capacity: Optional[int] = None,
 ) -> Optional[StaticDecoder]:
-    """The decoder `kv_cache` asks for: a StaticDecoder for "fixed", None (the growing cache) for "growing"; "auto"
-    is fixed on CUDA where the model allows it (the step is bound by launching kernels there, which a graph
-    removes) and growing on CPU (where finished rows leaving the batch saves real compute)."""
+    """The decoder `kv_cache` asks for: a StaticDecoder for "fixed" (of `rows` x `capacity` for every batch, when
+    given), None (the growing cache) for "growing"; "auto" is fixed on CUDA where the model allows it (the step is
+    bound by launching kernels there, which a graph removes) and growing on CPU (where finished rows leaving the
+    batch saves real compute)."""
     if kv_cache not in KV_CACHES:
         raise ConfigError(f"{flag} {kv_cache!r}: expected one of {', '.join(KV_CACHES)}")
     if kv_cache == "growing":
@@ -256,4 +274,4 @@ def choose_decoder(
     on_cuda = next(model.parameters()).device.type == "cuda"
     if problem or (kv_cache == "auto" and not on_cuda):
         return None
-    return StaticDecoder(graphs=True, **({"warn": warn} if warn else {}))
+    return StaticDecoder(graphs=True, rows=rows, capacity=capacity, **({"warn": warn} if warn else {}))
