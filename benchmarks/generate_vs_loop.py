@@ -200,7 +200,9 @@ def main(argv=None) -> None:
             torch.cuda.synchronize()
 
     caches = [c.strip() for c in args.kv_caches.split(",") if c.strip()]
-    decoders = {cache: choose_decoder(cache, model, flag="--kv_caches", warn=print) for cache in caches}
+    # As `phalanx generate` makes it: one cache shape for the job (batch_size rows, longest prompt + max_new_tokens).
+    shape = dict(rows=args.batch_size, capacity=max(len(p.input_ids) for p in prompts) + args.max_new_tokens)
+    decoders = {cache: choose_decoder(cache, model, flag="--kv_caches", warn=print, **shape) for cache in caches}
     split = {"prefill_s": 0.0, "prefills": 0, "decode_steps": 0, "decode_rows": 0}
     prefill = engine._prefill
 
@@ -303,14 +305,14 @@ def main(argv=None) -> None:
     # cache reordering: on CPU a first round without it took 2.1x the second), and one call of the loop.
     warm_ids = {p.id: list(p.input_ids) for p in prompts}
     short = SamplingParams(**{**params.as_dict(), "max_new_tokens": min(4, args.max_new_tokens)})
-    # The fixed cache is sized (and its CUDA graph captured) here, for the first batch with the full max_new_tokens:
-    # later batches fit in it, as they do in a job. A job pays one capture per rank; its cost is not in the figures.
+    # The fixed cache is made (and its CUDA graph captured) here, in the job's one shape: a job pays one capture per
+    # rank, which is not in the figures.
     for decoder in decoders.values():
         generate_with_fallback(
             model,
             warm_ids,
             batches[0],
-            short if decoder is None else params,
+            short,
             stops,
             tok.pad_token_id,
             args.batch_size,
