@@ -67,3 +67,26 @@ def test_no_command_takes_an_abbreviated_flag(command, argv, said, tmp_path, mon
     with pytest.raises(ConfigError) as refused:
         resolve_command(command)(argv)
     assert said in str(refused.value) and refused.value.exit_code == 2
+
+
+@pytest.mark.parametrize(
+    "argv, hint",
+    [
+        (["--generate", "--num_questions 2"], None),  # --generate's value, not a flag of the launcher
+        (["--generate", "--num_questions 2", "--num_gpu_per_node", "2"], "--num_gpu_per_node"),
+        (["--overwrite", "--num_gpu_per_node", "2"], "--num_gpu_per_node"),  # a bare switch takes no value
+    ],
+)
+def test_a_missing_required_flag_names_only_a_mistyped_one(argv, hint):
+    """argparse reports a missing required flag before an unknown one, so the words given are searched for the
+    mistyped flag; a known flag's value is not one, even when it starts with "--" (launcher --generate's flags)."""
+    from phalanx.launch.command import launcher_parser
+
+    with pytest.raises(ConfigError) as refused:
+        launcher_parser().parse_args(argv)
+    said = str(refused.value)
+    assert said.startswith("phalanx launcher: the following arguments are required: --num_gpus_per_node.")
+    if hint is None:
+        assert "is not a flag of" not in said
+    else:
+        assert f"{hint} is not a flag of phalanx launcher: did you mean --num_gpus_per_node?" in said

@@ -38,11 +38,22 @@ class CommandParser(argparse.ArgumentParser):
         elif message.startswith("the following arguments are required:"):
             # argparse reports a missing required flag before an unknown one: `--num_gpu_per_node 2` was answered
             # with "required: --num_gpus_per_node" alone, as if the flag had not been given at all.
+            value_next = ""  # "required" or "optional": the word after a known flag may be its value
             for word in getattr(self, "_given", []):
                 flag = word.partition("=")[0]
                 if word == "--":
                     break  # what follows goes to another command
-                if flag.startswith("--") and flag not in known:
+                # A known flag's value, even one that starts with "--" (launcher --generate '--num_questions 2':
+                # argparse reads a word with a space as a value); an optional value is never a flag-like word.
+                taken = value_next == "required" or (value_next == "optional" and (word[:1] != "-" or " " in word))
+                value_next = ""
+                if taken:
+                    continue
+                action = self._option_string_actions.get(flag)
+                if action is not None:
+                    if action.nargs != 0 and "=" not in word:
+                        value_next = "optional" if action.nargs == "?" else "required"
+                elif flag.startswith("--"):
                     near = nearest_name(flag, known)
                     hint = f" {flag} is not a flag of {command}" + (f": did you mean {near}?" if near else ".")
                     break
