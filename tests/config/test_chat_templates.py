@@ -147,6 +147,8 @@ def test_a_file_path_wins_and_bad_values_name_the_field(tmp_path):
     own = tmp_path / "own.jinja"
     own.write_text("{{ messages[0].content }}")
     assert resolve_chat_template(str(own)) == "{{ messages[0].content }}"
+    own.write_bytes(b"\xef\xbb\xbf{{ messages[0].content }}")  # saved by a Windows editor: the mark is not text
+    assert resolve_chat_template(str(own)) == "{{ messages[0].content }}"
     with pytest.raises(ConfigError) as e:
         resolve_chat_template("nosuch")
     assert str(e.value).startswith("data.chat_template = 'nosuch': no such file")

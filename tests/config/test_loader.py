@@ -344,3 +344,12 @@ def test_seed_003s_report_to_sets_tensorboard(tmp_path: Path):
     path.write_text("report_to: tensorboard\nlogging:\n  tensorboard: false\n")
     with pytest.raises(ConfigError, match="lines 1, 3: report_to 'tensorboard' but logging.tensorboard is False; keep"):
         load_config(str(path))
+
+
+def test_a_json_file_saved_with_a_byte_order_mark_is_read(tmp_path):
+    """Windows editors start UTF-8 files with a byte-order mark, which json refuses ("Unexpected UTF-8 BOM")."""
+    from phalanx.config.loader import read_json_mapping
+
+    ds = tmp_path / "ds.json"
+    ds.write_bytes(b'\xef\xbb\xbf{"zero_optimization": {"stage": 2}}')
+    assert read_json_mapping(str(ds), "distributed.deepspeed_config") == {"zero_optimization": {"stage": 2}}

@@ -29,6 +29,21 @@ def test_json_file_holding_lines_or_an_array(tmp_path, write_jsonl):
     assert rows_of(array) == [(f"{array} row 0", {"text": "a"}), (f"{array} row 1", {"text": "b"})]
 
 
+def test_a_byte_order_mark_at_the_start_is_skipped(tmp_path):
+    """Windows editors save UTF-8 with a byte-order mark; json refused the first line ("Unexpected UTF-8 BOM")."""
+    bom = b"\xef\xbb\xbf"
+    lines = tmp_path / "notepad.jsonl"
+    lines.write_bytes(bom + b'{"text": "a"}\r\n{"text": "b"}\r\n')
+    assert rows_of(lines) == [(f"{lines} line 1", {"text": "a"}), (f"{lines} line 2", {"text": "b"})]
+    array = tmp_path / "notepad.json"
+    array.write_bytes(bom + b'[{"text": "a"}]')
+    assert rows_of(array) == [(f"{array} row 0", {"text": "a"})]
+    inside = tmp_path / "inside.jsonl"  # only at the start of the file: elsewhere it is not whitespace to JSON
+    inside.write_bytes(b'{"text": "a"}\n' + bom + b'{"text": "b"}\n')
+    with pytest.raises(DataError, match=r"inside.jsonl line 2: malformed JSON"):
+        rows_of(inside)
+
+
 def test_folder_of_jsonl_files_in_sorted_order(tmp_path, write_jsonl):
     write_jsonl(tmp_path / "d" / "b.jsonl", [{"text": "b1"}])
     write_jsonl(tmp_path / "d" / "a.jsonl", [{"text": "a1"}, {"text": "a2"}])

@@ -71,6 +71,9 @@ def test_num_questions_and_txt_files(tmp_path, tok):
     assert len(read_prompts(str(path), tok, 10, warn=warnings.append)) == 3
     assert "--num_questions 10" in warnings[0] and "only 3 prompts" in warnings[0]
     assert len(read_prompts("bundled:health-agent", tok, 88)) == 88  # seed 001's --num_questions 88, no file needed
+    notepad = tmp_path / "notepad.txt"  # a Windows editor's byte-order mark and line ends are not the question's
+    notepad.write_bytes(b"\xef\xbb\xbffirst question?\r\nsecond\r\n")
+    assert [p.messages[-1]["content"] for p in read_prompts(str(notepad), tok)] == ["first question?", "second"]
 
 
 BAD = {

@@ -66,7 +66,7 @@ def resolve_chat_template(value: str) -> str:
     shipped = _shipped_dir() / f"{value}{SUFFIX}"
     if path.is_file():
         try:
-            text = path.read_text(encoding="utf-8")
+            text = path.read_text(encoding="utf-8-sig")  # a leading byte-order mark is not template text
         except (OSError, UnicodeDecodeError) as exc:
             raise ChatTemplateError(value, f"cannot read the file: {exc}") from None
         where = str(path)

@@ -174,7 +174,7 @@ def read_text_file(path: str, label: str, expected: str) -> str:
         what = "is a folder, not a file" if file.is_dir() else "does not exist"
         raise ConfigError(f"{label} {what} (expected {expected})")
     try:
-        return file.read_text(encoding="utf-8")
+        return file.read_text(encoding="utf-8-sig")  # a leading byte-order mark (Windows editors) is not text
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{label}: not a UTF-8 text file (byte {exc.start}); expected {expected}") from None
     except OSError as exc:

@@ -7,6 +7,7 @@ rows of an Arrow dataset count from 0 as ``dataset[i]`` does.
 
 from __future__ import annotations
 
+import codecs
 import itertools
 import json
 import logging
@@ -216,11 +217,13 @@ def _iter_json_file(path: Path):
     except OSError as e:
         raise DataError(f"{path}: cannot be read: {e.strerror or e}") from None
     with f:
+        start = len(codecs.BOM_UTF8) if f.read(len(codecs.BOM_UTF8)) == codecs.BOM_UTF8 else 0
+        f.seek(start)  # past the byte-order mark Windows editors write at the start of a UTF-8 file
         if path.suffix == ".json" and f.read(64).lstrip()[:1] == b"[":
-            f.seek(0)
+            f.seek(start)
             yield from _iter_json_array(path, f.read())
             return
-        f.seek(0)
+        f.seek(start)
         for number, raw in enumerate(f, start=1):
             where = f"{path} line {number}"
             try:

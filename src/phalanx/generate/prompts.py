@@ -12,6 +12,7 @@ Each prompt's id is its position among the prompts (0-based; blank lines are not
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 from dataclasses import dataclass
@@ -98,7 +99,8 @@ def _iter_source(source: str):
 
 def _iter_txt(path: Path):
     try:
-        lines = path.read_bytes().split(b"\n")
+        data = path.read_bytes()
+        lines = data.removeprefix(codecs.BOM_UTF8).split(b"\n")  # a Windows editor's byte-order mark is no question
     except OSError as e:
         raise DataError(f"{path}: cannot be read: {e.strerror or e}") from None
     for number, raw in enumerate(lines, start=1):
