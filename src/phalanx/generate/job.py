@@ -119,22 +119,31 @@ def generation_stop_ids(tokenizer: Any, model_name: str) -> list[int]:
     return stop_token_ids(tokenizer, config)
 
 
-def check_lengths(prompts: list[Prompt], model_name: str, max_new_tokens: int) -> None:
+def check_model_fit(prompts: list[Prompt], model_name: str, max_new_tokens: int, kv_cache: str) -> None:
+    """What the model's config answers before any rank loads weights: room for prompt + max_new_tokens, and (with
+    --kv_cache fixed) a cache that can be fixed in size; raised here, the error reaches the user once, from every
+    rank alike, instead of from the ranks that got a batch while the others wait."""
     from transformers import AutoConfig
 
+    from phalanx.generate.kv_cache import cache_layers_problem
+
     try:
-        limit = getattr(AutoConfig.from_pretrained(resolve_model_path(model_name)), "max_position_embeddings", None)
+        config = AutoConfig.from_pretrained(resolve_model_path(model_name))
     except (OSError, ValueError):
         return  # load_model reports an unreadable config properly
-    if not limit:
-        return
-    for p in prompts:
+    limit = getattr(config, "max_position_embeddings", None)
+    for p in prompts if limit else []:
         if len(p.input_ids) + max_new_tokens > limit:
             raise DataError(
                 f"{p.where}: the prompt is {len(p.input_ids)} tokens; with --max_new_tokens {max_new_tokens} it needs "
                 f"{len(p.input_ids) + max_new_tokens} positions, more than the model's {limit} "
                 "(max_position_embeddings). Shorten the prompt or lower --max_new_tokens."
             )
+    problem = cache_layers_problem(config) if kv_cache == "fixed" else None
+    if problem:
+        raise ConfigError(
+            f"--kv_cache fixed: {model_name} cannot decode over a fixed-size cache: {problem}; use growing"
+        )
 
 
 def decodes_over_fixed_cache(kv_cache: str) -> bool:
@@ -162,7 +171,7 @@ def plan_job(args, warn: Callable[[str], None]) -> Job:
         args.chat_template_kwargs if args.chat_template_kwargs is not None else adapter_template_kwargs(args.adapter)
     )
     prompts = read_prompts(args.prompts, tokenizer, args.num_questions, warn, template_kwargs)
-    check_lengths(prompts, model_name, args.max_new_tokens)
+    check_model_fit(prompts, model_name, args.max_new_tokens, args.kv_cache)
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,

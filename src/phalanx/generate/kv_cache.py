@@ -110,6 +110,11 @@ def fixed_cache_problem(model: torch.nn.Module) -> Optional[str]:
         return (
             f"its attention is {attention!r}, and a fixed-size cache is built for {' or '.join(FIXED_CACHE_ATTENTIONS)}"
         )
+    return cache_layers_problem(config)
+
+
+def cache_layers_problem(config) -> Optional[str]:
+    """The part of fixed_cache_problem a model's config answers before any weights load: its cache layers."""
     kinds = {type(layer).__name__ for layer in DynamicCache(config=config).layers}
     if kinds != {DynamicLayer.__name__}:
         return f"its cache has {', '.join(sorted(kinds))} layers (sliding-window or other non-plain attention)"
