@@ -129,6 +129,11 @@ def test_manifest_decides_fresh_resume_or_refuse(tmp_path):
     assert check_manifest(folder, out, settings, overwrite=False) == "fresh"
     prepare_folder(folder, settings, "fresh", None)
     assert check_manifest(folder, out, settings, overwrite=False) == "resume"
+    # Nothing committed under the old settings (the job stopped before its first batch): nothing to lose, a new start.
+    assert check_manifest(folder, out, {"seed": 2, "model_name": "m"}, overwrite=False) == "overwrite"
+    writer = ShardWriter(folder / "rank-0.jsonl")
+    writer.commit(0, [rec(0, 0)])
+    writer.close()
     with pytest.raises(ConfigError, match=r"other settings \(seed: 1 before, 2 now\).*--overwrite true"):
         check_manifest(folder, out, {"seed": 2, "model_name": "m"}, overwrite=False)
     (folder / "rank-0.jsonl").write_text("x")

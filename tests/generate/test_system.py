@@ -26,6 +26,7 @@ from phalanx.runtime.output_lock import output_file_lock
 
 pytestmark = pytest.mark.system
 
+MODEL = "embedded:tiny-qwen3"
 PROMPTS = 10
 K = 4
 FLAGS = [
@@ -423,6 +424,44 @@ def test_a_rank_that_fails_is_status_1_and_bad_input_stays_2(tmp_path, capsys, m
         monkeypatch.setattr(local, "launch_local", launch)
         code, log = run_in_process(argv, capsys)
         assert code == status and f"error: phalanx generate: {error}" in log, log
+
+
+def test_an_adapter_that_does_not_fit_is_said_once_with_status_2_by_every_rank(tmp_path):
+    """Two ranks, one batch: rank 0 finds the --adapter does not fit the model while rank 1, with no batch, would
+    wait at the end (it crashed there with gloo's 'Connection closed by peer' and status 1). Every rank meets once
+    after loading, so the job ends with the adapter's message, once, and status 2."""
+    from peft import LoraConfig, get_peft_model
+
+    from phalanx.models.load import load_model
+
+    adapter = tmp_path / "adapter"
+    get_peft_model(load_model(MODEL, torch.float32), LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(
+        adapter
+    )
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    config.update(base_model_name_or_path=MODEL, target_modules=["no_such_proj"])
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    prompts = tmp_path / "q.txt"
+    prompts.write_text("What is a calorie?\n")
+    output = tmp_path / "o" / "t.jsonl"
+    run = run_phalanx(
+        "generate",
+        "--adapter",
+        str(adapter),
+        "--prompts",
+        str(prompts),
+        "--max_new_tokens",
+        "4",
+        "--world_size",
+        "2",
+        "--output",
+        str(output),
+    )
+    said = run.stdout + run.stderr
+    assert run.returncode == 2, said[-3000:]
+    assert said.count("could not be loaded onto embedded:tiny-qwen3: NoMatchingPeftModuleError") == 1, said[-3000:]
+    assert "Traceback" not in said and "Connection closed" not in said
+    assert not output.exists()
 
 
 def test_bad_flags_and_foreign_or_changed_outputs(runs, tmp_path, capsys):

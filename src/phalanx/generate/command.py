@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Sequence
 
-from phalanx.errors import PhalanxError
+from phalanx.errors import PhalanxError, RanksFailed
 from phalanx.generate.args import parse_args
 
 # What a rank does when asked to stop (the first Ctrl-C says it): each batch is committed whole or not started.
@@ -66,7 +66,16 @@ def main(argv: Sequence[str]) -> int:
     preemption = preemption or PreemptionFlag(WORK).install()
     leave_out_bitsandbytes()  # generation loads no 4-bit model: a second less per rank
     quiet_libraries()
-    return run(args, preemption)
+    try:
+        return run(args, preemption)
+    except PhalanxError as exc:
+        # As train's ranks do: what a rank refuses is said once for the job, with its status (2 for bad input),
+        # rather than once per rank; a rank's crash (RanksFailed) keeps its status 1.
+        if not is_rank or int(os.environ["WORLD_SIZE"]) == 1 or isinstance(exc, RanksFailed):
+            raise
+        from phalanx.launch.local import report_bad_input
+
+        return report_bad_input(exc, int(os.environ["RANK"]))
 
 
 def run(args: argparse.Namespace, preemption) -> int:
@@ -124,9 +133,8 @@ def _agree_on_state(job, rank, overwrite: bool) -> set[tuple[int, int]]:
 
 def _generate(job, rank, done: set, say, preemption) -> dict:
     from phalanx.generate.engine import generate_with_fallback
-    from phalanx.generate.job import load_generation_model, make_record, plan_batches, rank_batches
+    from phalanx.generate.job import make_record, plan_batches, rank_batches
     from phalanx.generate.shards import ShardWriter, shard_path
-    from phalanx.generate.static_decode import choose_decoder
 
     batches = plan_batches(job.prompts, job.num_sequences, job.batch_size)
     total = sum(len(b) for b in batches)
@@ -155,17 +163,13 @@ def _generate(job, rank, done: set, say, preemption) -> dict:
             return True
         return False
 
-    if not mine or stop_requested():
+    if stop_requested():
         return stats
-    model = load_generation_model(job, rank.device)
     prefix = "" if rank.is_main else f"[rank {rank.rank}] "
-    decoder = choose_decoder(
-        job.kv_cache,
-        model,
-        warn=lambda message: print(f"{prefix}{message}", flush=True),
-        rows=job.batch_size,  # one cache shape for the whole job: a resumed job draws what an uninterrupted one draws
-        capacity=max(len(p.input_ids) for p in job.prompts) + job.params.max_new_tokens,
-    )
+    loaded = _load_model_everywhere(job, rank, bool(mine), prefix)
+    if loaded is None:
+        return stats
+    model, decoder = loaded
     if decoder is not None:
         graphs = " (one CUDA graph per decoding step)" if rank.device.type == "cuda" else ""
         say(f"   KV cache: fixed size{graphs}; --kv_cache growing lets finished rows leave the batch instead")
@@ -209,6 +213,34 @@ def _generate(job, rank, done: set, say, preemption) -> dict:
     stats["seconds"] = time.perf_counter() - started
     stats["batch_size"] = micro
     return stats
+
+
+def _load_model_everywhere(job, rank, needed: bool, prefix: str):
+    """(model, decoder) on a rank with batches to generate, None on one without. Every rank meets here once: what
+    loading found wrong (an --adapter that does not fit the model, say) stops every rank with that message, where
+    the ranks without a batch would otherwise wait at the end for ranks that had already failed."""
+    from phalanx.generate.job import load_generation_model
+    from phalanx.generate.static_decode import choose_decoder
+    from phalanx.runtime.dist import gather_objects
+
+    loaded = problem = None
+    if needed:
+        try:
+            model = load_generation_model(job, rank.device)
+            decoder = choose_decoder(
+                job.kv_cache,
+                model,
+                warn=lambda message: print(f"{prefix}{message}", flush=True),
+                rows=job.batch_size,  # one cache shape for the job: a resumed job draws what an uninterrupted one draws
+                capacity=max(len(p.input_ids) for p in job.prompts) + job.params.max_new_tokens,
+            )
+            loaded = (model, decoder)
+        except PhalanxError as exc:
+            problem = exc
+    problems = [p for p in gather_objects(problem) if p is not None]
+    if problems:
+        raise problems[0]
+    return loaded
 
 
 def _report_stop(job, stopped: list[dict], everyone: list[dict], resumed: int) -> None:

@@ -59,6 +59,10 @@ def resolve_dtype(name: str) -> str:
     return "float32"
 
 
+# What PEFT's save_pretrained writes beside adapter_config.json (safetensors by default; .bin when asked for).
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+
+
 def adapter_base(adapter: str) -> str:
     """The base model an adapter folder written by `phalanx train` (or PEFT) was trained on."""
     config = Path(adapter) / "adapter_config.json"
@@ -73,6 +77,13 @@ def adapter_base(adapter: str) -> str:
         raise ConfigError(f"{config}: not valid JSON ({e})") from None
     if not base:
         raise ConfigError(f"{config}: no base_model_name_or_path; pass --model_name")
+    weights = [name for name in ADAPTER_WEIGHTS if (Path(adapter) / name).is_file()]
+    if not weights:
+        # PEFT would take the folder's name for a Hub id and try to download the weights from there.
+        raise ConfigError(
+            f"--adapter {adapter}: adapter_config.json but no weights ({' or '.join(ADAPTER_WEIGHTS)}) there; "
+            "the folder was not fully written or copied"
+        )
     return base
 
 

@@ -86,6 +86,11 @@ def check_manifest(
             before = recorded["settings"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ConfigError(f"{manifest}: unreadable ({e}); delete {folder} or pass --overwrite true") from None
+        if before != settings and not scan_folder(folder):
+            # Nothing was committed under the old settings (the job stopped before its first batch: a bad --adapter,
+            # a kill while the model loaded): starting over loses nothing, so the new settings start afresh.
+            _refuse_files_not_ours(folder, output, val_output)
+            return "overwrite"
         if before != settings:
             changed = [
                 f"{k}: {before.get(k)!r} before, {settings.get(k)!r} now"
@@ -98,16 +103,24 @@ def check_manifest(
             )
         check_resumed_val_output(recorded, output, val_output)
         return "resume"
-    # A fresh job writes files that did not exist, so one found there is someone else's (a resumed job's own
-    # earlier merge wrote them).
-    earlier = [p for p in (output, val_output) if p is not None and p.exists()]
-    if earlier or (folder.exists() and any(folder.iterdir())):
-        found = earlier[0] if earlier else folder
+    if folder.exists() and any(folder.iterdir()):
         raise ConfigError(
-            f"{found} already exists and was not written by a phalanx generate run with these settings "
+            f"{folder} already exists and was not written by a phalanx generate run with these settings "
             f"(no {manifest}). Choose another --output, or pass --overwrite true to replace it."
         )
+    _refuse_files_not_ours(folder, output, val_output)
     return "fresh"
+
+
+def _refuse_files_not_ours(folder: Path, output: Path, val_output: Optional[Path]) -> None:
+    """A job that starts afresh writes files that did not exist, so one found there is someone else's (a resumed
+    job's own earlier merge wrote them)."""
+    for path in (output, val_output):
+        if path is not None and path.exists():
+            raise ConfigError(
+                f"{path} already exists and was not written by a phalanx generate run with these settings "
+                f"(no {folder / MANIFEST}). Choose another --output, or pass --overwrite true to replace it."
+            )
 
 
 def check_resumed_val_output(recorded: dict, output: Path, val_output: Optional[Path]) -> None:

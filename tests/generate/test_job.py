@@ -1,0 +1,24 @@
+"""What a job checks of an --adapter folder before any rank starts."""
+
+import json
+
+import pytest
+
+from phalanx.errors import ConfigError
+from phalanx.generate.job import adapter_base
+
+
+def test_an_adapter_folder_needs_its_config_its_base_and_its_weights(tmp_path):
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    with pytest.raises(ConfigError, match="no adapter_config.json there; give the output_dir"):
+        adapter_base(str(folder))
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA"}))
+    with pytest.raises(ConfigError, match="no base_model_name_or_path; pass --model_name"):
+        adapter_base(str(folder))
+    (folder / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "org/base"}))
+    # Without weights PEFT took the folder for a Hub id and tried to download them (a network traceback offline).
+    with pytest.raises(ConfigError, match=r"no weights \(adapter_model.safetensors or adapter_model.bin\) there"):
+        adapter_base(str(folder))
+    (folder / "adapter_model.safetensors").write_bytes(b"")
+    assert adapter_base(str(folder)) == "org/base"
