@@ -163,10 +163,10 @@ def _generate(job, rank, done: set, say, preemption) -> dict:
             return True
         return False
 
-    if stop_requested():
-        return stats
+    stopping = stop_requested()
     prefix = "" if rank.is_main else f"[rank {rank.rank}] "
-    loaded = _load_model_everywhere(job, rank, bool(mine), prefix)
+    # Called by every rank, stopping or not: it is a collective, and ranks may see a stop request at different times.
+    loaded = _load_model_everywhere(job, rank, bool(mine) and not stopping, prefix)
     if loaded is None:
         return stats
     model, decoder = loaded
