@@ -317,9 +317,14 @@ def test_kv_cache_choice_names_what_a_model_cannot_do(tiny):
             max_window_layers=0,
         )
     )
-    assert "DynamicSlidingWindowLayer" in fixed_cache_problem(windowed)
+    # A sliding window is served while every position fits in it (then nothing falls out of it): the job's longest
+    # prompt + max_new_tokens decides, and without it the growing cache is taken.
+    assert "sliding-window layers (window 16) need the job's longest prompt" in fixed_cache_problem(windowed)
+    assert fixed_cache_problem(windowed, capacity=16) is None
+    assert "keep 16 positions, and the longest prompt + max_new_tokens is 17" in fixed_cache_problem(windowed, 17)
     with pytest.raises(ConfigError, match="--kv_cache fixed: this model cannot .*sliding-window.*; use growing"):
-        choose_decoder("fixed", windowed)
+        choose_decoder("fixed", windowed, capacity=17)
+    assert isinstance(choose_decoder("fixed", windowed, capacity=16), StaticDecoder)
     assert choose_decoder("auto", windowed) is None
     windowed.config._attn_implementation = "flash_attention_2"
     assert "'flash_attention_2'" in fixed_cache_problem(windowed)
@@ -450,3 +455,52 @@ def test_a_jobs_decoder_uses_one_cache_shape_for_every_batch(tiny, prompts):
     decoder.release(2)
     assert run(model, tok, prompts, [(1, 1)], params, decoder=decoder) == run(model, tok, prompts, [(1, 1)], params)
     assert (decoder._batch.rows, decoder._batch.capacity) == (2, 256)
+
+
+def test_a_sliding_window_model_decodes_over_a_fixed_cache_inside_its_window(decoding):
+    """Mistral 7B v0.1 keeps a 4,096-token window (here 48): while the prompt and the answer fit in it, no position
+    falls out, and a fixed cache (its length capped at the window) draws what the growing one and HF generate draw."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=48,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = MistralForCausalLM(config).eval()
+    prompts = [list(range(5, 35)), list(range(7, 12))]
+    pairs, row_prompt = [(0, 0), (0, 1), (1, 0)], [0, 0, 1]
+    params = SamplingParams(max_new_tokens=18, temperature=0)  # 30 + 18 = 48 positions: the whole window
+    decoder = StaticDecoder(rows=3, capacity=48) if decoding == "fixed" else None
+    got = generate_rows(model, prompts, pairs, row_prompt, params, [], 0, None, decoder)
+    if decoder is not None:
+        assert decoder._batch.capacity == 48  # rounded up to 256 elsewhere; capped at the window here
+    for row, prompt in zip(got, row_prompt):
+        ids = torch.tensor([prompts[prompt]])
+        reference = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=18, pad_token_id=0
+        )
+        assert row.tokens == reference[0, ids.shape[1] :].tolist()
+    if decoder is not None:
+        with pytest.raises(ValueError, match="49 positions does not fit the model's sliding window 48"):
+            generate_rows(
+                model,
+                prompts,
+                pairs,
+                row_prompt,
+                SamplingParams(max_new_tokens=19, temperature=0),
+                [],
+                0,
+                None,
+                StaticDecoder(),
+            )

@@ -519,12 +519,13 @@ def test_model_without_chat_template_falls_back_to_plain_prompts(tmp_path, capsy
 
 
 def test_a_fixed_cache_a_model_cannot_take_is_refused_before_any_rank_starts(tmp_path, capsys):
-    """--kv_cache fixed on a sliding-window model: refused from the config, before the ranks load weights (a rank
-    with no batch used to wait at the end while the others failed); nothing is written. auto takes the growing one."""
+    """--kv_cache fixed on a sliding-window model whose window the prompts and answers outgrow: refused from the
+    config, before the ranks load weights (a rank with no batch used to wait at the end while the others failed);
+    nothing is written. auto takes the growing cache."""
     model = tmp_path / "windowed"
     shutil.copytree(resolve_model_path("embedded:tiny-qwen3"), model)
     config = json.loads((model / "config.json").read_text())
-    config.update(use_sliding_window=True, sliding_window=64, max_window_layers=0)
+    config.update(use_sliding_window=True, sliding_window=8, max_window_layers=0)
     config["layer_types"] = ["sliding_attention"] * config["num_hidden_layers"]
     (model / "config.json").write_text(json.dumps(config))
     prompts = tmp_path / "q.txt"
@@ -532,7 +533,7 @@ def test_a_fixed_cache_a_model_cannot_take_is_refused_before_any_rank_starts(tmp
     args = ["generate", "--model_name", str(model), "--prompts", str(prompts), "--max_new_tokens", "4"]
     refused = tmp_path / "refused" / "t.jsonl"
     code, log = run_in_process([*args, "--kv_cache", "fixed", "--world_size", "2", "--output", str(refused)], capsys)
-    assert code == 2 and "--kv_cache fixed: " in log and "DynamicSlidingWindowLayer layers" in log, log
+    assert code == 2 and "--kv_cache fixed: " in log and "sliding-window layers keep 8 positions" in log, log
     assert "use growing" in log and "rank" not in log and not refused.parent.exists()
     code, log = run_in_process([*args, "--output", str(tmp_path / "auto" / "t.jsonl")], capsys)
     assert code == 0 and "KV cache: fixed" not in log, log

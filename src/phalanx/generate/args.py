@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "fixed", "growing"],
         help="Decoding cache. fixed: preallocated, and on CUDA each decoding step is one CUDA graph replay; "
         "growing: rows that finish leave the batch at once; auto (default): fixed on CUDA where the model "
-        "allows it (sdpa or eager attention, no sliding window), growing otherwise. A job resumes only with the cache it started with.",
+        "allows it (sdpa or eager attention; a sliding window only if prompt + answer fit in it), growing otherwise. A job resumes only with the cache it started with.",
     )
     add("world_size", type=int, default=1, help="Ranks to start on this machine (ignored under torchrun).")
     add("master_port", type=int, default=None, help="Rendezvous port for --world_size (default: a free one).")

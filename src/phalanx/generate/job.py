@@ -150,7 +150,8 @@ def check_model_fit(prompts: list[Prompt], model_name: str, max_new_tokens: int,
                 f"{len(p.input_ids) + max_new_tokens} positions, more than the model's {limit} "
                 "(max_position_embeddings). Shorten the prompt or lower --max_new_tokens."
             )
-    problem = cache_layers_problem(config) if kv_cache == "fixed" else None
+    longest = max((len(p.input_ids) for p in prompts), default=0)
+    problem = cache_layers_problem(config, longest + max_new_tokens) if kv_cache == "fixed" else None
     if problem:
         raise ConfigError(
             f"--kv_cache fixed: {model_name} cannot decode over a fixed-size cache: {problem}; use growing"

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 # The attention implementations a fixed-size cache's prepared 4-D mask is built for.
 FIXED_CACHE_ATTENTIONS = ("sdpa", "eager")
@@ -102,20 +102,46 @@ class FixedLayer(DynamicLayer):
         return self.keys, self.values
 
 
-def fixed_cache_problem(model: torch.nn.Module) -> Optional[str]:
-    """Why this model cannot decode over a fixed-size cache, or None when it can."""
+def fixed_cache_problem(model: torch.nn.Module, capacity: Optional[int] = None) -> Optional[str]:
+    """Why this model cannot decode over a fixed-size cache of `capacity` positions (None: not known), or None when it
+    can."""
     config = inner_model(model).config
     attention = getattr(config, "_attn_implementation", None) or "eager"
     if attention not in FIXED_CACHE_ATTENTIONS:
         return (
             f"its attention is {attention!r}, and a fixed-size cache is built for {' or '.join(FIXED_CACHE_ATTENTIONS)}"
         )
-    return cache_layers_problem(config)
+    return cache_layers_problem(config, capacity)
 
 
-def cache_layers_problem(config) -> Optional[str]:
-    """The part of fixed_cache_problem a model's config answers before any weights load: its cache layers."""
-    kinds = {type(layer).__name__ for layer in DynamicCache(config=config).layers}
-    if kinds != {DynamicLayer.__name__}:
-        return f"its cache has {', '.join(sorted(kinds))} layers (sliding-window or other non-plain attention)"
-    return None
+def cache_layers_problem(config, capacity: Optional[int] = None) -> Optional[str]:
+    """The part of fixed_cache_problem a model's config answers before any weights load: its cache layers.
+
+    Sliding-window layers are served while every position fits in their window (`capacity` <= the window): nothing
+    then falls out of it, and the attention is the full attention a fixed cache computes (Mistral 7B v0.1 and its
+    fine-tunes, Phi-3 mini: windows of 4,096 and 2,047 tokens)."""
+    layers = DynamicCache(config=config).layers
+    kinds = {type(layer).__name__ for layer in layers}
+    if kinds <= {DynamicLayer.__name__}:
+        return None
+    if kinds <= {DynamicLayer.__name__, DynamicSlidingWindowLayer.__name__}:
+        window = sliding_window_of(config)
+        if capacity is None:
+            return f"its sliding-window layers (window {window}) need the job's longest prompt + max_new_tokens"
+        if capacity > window:
+            return (
+                f"its sliding-window layers keep {window} positions, and the longest prompt + max_new_tokens is "
+                f"{capacity}"
+            )
+        return None
+    return f"its cache has {', '.join(sorted(kinds))} layers (linear attention or another non-plain kind)"
+
+
+def sliding_window_of(config) -> Optional[int]:
+    """The smallest window of the model's sliding-window cache layers (None: it has none)."""
+    windows = [
+        layer.sliding_window
+        for layer in DynamicCache(config=config).layers
+        if isinstance(layer, DynamicSlidingWindowLayer)
+    ]
+    return min(windows) if windows else None

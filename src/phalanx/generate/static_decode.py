@@ -16,8 +16,9 @@ fixed shape and address:
 
 The same step runs eagerly on CPU (the tests compare it token for token with the growing-cache loop)
 and is captured as a CUDA graph on CUDA, checked against the eager step, and kept for the later
-batches that fit in its cache (StaticDecoder). Models this cannot serve (sliding-window
-or other non-plain cache layers, an attention other than sdpa/eager) are named by `kv_cache.fixed_cache_problem`.
+batches that fit in its cache (StaticDecoder). Models this cannot serve (a sliding window shorter
+than prompt + answer, linear-attention layers, an attention other than sdpa/eager) are named by
+`kv_cache.fixed_cache_problem`.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 from transformers import DynamicCache
 
 from phalanx.errors import ConfigError
-from phalanx.generate.kv_cache import FixedLayer, cache_keyword, fixed_cache_problem, inner_model
+from phalanx.generate.kv_cache import FixedLayer, cache_keyword, fixed_cache_problem, inner_model, sliding_window_of
 from phalanx.generate.sampling import SamplingParams, next_tokens
 
 # How many decoding steps run between two looks at the stop flags (each look waits for the device).
@@ -191,6 +192,13 @@ class StaticDecoder:
         dtype = first[0][0].dtype
         rows = max(rows, self.rows or 0)
         capacity = -(-max(needed, self.capacity or 0) // CAPACITY_STEP) * CAPACITY_STEP
+        window = sliding_window_of(inner_model(model).config)
+        if window is not None:  # every position must stay inside the window, where attention is the full one
+            if needed > window:
+                raise ValueError(
+                    f"a fixed cache of {needed} positions does not fit the model's sliding window {window}"
+                )
+            capacity = min(capacity, window)
         batch = self._batch
         if batch is not None and batch.model is model and batch.keys[0].dtype == dtype:
             if (batch.rows, batch.capacity) == (rows, capacity):
@@ -268,7 +276,7 @@ def choose_decoder(
         raise ConfigError(f"{flag} {kv_cache!r}: expected one of {', '.join(KV_CACHES)}")
     if kv_cache == "growing":
         return None
-    problem = fixed_cache_problem(model)
+    problem = fixed_cache_problem(model, capacity)
     if kv_cache == "fixed" and problem:
         raise ConfigError(f"{flag} fixed: this model cannot decode over a fixed-size cache: {problem}; use growing")
     on_cuda = next(model.parameters()).device.type == "cuda"
