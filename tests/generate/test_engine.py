@@ -415,13 +415,14 @@ def test_graph_replays_are_checked_against_the_eager_step_over_two_steps(tiny, p
 
 
 def test_a_kept_graph_serves_smaller_batches_with_padded_rows(tiny, prompts):
-    """With a graph, the first batch's cache serves every later batch that fits (fewer rows, shorter prompts), the
-    missing rows padded and thrown away; the rows drawn are the growing cache's. A batch that does not fit gets a
-    new cache. A stand-in replays the step eagerly (no CUDA here); without one, each batch gets a cache its size."""
+    """A job's decoder keeps one cache and graph: later batches with fewer rows or shorter prompts replay it, the
+    missing rows padded and thrown away, and draw what the growing cache draws. A batch with more rows than the job's
+    gets a new cache. A stand-in replays the step eagerly (no CUDA here); a decoder with no job shape makes each
+    batch a cache of its own size."""
     model, tok = tiny
     said = []
-    decoder = StaticDecoder(warn=said.append)
     params = SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.9, seed=4)
+    decoder = StaticDecoder(warn=said.append, rows=6, capacity=max(map(len, prompts)) + params.max_new_tokens)
     stops = stop_token_ids(tok, model.generation_config)
     big = [(p, s) for p in (1, 3) for s in range(3)]
     assert run(model, tok, prompts, big, params, decoder=decoder) == run(model, tok, prompts, big, params)
@@ -436,9 +437,9 @@ def test_a_kept_graph_serves_smaller_batches_with_padded_rows(tiny, prompts):
     assert run(model, tok, prompts, more_rows, params, decoder=decoder) == run(model, tok, prompts, more_rows, params)
     assert decoder._batch is not kept and decoder._batch.rows == 8 and decoder._batch.graph is None
     assert said == []  # on CPU nothing is captured, so nothing failed
-    decoder._batch.graph = None
-    run(model, tok, prompts, [(2, 0)], params, decoder=decoder)
-    assert decoder._batch.rows == 1  # no graph: a cache of the batch's own size
+    unshaped = StaticDecoder()
+    run(model, tok, prompts, [(2, 0)], params, decoder=unshaped)
+    assert unshaped._batch.rows == 1  # no job shape: a cache of the batch's own size
 
 
 def test_a_jobs_decoder_uses_one_cache_shape_for_every_batch(tiny, prompts):

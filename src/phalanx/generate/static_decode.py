@@ -165,8 +165,7 @@ class StaticDecoder:
     batch history would let a resumed job draw other tokens than an uninterrupted one. Fewer rows are padded with
     copies of the first and thrown away; a graph replay pays for them anyway, and it is captured once.
 
-    Without them, a kept cache with a CUDA graph serves every later batch that fits in it (padded the same way),
-    and without a graph (CPU, or a capture that failed) the cache is made to each batch's own size.
+    Without them each batch gets a cache of its own size, kept (with its graph) for a next batch of that size.
     `graphs`: capture the step as a CUDA graph (only on CUDA)."""
 
     def __init__(
@@ -200,17 +199,13 @@ class StaticDecoder:
                 )
             capacity = min(capacity, window)
         batch = self._batch
-        if batch is not None and batch.model is model and batch.keys[0].dtype == dtype:
-            if (batch.rows, batch.capacity) == (rows, capacity):
-                return batch
-            fixed_shape = self.rows is not None and self.capacity is not None
-            if batch.graph is not None and not fixed_shape and batch.rows >= rows and batch.capacity >= needed:
-                return batch
-        self._batch = batch = None  # the old graph and cache go before the new ones are allocated
-        batch = _Batch(model, rows, capacity, [(k.shape, v.shape) for k, v in first], dtype)
-        if self.graphs and batch.device.type == "cuda":
-            batch.capture(self.warn)
-        self._batch = batch
+        shape = (rows, capacity, dtype)
+        if batch is None or batch.model is not model or (batch.rows, batch.capacity, batch.keys[0].dtype) != shape:
+            self._batch = None  # the old graph and cache go before the new ones are allocated
+            batch = _Batch(model, rows, capacity, [(k.shape, v.shape) for k, v in first], dtype)
+            if self.graphs and batch.device.type == "cuda":
+                batch.capture(self.warn)
+            self._batch = batch
         return batch
 
     def decode(
