@@ -161,7 +161,7 @@ def main(argv=None) -> None:
 
     from phalanx.generate import engine, static_decode
     from phalanx.generate.engine import generate_with_fallback
-    from phalanx.generate.job import DTYPES, generation_stop_ids, plan_batches, resolve_dtype
+    from phalanx.generate.job import DTYPES, generation_stop_ids, plan_batches, positions_needed, resolve_dtype
     from phalanx.generate.prompts import read_prompts
     from phalanx.generate.sampling import SamplingParams
     from phalanx.generate.static_decode import choose_decoder
@@ -201,7 +201,7 @@ def main(argv=None) -> None:
 
     caches = [c.strip() for c in args.kv_caches.split(",") if c.strip()]
     # As `phalanx generate` makes it: one cache shape for the job (batch_size rows, longest prompt + max_new_tokens).
-    shape = dict(rows=args.batch_size, capacity=max(len(p.input_ids) for p in prompts) + args.max_new_tokens)
+    shape = dict(rows=args.batch_size, capacity=positions_needed(prompts, args.max_new_tokens))
     decoders = {cache: choose_decoder(cache, model, flag="--kv_caches", warn=print, **shape) for cache in caches}
     split = {"prefill_s": 0.0, "prefills": 0, "decode_steps": 0, "decode_rows": 0}
     prefill = engine._prefill

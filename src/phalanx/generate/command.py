@@ -219,7 +219,7 @@ def _load_model_everywhere(job, rank, needed: bool, prefix: str):
     """(model, decoder) on a rank with batches to generate, None on one without. Every rank meets here once: what
     loading found wrong (an --adapter that does not fit the model, say) stops every rank with that message, where
     the ranks without a batch would otherwise wait at the end for ranks that had already failed."""
-    from phalanx.generate.job import load_generation_model
+    from phalanx.generate.job import load_generation_model, positions_needed
     from phalanx.generate.static_decode import choose_decoder
     from phalanx.runtime.dist import gather_objects
 
@@ -232,7 +232,7 @@ def _load_model_everywhere(job, rank, needed: bool, prefix: str):
                 model,
                 warn=lambda message: print(f"{prefix}{message}", flush=True),
                 rows=job.batch_size,  # one cache shape for the job: a resumed job draws what an uninterrupted one draws
-                capacity=max(len(p.input_ids) for p in job.prompts) + job.params.max_new_tokens,
+                capacity=positions_needed(job.prompts, job.params.max_new_tokens),
             )
             loaded = (model, decoder)
         except PhalanxError as exc:

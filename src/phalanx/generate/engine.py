@@ -86,7 +86,8 @@ def generate_rows(
     stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
     if decoder is not None:
         drawn, _ = decoder.decode(model, logits[expand], states, row_prompt, uniforms, params, stops, vocab_limit)
-        return [_cut_at_stop(row, set(stop_ids)) for row in drawn]
+        stop_set = set(stop_ids)
+        return [_cut_at_stop(row, stop_set) for row in drawn]
     cache, mask = _side_by_side(model, states, room=params.max_new_tokens)
     cache.reorder_cache(expand)  # index_select on the batch dimension: rows of one prompt share its prefill
     next_position = torch.tensor([len(prompts[p]) for p in row_prompt], dtype=torch.long, device=device)

@@ -14,7 +14,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -150,12 +150,17 @@ def check_model_fit(prompts: list[Prompt], model_name: str, max_new_tokens: int,
                 f"{len(p.input_ids) + max_new_tokens} positions, more than the model's {limit} "
                 "(max_position_embeddings). Shorten the prompt or lower --max_new_tokens."
             )
-    longest = max((len(p.input_ids) for p in prompts), default=0)
-    problem = cache_layers_problem(config, longest + max_new_tokens) if kv_cache == "fixed" else None
+    problem = cache_layers_problem(config, positions_needed(prompts, max_new_tokens)) if kv_cache == "fixed" else None
     if problem:
         raise ConfigError(
             f"--kv_cache fixed: {model_name} cannot decode over a fixed-size cache: {problem}; use growing"
         )
+
+
+def positions_needed(prompts: Sequence[Prompt], max_new_tokens: int) -> int:
+    """The longest prompt plus max_new_tokens: the positions a job's longest sequence takes (the fixed cache's length,
+    what the model's max_position_embeddings and sliding window must hold)."""
+    return max((len(p.input_ids) for p in prompts), default=0) + max_new_tokens
 
 
 def decodes_over_fixed_cache(kv_cache: str) -> bool:

@@ -125,7 +125,7 @@ def cache_layers_problem(config, capacity: Optional[int] = None) -> Optional[str
     if kinds <= {DynamicLayer.__name__}:
         return None
     if kinds <= {DynamicLayer.__name__, DynamicSlidingWindowLayer.__name__}:
-        window = sliding_window_of(config)
+        window = _smallest_window(layers)
         if capacity is None:
             return f"its sliding-window layers (window {window}) need the job's longest prompt + max_new_tokens"
         if capacity > window:
@@ -139,9 +139,9 @@ def cache_layers_problem(config, capacity: Optional[int] = None) -> Optional[str
 
 def sliding_window_of(config) -> Optional[int]:
     """The smallest window of the model's sliding-window cache layers (None: it has none)."""
-    windows = [
-        layer.sliding_window
-        for layer in DynamicCache(config=config).layers
-        if isinstance(layer, DynamicSlidingWindowLayer)
-    ]
+    return _smallest_window(DynamicCache(config=config).layers)
+
+
+def _smallest_window(layers) -> Optional[int]:
+    windows = [layer.sliding_window for layer in layers if isinstance(layer, DynamicSlidingWindowLayer)]
     return min(windows) if windows else None

@@ -48,12 +48,13 @@ class _Batch:
         self.index = torch.zeros(1, dtype=torch.long, device=device)
         self.keys = [torch.zeros((rows, k[1], capacity, k[3]), dtype=dtype, device=device) for k, _ in layer_shapes]
         self.values = [torch.zeros((rows, v[1], capacity, v[3]), dtype=dtype, device=device) for _, v in layer_shapes]
-        self.cache = DynamicCache(config=inner_model(model).config)
+        config = inner_model(model).config
+        self.cache = DynamicCache(config=config)
         self.cache.layers = [FixedLayer(k, v, self.index) for k, v in zip(self.keys, self.values)]
         self.input_ids = torch.zeros((rows, 1), dtype=torch.long, device=device)
         self.position_ids = torch.zeros((rows, 1), dtype=torch.long, device=device)
         # sdpa takes a boolean mask (True = attend); eager attention adds the mask to its scores.
-        if inner_model(model).config._attn_implementation == "sdpa":
+        if config._attn_implementation == "sdpa":
             self.mask = torch.zeros((rows, 1, 1, capacity), dtype=torch.bool, device=device)
             self.open, self.shut = True, False
         else:
