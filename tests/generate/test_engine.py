@@ -68,6 +68,40 @@ def run(model, tok, prompts, pairs, params, stops=None, decoder=None):
     )
 
 
+# A two-layer decoder of another architecture, built from its config (no padding to draw, no EOS to stop at).
+SMALL_DECODER = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    bos_token_id=None,
+    eos_token_id=None,
+)
+
+
+def seeded_model(model_class, config):
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return model_class(config).eval()
+
+
+def assert_rows_as_hf_generate(model, prompts, row_prompt, rows):
+    """Each greedy row is what HF `generate` continues its prompt with, alone."""
+    for row, prompt in zip(rows, row_prompt):
+        ids = torch.tensor([prompts[prompt]])
+        reference = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=len(row.tokens),
+            pad_token_id=0,
+        )
+        assert row.finish_reason == "length" and row.tokens == reference[0, ids.shape[1] :].tolist()
+
+
 def test_row_seed_is_a_pure_function_of_seed_prompt_and_sequence():
     assert row_seed(1, 2, 3) == row_seed(1, 2, 3)
     assert len({row_seed(s, p, q) for s in range(3) for p in range(5) for q in range(5)}) == 75
@@ -351,13 +385,9 @@ def test_keys_and_values_of_different_widths_decode_as_hf_generate(decoding):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     config = DeepseekV3Config(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=96,
+        **SMALL_DECODER,
         moe_intermediate_size=32,
-        num_hidden_layers=2,
         first_k_dense_replace=1,  # one dense layer, one mixture-of-experts layer
-        num_attention_heads=4,
         num_key_value_heads=4,
         q_lora_rank=None,
         kv_lora_rank=16,
@@ -368,24 +398,13 @@ def test_keys_and_values_of_different_widths_decode_as_hf_generate(decoding):
         num_experts_per_tok=2,
         n_group=1,
         topk_group=1,
-        max_position_embeddings=256,
-        pad_token_id=0,
-        bos_token_id=None,
-        eos_token_id=None,
     )
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = DeepseekV3ForCausalLM(config).eval()
+    model = seeded_model(DeepseekV3ForCausalLM, config)
     prompts = [list(range(5, 30)), list(range(7, 12))]
     pairs, row_prompt = [(0, 0), (0, 1), (1, 0)], [0, 0, 1]
     params = SamplingParams(max_new_tokens=10, temperature=0)
     got = generate_rows(model, prompts, pairs, row_prompt, params, [], 0, None, decoder_for(decoding))
-    for row, prompt in zip(got, row_prompt):
-        ids = torch.tensor([prompts[prompt]])
-        reference = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=10, pad_token_id=0
-        )
-        assert row.tokens == reference[0, ids.shape[1] :].tolist()
+    assert_rows_as_hf_generate(model, prompts, row_prompt, got)
 
 
 def test_graph_replays_are_checked_against_the_eager_step_over_two_steps(tiny, prompts):
@@ -463,22 +482,7 @@ def test_a_sliding_window_model_decodes_over_a_fixed_cache_inside_its_window(dec
     falls out, and a fixed cache (its length capped at the window) draws what the growing one and HF generate draw."""
     from transformers import MistralConfig, MistralForCausalLM
 
-    config = MistralConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        sliding_window=48,
-        max_position_embeddings=256,
-        pad_token_id=0,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = MistralForCausalLM(config).eval()
+    model = seeded_model(MistralForCausalLM, MistralConfig(**SMALL_DECODER, num_key_value_heads=2, sliding_window=48))
     prompts = [list(range(5, 35)), list(range(7, 12))]
     pairs, row_prompt = [(0, 0), (0, 1), (1, 0)], [0, 0, 1]
     params = SamplingParams(max_new_tokens=18, temperature=0)  # 30 + 18 = 48 positions: the whole window
@@ -486,12 +490,7 @@ def test_a_sliding_window_model_decodes_over_a_fixed_cache_inside_its_window(dec
     got = generate_rows(model, prompts, pairs, row_prompt, params, [], 0, None, decoder)
     if decoder is not None:
         assert decoder._batch.capacity == 48  # rounded up to 256 elsewhere; capped at the window here
-    for row, prompt in zip(got, row_prompt):
-        ids = torch.tensor([prompts[prompt]])
-        reference = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=18, pad_token_id=0
-        )
-        assert row.tokens == reference[0, ids.shape[1] :].tolist()
+    assert_rows_as_hf_generate(model, prompts, row_prompt, got)
     if decoder is not None:
         with pytest.raises(ValueError, match="49 positions does not fit the model's sliding window 48"):
             generate_rows(
