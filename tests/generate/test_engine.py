@@ -340,15 +340,7 @@ def test_kv_cache_choice_names_what_a_model_cannot_do(tiny):
         choose_decoder("static", model)
     windowed = Qwen2ForCausalLM(
         Qwen2Config(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            use_sliding_window=True,
-            sliding_window=16,
-            max_window_layers=0,
+            **SMALL_DECODER, num_key_value_heads=2, use_sliding_window=True, sliding_window=16, max_window_layers=0
         )
     )
     # A sliding window is served while every position fits in it (then nothing falls out of it): the job's longest
