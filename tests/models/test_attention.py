@@ -13,8 +13,8 @@ def _heads(kv_heads: int = 2):
 def test_refused_kernel_is_said_once_with_its_reason(monkeypatch, capsys):
     monkeypatch.setattr(attention, "_torch_varlen_ok", {})
     query, key = _heads()
-    assert attention._torch_varlen_usable(None, query, key) is False
-    assert attention._torch_varlen_usable(None, query, key) is False
+    assert attention._torch_varlen_usable(query, key) is False
+    assert attention._torch_varlen_usable(query, key) is False
     lines = [line for line in capsys.readouterr().out.splitlines() if line]
     assert len(lines) == 1, lines
     assert lines[0].startswith("🧮 torch varlen_attn is not used (") and "one SDPA call each" in lines[0]
@@ -22,16 +22,22 @@ def test_refused_kernel_is_said_once_with_its_reason(monkeypatch, capsys):
 
 def test_kernel_that_disagrees_is_refused_and_one_that_agrees_is_trusted(monkeypatch, capsys):
     monkeypatch.setattr(attention, "_torch_varlen_ok", {})
-    query, key = _heads(kv_heads=4)  # the per-row reference needs the attention module for grouped heads
+    query, key = _heads()
     monkeypatch.setattr(
-        attention, "_torch_varlen", lambda m, q, k, v, rows, s: attention._per_row_sdpa(m, q, k, v, rows, s) + 1.0
+        attention,
+        "_torch_varlen",
+        lambda q, k, v, cu, longest, s: attention._per_row_sdpa(q, k, v, attention._lengths(cu), s) + 1.0,
     )
-    assert attention._torch_varlen_usable(None, query, key) is False
+    assert attention._torch_varlen_usable(query, key) is False
     assert "differs from the per-row path by 1.0e+00" in capsys.readouterr().out
 
     monkeypatch.setattr(attention, "_torch_varlen_ok", {})
-    monkeypatch.setattr(attention, "_torch_varlen", attention._per_row_sdpa)
-    assert attention._torch_varlen_usable(None, query, key) is True
+    monkeypatch.setattr(
+        attention,
+        "_torch_varlen",
+        lambda q, k, v, cu, longest, s: attention._per_row_sdpa(q, k, v, attention._lengths(cu), s),
+    )
+    assert attention._torch_varlen_usable(query, key) is True
     assert capsys.readouterr().out == ""
 
 
@@ -61,3 +67,37 @@ def test_varlen_options_follow_the_installed_signature():
         assert "no scale" in str(exc)
     else:
         raise AssertionError("a scale the kernel cannot take must not be dropped")
+
+
+def test_packed_operator_equals_the_per_row_path_with_its_gradients():
+    """`phalanx::packed_causal_sdpa` (what a compiled layer calls where there is no varlen kernel) reads the rows from
+    the device tensor and gives the per-row path's output and gradients, grouped heads included; opcheck tests its
+    fake (shape-only) kernel and autograd registration as torch.compile uses them."""
+    gen = torch.Generator().manual_seed(0)
+    rows = (5, 1, 11, 7)
+    query = torch.randn(1, 4, sum(rows), 8, generator=gen, dtype=torch.float64).transpose(1, 2).contiguous()
+    query = query.transpose(1, 2)  # the (1, H, T, D) view of a (1, T, H, D) tensor, as the attention gets it
+    key, value = (torch.randn(1, 2, sum(rows), 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    cu = torch.tensor([0, 5, 6, 17, 24], dtype=torch.int32)
+    inputs = [t.clone().requires_grad_() for t in (query, key, value)]
+    reference = [t.clone().requires_grad_() for t in (query, key, value)]
+    out = torch.ops.phalanx.packed_causal_sdpa(*inputs, cu, 0.3)
+    expected = attention._per_row_sdpa(*reference, rows, 0.3)
+    assert out.shape == (1, sum(rows), 4, 8)
+    torch.testing.assert_close(out, expected)
+    grad = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    for got, want in zip(torch.autograd.grad(out, inputs, grad), torch.autograd.grad(expected, reference, grad)):
+        torch.testing.assert_close(got, want)
+    # No position attends across a row: the second row (one token) is its own value.
+    torch.testing.assert_close(out[0, 5], value[0, :, 5].repeat_interleave(2, dim=0))
+    torch.library.opcheck(torch.ops.phalanx.packed_causal_sdpa.default, (*inputs, cu, 0.3))
+
+
+def test_packed_kwargs_carry_host_lengths_until_the_layers_are_compiled(monkeypatch):
+    monkeypatch.setattr(attention, "_active", attention.VARLEN)
+    monkeypatch.setattr(attention, "_host_lengths", True)
+    kwargs = attention.packed_attention_kwargs((3, 4), torch.device("cpu"))
+    assert kwargs[attention.ROW_LENGTHS] == (3, 4) and kwargs[attention.CU_SEQ_LENS].tolist() == [0, 3, 7]
+    attention.layers_compiled()
+    kwargs = attention.packed_attention_kwargs((3, 4), torch.device("cpu"))
+    assert list(kwargs) == [attention.CU_SEQ_LENS] and kwargs[attention.CU_SEQ_LENS].dtype == torch.int32

@@ -43,10 +43,10 @@ def tiny_lora_model(gradient_checkpointing: bool):
     return model.train()
 
 
-def packed_batch():
+def packed_batch(lengths=(37, 64, 23)):
     gen = torch.Generator().manual_seed(2)
     rows = []
-    for n in (37, 64, 23):
+    for n in lengths:
         ids = torch.randint(3, 250, (n,), generator=gen).tolist()
         rows.append({"input_ids": ids, "labels": [-100] * (n // 3) + ids[n // 3 :]})
     return collate(rows, pad_token_id=0, packing=True)
@@ -80,6 +80,31 @@ def test_compiled_layers_match_eager_loss_and_gradients():
     assert grads_e.keys() == grads_c.keys() and any("lora_A" in n for n in grads_e)
     for name in grads_e:
         torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_compiled_layers_compile_once_for_any_number_of_rows():
+    """A packed micro-batch's number of rows changes from step to step. The layers see the rows' ends as a device
+    tensor only, so the graphs of the first step serve every later one (before, each new number of rows recompiled
+    every layer until dynamo's recompile limit left them eager: benchmarks/RESULTS.md, compile_warmup.py), and each
+    step still equals the eager model."""
+    eager = tiny_lora_model(gradient_checkpointing=False)
+    compiled = copy.deepcopy(eager)
+    compile_decoder_layers(compiled, CPU, announce=False, backend="aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    first_graphs = None
+    for lengths in ((37, 64, 23), (90,), (12, 30, 41, 18, 7), (55, 3)):
+        batch = packed_batch(lengths)
+        loss_e, grads_e = step(eager, batch)
+        loss_c, grads_c = step(compiled, batch)
+        eager.zero_grad(set_to_none=True)
+        compiled.zero_grad(set_to_none=True)
+        graphs = counters["stats"]["unique_graphs"]
+        first_graphs = first_graphs or graphs
+        assert graphs == first_graphs >= 1, f"{len(lengths)} rows compiled new graphs ({first_graphs} -> {graphs})"
+        torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
+        for name in grads_e:
+            torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_auto_compiles_nowhere_until_measured_and_never_patches_liger_on_cpu():

@@ -10,6 +10,14 @@ A packed micro-batch is one row of the rows' concatenation with `position_ids` r
   against the per-row path before it is trusted; everywhere else (CPU) one causal SDPA per row, sliced by
   the host-side row lengths, so no mask is built and no position attends across a row boundary.
 
+The row boundaries travel twice: as host lengths (`ROW_LENGTHS`, what the eager per-row path slices by) and as
+one int32 tensor of cumulative ends on the device (`CU_SEQ_LENS`, built once per micro-batch, shared by every
+layer). A compiled layer (training.compile) reads only the tensor: host lengths read inside a traced graph are
+guarded on, and the layer was recompiled for every new number of rows per micro-batch, until dynamo's recompile
+limit sent it back to eager. There the CUDA kernel is given the micro-batch's token count as its longest row (an
+upper bound, so no value from the host enters the graph), and elsewhere the per-row path runs as one opaque
+operator (`phalanx::packed_causal_sdpa`, with its own backward) that reads the lengths from the tensor.
+
 Packing needs a model whose decoder honours `position_ids` for its rotary embedding and passes attention
 kwargs through to the attention function, with full (not sliding-window) attention in every layer. Model types
 checked for that (packed logits equal per-row logits, tests/train/test_packing.py) are in PACKABLE_MODEL_TYPES;
@@ -18,16 +26,17 @@ others train padded, and the run says so.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import inspect
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 VARLEN = "phalanx_varlen"
 ROW_LENGTHS = "phalanx_row_lengths"  # forward kwarg: host tuple of the packed rows' lengths
+CU_SEQ_LENS = "phalanx_cu_seq_lens"  # forward kwarg: int32 tensor [0, end of row 1, end of row 2, ...] on the device
 
 # Decoders verified to give packed logits equal to per-row logits (rotary from position_ids, attention kwargs
 # passed through to the attention function).
@@ -35,7 +44,8 @@ PACKABLE_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
 
 _registered = False
 _active = VARLEN  # the varlen attention this process's model was switched to (enable_varlen_attention)
-_torch_varlen_ok: dict = {}  # (device, dtype) -> bool: torch varlen_attn agreed with the per-row path
+_host_lengths = True  # pass ROW_LENGTHS too (eager layers); off once the layers are compiled (layers_compiled)
+_torch_varlen_ok: dict = {}  # (device, dtype, heads, kv heads, head dim) -> bool: varlen_attn agreed with per-row
 
 
 def packing_unsupported_reason(model: nn.Module) -> Optional[str]:
@@ -61,15 +71,35 @@ def flash_attn_available(device: torch.device) -> bool:
     return device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
 
 
-def enable_varlen_attention(model: nn.Module, device: torch.device) -> str:
-    """Switch `model` (a transformers PreTrainedModel, before any wrapping) to a varlen attention; returns its name."""
-    global _active
+def enable_varlen_attention(
+    model: nn.Module, device: torch.device, activation_dtype: Optional[torch.dtype] = None
+) -> str:
+    """Switch `model` (a transformers PreTrainedModel, before any wrapping) to a varlen attention; returns its name.
+
+    `activation_dtype`: the dtype the attention will see (the autocast dtype, else the model's). On CUDA torch's
+    varlen kernel is checked for the model's head shape now, eagerly: a compiled layer cannot run the check while
+    it is being traced, and only reads its outcome."""
+    global _active, _host_lengths
     name = "flash_attention_2" if flash_attn_available(device) else VARLEN
+    _host_lengths = True
     if name == VARLEN:
         register_varlen_attention()
+        if device.type == "cuda":
+            _check_torch_varlen_for(model, device, activation_dtype or next(model.parameters()).dtype)
     model.set_attn_implementation(name)
     _active = name
     return name
+
+
+def _check_torch_varlen_for(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    config = model.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    _torch_varlen_usable(
+        torch.empty(1, heads, 1, head_dim, device=device, dtype=dtype),
+        torch.empty(1, kv_heads, 1, head_dim, device=device, dtype=dtype),
+    )
 
 
 def register_varlen_attention() -> None:
@@ -81,14 +111,21 @@ def register_varlen_attention() -> None:
         _registered = True
 
 
+def layers_compiled() -> None:
+    """The decoder layers are compiled: from now on the packed rows' ends reach them as a device tensor only (host
+    lengths in a traced graph are guarded on: see the module doc)."""
+    global _host_lengths
+    _host_lengths = False
+
+
 def packed_attention_kwargs(row_lengths: tuple[int, ...], device: torch.device) -> dict:
     """Forward kwargs that tell the attention where the packed rows start and end (an SDPA or eager model ignores
     them: transformers' masking derives a block-diagonal causal mask from position_ids instead)."""
+    cu = torch.tensor([0, *_cumsum(row_lengths)], dtype=torch.int32).to(device, non_blocking=True)
     if _active.startswith("flash_attention"):
-        cu = torch.tensor([0, *_cumsum(row_lengths)], dtype=torch.int32).to(device, non_blocking=True)
         longest = max(row_lengths)
         return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
-    return {ROW_LENGTHS: tuple(row_lengths)}
+    return {ROW_LENGTHS: tuple(row_lengths), CU_SEQ_LENS: cu} if _host_lengths else {CU_SEQ_LENS: cu}
 
 
 def _cumsum(values) -> list[int]:
@@ -116,7 +153,8 @@ def varlen_attention_forward(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     rows = kwargs.pop(ROW_LENGTHS, None)
-    if rows is None:
+    cu_seq_lens = kwargs.pop(CU_SEQ_LENS, None)
+    if rows is None and cu_seq_lens is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -124,49 +162,118 @@ def varlen_attention_forward(
         raise ValueError("phalanx_varlen attention takes one packed row, no attention mask and no sliding window")
     if dropout:
         raise ValueError("phalanx_varlen attention has no attention dropout")
-    if query.device.type == "cuda" and _torch_varlen_usable(module, query, key):
-        return _torch_varlen(module, query, key, value, rows, scaling), None
-    return _per_row_sdpa(module, query, key, value, rows, scaling), None
+    if torch.compiler.is_compiling():
+        # Traced: only the tensor of row ends enters the graph (see the module doc).
+        if cu_seq_lens is None:
+            cu_seq_lens = torch.tensor([0, *_cumsum(rows)], dtype=torch.int32, device=query.device)
+        if query.device.type == "cuda" and _torch_varlen_ok.get(_signature(query, key), False):
+            return _torch_varlen(query, key, value, cu_seq_lens, query.shape[2], scaling), None
+        return torch.ops.phalanx.packed_causal_sdpa(query, key, value, cu_seq_lens, scaling), None
+    if rows is None:
+        rows = _lengths(cu_seq_lens)
+    if query.device.type == "cuda" and _torch_varlen_usable(query, key):
+        if cu_seq_lens is None:
+            cu_seq_lens = torch.tensor([0, *_cumsum(rows)], dtype=torch.int32).to(query.device, non_blocking=True)
+        return _torch_varlen(query, key, value, cu_seq_lens, max(rows), scaling), None
+    return _per_row_sdpa(query, key, value, rows, scaling), None
 
 
-def _per_row_sdpa(module, query, key, value, rows, scaling) -> torch.Tensor:
-    """One causal SDPA per row (rows are few per micro-batch; each call gets the kernel's causal fast path)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+def _lengths(cu_seq_lens: torch.Tensor) -> list[int]:
+    ends = cu_seq_lens.tolist()
+    return [b - a for a, b in zip(ends, ends[1:])]
 
+
+def _per_row_sdpa(query, key, value, rows, scaling) -> torch.Tensor:
+    """One causal SDPA per row (rows are few per micro-batch; each call gets the kernel's causal fast path).
+    query (1, Hq, T, D), key/value (1, Hkv, T, D) -> (1, T, Hq, D); grouped heads as SDPA's `enable_gqa`."""
+    if sum(rows) != query.shape[2]:
+        raise ValueError(f"packed row lengths add up to {sum(rows)}, the batch holds {query.shape[2]} tokens")
+    grouped = key.shape[1] != query.shape[1]
     outputs, start = [], 0
     for n in rows:
         end = start + n
-        out, _ = sdpa_attention_forward(
-            module,
+        out = F.scaled_dot_product_attention(
             query[:, :, start:end],
             key[:, :, start:end],
             value[:, :, start:end],
-            None,
-            dropout=0.0,
-            scaling=scaling,
-            is_causal=True,
+            is_causal=n > 1,
+            scale=scaling,
+            enable_gqa=grouped,
         )
-        outputs.append(out)
+        outputs.append(out.transpose(1, 2))
         start = end
-    if start != query.shape[2]:
-        raise ValueError(f"packed row lengths add up to {start}, the batch holds {query.shape[2]} tokens")
-    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+    return outputs[0].contiguous() if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
 
-def _torch_varlen(module, query, key, value, rows, scaling) -> torch.Tensor:
+@torch.library.custom_op("phalanx::packed_causal_sdpa", mutates_args=())
+def packed_causal_sdpa(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_lens: torch.Tensor, scale: Optional[float]
+) -> torch.Tensor:
+    """The per-row path as one operator a compiled graph does not look into: the row lengths are read from
+    `cu_seq_lens` when it runs, so they are no part of the graph."""
+    return _per_row_sdpa(query, key, value, _lengths(cu_seq_lens), scale)
+
+
+@packed_causal_sdpa.register_fake
+def _(query, key, value, cu_seq_lens, scale):
+    return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+
+
+@torch.library.custom_op("phalanx::packed_causal_sdpa_backward", mutates_args=())
+def packed_causal_sdpa_backward(
+    grad: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seq_lens: torch.Tensor,
+    scale: Optional[float],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of `packed_causal_sdpa`: its forward again, row by row, differentiated (the path that is used
+    where no varlen kernel is: CPU, and tests)."""
+    lengths = _lengths(cu_seq_lens)
+    # torch.func, not torch.autograd: an operator's body runs below the autograd dispatch, where nothing is recorded.
+    _, vjp = torch.func.vjp(lambda q, k, v: _per_row_sdpa(q, k, v, lengths, scale), query, key, value)
+    return tuple(g.contiguous() for g in vjp(grad))
+
+
+@packed_causal_sdpa_backward.register_fake
+def _(grad, query, key, value, cu_seq_lens, scale):
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+
+
+def _packed_setup(ctx, inputs, output) -> None:
+    query, key, value, cu_seq_lens, scale = inputs
+    ctx.save_for_backward(query, key, value, cu_seq_lens)
+    ctx.scale = scale
+
+
+def _packed_backward(ctx, grad):
+    query, key, value, cu_seq_lens = ctx.saved_tensors
+    grads = torch.ops.phalanx.packed_causal_sdpa_backward(grad, query, key, value, cu_seq_lens, ctx.scale)
+    return *grads, None, None
+
+
+packed_causal_sdpa.register_autograd(_packed_backward, setup_context=_packed_setup)
+
+
+def _torch_varlen(query, key, value, cu_seq_lens, longest, scaling) -> torch.Tensor:
+    """torch's varlen_attn over the packed rows; `longest`: the longest row, or any bound above it."""
     from torch.nn.attention.varlen import varlen_attn
 
-    cu = torch.tensor([0, *_cumsum(rows)], dtype=torch.int32).to(query.device, non_blocking=True)
-    longest = max(rows)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D)
     options, k, v = _varlen_options(varlen_attn, scaling, k, v, q.shape[1])
-    return varlen_attn(q, k, v, cu, cu, longest, longest, **options).unsqueeze(0)  # (1, T, Hq, D)
+    return varlen_attn(q, k, v, cu_seq_lens, cu_seq_lens, longest, longest, **options).unsqueeze(0)  # (1, T, Hq, D)
 
 
-@functools.lru_cache(maxsize=None)
+_accepted_names: dict = {}  # function -> the names it takes
+
+
 def _parameters(function) -> frozenset:
-    """The keyword names `function` takes: read once, not in every layer's attention call of every step."""
-    return frozenset(inspect.signature(function).parameters)
+    """The keyword names `function` takes: read once, not in every layer's attention call of every step (a plain
+    dict, not functools.lru_cache, which dynamo warns about and bypasses when it traces a compiled layer)."""
+    if function not in _accepted_names:
+        _accepted_names[function] = frozenset(inspect.signature(function).parameters)
+    return _accepted_names[function]
 
 
 def _varlen_options(varlen_attn, scaling, key, value, query_heads: int) -> tuple[dict, torch.Tensor, torch.Tensor]:
@@ -188,9 +295,14 @@ def _varlen_options(varlen_attn, scaling, key, value, query_heads: int) -> tuple
     return options, key, value
 
 
-def _torch_varlen_usable(module, query, key) -> bool:
+def _signature(query: torch.Tensor, key: torch.Tensor) -> tuple:
+    # int(): in a layer traced with dynamic shapes the head counts are symbolic; this pins them (they never change).
+    return (str(query.device), query.dtype, int(query.shape[1]), int(key.shape[1]), int(query.shape[-1]))
+
+
+def _torch_varlen_usable(query, key) -> bool:
     """torch's varlen_attn exists, runs on this device/dtype/head shape, and equals the per-row path (checked once)."""
-    signature = (str(query.device), query.dtype, query.shape[1], key.shape[1], query.shape[-1])
+    signature = _signature(query, key)
     if signature in _torch_varlen_ok:
         return _torch_varlen_ok[signature]
     ok = False
@@ -204,10 +316,14 @@ def _torch_varlen_usable(module, query, key) -> bool:
             torch.randn(shape(h), generator=g, device=query.device, dtype=query.dtype)
             for h in (query.shape[1], key.shape[1], key.shape[1])
         )
+        cu = torch.tensor([0, *_cumsum(rows)], dtype=torch.int32, device=query.device)
         with torch.no_grad():
-            a = _torch_varlen(module, q, k, v, rows, None)
-            b = _per_row_sdpa(module, q, k, v, rows, None)
-        error = float((a.float() - b.float()).abs().max())
+            b = _per_row_sdpa(q, k, v, rows, None)
+            # The longest row as the host knows it (eager), and the token count (compiled layers: an upper bound).
+            error = max(
+                float((_torch_varlen(q, k, v, cu, bound, None).float() - b.float()).abs().max())
+                for bound in (max(rows), sum(rows))
+            )
         ok = error < 2e-2
         reason = None if ok else f"it differs from the per-row path by {error:.1e}"
     except Exception as exc:  # noqa: BLE001 - any failure means: use the per-row path

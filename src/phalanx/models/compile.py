@@ -11,6 +11,9 @@ Liger's RMSNorm, SwiGLU and rotary kernels (CUDA, liger-kernel installed, Qwen2/
 the layers run eagerly: on an H100 with torch 2.11 (2026-11-26), dynamo could not trace Liger's autograd functions
 inside a compiled layer and the run died at its first step.
 
+Packed rows' ends reach the compiled layers as a device tensor only (models/attention.py: `layers_compiled`), so
+the graphs compiled at the first step serve micro-batches with any number of rows.
+
 'auto' compile is off on every device until a side-by-side GPU measurement shows it pays (benchmarks/RESULTS.md,
 the lora-compile arm of benchmarks/phalanx_arms.py); on CPU compilation takes minutes to warm up and is not faster
 for small models. 'auto' Liger is on for CUDA when liger-kernel imports and the layers are not compiled.
@@ -24,6 +27,8 @@ from typing import Optional
 
 import torch
 from torch import nn
+
+from phalanx.models.attention import layers_compiled
 
 # torch.compile backend: inductor, unless this names another ("aot_eager" traces and checks without generating
 # kernels: a machine with no C++ compiler for CPU inductor, or a quick test of the wiring).
@@ -76,6 +81,7 @@ def compile_decoder_layers(
             )
         return model
     backend = backend or os.environ.get(BACKEND_ENV) or "inductor"
+    layers_compiled()  # packed rows' ends reach the layers as a tensor only: no recompile per number of rows
     for layer in layers:
         # Not fullgraph: a layer whose code dynamo cannot trace in one graph (a 4-bit base, an adapter variant)
         # still runs, in pieces. dynamic: micro-batches change length every step (packed: the sum of their rows;

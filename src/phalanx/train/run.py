@@ -297,7 +297,9 @@ def stop_loader_workers(loader: DataLoader) -> None:
     loader._iterator = None
 
 
-def choose_packing(wanted: bool, model: torch.nn.Module, rank: rt.RankInfo) -> bool:
+def choose_packing(
+    wanted: bool, model: torch.nn.Module, rank: rt.RankInfo, activation_dtype: Optional[torch.dtype] = None
+) -> bool:
     """Packed (padding-free) micro-batches when asked for and the model supports them; the attention is switched to
     a varlen one. A model that cannot pack trains padded, and rank 0 says why."""
     if not wanted:
@@ -310,7 +312,7 @@ def choose_packing(wanted: bool, model: torch.nn.Module, rank: rt.RankInfo) -> b
                 flush=True,
             )
         return False
-    enable_varlen_attention(model, rank.device)
+    enable_varlen_attention(model, rank.device, activation_dtype)
     return True
 
 
@@ -338,7 +340,7 @@ def build_run(cfg: RunConfig, preemption: Optional[PreemptionFlag] = None) -> Ru
     model = load_model(
         cfg.model.model_name, base_dtype, cfg.model.trust_remote_code, quantization=quantization, device=rank.device
     )
-    packing = choose_packing(cfg.data.packing, model, rank)
+    packing = choose_packing(cfg.data.packing, model, rank, precision.dtype)
     model = apply_finetuning(model, cfg.model, cfg.lora)
     install_target_head(model)  # the output head runs at target positions only, in chunks (train/loss.py)
     # After activation checkpointing, before the strategy wraps the model.
