@@ -5,6 +5,7 @@ LoRA layers run phalanx's fused forward over PEFT's parameters unless `lora.kern
 from __future__ import annotations
 
 import logging
+import warnings
 
 # Importing peft imports bitsandbytes when it is installed, and its CPU backend then warns, on every rank, that an
 # optional faster kernel package is missing. The fallback it uses is correct: the warning is noise.
@@ -46,7 +47,13 @@ def apply_finetuning(model: nn.Module, model_cfg: ModelConfig, lora_cfg: LoraCon
         target_modules=lora_cfg.target_modules,
     )
     try:
-        peft_model = get_peft_model(model, peft_cfg)
+        with warnings.catch_warnings():
+            # peft 0.21 reads transformers' old `is_gradient_checkpointing` name, which warns on every run from
+            # transformers 5.24 on; it is peft's call, not the user's to act on.
+            warnings.filterwarnings(
+                "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
+            )
+            peft_model = get_peft_model(model, peft_cfg)
     except ValueError as exc:
         names = sorted({name.rsplit(".", 1)[-1] for name, mod in model.named_modules() if isinstance(mod, nn.Linear)})
         raise ConfigError(
