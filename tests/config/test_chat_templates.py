@@ -169,6 +169,13 @@ def test_a_file_path_wins_and_bad_values_name_the_field(tmp_path):
         ConfigError, match=r"other.jinja line 2 cannot be rendered by transformers: .*the jinja tag 'do'"
     ):
         resolve_chat_template(str(other))
+    # A block closed by the wrong end tag (MiroThinker-v1: an `if` left open inside a `for`) is broken jinja, whatever
+    # renders it: jinja's own message says which block is open, not a tag transformers lacks.
+    broken.write_text("{% for m in messages %}{% if m.role == 'user' %}{{ m.content }}\n{% endfor %}")
+    with pytest.raises(ConfigError) as e:
+        resolve_chat_template(str(broken))
+    assert "broken.jinja line 2 is not valid jinja: Encountered unknown tag 'endfor'" in str(e.value)
+    assert "innermost block that needs to be closed is 'if'" in str(e.value) and "transformers" not in str(e.value)
     with pytest.raises(ConfigError, match="is a folder"):
         resolve_chat_template(str(tmp_path))
 

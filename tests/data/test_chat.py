@@ -221,6 +221,11 @@ def test_template_errors_become_data_errors(make_tokenizer, tool_row):
         ("{% if messages is nonempty %}{% endif %}", "it uses the jinja test 'nonempty', which transformers"),
         ("{{ messages[0].content | from_json }}", "it uses the jinja filter 'from_json', which transformers"),
         ("{{ messages | map(attribute='role') | tojson }}", "it hands tojson a generator (jinja's map, select"),
+        (
+            "{% for m in messages %}{% set m.seen = true %}{% endfor %}",  # MiroThinker-v1 marks messages so
+            "it sets an attribute of a message, a tool or another mapping ({% set x.name = ... %}), which jinja allows "
+            "only on an object made with namespace()",
+        ),
     ],
 )
 def test_a_template_that_needs_what_transformers_lacks_is_named_with_what_it_lacks(

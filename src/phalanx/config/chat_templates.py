@@ -100,8 +100,14 @@ def sandbox_gap(error: Exception) -> Optional[str]:
     if missing:
         return f"it uses the jinja {missing[1]} '{missing[2]}', which transformers does not provide"
     tag = re.match(r"Encountered unknown tag '([^']+)'", text)
-    if tag:
+    if tag and "nesting mistake" not in text:  # a block closed by the wrong end tag is broken jinja, not a gap
         return f"it uses the jinja tag '{tag[1]}', which transformers does not enable"
+    if isinstance(error, jinja2.exceptions.TemplateRuntimeError) and "cannot assign attribute on non-namespace" in text:
+        # MiroThinker-v1 marks messages and tools as it goes (`{% set message.have_tools = ... %}`).
+        return (
+            "it sets an attribute of a message, a tool or another mapping ({% set x.name = ... %}), which jinja allows "
+            "only on an object made with namespace()"
+        )
     if isinstance(error, TypeError) and "Object of type generator is not JSON serializable" in text:
         # llama.cpp's own templates (llama-cpp-deepseek-r1: `tools | map(attribute='function') | tojson`) are written
         # for its engine, whose map gives a list.
