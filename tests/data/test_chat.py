@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from helpers import trained_runs
@@ -487,6 +489,21 @@ def test_template_that_drops_tool_calls_or_arguments_is_refused(make_tokenizer, 
     )
     with pytest.raises(DataError, match=r"name 'get_weather'.*This template never reads tool_calls.*--on_bad_row skip"):
         tokenize_conversation(make_tokenizer(plain), to_conversation(tool_row, WHERE), WHERE)
+    # One that writes the first call only (GigaChat 3): the second of two parallel calls is said to be the one too many.
+    first_only = chatml.replace("{% for tc in m.tool_calls or [] %}", "{% for tc in (m.tool_calls or [])[:1] %}")
+    parallel = copy.deepcopy(tool_row)
+    call = parallel["messages"][2]["tool_calls"][0]
+    parallel["messages"][2]["tool_calls"].append({**call, "function": {**call["function"], "name": "get_time"}})
+    with pytest.raises(
+        DataError, match=r"tool_calls\[1\]: .*name 'get_time'.*It writes the turn's first 1 call, not this one"
+    ):
+        tokenize_conversation(make_tokenizer(first_only), to_conversation(parallel, WHERE), WHERE)
+    parallel["messages"][2]["tool_calls"][1] = {
+        **call,
+        "function": {**call["function"], "arguments": '{"city": "Rome"}'},
+    }
+    with pytest.raises(DataError, match=r"tool_calls\[1\]: .*argument 'Rome'.*It writes the turn's first 1 call, not"):
+        tokenize_conversation(make_tokenizer(first_only), to_conversation(parallel, WHERE), WHERE)
     no_arguments = chatml.replace("{{ tc.function.arguments | tojson }}", "{}")
     with pytest.raises(DataError, match=r"dropped the tool call's argument 'city'"):
         tokenize_conversation(make_tokenizer(no_arguments), to_conversation(tool_row, WHERE), WHERE)

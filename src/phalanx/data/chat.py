@@ -786,6 +786,13 @@ def _check_rendered(r: _Renderer, turn: _Turn, where: str) -> bool:
                     " The template writes it once another message follows: it renders the conversation's last "
                     "assistant message without its tool calls, so the turn as the model writes it cannot be rendered."
                 )
+            if j > 0:  # the calls before it passed this check
+                hint += (
+                    f" It writes the turn's first {j} call{'s' if j > 1 else ''}, not this one: it renders fewer calls "
+                    "per assistant message than the row has (GigaChat 3 renders tool_calls[0] only). Give each call an "
+                    "assistant message of its own, each followed by its tool result, or use a template that renders "
+                    "parallel calls."
+                )
             if call.get("id") and str(call["id"]) in out and fn["name"] not in out:
                 hint += (
                     f" The template writes the call's id ({call['id']!r}) where the name belongs: it expects ids "
