@@ -289,3 +289,28 @@ def test_a_templates_own_switches_are_the_names_it_reads_with_a_fallback():
     own = "{% if tools is defined %}{{ bos_token }}{% endif %}{% if eos_token is defined and strftime_now is defined %}"
     assert template_variables(own + "{% endif %}{% if mine is not defined %}x{% endif %}") == ["mine"]
     assert template_variables("{% if broken") == []
+
+
+def test_a_variable_the_template_writes_and_nothing_sets_is_named():
+    """GigaChat 3.5 writes "Текущая дата: " ~ current_date into its default system prompt: unset, every row trains on
+    a blank date, silently. Named only when the value is written in place (a switch, a name the template sets itself or
+    tests, or one the run gives, is not)."""
+    from transformers import ByT5Tokenizer
+
+    from phalanx.config.chat_templates import template_variables, variables_written_empty
+
+    tok = ByT5Tokenizer()
+    chatml = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    tok.chat_template = "Date: {{ current_date }}\n" + chatml
+    assert variables_written_empty(tok) == ["current_date"]
+    assert variables_written_empty(tok, {"current_date": "2026-11-27"}) == []
+    tok.chat_template = (
+        "{% if extra %}Extra: {{ extra }}\n{% endif %}"  # a switch: unset, the part is not there at all
+        "{% if today is defined %}{{ today }}{% endif %}"  # read with a fallback
+        "{% set mine = 'x' %}{{ mine }}"  # set by the template itself
+        "{{ bos_token }}" + chatml
+    )
+    assert variables_written_empty(tok) == []
+    tok.chat_template = "{{ messages | nosuchfilter }}"  # does not render: nothing to say here (refused elsewhere)
+    assert variables_written_empty(tok) == []
+    assert template_variables("{{ messages | nosuchfilter }}{% if x is defined %}{% endif %}") == []

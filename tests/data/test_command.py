@@ -31,6 +31,33 @@ def test_preview_marks_trained_tokens_and_lists_every_refused_row(tmp_path):
     summary = [line for line in out.splitlines() if line.startswith("Data: ")]
     assert summary and summary[0].startswith("Data: 5 rows read -> 3 train rows") and "2 refused" in summary[0]
 
+    # A template that writes a variable nothing sets (GigaChat 3.5's current_date) is named in the summary.
+    template = tmp_path / "dated.jinja"
+    template.write_text(
+        "Today: {{ current_date }}\n{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+    )
+    dated = run_phalanx(
+        "data",
+        "preview",
+        "--dataset_path",
+        str(plain),
+        "--rows",
+        "0",
+        "--chat_template",
+        str(template),
+        "--test_size",
+        "0",
+    )
+    assert (
+        "   the chat template writes current_date into every row, and nothing sets it: written as empty text "
+        "(if the model is served with a value, train with it too: --chat_template_kwargs '{current_date: ...}'"
+    ) in dated.stdout, dated.stdout[-3000:] + dated.stderr[-3000:]
+
     listed = run_phalanx("data", "templates")
     assert listed.returncode == 0 and listed.stdout.startswith("deepseek-r1-distill ")
     typo = run_phalanx("data", "previw")

@@ -206,9 +206,59 @@ def template_variables(text: str) -> list[str]:
         for test in tree.find_all(nodes.Test)
         if test.name in ("defined", "undefined") and isinstance(test.node, nodes.Name)
     }
-    names = tested & meta.find_undeclared_variables(tree)
+    try:
+        names = tested & meta.find_undeclared_variables(tree)
+    except jinja2.TemplateSyntaxError:  # an unknown filter or test is found when the template compiles
+        return []
     names -= TEMPLATE_ARGUMENTS_OF_OURS | {"raise_exception", "strftime_now"}  # transformers' functions
     return sorted(name for name in names if not name.endswith(("_token", "_tokens")))
+
+
+def variables_written_empty(tokenizer: Any, template_kwargs: Optional[dict[str, Any]] = None) -> list[str]:
+    """The variables the tokenizer's chat template writes into its text although nothing sets them: jinja writes them
+    as empty text, silently (GigaChat 3.5's default system prompt ends "Текущая дата: " + current_date). A name is
+    reported only when a plain exchange rendered with it set is the exchange rendered without it plus its value, so a
+    name the template sets itself, tests, or uses to switch a part on, is not."""
+    import jinja2
+    from jinja2 import meta, nodes
+
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str) or not template:
+        return []
+    try:
+        tree = _environment().parse(template)
+    except jinja2.TemplateSyntaxError:
+        return []
+    given = set(template_kwargs or {})
+    called = {call.node.name for call in tree.find_all(nodes.Call) if isinstance(call.node, nodes.Name)}
+    tested = {
+        test.node.name
+        for test in tree.find_all(nodes.Test)
+        if test.name in ("defined", "undefined") and isinstance(test.node, nodes.Name)
+    }
+    try:
+        candidates = meta.find_undeclared_variables(tree) - given - called - tested - TEMPLATE_ARGUMENTS_OF_OURS
+    except jinja2.TemplateSyntaxError:  # an unknown filter or test is found when the template compiles
+        return []
+    plain = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]
+    kwargs = dict(template_kwargs or {})
+    written = []
+    try:
+        unset = tokenizer.apply_chat_template(plain, tokenize=False, **kwargs)
+    except Exception:  # noqa: BLE001 - a template that does not render a plain exchange is reported elsewhere
+        return []
+    for name in sorted(n for n in candidates if n not in SPECIAL_TOKEN_NAMES and not n.endswith(("_token", "_tokens"))):
+        value = f"<phalanx-probe-{name}>"
+        try:
+            given = tokenizer.apply_chat_template(plain, tokenize=False, **{**kwargs, name: value})
+        except Exception:  # noqa: BLE001 - it takes no such value: not a text it writes
+            continue
+        # Written in place and nothing else: unset, the same text with a hole. A name that switches a part on
+        # (SmolLM3's custom_instructions, Granite's available_tools) changes more than that and is the template's
+        # own option, not a hole.
+        if value in given and given.replace(value, "") == unset:
+            written.append(name)
+    return written
 
 
 def _environment() -> Any:

@@ -72,7 +72,14 @@ def _preview(args: list[str]) -> int:
 
 def preview(cfg: Any, tokenizer: Any, rows: int, color: bool, say: Callable[[str], None]) -> int:
     """Print the first ``rows`` rows marked, every refusal, and the summary; 1 when no row would train."""
-    from phalanx.data.prepare import DataReport, DataSource, RowCounts, describe_report, iter_outcomes
+    from phalanx.data.prepare import (
+        DataReport,
+        DataSource,
+        RowCounts,
+        add_template_notes,
+        describe_report,
+        iter_outcomes,
+    )
 
     counts, shown = RowCounts(), [0]
     refusals = 0
@@ -100,6 +107,7 @@ def preview(cfg: Any, tokenizer: Any, rows: int, color: bool, say: Callable[[str
         say(f"refused: ... and {refusals - MAX_REFUSALS_SHOWN} more rows")
     # No train/eval split here: every row that would train is counted as a train row.
     report = DataReport(**counts.report(trained, None), cache_hit=False, cache_dir="")
+    add_template_notes(report, data_cfg, tokenizer)
     lines = describe_report(report, cfg.data)
     say("Data: " + lines[0])
     for line in lines[1:]:

@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 
 from filelock import FileLock
 
-from phalanx.config.chat_templates import template_variables
+from phalanx.config.chat_templates import template_variables, variables_written_empty
 from phalanx.config.schema import BUNDLED_DATASET, DataConfig
 from phalanx.data.chat import IGNORE_INDEX, Tokenized, tokenize_conversation
 from phalanx.data.formats import detect_format, to_conversation
@@ -86,6 +86,9 @@ class DataReport:
     # the chat template's own switches (config.chat_templates.template_variables), named when turns are unterminated:
     # some templates write the end-of-turn marker only when one is set (Apriel's training_prompt)
     template_variables: list[str] = field(default_factory=list)
+    # variables the chat template writes into its text that nothing set, so each row has them as empty text
+    # (config.chat_templates.variables_written_empty)
+    variables_written_empty: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -105,11 +108,11 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, *, seed: int, cache_root: Path
     key = _cache_key(cfg, tokenizer, seed, train_source, eval_source)
     final = cache_root / key
     if final.is_dir():  # rename is atomic: an existing folder is complete
-        return _load(final, cache_hit=True)
+        return _with_template_notes(_load(final, cache_hit=True), cfg, tokenizer)
     cache_root.mkdir(parents=True, exist_ok=True)
     with FileLock(str(cache_root / f"{key}.lock")):
         if final.is_dir():  # another process built it while we waited
-            return _load(final, cache_hit=True)
+            return _with_template_notes(_load(final, cache_hit=True), cfg, tokenizer)
         for stale in cache_root.glob(f"{key}.tmp-*"):  # left by a process that died mid-write
             shutil.rmtree(stale, ignore_errors=True)
         train, eval_, report = _build(cfg, tokenizer, seed, train_source, eval_source)
@@ -125,7 +128,19 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, *, seed: int, cache_root: Path
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-    return _load(final, cache_hit=False)
+    return _with_template_notes(_load(final, cache_hit=False), cfg, tokenizer)
+
+
+def _with_template_notes(data: PreparedData, cfg: DataConfig, tokenizer: Any) -> PreparedData:
+    add_template_notes(data.report, cfg, tokenizer)
+    return data
+
+
+def add_template_notes(report: DataReport, cfg: DataConfig, tokenizer: Any) -> None:
+    """What the report says of the chat template itself, found again on every run (a few renderings): so a cache made
+    before phalanx looked for it says it too."""
+    if report.conversations_full or report.conversations_per_turn:  # chat rows went through the template
+        report.variables_written_empty = variables_written_empty(tokenizer, cfg.chat_template_kwargs)
 
 
 # ---------------------------------------------------------------------------- sources
@@ -489,6 +504,13 @@ def describe_report(report: DataReport, cfg: DataConfig) -> list[str]:
                 else ""
             )
             + ")"
+        )
+    if r.variables_written_empty:
+        names = r.variables_written_empty
+        lines.append(
+            f"   the chat template writes {', '.join(names)} into every row, and nothing sets "
+            f"{'them' if len(names) > 1 else 'it'}: written as empty text (if the model is served with a value, train "
+            f"with it too: --chat_template_kwargs '{{{names[0]}: ...}}'; the model's card says what it holds)"
         )
     lines += [f"   refused: {reason}" for reason in r.skip_reasons]
     if r.rows_skipped > len(r.skip_reasons):
