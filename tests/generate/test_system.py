@@ -579,3 +579,24 @@ def test_text_rows_are_continued_and_written_back_as_text(tmp_path, capsys):
     rows = read_jsonl(out)
     assert rows[0]["text"].startswith("Dear diary,") and rows[1]["text"].startswith("Step one:")
     assert all("messages" not in r for r in rows) and not (tmp_path / "text_val.jsonl").exists()
+
+
+def test_a_template_variable_nothing_sets_is_named_before_generating(tmp_path, capsys):
+    """A chat template that writes a variable nothing sets (GigaChat 3.5's current_date) renders every prompt with it
+    empty, silently in jinja: the job says so, and says nothing once --chat_template_kwargs gives it."""
+    template = tmp_path / "dated.jinja"
+    template.write_text(
+        "Today: {{ current_date }}\n{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    prompts = tmp_path / "q.txt"
+    prompts.write_text("What is a calorie?\n")
+    base = ["generate", "--prompts", str(prompts), "--max_new_tokens", "2", "--num_sequences_per_question", "1"]
+    base += ["--chat_template", str(template)]
+    code, log = run_in_process([*base, "--output", str(tmp_path / "a.jsonl")], capsys)
+    assert code == 0, log
+    assert "note: the chat template writes current_date into every prompt, and nothing sets it" in log
+    code, log = run_in_process(
+        [*base, "--output", str(tmp_path / "b.jsonl"), "--chat_template_kwargs", "{current_date: 2026-11-27}"], capsys
+    )
+    assert code == 0 and "writes current_date" not in log, log
