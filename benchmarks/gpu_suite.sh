@@ -2,7 +2,7 @@
 # Every GPU figure the issues ask for, on a CUDA machine (run from the repository root).
 #   benchmarks/gpu_suite.sh                 # `arms`: every arm of issue 15 in one call of at most 600 s
 #   SUITE_SECONDS=300 ORDER=hf-first ARMS=lora-plain PROFILE=1 benchmarks/gpu_suite.sh   # one order, a profile
-#   benchmarks/gpu_suite.sh smoke|speed|speed-hf-first|profile|qlora|strategies|strategies-full|generate|arms ...
+#   benchmarks/gpu_suite.sh smoke|speed|speed-hf-first|profile|qlora|strategies|strategies-full|generate|compile|arms ...
 # Wheels the GPU image lacks travel in .whl/ (trl, liger-kernel, and pydantic/datasets where missing; see
 # benchmarks/RESULTS.md); OUT (optional) collects the logs, and RESULTS-append.md: the entries the scripts appended
 # to benchmarks/RESULTS.md there, to append here (the device's copy of the tree does not come back).
@@ -74,7 +74,8 @@ PY
         --batch_size 38 --loop_sequences 4 --repeats 2 --skip-k-loop --kv_caches growing,fixed \
         --note "gpu_suite arms: the seeds' generation shape"
       # Compiled layers: its warm-up outlasted a 65 s box on 2026-11-26, so a long box and 40 steps, 20 of them warm-up.
-      # TORCH_LOGS=recompiles: the log says whether packed micro-batches of other lengths recompile the layers.
+      # TORCH_LOGS=recompiles: the log says whether packed micro-batches of other lengths recompile the layers (they
+      # did, one compile per number of rows, until d705ee4: RESULTS 2026-11-27 03:25). `compile` below is this alone.
       step lora-compile 130 env TORCH_LOGS=recompiles python3 benchmarks/phalanx_arms.py --gpu-shape r1-distill-qwen-1.5b --arms lora-compile \
         --steps 40 --warmup 20 --arm-timeout 125 --work_dir /tmp/phalanx-bench --note "gpu_suite arms: compile's A/B"
       # Where a default LoRA step's time goes (kernels, host work, launches): PROFILE=1, or a second call.
@@ -91,6 +92,10 @@ PY
       find /tmp/phalanx-bench -maxdepth 2 -name "*.log" -print0 | xargs -0 -r grep -H -E "🧩|🧮|Error|error:|Traceback|packing|padded|Recompiling" \
         | grep -v -E "^[^:]*:W[0-9]{4} " | cut -c1-300 | head -n 30
       find /tmp/phalanx-bench -maxdepth 2 -name "*.log" -print0 | tar czf "$OUT/worker-logs.tar.gz" --null -T - 2>/dev/null ;;
+    compile)  # compiled layers against the eager default, LoRA and full fine-tuning (warm-up is minutes: a call of its own)
+      step phalanx-arms-compile 560 env TORCH_LOGS=recompiles python3 benchmarks/phalanx_arms.py --gpu-shape r1-distill-qwen-1.5b \
+        --arms "${ARMS:-lora-compile,lora,full-compile,full}" --steps 40 --warmup 20 --arm-timeout 135 \
+        --work_dir /tmp/phalanx-bench --note "gpu_suite compile: compiled layers against eager" ;;
     generate)  # generation alone, at the seeds' shape, both decoding caches (about 2 minutes with the model build)
       step generate 240 python3 benchmarks/generate_vs_loop.py --device cuda --dtype bfloat16 --gpu-shape r1-distill-qwen-1.5b \
         --num_questions 4 --num_sequences_per_question 25 --batch_size 38 --loop_sequences 4 --repeats 2 --skip-k-loop \

@@ -53,6 +53,7 @@ ARMS = {  # flags on top of the shared ones; FLOPs factor per token (4N frozen b
     # without Liger's kernels.
     "lora-compile": (["--training.compile", "true"], 4),
     "lora-plain": (["--training.compile", "false", "--training.liger_kernels", "false"], 4),
+    "full-compile": (["--finetune", "full", "--training.compile", "true"], 6),
     # The default with micro-batches of 16,384 tokens (about 4x the default's at batch 4 on the bundled rows): an eager
     # step is bound by the host launching kernels, so more tokens per launch should show in MFU.
     "lora-16k": (["--training.batch_tokens", "16384"], 4),
