@@ -101,3 +101,31 @@ def test_packed_kwargs_carry_host_lengths_until_the_layers_are_compiled(monkeypa
     attention.layers_compiled()
     kwargs = attention.packed_attention_kwargs((3, 4), torch.device("cpu"))
     assert list(kwargs) == [attention.CU_SEQ_LENS] and kwargs[attention.CU_SEQ_LENS].dtype == torch.int32
+
+
+def test_the_kernel_check_at_setup_is_keyed_as_the_layers_look_it_up(monkeypatch):
+    """On CUDA the varlen kernel is checked when packing is switched on (compiled layers cannot run the check while
+    traced, only read its outcome): the check must be stored under the key a layer's attention looks up, or compiled
+    layers would quietly take the per-row path. The key is built here on CPU from the embedded model's config, and
+    compared with what its attention sees in a packed forward."""
+    from phalanx.data.collate import collate
+    from phalanx.models.load import load_model
+    from phalanx.train.loss import model_inputs
+
+    monkeypatch.setattr(attention, "_torch_varlen_ok", {})
+    model = load_model("embedded:tiny-qwen3", torch.float32, False, device=torch.device("cpu"))
+    attention.enable_varlen_attention(model, torch.device("cpu"))
+    attention._check_torch_varlen_for(model, torch.device("cpu"), torch.float32)
+    assert list(attention._torch_varlen_ok.values()) == [False]  # no flash kernel on CPU; the key is what matters
+    seen = []
+    per_row = attention._per_row_sdpa
+
+    def record(query, key, value, rows, scaling):
+        seen.append(attention._signature(query, key))
+        return per_row(query, key, value, rows, scaling)
+
+    monkeypatch.setattr(attention, "_per_row_sdpa", record)
+    batch = collate([{"input_ids": [5, 6, 7], "labels": [5, 6, 7]}, {"input_ids": [8, 9], "labels": [8, 9]}], 0, True)
+    with torch.no_grad():
+        model(**model_inputs(batch))
+    assert seen and set(seen) == set(attention._torch_varlen_ok)
