@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any, Optional
@@ -152,18 +153,12 @@ def unset_template_variable(error: Exception, template: str) -> Optional[str]:
     calls (firefunction v2 writes `... + functions` and `... + datetime`, which its callers pass to apply_chat_template),
     so data.chat_template_kwargs can set it; a name it calls (`today()`) is a function of another engine instead."""
     import jinja2
-    from jinja2 import nodes
 
     name = re.fullmatch(r"'(\w+)' is undefined", str(error))
     if not (isinstance(error, jinja2.exceptions.UndefinedError) and name) or name[1] in SPECIAL_TOKEN_NAMES:
         return None
-    try:
-        tree = _environment().parse(template)
-    except jinja2.TemplateSyntaxError:
-        return None
-    called = {call.node.name for call in tree.find_all(nodes.Call) if isinstance(call.node, nodes.Name)}
-    read = {node.name for node in tree.find_all(nodes.Name) if node.ctx == "load"}
-    return name[1] if name[1] in read and name[1] not in called else None
+    names = _template_names(template)
+    return name[1] if names and name[1] in names.read and name[1] not in names.called else None
 
 
 def _accepted() -> str:
@@ -191,27 +186,44 @@ def _check_syntax(value: str, text: str, where: str) -> None:
 def template_variables(text: str) -> list[str]:
     """The variables a chat template reads that no rendering sets: its own switches (Qwen3's enable_thinking,
     Apriel's training_prompt, Llama's date_string), which data.chat_template_kwargs can set. Special tokens and what
-    apply_chat_template passes are left out; [] for a template that does not parse."""
+    apply_chat_template passes are left out; [] for a template that does not compile."""
+    names = _template_names(text)
+    # A switch is read with a fallback (`x is defined`); jinja's own list of undeclared names also holds names a
+    # template sets in one scope and reads in another, which no caller sets.
+    return sorted(names.tested & names.free) if names else []
+
+
+@dataclass(frozen=True)
+class _TemplateNames:
+    read: frozenset  # every name the template reads
+    called: frozenset  # names it calls: functions (`today()`), not values a caller gives
+    tested: frozenset  # names it tests with `is defined` / `is undefined`: its switches, read with a fallback
+    free: frozenset  # names it reads from its caller, less what apply_chat_template passes and the special tokens
+
+
+def _template_names(text: str) -> Optional[_TemplateNames]:
+    """The names a chat template reads, as above; None when it does not compile (an unknown filter is found only
+    then)."""
     import jinja2
     from jinja2 import meta, nodes
 
     try:
         tree = _environment().parse(text)
+        undeclared = meta.find_undeclared_variables(tree)
     except jinja2.TemplateSyntaxError:
-        return []
-    # A switch is read with a fallback (`x is defined`); jinja's own list of undeclared names also holds names a
-    # template sets in one scope and reads in another, which no caller sets.
+        return None
     tested = {
         test.node.name
         for test in tree.find_all(nodes.Test)
         if test.name in ("defined", "undefined") and isinstance(test.node, nodes.Name)
     }
-    try:
-        names = tested & meta.find_undeclared_variables(tree)
-    except jinja2.TemplateSyntaxError:  # an unknown filter or test is found when the template compiles
-        return []
-    names -= TEMPLATE_ARGUMENTS_OF_OURS | {"raise_exception", "strftime_now"}  # transformers' functions
-    return sorted(name for name in names if not name.endswith(("_token", "_tokens")))
+    free = undeclared - TEMPLATE_ARGUMENTS_OF_OURS - {"raise_exception", "strftime_now"}  # transformers' functions
+    return _TemplateNames(
+        read=frozenset(node.name for node in tree.find_all(nodes.Name) if node.ctx == "load"),
+        called=frozenset(call.node.name for call in tree.find_all(nodes.Call) if isinstance(call.node, nodes.Name)),
+        tested=frozenset(tested),
+        free=frozenset(n for n in free if n not in SPECIAL_TOKEN_NAMES and not n.endswith(("_token", "_tokens"))),
+    )
 
 
 def variables_written_empty(tokenizer: Any, template_kwargs: Optional[dict[str, Any]] = None) -> list[str]:
@@ -219,44 +231,27 @@ def variables_written_empty(tokenizer: Any, template_kwargs: Optional[dict[str, 
     as empty text, silently (GigaChat 3.5's default system prompt ends "Текущая дата: " + current_date). A name is
     reported only when a plain exchange rendered with it set is the exchange rendered without it plus its value, so a
     name the template sets itself, tests, or uses to switch a part on, is not."""
-    import jinja2
-    from jinja2 import meta, nodes
-
     template = getattr(tokenizer, "chat_template", None)
-    if not isinstance(template, str) or not template:
+    names = _template_names(template) if isinstance(template, str) and template else None
+    if names is None:
         return []
-    try:
-        tree = _environment().parse(template)
-    except jinja2.TemplateSyntaxError:
-        return []
-    given = set(template_kwargs or {})
-    called = {call.node.name for call in tree.find_all(nodes.Call) if isinstance(call.node, nodes.Name)}
-    tested = {
-        test.node.name
-        for test in tree.find_all(nodes.Test)
-        if test.name in ("defined", "undefined") and isinstance(test.node, nodes.Name)
-    }
-    try:
-        candidates = meta.find_undeclared_variables(tree) - given - called - tested - TEMPLATE_ARGUMENTS_OF_OURS
-    except jinja2.TemplateSyntaxError:  # an unknown filter or test is found when the template compiles
-        return []
-    plain = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]
     kwargs = dict(template_kwargs or {})
-    written = []
+    plain = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]
     try:
         unset = tokenizer.apply_chat_template(plain, tokenize=False, **kwargs)
     except Exception:  # noqa: BLE001 - a template that does not render a plain exchange is reported elsewhere
         return []
-    for name in sorted(n for n in candidates if n not in SPECIAL_TOKEN_NAMES and not n.endswith(("_token", "_tokens"))):
+    written = []
+    for name in sorted(names.free - names.called - names.tested - set(kwargs)):
         value = f"<phalanx-probe-{name}>"
         try:
-            given = tokenizer.apply_chat_template(plain, tokenize=False, **{**kwargs, name: value})
+            rendered = tokenizer.apply_chat_template(plain, tokenize=False, **{**kwargs, name: value})
         except Exception:  # noqa: BLE001 - it takes no such value: not a text it writes
             continue
         # Written in place and nothing else: unset, the same text with a hole. A name that switches a part on
         # (SmolLM3's custom_instructions, Granite's available_tools) changes more than that and is the template's
         # own option, not a hole.
-        if value in given and given.replace(value, "") == unset:
+        if value in rendered and rendered.replace(value, "") == unset:
             written.append(name)
     return written
 
