@@ -121,11 +121,16 @@ def layers_compiled() -> None:
 def packed_attention_kwargs(row_lengths: tuple[int, ...], device: torch.device) -> dict:
     """Forward kwargs that tell the attention where the packed rows start and end (an SDPA or eager model ignores
     them: transformers' masking derives a block-diagonal causal mask from position_ids instead)."""
-    cu = torch.tensor([0, *_cumsum(row_lengths)], dtype=torch.int32).to(device, non_blocking=True)
+    cu = _cu_seq_lens(row_lengths, device)
     if _active.startswith("flash_attention"):
         longest = max(row_lengths)
         return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
     return {ROW_LENGTHS: tuple(row_lengths), CU_SEQ_LENS: cu} if _host_lengths else {CU_SEQ_LENS: cu}
+
+
+def _cu_seq_lens(row_lengths, device: torch.device) -> torch.Tensor:
+    """[0, end of row 1, end of row 2, ...] as int32 on `device`: the form varlen kernels take row boundaries in."""
+    return torch.tensor([0, *_cumsum(row_lengths)], dtype=torch.int32).to(device, non_blocking=True)
 
 
 def _cumsum(values) -> list[int]:
@@ -162,18 +167,15 @@ def varlen_attention_forward(
         raise ValueError("phalanx_varlen attention takes one packed row, no attention mask and no sliding window")
     if dropout:
         raise ValueError("phalanx_varlen attention has no attention dropout")
+    if cu_seq_lens is None:
+        raise ValueError(f"packed rows need {CU_SEQ_LENS} (packed_attention_kwargs gives it with the row lengths)")
     if torch.compiler.is_compiling():
         # Traced: only the tensor of row ends enters the graph (see the module doc).
-        if cu_seq_lens is None:
-            cu_seq_lens = torch.tensor([0, *_cumsum(rows)], dtype=torch.int32, device=query.device)
         if query.device.type == "cuda" and _torch_varlen_ok.get(_signature(query, key), False):
             return _torch_varlen(query, key, value, cu_seq_lens, query.shape[2], scaling), None
         return torch.ops.phalanx.packed_causal_sdpa(query, key, value, cu_seq_lens, scaling), None
-    if rows is None:
-        rows = _lengths(cu_seq_lens)
+    rows = rows if rows is not None else _lengths(cu_seq_lens)  # host lengths are left out once layers compile
     if query.device.type == "cuda" and _torch_varlen_usable(query, key):
-        if cu_seq_lens is None:
-            cu_seq_lens = torch.tensor([0, *_cumsum(rows)], dtype=torch.int32).to(query.device, non_blocking=True)
         return _torch_varlen(query, key, value, cu_seq_lens, max(rows), scaling), None
     return _per_row_sdpa(query, key, value, rows, scaling), None
 
@@ -316,7 +318,7 @@ def _torch_varlen_usable(query, key) -> bool:
             torch.randn(shape(h), generator=g, device=query.device, dtype=query.dtype)
             for h in (query.shape[1], key.shape[1], key.shape[1])
         )
-        cu = torch.tensor([0, *_cumsum(rows)], dtype=torch.int32, device=query.device)
+        cu = _cu_seq_lens(rows, query.device)
         with torch.no_grad():
             b = _per_row_sdpa(q, k, v, rows, None)
             # The longest row as the host knows it (eager), and the token count (compiled layers: an upper bound).
