@@ -100,7 +100,12 @@ class PreparedData:
 
 def prepare_data(cfg: DataConfig, tokenizer: Any, *, seed: int, cache_root: Path) -> PreparedData:
     """Tokenized train (and eval) sets for ``cfg``, from the cache when an identical run made them before."""
-    cache_root = Path(cache_root)
+    data = _cached_or_built(cfg, tokenizer, seed, Path(cache_root))
+    add_template_notes(data.report, cfg, tokenizer)
+    return data
+
+
+def _cached_or_built(cfg: DataConfig, tokenizer: Any, seed: int, cache_root: Path) -> PreparedData:
     train_source = DataSource.for_training(cfg)
     if train_source.kind == "path":
         refuse_held_out_files_among_training_files(train_source.target, cfg.eval_dataset_path)
@@ -108,11 +113,11 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, *, seed: int, cache_root: Path
     key = _cache_key(cfg, tokenizer, seed, train_source, eval_source)
     final = cache_root / key
     if final.is_dir():  # rename is atomic: an existing folder is complete
-        return _with_template_notes(_load(final, cache_hit=True), cfg, tokenizer)
+        return _load(final, cache_hit=True)
     cache_root.mkdir(parents=True, exist_ok=True)
     with FileLock(str(cache_root / f"{key}.lock")):
         if final.is_dir():  # another process built it while we waited
-            return _with_template_notes(_load(final, cache_hit=True), cfg, tokenizer)
+            return _load(final, cache_hit=True)
         for stale in cache_root.glob(f"{key}.tmp-*"):  # left by a process that died mid-write
             shutil.rmtree(stale, ignore_errors=True)
         train, eval_, report = _build(cfg, tokenizer, seed, train_source, eval_source)
@@ -128,12 +133,7 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, *, seed: int, cache_root: Path
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-    return _with_template_notes(_load(final, cache_hit=False), cfg, tokenizer)
-
-
-def _with_template_notes(data: PreparedData, cfg: DataConfig, tokenizer: Any) -> PreparedData:
-    add_template_notes(data.report, cfg, tokenizer)
-    return data
+    return _load(final, cache_hit=False)
 
 
 def add_template_notes(report: DataReport, cfg: DataConfig, tokenizer: Any) -> None:
