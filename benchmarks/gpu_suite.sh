@@ -2,7 +2,8 @@
 # Every GPU figure the issues ask for, on a CUDA machine (run from the repository root).
 #   benchmarks/gpu_suite.sh                 # `arms`: every arm of issue 15 in one call of at most 600 s
 #   SUITE_SECONDS=300 ORDER=hf-first ARMS=lora-plain PROFILE=1 benchmarks/gpu_suite.sh   # one order, a profile
-#   benchmarks/gpu_suite.sh smoke|speed|speed-hf-first|profile|qlora|strategies|strategies-full|generate|compile|arms ...
+#   benchmarks/gpu_suite.sh versions|smoke|speed|speed-hf-first|profile|profile-compile|qlora|strategies|strategies-full|
+#                           generate|compile|compile-lora|compile-full|vs-hf|arms ...
 # Wheels the GPU image lacks travel in .whl/ (trl, liger-kernel, and pydantic/datasets where missing; see
 # benchmarks/RESULTS.md); OUT (optional) collects the logs, and RESULTS-append.md: the entries the scripts appended
 # to benchmarks/RESULTS.md there, to append here (the device's copy of the tree does not come back).
@@ -29,14 +30,9 @@ step() {  # step NAME SECONDS CMD...: one part, time-boxed (and never past the c
   echo "=== $name exit $code"
   return "$code"
 }
-for part in $parts; do
-  case $part in
-    arms)  # issue 15 item 5, most important first, each time-boxed against the call's deadline (SUITE_SECONDS).
-           # LoRA default, Trainer+PEFT and TRL (padding-free + Liger) on the same rows in both running orders (ORDER:
-           # both, phalanx-first or hf-first); QLoRA, full fine-tuning and the A/B arms of the default (no Liger
-           # kernels; compiled layers); generation; a profile with PROFILE=1; Unsloth only where it imports.
-      nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader
-      python3 - <<'PY'
+versions() {  # the machine and the packages every figure depends on
+  nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader
+  python3 - <<'PY'
 import importlib, importlib.metadata as md
 import torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
@@ -53,6 +49,14 @@ for module in ("phalanx.train.run", "trl", "liger_kernel.transformers", "bitsand
     except Exception as exc:
         print(f"  import {module}: FAILED {type(exc).__name__}: {exc}")
 PY
+}
+for part in $parts; do
+  case $part in
+    arms)  # issue 15 item 5, most important first, each time-boxed against the call's deadline (SUITE_SECONDS).
+           # LoRA default, Trainer+PEFT and TRL (padding-free + Liger) on the same rows in both running orders (ORDER:
+           # both, phalanx-first or hf-first); QLoRA, full fine-tuning and the A/B arms of the default (no Liger
+           # kernels; compiled layers); generation; a profile with PROFILE=1; Unsloth only where it imports.
+      versions
       # Sized from the 2026-11-26 H100 calls: each order of the comparison ~110 s, an eager arm ~20-30 s, pip and
       # imports ~25 s. ORDER=both (default) measures both running orders, as issue 15 asks.
       step lora-trainer-trl 250 python3 benchmarks/train_vs_hf.py --gpu-shape r1-distill-qwen-1.5b --steps 14 --warmup 4 \
@@ -92,10 +96,27 @@ PY
       find /tmp/phalanx-bench -maxdepth 2 -name "*.log" -print0 | xargs -0 -r grep -H -E "🧩|🧮|Error|error:|Traceback|packing|padded|Recompiling" \
         | grep -v -E "^[^:]*:W[0-9]{4} " | cut -c1-300 | head -n 30
       find /tmp/phalanx-bench -maxdepth 2 -name "*.log" -print0 | tar czf "$OUT/worker-logs.tar.gz" --null -T - 2>/dev/null ;;
-    compile)  # compiled layers against the eager default, LoRA and full fine-tuning (warm-up is minutes: a call of its own)
-      step phalanx-arms-compile 560 env TORCH_LOGS=recompiles python3 benchmarks/phalanx_arms.py --gpu-shape r1-distill-qwen-1.5b \
-        --arms "${ARMS:-lora-compile,lora,full-compile,full}" --steps 40 --warmup 20 --arm-timeout 135 \
-        --work_dir /tmp/phalanx-bench --note "gpu_suite compile: compiled layers against eager" ;;
+    versions) versions ;;
+    vs-hf)  # the LoRA default against Trainer+PEFT and TRL (padding-free + Liger, no checkpointing), ORDER's orders
+      step vs-hf 250 python3 benchmarks/train_vs_hf.py --gpu-shape r1-distill-qwen-1.5b --steps 14 --warmup 4 \
+        --orders "${ORDER:-both}" --with-trl --note "gpu_suite vs-hf" ;;
+    compile|compile-lora|compile-full)  # compiled layers against the eager default at 30 steps, 12 of warm-up: LoRA
+           # (compile-lora), full fine-tuning (compile-full) or both (compile). Warm-up is minutes: a call of its own.
+      arms=${ARMS:-}
+      [ -z "$arms" ] && case $part in
+        compile-lora) arms=lora-compile,lora ;;
+        compile-full) arms=full-compile,full ;;
+        *) arms=lora-compile,lora,full-compile,full ;;
+      esac
+      step "phalanx-arms-$part" 560 env TORCH_LOGS=recompiles,graph_breaks python3 benchmarks/phalanx_arms.py \
+        --gpu-shape r1-distill-qwen-1.5b --arms "$arms" --steps 30 --warmup 12 --arm-timeout 150 \
+        --work_dir /tmp/phalanx-bench --note "gpu_suite $part: compiled layers against eager" ;;
+    profile-compile)  # where a compiled LoRA step's time goes (the compile arm's inductor cache makes its warm-up short)
+      step profile-compile 120 python3 benchmarks/profile_step.py --skip 4 --rows 22 -- \
+        --model_name /tmp/phalanx-bench/r1-distill-qwen-1.5b-random --max_steps 7 --batch_size 4 --max_length 2048 \
+        --mixed_precision bf16 --test_size 0 --eval_steps 1000000000 --save_steps 1000000000 --training.compile true \
+        --logging.progress_bar false --logging.tensorboard false --output_dir /tmp/phalanx-bench/profile-compile \
+        --overwrite_output_dir true ;;
     generate)  # generation alone, at the seeds' shape, both decoding caches (about 2 minutes with the model build)
       step generate 240 python3 benchmarks/generate_vs_loop.py --device cuda --dtype bfloat16 --gpu-shape r1-distill-qwen-1.5b \
         --num_questions 4 --num_sequences_per_question 25 --batch_size 38 --loop_sequences 4 --repeats 2 --skip-k-loop \
