@@ -129,3 +129,28 @@ def test_the_kernel_check_at_setup_is_keyed_as_the_layers_look_it_up(monkeypatch
     with torch.no_grad():
         model(**model_inputs(batch))
     assert seen and set(seen) == set(attention._torch_varlen_ok)
+
+
+def test_mixed_dtypes_under_autocast_run_in_autocasts_dtype():
+    """Full fine-tuning under bf16 autocast: RoPE leaves q and k in fp32 (fp32 weights) while v comes out of an
+    autocast linear in bf16. Eager SDPA is cast by autocast, but the varlen kernel and phalanx's operator run below
+    autocast: a compiled layer gave them mixed dtypes and died ("Expected query, key, and value to have the same
+    dtype", on an H100 on 2026-11-27). Both paths now run in bf16 and equal the per-row path in bf16."""
+    gen = torch.Generator().manual_seed(0)
+    rows = (5, 9)
+    query, key = (torch.randn(1, h, sum(rows), 8, generator=gen) for h in (4, 2))
+    value = torch.randn(1, 2, sum(rows), 8, generator=gen).bfloat16()
+    cu = torch.tensor([0, 5, 14], dtype=torch.int32)
+    expected = attention._per_row_sdpa(query.bfloat16(), key.bfloat16(), value, rows, None)
+
+    def packed(q, k, v, cu_seq_lens):
+        kwargs = {attention.CU_SEQ_LENS: cu_seq_lens}
+        return attention.varlen_attention_forward(None, q, k, v, None, **kwargs)[0]
+
+    compiled = torch.compile(packed, backend="aot_eager", fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager_out = packed(query, key, value, cu)
+        compiled_out = compiled(query, key, value, cu)
+    for out in (eager_out, compiled_out):
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out, expected)

@@ -169,6 +169,7 @@ def varlen_attention_forward(
         raise ValueError("phalanx_varlen attention has no attention dropout")
     if cu_seq_lens is None:
         raise ValueError(f"packed rows need {CU_SEQ_LENS} (packed_attention_kwargs gives it with the row lengths)")
+    query, key, value = _one_dtype(query, key, value)
     if torch.compiler.is_compiling():
         # Traced: only the tensor of row ends enters the graph (see the module doc).
         if query.device.type == "cuda" and _torch_varlen_ok.get(_signature(query, key), False):
@@ -178,6 +179,17 @@ def varlen_attention_forward(
     if query.device.type == "cuda" and _torch_varlen_usable(query, key):
         return _torch_varlen(query, key, value, cu_seq_lens, max(rows), scaling), None
     return _per_row_sdpa(query, key, value, rows, scaling), None
+
+
+def _one_dtype(query, key, value) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k and v in the dtype SDPA would run them in: autocast's where it is on, else the query's.
+
+    With fp32 weights under bf16 autocast (full fine-tuning), RoPE leaves q and k in fp32 while v comes out of an
+    autocast linear in bf16. SDPA is cast by autocast; the varlen kernel and phalanx's operator are not (they run
+    below it), so they would get mixed dtypes (and the varlen kernel's check, made for bf16, would not apply)."""
+    device_type = query.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else query.dtype
+    return query.to(dtype), key.to(dtype), value.to(dtype)
 
 
 def _lengths(cu_seq_lens: torch.Tensor) -> list[int]:
