@@ -154,5 +154,6 @@ for part in $parts; do
     *) echo "unknown part $part"; exit 2 ;;
   esac
 done
-tail -n +$((results_before + 1)) benchmarks/RESULTS.md > "$OUT/RESULTS-append.md"
+# Appended: a call may run this script more than once, and $OUT is emptied only between calls.
+tail -n +$((results_before + 1)) benchmarks/RESULTS.md >> "$OUT/RESULTS-append.md"
 echo "=== $(wc -l < "$OUT/RESULTS-append.md") lines appended to benchmarks/RESULTS.md: $OUT/RESULTS-append.md"
