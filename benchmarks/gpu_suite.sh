@@ -111,8 +111,8 @@ for part in $parts; do
       step "phalanx-arms-$part" 560 env TORCH_LOGS=recompiles,graph_breaks python3 benchmarks/phalanx_arms.py \
         --gpu-shape r1-distill-qwen-1.5b --arms "$arms" --steps 30 --warmup 12 --arm-timeout 150 \
         --work_dir /tmp/phalanx-bench --note "gpu_suite $part: compiled layers against eager" ;;
-    profile-compile)  # where a compiled LoRA step's time goes (the compile arm's inductor cache makes its warm-up short)
-      step profile-compile 120 python3 benchmarks/profile_step.py --skip 4 --rows 22 -- \
+    profile-compile)  # where a compiled LoRA step's time and host waits go (135 syncs per step on 2026-11-27: from where?)
+      step profile-compile 120 python3 benchmarks/profile_step.py --skip 4 --rows 22 --waits -- \
         --model_name /tmp/phalanx-bench/r1-distill-qwen-1.5b-random --max_steps 7 --batch_size 4 --max_length 2048 \
         --mixed_precision bf16 --test_size 0 --eval_steps 1000000000 --save_steps 1000000000 --training.compile true \
         --logging.progress_bar false --logging.tensorboard false --output_dir /tmp/phalanx-bench/profile-compile \

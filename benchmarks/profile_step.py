@@ -23,11 +23,72 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 
+class SyncCallers:
+    """Counts the Python callers of every call that makes the host wait for the device, while started: torch's sync
+    debug mode warns at each one (`.item()`, `.tolist()`, nonzero, a copy to the host or from pageable memory), and
+    the warning hook records the innermost frames outside torch. The operator tables say how many syncs a step has,
+    not where they come from."""
+
+    FRAMES = 4
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[str, ...], int] = {}
+        self._hook = None
+
+    def start(self) -> None:
+        import warnings
+
+        import torch
+
+        self._hook = warnings.showwarning
+        warnings.showwarning = self._record
+        warnings.simplefilter("always")  # each occurrence, not once per call site
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def stop(self) -> None:
+        import warnings
+
+        import torch
+
+        if self._hook is None:
+            return
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = self._hook
+        self._hook = None
+
+    def _record(self, message, category, filename, lineno, file=None, line=None) -> None:
+        import traceback
+
+        frames = [
+            f
+            for f in traceback.extract_stack()[:-1]
+            if "/torch/" not in f.filename and not f.filename.endswith("warnings.py") and f.filename != __file__
+        ]
+        key = tuple(f"{f.filename}:{f.lineno} {f.name}" for f in frames[-self.FRAMES :][::-1]) or (str(message),)
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def report(self, steps: int, rows: int) -> None:
+        total = sum(self.counts.values())
+        print(
+            f"\n== host waits for the device: {total / max(steps, 1):,.1f} per step, by Python caller (innermost first)"
+        )
+        for key, count in sorted(self.counts.items(), key=lambda kv: -kv[1])[:rows]:
+            print(f"   {count / max(steps, 1):8.1f}  {key[0]}")
+            for frame in key[1:]:
+                print(f"             {frame}")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--skip", type=int, default=2, help="steps left out before profiling (warm-up; default 2)")
     p.add_argument("--rows", type=int, default=25, help="rows per table (default 25)")
     p.add_argument("--trace", default=None, help="also write a Chrome trace (JSON) here")
+    p.add_argument(
+        "--waits",
+        action="store_true",
+        help="CUDA: also print where the profiled steps made the host wait for the device (each synchronizing call's "
+        "Python caller, from torch.cuda.set_sync_debug_mode), by count per step",
+    )
     p.add_argument("flags", nargs=argparse.REMAINDER, help="-- then the `phalanx train` flags")
     args = p.parse_args(argv)
     flags = [f for f in args.flags if f != "--"]
@@ -50,10 +111,13 @@ def main(argv=None) -> None:
         if state["steps"] == args.skip:
             if cuda:
                 torch.cuda.synchronize()
+                if args.waits:
+                    waits.start()
             prof.start()
             state["started"] = time.perf_counter()
         return out
 
+    waits = SyncCallers()
     loop.train_step = counted_step
     code = phalanx_main(["train", *flags])
     if state["started"] is None:
@@ -62,6 +126,7 @@ def main(argv=None) -> None:
         torch.cuda.synchronize()
     wall = time.perf_counter() - state["started"]
     prof.stop()
+    waits.stop()
     steps = state["steps"] - args.skip
     events = prof.key_averages()
     device_key = "self_device_time_total" if cuda else "self_cpu_time_total"
@@ -80,6 +145,8 @@ def main(argv=None) -> None:
     if cuda:
         print("\n== by own CPU time (host work, launches, waits)")
         print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=70))
+    if args.waits:
+        waits.report(steps, args.rows) if cuda else print("\n== --waits: no CUDA device, nothing synchronizes")
     if args.trace:
         prof.export_chrome_trace(args.trace)
     sys.exit(code)
