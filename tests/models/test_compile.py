@@ -20,7 +20,12 @@ from phalanx.data.collate import collate
 from phalanx.models.adapters import apply_finetuning
 from phalanx.models.attention import enable_varlen_attention
 from phalanx.models.blocks import decoder_layers
-from phalanx.models.compile import compile_decoder_layers, compile_wanted, fuse_elementwise
+from phalanx.models.compile import (
+    AUTO_COMPILE_MIN_MICRO_BATCHES,
+    compile_decoder_layers,
+    compile_wanted,
+    fuse_elementwise,
+)
 from phalanx.models.load import load_model
 from phalanx.train.loss import install_target_head, token_loss_sum
 
@@ -108,12 +113,21 @@ def test_compiled_layers_compile_once_for_any_number_of_rows():
             torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
-def test_auto_compiles_nowhere_until_measured_and_never_patches_liger_on_cpu():
-    assert not compile_wanted("auto", torch.device("cuda")) and not compile_wanted("auto", CPU)
-    assert compile_wanted("true", CPU) and not compile_wanted("false", torch.device("cuda"))
+def test_auto_compiles_only_where_measured_and_never_patches_liger_on_cpu():
+    """'auto' compiles where a GPU measurement showed it pays (LoRA, CUDA, DDP or one process, a long run), and
+    nowhere else; an explicit setting always wins."""
+    cuda, long_run = torch.device("cuda"), AUTO_COMPILE_MIN_MICRO_BATCHES
+    assert compile_wanted("auto", cuda, plain_lora=True, strategy="ddp", micro_batches=long_run)
+    assert not compile_wanted("auto", cuda, plain_lora=True, strategy="ddp", micro_batches=long_run - 1)
+    assert not compile_wanted("auto", cuda, plain_lora=True, strategy="ddp", micro_batches=None)
+    assert not compile_wanted("auto", cuda, plain_lora=False, strategy="ddp", micro_batches=long_run)  # full, QLoRA
+    assert not compile_wanted("auto", cuda, plain_lora=True, strategy="fsdp", micro_batches=long_run)
+    assert not compile_wanted("auto", cuda, plain_lora=True, strategy="deepspeed", micro_batches=long_run)
+    assert not compile_wanted("auto", CPU, plain_lora=True, strategy="ddp", micro_batches=long_run)
+    assert compile_wanted("true", CPU) and not compile_wanted("false", cuda, plain_lora=True, micro_batches=long_run)
     model = tiny_lora_model(gradient_checkpointing=False)
     forwards = [layer.mlp.forward for layer in decoder_layers(model)]
-    assert fuse_elementwise(model, "auto", "auto", CPU) is model
+    assert fuse_elementwise(model, False, "auto", CPU) is model
     assert all(getattr(layer, "_compiled_call_impl", None) is None for layer in decoder_layers(model))
     assert [layer.mlp.forward for layer in decoder_layers(model)] == forwards  # Liger is CUDA-only
 

@@ -40,3 +40,26 @@ def test_the_header_points_to_generated_records_that_a_run_without_a_dataset_lea
     )
     cfg.data.dataset_path = "mine.jsonl"
     assert describe_dataset(cfg) == "mine.jsonl"
+
+
+def test_auto_compile_is_asked_with_the_runs_length_in_micro_batches(tmp_path, monkeypatch):
+    """'auto' compile pays back its warm-up only in long runs (models/compile.py): the run asks with the micro-batches
+    it will take per rank (optimizer steps x accumulation), whether the base is plain LoRA, and the strategy."""
+    import phalanx.train.run as run_module
+    from phalanx.config.flags import split_flags
+    from phalanx.config.loader import load_config, overrides_from_flags
+    from phalanx.runtime.dist import shutdown
+
+    asked = {}
+
+    def record(setting, device, **kwargs):
+        asked.update(setting=setting, device=device.type, **kwargs)
+        return False
+
+    monkeypatch.setattr(run_module, "compile_wanted", record)
+    flags = ["--max_steps", "7", "--gradient_accumulation_steps", "3", "--test_size", "0"]
+    flags += ["--output_dir", str(tmp_path / "out"), "--logging.tensorboard", "false"]
+    run = run_module.build_run(load_config(None, overrides_from_flags(split_flags(flags)[1])))
+    del run
+    shutdown()
+    assert asked == {"setting": "auto", "device": "cpu", "plain_lora": True, "strategy": "ddp", "micro_batches": 21}

@@ -14,9 +14,13 @@ inside a compiled layer and the run died at its first step.
 Packed rows' ends reach the compiled layers as a device tensor only (models/attention.py: `layers_compiled`), so
 the graphs compiled at the first step serve micro-batches with any number of rows.
 
-'auto' compile is off on every device until a side-by-side GPU measurement shows it pays (benchmarks/RESULTS.md,
-the lora-compile arm of benchmarks/phalanx_arms.py); on CPU compilation takes minutes to warm up and is not faster
-for small models. 'auto' Liger is on for CUDA when liger-kernel imports and the layers are not compiled.
+'auto' compile is on only where a side-by-side GPU measurement showed it pays (benchmarks/RESULTS.md, 2026-11-27
+05:47, the lora-compile and lora arms of benchmarks/phalanx_arms.py on an H100, the R1-Distill-Qwen-1.5B shape): LoRA
+on CUDA with DDP or one process, and a run long enough to pay the warm-up back. There compiled layers took 0.226 s
+a step against eager's 0.273 s (1.21x), after about 35 s more start-up: paid back after ~750 micro-batches, so
+'auto' asks for AUTO_COMPILE_MIN_MICRO_BATCHES. Not measured on a GPU, so eager under 'auto': full fine-tuning,
+QLoRA, FSDP and DeepSpeed. On CPU compilation takes minutes to warm up and is not faster for small models. 'auto'
+Liger is on for CUDA when liger-kernel imports and the layers are not compiled.
 """
 
 from __future__ import annotations
@@ -41,24 +45,45 @@ LIGER_PATCHES = {
 }
 
 
-def compile_wanted(setting: str, device: torch.device) -> bool:
-    """training.compile: 'true', 'false', or 'auto' (off everywhere for now: see the module doc)."""
-    return setting == "true"
+# 'auto' compiles a run of at least this many micro-batches per rank (the measured break-even, ~750, with a margin).
+AUTO_COMPILE_MIN_MICRO_BATCHES = 1000
+
+
+def compile_wanted(
+    setting: str,
+    device: torch.device,
+    *,
+    plain_lora: bool = False,
+    strategy: str = "ddp",
+    micro_batches: Optional[int] = None,
+) -> bool:
+    """training.compile: 'true', 'false', or 'auto': on for `plain_lora` (LoRA over an unquantized base) on CUDA
+    under DDP or one process, for a run of at least AUTO_COMPILE_MIN_MICRO_BATCHES `micro_batches` per rank (None:
+    not known, so eager). See the module doc for the measurement."""
+    if setting != "auto":
+        return setting == "true"
+    return (
+        device.type == "cuda"
+        and plain_lora
+        and strategy == "ddp"
+        and micro_batches is not None
+        and micro_batches >= AUTO_COMPILE_MIN_MICRO_BATCHES
+    )
 
 
 def fuse_elementwise(
     model: nn.Module,
-    compile_setting: str,
+    compile_layers: bool,
     liger_setting: str,
     device: torch.device,
     *,
     announce: bool = True,
     backend: Optional[str] = None,
 ) -> nn.Module:
-    """Compile `model`'s decoder layers in place when training.compile asks for it, else patch Liger's kernels in when
-    training.liger_kernels allows it (see the module doc); returns `model`. One line says what was done, on the main
-    rank."""
-    if compile_wanted(compile_setting, device):
+    """Compile `model`'s decoder layers in place when `compile_layers` (compile_wanted's answer), else patch Liger's
+    kernels in when training.liger_kernels allows it (see the module doc); returns `model`. One line says what was
+    done, on the main rank."""
+    if compile_layers:
         return compile_decoder_layers(model, device, announce=announce, backend=backend)
     liger = apply_liger_kernels(model, device) if liger_setting == "auto" else None
     if liger and announce:

@@ -162,7 +162,14 @@ def setup_from_config(cfg: RunConfig, device: str) -> Setup:
         base_4bit_bytes=four_bit,
         packing=cfg.data.packing,
         token_budget=getattr(cfg.training, "batch_tokens", None),
-        compiled=compile_wanted(cfg.training.compile, torch.device(device)),
+        # 'auto' compiles long runs (models/compile.py); the plan knows a run's length only from max_steps.
+        compiled=compile_wanted(
+            cfg.training.compile,
+            torch.device(device),
+            plain_lora=cfg.model.finetune == "lora" and not four_bit,
+            strategy=cfg.distributed.strategy,
+            micro_batches=(cfg.training.max_steps or 0) * cfg.training.gradient_accumulation_steps or None,
+        ),
     )
 
 

@@ -45,7 +45,7 @@ from phalanx.data.sampler import (
 from phalanx.errors import ConfigError
 from phalanx.models.adapters import apply_finetuning, trainable_parameter_count
 from phalanx.models.attention import enable_varlen_attention, packing_unsupported_reason
-from phalanx.models.compile import fuse_elementwise
+from phalanx.models.compile import compile_wanted, fuse_elementwise
 from phalanx.models.load import cache_root, four_bit_compute_dtype, load_model, load_tokenizer, quantization_config
 from phalanx.observe.memory import peak_memory_mb
 from phalanx.observe.metrics import Reporter, last_logged_step
@@ -343,23 +343,34 @@ def build_run(cfg: RunConfig, preemption: Optional[PreemptionFlag] = None) -> Ru
     packing = choose_packing(cfg.data.packing, model, rank, precision.dtype)
     model = apply_finetuning(model, cfg.model, cfg.lora)
     install_target_head(model)  # the output head runs at target positions only, in chunks (train/loss.py)
-    # After activation checkpointing, before the strategy wraps the model.
-    model = fuse_elementwise(
-        model, cfg.training.compile, cfg.training.liger_kernels, rank.device, announce=rank.is_main
+    collate = partial(collate_rows, pad_token_id=tokenizer.pad_token_id, packing=packing)
+    sampler, train_loader = make_train_loader(cfg, data.train, rank, collate)
+    total_steps = count_total_steps(cfg, sampler.sampler)
+    compile_layers = compile_wanted(
+        cfg.training.compile,
+        rank.device,
+        plain_lora=cfg.model.finetune == "lora" and quantization is None,
+        strategy=cfg.distributed.strategy,
+        micro_batches=total_steps * cfg.training.gradient_accumulation_steps,
     )
+    if compile_layers and cfg.training.compile == "auto" and rank.is_main:
+        print(
+            f"🧩 training.compile auto: compiling, as this LoRA run on CUDA is {total_steps:,} optimizer steps long, enough "
+            "to pay back the warm-up (--training.compile false keeps the layers eager).",
+            flush=True,
+        )
+    # After activation checkpointing, before the strategy wraps the model.
+    model = fuse_elementwise(model, compile_layers, cfg.training.liger_kernels, rank.device, announce=rank.is_main)
     strategy = make_strategy(rank, precision, cfg.distributed.ddp_comm_hook, cfg=cfg)
     make = partial(make_optimizer, cfg=cfg.training, fused_on_cuda=cfg.distributed.strategy != "deepspeed")
     model, optimizer = strategy.prepare(model, make)
 
-    collate = partial(collate_rows, pad_token_id=tokenizer.pad_token_id, packing=packing)
-    sampler, train_loader = make_train_loader(cfg, data.train, rank, collate)
     eval_batches = None
     if data.eval is not None and len(data.eval) > 0:
         shard = Subset(data.eval, eval_shard(len(data.eval), rank.rank, rank.world_size))
         eval_batches = DataLoader(
             shard, batch_size=cfg.eval.eval_batch_size or cfg.training.batch_size, collate_fn=collate
         )
-    total_steps = count_total_steps(cfg, sampler.sampler)
     scheduler = make_scheduler(optimizer, cfg.training, total_steps)
 
     output_dir = Path(cfg.output_dir)
