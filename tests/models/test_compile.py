@@ -116,15 +116,15 @@ def test_compiled_layers_compile_once_for_any_number_of_rows():
 def test_auto_compiles_only_where_measured_and_never_patches_liger_on_cpu():
     """'auto' compiles where a GPU measurement showed it pays (LoRA, CUDA, DDP or one process, a long run), and
     nowhere else; an explicit setting always wins."""
-    cuda, long_run = torch.device("cuda"), AUTO_COMPILE_MIN_MICRO_BATCHES
-    assert compile_wanted("auto", cuda, plain_lora=True, strategy="ddp", micro_batches=long_run)
-    assert not compile_wanted("auto", cuda, plain_lora=True, strategy="ddp", micro_batches=long_run - 1)
-    assert not compile_wanted("auto", cuda, plain_lora=True, strategy="ddp", micro_batches=None)
-    assert not compile_wanted("auto", cuda, plain_lora=False, strategy="ddp", micro_batches=long_run)  # full, QLoRA
-    assert not compile_wanted("auto", cuda, plain_lora=True, strategy="fsdp", micro_batches=long_run)
-    assert not compile_wanted("auto", cuda, plain_lora=True, strategy="deepspeed", micro_batches=long_run)
-    assert not compile_wanted("auto", CPU, plain_lora=True, strategy="ddp", micro_batches=long_run)
-    assert compile_wanted("true", CPU) and not compile_wanted("false", cuda, plain_lora=True, micro_batches=long_run)
+    cuda, measured = torch.device("cuda"), dict(plain_lora=True, packed=True, strategy="ddp")
+    long_run = AUTO_COMPILE_MIN_MICRO_BATCHES
+    assert compile_wanted("auto", cuda, **measured, micro_batches=long_run)
+    assert not compile_wanted("auto", cuda, **measured, micro_batches=long_run - 1)
+    assert not compile_wanted("auto", cuda, **measured, micro_batches=None)
+    for other in (dict(plain_lora=False), dict(packed=False), dict(strategy="fsdp"), dict(strategy="deepspeed")):
+        assert not compile_wanted("auto", cuda, **{**measured, **other}, micro_batches=long_run), other
+    assert not compile_wanted("auto", CPU, **measured, micro_batches=long_run)
+    assert compile_wanted("true", CPU) and not compile_wanted("false", cuda, **measured, micro_batches=long_run)
     model = tiny_lora_model(gradient_checkpointing=False)
     forwards = [layer.mlp.forward for layer in decoder_layers(model)]
     assert fuse_elementwise(model, False, "auto", CPU) is model

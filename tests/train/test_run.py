@@ -44,7 +44,8 @@ def test_the_header_points_to_generated_records_that_a_run_without_a_dataset_lea
 
 def test_auto_compile_is_asked_with_the_runs_length_in_micro_batches(tmp_path, monkeypatch):
     """'auto' compile pays back its warm-up only in long runs (models/compile.py): the run asks with the micro-batches
-    it will take per rank (optimizer steps x accumulation), whether the base is plain LoRA, and the strategy."""
+    it will take per rank (optimizer steps x accumulation), whether the base is plain LoRA, whether the micro-batches
+    are packed, and the strategy."""
     import phalanx.train.run as run_module
     from phalanx.config.flags import split_flags
     from phalanx.config.loader import load_config, overrides_from_flags
@@ -62,4 +63,5 @@ def test_auto_compile_is_asked_with_the_runs_length_in_micro_batches(tmp_path, m
     run = run_module.build_run(load_config(None, overrides_from_flags(split_flags(flags)[1])))
     del run
     shutdown()
-    assert asked == {"setting": "auto", "device": "cpu", "plain_lora": True, "strategy": "ddp", "micro_batches": 21}
+    expected = {"setting": "auto", "device": "cpu", "plain_lora": True, "packed": True, "strategy": "ddp"}
+    assert asked == {**expected, "micro_batches": 21}

@@ -16,10 +16,10 @@ the graphs compiled at the first step serve micro-batches with any number of row
 
 'auto' compile is on only where a side-by-side GPU measurement showed it pays (benchmarks/RESULTS.md, 2026-11-27
 05:47, the lora-compile and lora arms of benchmarks/phalanx_arms.py on an H100, the R1-Distill-Qwen-1.5B shape): LoRA
-on CUDA with DDP or one process, and a run long enough to pay the warm-up back. There compiled layers took 0.226 s
+on CUDA over packed micro-batches with DDP or one process, and a run long enough to pay the warm-up back. There compiled layers took 0.226 s
 a step against eager's 0.273 s (1.21x), after about 35 s more start-up: paid back after ~750 micro-batches, so
 'auto' asks for AUTO_COMPILE_MIN_MICRO_BATCHES. Not measured on a GPU, so eager under 'auto': full fine-tuning,
-QLoRA, FSDP and DeepSpeed. On CPU compilation takes minutes to warm up and is not faster for small models. 'auto'
+QLoRA, padded micro-batches (whose shapes recompile more), FSDP and DeepSpeed. On CPU compilation takes minutes to warm up and is not faster for small models. 'auto'
 Liger is on for CUDA when liger-kernel imports and the layers are not compiled.
 """
 
@@ -54,17 +54,19 @@ def compile_wanted(
     device: torch.device,
     *,
     plain_lora: bool = False,
+    packed: bool = False,
     strategy: str = "ddp",
     micro_batches: Optional[int] = None,
 ) -> bool:
-    """training.compile: 'true', 'false', or 'auto': on for `plain_lora` (LoRA over an unquantized base) on CUDA
-    under DDP or one process, for a run of at least AUTO_COMPILE_MIN_MICRO_BATCHES `micro_batches` per rank (None:
-    not known, so eager). See the module doc for the measurement."""
+    """training.compile: 'true', 'false', or 'auto': on for `plain_lora` (LoRA over an unquantized base) and `packed`
+    micro-batches on CUDA under DDP or one process, for a run of at least AUTO_COMPILE_MIN_MICRO_BATCHES
+    `micro_batches` per rank (None: not known, so eager). See the module doc for the measurement."""
     if setting != "auto":
         return setting == "true"
     return (
         device.type == "cuda"
         and plain_lora
+        and packed
         and strategy == "ddp"
         and micro_batches is not None
         and micro_batches >= AUTO_COMPILE_MIN_MICRO_BATCHES

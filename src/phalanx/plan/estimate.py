@@ -167,6 +167,7 @@ def setup_from_config(cfg: RunConfig, device: str) -> Setup:
             cfg.training.compile,
             torch.device(device),
             plain_lora=cfg.model.finetune == "lora" and not four_bit,
+            packed=cfg.data.packing,
             strategy=cfg.distributed.strategy,
             micro_batches=(cfg.training.max_steps or 0) * cfg.training.gradient_accumulation_steps or None,
         ),

@@ -350,6 +350,7 @@ def build_run(cfg: RunConfig, preemption: Optional[PreemptionFlag] = None) -> Ru
         cfg.training.compile,
         rank.device,
         plain_lora=cfg.model.finetune == "lora" and quantization is None,
+        packed=packing,
         strategy=cfg.distributed.strategy,
         micro_batches=total_steps * cfg.training.gradient_accumulation_steps,
     )
