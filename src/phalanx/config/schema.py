@@ -197,8 +197,8 @@ class TrainingConfig(Section):
         description="Regional torch.compile: each decoder layer compiled on its own (after activation checkpointing, "
         "before the strategy wraps the model), fusing the elementwise work between matmuls; the first steps include "
         "compiling (about 35 s for a 1.5B model on an H100). 'auto' is on where it was measured to pay: LoRA over an "
-        "unquantized base, packed micro-batches, on CUDA, one process or DDP, in runs of at least 1,000 micro-batches per rank (1.21x per "
-        "step on an H100: benchmarks/RESULTS.md); off elsewhere.",
+        "unquantized base, packed micro-batches, on CUDA, one process or DDP, in runs of at least 1,000 "
+        "micro-batches per rank (1.21x per step on an H100: benchmarks/RESULTS.md); off elsewhere.",
     )
     liger_kernels: Literal["auto", "false"] = Field(
         "auto",

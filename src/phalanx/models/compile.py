@@ -15,12 +15,13 @@ Packed rows' ends reach the compiled layers as a device tensor only (models/atte
 the graphs compiled at the first step serve micro-batches with any number of rows.
 
 'auto' compile is on only where a side-by-side GPU measurement showed it pays (benchmarks/RESULTS.md, 2026-11-27
-05:47, the lora-compile and lora arms of benchmarks/phalanx_arms.py on an H100, the R1-Distill-Qwen-1.5B shape): LoRA
-on CUDA over packed micro-batches with DDP or one process, and a run long enough to pay the warm-up back. There compiled layers took 0.226 s
-a step against eager's 0.273 s (1.21x), after about 35 s more start-up: paid back after ~750 micro-batches, so
-'auto' asks for AUTO_COMPILE_MIN_MICRO_BATCHES. Not measured on a GPU, so eager under 'auto': full fine-tuning,
-QLoRA, padded micro-batches (whose shapes recompile more), FSDP and DeepSpeed. On CPU compilation takes minutes to warm up and is not faster for small models. 'auto'
-Liger is on for CUDA when liger-kernel imports and the layers are not compiled.
+05:47, the lora-compile and lora arms of benchmarks/phalanx_arms.py on an H100, the R1-Distill-Qwen-1.5B shape):
+LoRA on CUDA over packed micro-batches with DDP or one process, and a run long enough to pay the warm-up back. There
+compiled layers took 0.226 s a step against eager's 0.273 s (1.21x), after about 35 s more start-up: paid back
+after ~750 micro-batches, so 'auto' asks for AUTO_COMPILE_MIN_MICRO_BATCHES. Not measured on a GPU, so eager under
+'auto': full fine-tuning, QLoRA, padded micro-batches (whose shapes recompile more), FSDP and DeepSpeed. On CPU
+compilation takes minutes to warm up and is not faster for small models. 'auto' Liger is on for CUDA when
+liger-kernel imports and the layers are not compiled.
 """
 
 from __future__ import annotations

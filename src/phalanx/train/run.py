@@ -356,8 +356,8 @@ def build_run(cfg: RunConfig, preemption: Optional[PreemptionFlag] = None) -> Ru
     )
     if compile_layers and cfg.training.compile == "auto" and rank.is_main:
         print(
-            f"🧩 training.compile auto: compiling, as this LoRA run on CUDA is {total_steps:,} optimizer steps long, enough "
-            "to pay back the warm-up (--training.compile false keeps the layers eager).",
+            f"🧩 training.compile auto: compiling, as this LoRA run on CUDA is {total_steps:,} optimizer steps long, "
+            "enough to pay back the warm-up (--training.compile false keeps the layers eager).",
             flush=True,
         )
     # After activation checkpointing, before the strategy wraps the model.
