@@ -19,8 +19,8 @@ from phalanx.cli import main as phalanx_main
 from phalanx.config.loader import load_config
 from phalanx.errors import ConfigError
 from phalanx.plan import model_facts, setup_from_config, strategy_rows
-from phalanx.plan.command import make_plan, render, with_data_lengths
-from phalanx.plan.estimate import loss_bytes
+from phalanx.plan.command import THROUGHPUT_BUDGETS, make_plan, render, with_data_lengths
+from phalanx.plan.estimate import GiB, loss_bytes
 from plan.workers import SMALL, measure, write_model, write_rows
 
 TOLERANCE = 0.25
@@ -332,6 +332,31 @@ def test_packing_false_and_the_bound_without_data(llama_7b):
     compiled = replace(eager, compiled=True)
     eager_act, compiled_act = (strategy_rows(facts, x, device_memory=2**40)[0].activations for x in (eager, compiled))
     assert compiled_act - eager_act == 1024 * (3 * 4096 + 4096 + 2 * 4096 + 11008) * 32  # 1 B per adapter input
+
+
+def test_a_gpu_plan_advises_the_largest_token_budget_that_fits(llama_7b):
+    """On a GPU, rows of a small batch leave the device waiting on kernel launches (benchmarks/RESULTS.md): the plan
+    names the largest training.batch_tokens whose micro-batches still fit under the recommended strategy, and only
+    as advice; never on CPU, never when a budget is set or rows are padded."""
+    flags = {"model.model_name": llama_7b, "training.batch_size": 1, "data.max_length": 2048}
+    plan = make_plan(load_config(None, flags), "cuda", 80 * GiB, read_data=False)
+    [advice] = [a for a in plan.advice if "--batch_tokens" in a]
+    budget = int(advice.split("--batch_tokens ")[1].split()[0])
+    assert budget in THROUGHPUT_BUDGETS and f"fits under {plan.recommended.strategy}" in advice
+    facts = model_facts(load_config(None, flags))
+
+    def fits(tokens: int) -> bool:
+        rows = strategy_rows(facts, replace(plan.setup, token_budget=tokens), device_memory=80 * GiB)
+        return next(r for r in rows if r.strategy == plan.recommended.strategy).fits
+
+    assert fits(budget) and all(not fits(larger) for larger in THROUGHPUT_BUDGETS if larger > budget)
+    assert f"--batch_tokens {budget}" in render(plan)
+    for other in (
+        make_plan(load_config(None, flags), "cpu", 80 * GiB, read_data=False),
+        make_plan(load_config(None, {**flags, "training.batch_tokens": 4096}), "cuda", 80 * GiB, read_data=False),
+        make_plan(load_config(None, {**flags, "data.packing": False}), "cuda", 80 * GiB, read_data=False),
+    ):
+        assert not any("--batch_tokens" in a for a in other.advice), other.advice
 
 
 # ---------------------------------------------------------------------------------------------------- the command
