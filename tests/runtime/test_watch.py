@@ -32,6 +32,18 @@ def test_a_failure_is_recorded_for_the_peers_and_a_timeout_is_not(one_rank_group
     record_failure(0, RuntimeError("injected fault in forward at step 3\nmore lines"))
     assert peer_that_failed(world_size=2, rank=1) == "rank 0 (RuntimeError: injected fault in forward at step 3)"
     assert peer_that_failed(world_size=1, rank=0) is None, "a rank's own failure is not a peer's"
+    assert peer_that_failed(world_size=2, rank=1, after_own_timeout=True) == peer_that_failed(world_size=2, rank=1)
+
+
+def test_a_rank_that_timed_out_does_not_stand_aside_for_a_peer_that_lost_its_connection(one_rank_group):
+    """Two ranks each wait for the other (one left the loop early): the first to time out closes the connection, and
+    the other records only that loss. The one that timed out must not then stand aside for it, as if that peer had
+    failed first (a loaded machine decides which times out first: tests/runtime/test_faults.py saw it once)."""
+    record_failure(0, RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:54478"))
+    assert peer_that_failed(world_size=2, rank=1) == (
+        "rank 0 (RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:54478)"
+    )
+    assert peer_that_failed(world_size=2, rank=1, after_own_timeout=True) is None
 
 
 def test_what_counts_as_a_timeout():

@@ -49,8 +49,18 @@ def is_timeout(exc: BaseException) -> bool:
     return isinstance(exc, TimeoutError) or any(word in str(exc).lower() for word in ("timed out", "timeout"))
 
 
-def peer_that_failed(world_size: int, rank: int) -> str | None:
-    """'rank 1 (RuntimeError: ...)' for the first other rank that recorded a failure (record_failure), else None."""
+def is_lost_connection(failure: str) -> bool:
+    """A recorded failure that says only that the rank's connection to a peer broke (gloo: "Connection closed by
+    peer"): what a rank sees when the peer gives up first, since a gloo send or recv that times out closes its pair."""
+    return any(words in failure.lower() for words in ("connection closed", "connection reset", "broken pipe"))
+
+
+def peer_that_failed(world_size: int, rank: int, *, after_own_timeout: bool = False) -> str | None:
+    """'rank 1 (RuntimeError: ...)' for the first other rank that recorded a failure (record_failure), else None.
+
+    `after_own_timeout`: this rank's collective timed out, so a peer that recorded only a lost connection lost it
+    to this rank giving up (each was waiting for the other: a peer that stopped taking part), and is no cause to
+    stand aside for. Which of two waiting ranks times out first is a race a loaded machine decides."""
     if not dist.is_initialized():
         return None
     try:
@@ -60,8 +70,9 @@ def peer_that_failed(world_size: int, rank: int) -> str | None:
             key = _KEY.format(other)
             if other != rank and store.check([key]):
                 phase = store.get(key).decode()
-                if phase.startswith(FAILED):
-                    return f"rank {other} ({phase[len(FAILED) :]})"
+                failure = phase[len(FAILED) :]
+                if phase.startswith(FAILED) and not (after_own_timeout and is_lost_connection(failure)):
+                    return f"rank {other} ({failure})"
     except Exception:  # noqa: BLE001 - the store's host died with its rank: nothing to tell
         return None
     return None

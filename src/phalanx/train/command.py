@@ -113,7 +113,7 @@ def train_worker(cfg: RunConfig, preemption: PreemptionFlag) -> int:
     from phalanx.runtime.dist import env_rank_info, shutdown
     from phalanx.runtime.output_lock import release_lock, training_lock
     from phalanx.runtime.signals import PREEMPTED_EXIT_CODE, Preempted
-    from phalanx.runtime.watch import describe_ranks, one_line, peer_that_failed, record_failure
+    from phalanx.runtime.watch import describe_ranks, is_timeout, one_line, peer_that_failed, record_failure
     from phalanx.train.loop import train
     from phalanx.train.run import build_run, finish_run, stop_loader_workers
 
@@ -152,7 +152,7 @@ def train_worker(cfg: RunConfig, preemption: PreemptionFlag) -> int:
             # A crash: status 1 as a single process that crashes, never the bad-input 2 that tells a requeue wrapper
             # (or torchrun's summary reader) a rerun would only repeat it. Often it is a peer's failure seen from
             # here (gloo: "Connection closed by peer"): then the peer is named, and this rank stands aside.
-            first = peer_that_failed(world, rank)
+            first = peer_that_failed(world, rank, after_own_timeout=is_timeout(exc))
             if first is not None:
                 write_rank_message(STOPPED_FOR_LOST_PEER, f"stopped: {first} failed first", rank)
                 raise RanksFailed(f"rank {rank} stopped: {first} failed first (here: {one_line(exc)})") from exc
