@@ -3,7 +3,7 @@
 #   benchmarks/gpu_suite.sh                 # `arms`: every arm of issue 15 in one call of at most 600 s
 #   SUITE_SECONDS=300 ORDER=hf-first ARMS=lora-plain PROFILE=1 benchmarks/gpu_suite.sh   # one order, a profile
 #   benchmarks/gpu_suite.sh versions|smoke|speed|speed-hf-first|profile|profile-compile|qlora|strategies|strategies-full|
-#                           generate|compile|compile-lora|compile-full|vs-hf|arms ...
+#                           generate|compile|compile-lora|compile-full|vs-hf|profile-eager|arms ...
 # Wheels the GPU image lacks travel in .whl/ (trl, liger-kernel, and pydantic/datasets where missing; see
 # benchmarks/RESULTS.md); OUT (optional) collects the logs, and RESULTS-append.md: the entries the scripts appended
 # to benchmarks/RESULTS.md there, to append here (the device's copy of the tree does not come back).
@@ -49,6 +49,9 @@ for module in ("phalanx.train.run", "trl", "liger_kernel.transformers", "bitsand
     except Exception as exc:
         print(f"  import {module}: FAILED {type(exc).__name__}: {exc}")
 PY
+}
+model_folder() {  # the R1-Distill-shaped model the profiles read (the arms' scripts build it themselves)
+  python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from train_vs_hf import build_gpu_shape_folder as b; b('r1-distill-qwen-1.5b', Path('/tmp/phalanx-bench/r1-distill-qwen-1.5b-random'), device='cuda')"
 }
 for part in $parts; do
   case $part in
@@ -111,8 +114,15 @@ for part in $parts; do
       step "phalanx-arms-$part" 560 env TORCH_LOGS=recompiles,graph_breaks python3 benchmarks/phalanx_arms.py \
         --gpu-shape r1-distill-qwen-1.5b --arms "$arms" --steps 30 --warmup 12 --arm-timeout 150 \
         --work_dir /tmp/phalanx-bench --note "gpu_suite $part: compiled layers against eager" ;;
-    profile-compile)  # where a compiled LoRA step's time and host waits go (135 syncs per step on 2026-11-27: from where?)
-      step profile-compile 120 python3 benchmarks/profile_step.py --skip 4 --rows 22 --waits -- \
+    profile-eager|profile-compile)  # where a LoRA step's time and host waits go, eager (the default) or compiled
+           # (135 syncs and 341 copies per compiled step on 2026-11-27: from where?)
+      model_folder
+      [ "$part" = profile-eager ] && step profile-eager 100 python3 benchmarks/profile_step.py --skip 4 --rows 22 --waits -- \
+        --model_name /tmp/phalanx-bench/r1-distill-qwen-1.5b-random --max_steps 7 --batch_size 4 --max_length 2048 \
+        --mixed_precision bf16 --test_size 0 --eval_steps 1000000000 --save_steps 1000000000 --training.compile false \
+        --logging.progress_bar false --logging.tensorboard false --output_dir /tmp/phalanx-bench/profile-eager \
+        --overwrite_output_dir true
+      [ "$part" = profile-compile ] && step profile-compile 120 python3 benchmarks/profile_step.py --skip 4 --rows 22 --waits -- \
         --model_name /tmp/phalanx-bench/r1-distill-qwen-1.5b-random --max_steps 7 --batch_size 4 --max_length 2048 \
         --mixed_precision bf16 --test_size 0 --eval_steps 1000000000 --save_steps 1000000000 --training.compile true \
         --logging.progress_bar false --logging.tensorboard false --output_dir /tmp/phalanx-bench/profile-compile \

@@ -78,6 +78,36 @@ class SyncCallers:
                 print(f"             {frame}")
 
 
+WAIT_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync", "cudaMemcpy")
+
+
+def wait_operators(prof, steps: int, rows: int, calls: tuple[str, ...] = WAIT_CALLS) -> None:
+    """The runtime calls that wait for the device or copy across it, by the operators that made them (innermost
+    first) and the nearest Python frame outside torch: the sync debug mode sees only forward-pass callers (a
+    backward's warnings are replayed at its end), the profiler's event tree sees the backward's operators too."""
+    try:
+        counts: dict[tuple[str, ...], int] = {}
+        for event in prof.events():
+            if event.name not in calls:
+                continue
+            ops, frames, parent = [], [], event.cpu_parent
+            while parent is not None and len(frames) < 2:
+                name = parent.name
+                if ".py(" in name:  # a Python frame (with_stack): the nearest two outside torch are kept
+                    if not name.startswith("torch/") and "/torch/" not in name:
+                        frames.append(name)
+                elif not name.startswith(("<built-in", "cuda", "cu")) and len(ops) < 3:
+                    ops.append(name)
+                parent = parent.cpu_parent
+            key = (event.name, " <- ".join(ops) or "(no operator)", " <- ".join(frames) or "(no Python frame)")
+            counts[key] = counts.get(key, 0) + 1
+        print("\n== runtime waits and copies by operator (innermost first), per step")
+        for (name, ops, frame), count in sorted(counts.items(), key=lambda kv: -kv[1])[:rows]:
+            print(f"   {count / max(steps, 1):8.1f}  {name}  {ops}\n             {frame}")
+    except Exception as exc:  # noqa: BLE001 - a report only: the tables above stand without it
+        print(f"\n== runtime waits by operator: not available ({type(exc).__name__}: {exc})")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--skip", type=int, default=2, help="steps left out before profiling (warm-up; default 2)")
@@ -101,7 +131,8 @@ def main(argv=None) -> None:
 
     cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    prof = profile(activities=activities)
+    # --waits: Python stacks too, so each host wait can be traced to the operator and the code that made it.
+    prof = profile(activities=activities, with_stack=args.waits)
     state = {"steps": 0, "started": None}
     original = loop.train_step
 
@@ -146,7 +177,11 @@ def main(argv=None) -> None:
         print("\n== by own CPU time (host work, launches, waits)")
         print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=70))
     if args.waits:
-        waits.report(steps, args.rows) if cuda else print("\n== --waits: no CUDA device, nothing synchronizes")
+        if cuda:
+            waits.report(steps, args.rows)
+            wait_operators(prof, steps, args.rows)
+        else:
+            print("\n== --waits: no CUDA device, nothing synchronizes")
     if args.trace:
         prof.export_chrome_trace(args.trace)
     sys.exit(code)
