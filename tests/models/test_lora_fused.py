@@ -298,3 +298,56 @@ def test_cli_training_with_dropout_matches_the_peft_kernel(equivalence_data, tmp
     assert fused.keys() == peft.keys()
     for key in peft:
         assert (fused[key] - peft[key]).norm() <= 1e-3 * peft[key].norm(), key
+
+
+class _ViewingMatmul(torch.autograd.Function):
+    """A base layer's matmul that returns a view made inside a custom Function, as bitsandbytes' MatMul4Bit does on
+    CUDA: autograd forbids modifying such a view in place."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return (x.reshape(-1, x.shape[-1]) @ weight.t()).view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        return grad @ weight, None
+
+
+def _base_outputs_made_by_a_custom_function(model):
+    for module in model.modules():
+        if hasattr(module, "lora_A"):
+            base = module.get_base_layer()
+            base.forward = lambda x, base=base: (
+                _ViewingMatmul.apply(x, base.weight)
+                if base.bias is None
+                else _ViewingMatmul.apply(x, base.weight) + base.bias
+            )
+
+
+def _backward_nodes(tensor) -> set[str]:
+    seen, names, stack = set(), set(), [tensor.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_base_output_that_is_a_view_gets_the_update_out_of_place(dropout, mask_policy):
+    """Qwen2's q/k/v (biased linears) return views: an in-place update made autograd copy each whole output back in
+    backward (CopySlices, a clone and two copies per layer). A view made inside a custom Function (the 4-bit base on
+    CUDA) could not be modified at all: 'Output 0 of MatMul4BitBackward is a view and is being modified inplace'."""
+    model = lora_model("fused", dropout)
+    logits = model(inputs_embeds=torch.randn(1, 8, TINY["hidden_size"])).logits
+    assert "CopySlices" not in _backward_nodes(logits)
+
+    fused, peft = lora_model("fused", dropout), lora_model("peft", dropout)
+    for m in (fused, peft):
+        _base_outputs_made_by_a_custom_function(m)
+    assert_close(run(fused), run(peft), atol=1e-6, rtol=1e-5)

@@ -11,8 +11,9 @@ Here the update is one autograd Function per layer,
 computed in the activation dtype (the autocast dtype, else x's): A and B stay the fp32 (or whatever dtype the
 strategy gives them) parameters PEFT made; they are cast to the activation dtype for the matmuls, and their
 gradients come back in their own dtype. Backward needs only x (which the base linear keeps anyway) and the r-wide
-intermediate x @ A^T. The update is added into the base output in place (`addmm_`), with the scale as its alpha
-(under torch.compile: one out-of-place addmm, and dropout masks are kept, not redrawn).
+intermediate x @ A^T. The update is added into the base output in place (`addmm_`), with the scale as its alpha,
+unless that output is a view (then one out-of-place addmm: see _LoraUpdate); under torch.compile always out of place,
+and dropout masks are kept, not redrawn.
 
 Dropout keeps PEFT's semantics exactly: every adapter draws its own mask, from the same default generator, with the
 same call PEFT's dropout makes on CPU (`bernoulli_(1 - p)` on a tensor of the input's shape), so on CPU in fp32
@@ -55,11 +56,15 @@ class _LoraUpdate(torch.autograd.Function):
     alpha = scale / (1 - p). The matmuls run in `dtype`; A and B are cast to it once, in the forward, and the casts
     (r x features each) are kept for the backward, where alpha rides in the GEMMs (beta 0) instead of a pass of its
     own; gradients return in the parameters' dtypes. An eager GPU step of ~200 adapters is bound by the host launching
-    their kernels (benchmarks/RESULTS.md, 2026-11-26), so each launch saved counts. `inplace`: add into base_out
-    (eager) rather than into a new tensor (compiled graphs, where inductor fuses it)."""
+    their kernels (benchmarks/RESULTS.md, 2026-11-26), so each launch saved counts. `eager` (not being compiled): add
+    into base_out in place where it is not a view, and redraw the dropout mask in backward on CUDA. A view is added
+    to out of place: in place, autograd would copy the whole output back into its base in backward (CopySlices:
+    a clone and two copies per layer, e.g. Qwen2's q/k/v, whose biased linear returns a view of a flat addmm), and
+    a view made inside a custom Function (bitsandbytes' 4-bit matmul on CUDA) may not be modified at all. Compiled
+    graphs always add out of place (inductor fuses it)."""
 
     @staticmethod
-    def forward(ctx, base_out, x, weight_a, weight_b, alpha: float, p: float, dtype: torch.dtype, inplace: bool):
+    def forward(ctx, base_out, x, weight_a, weight_b, alpha: float, p: float, dtype: torch.dtype, eager: bool):
         flat = x.reshape(-1, x.shape[-1])
         if flat.dtype != dtype:
             flat = flat.to(dtype)
@@ -67,7 +72,7 @@ class _LoraUpdate(torch.autograd.Function):
         b = weight_b.to(dtype)
         state = mask = None
         if p > 0.0:
-            redraw = inplace and flat.device.type in REDRAW_MASK_ON  # eager only: compiled graphs keep the mask
+            redraw = eager and flat.device.type in REDRAW_MASK_ON  # eager only: compiled graphs keep the mask
             if redraw:
                 state = _default_generator(flat.device).get_state()
             # PEFT's dropout on CPU is exactly this draw (torch's _dropout_impl): same stream, same mask.
@@ -80,7 +85,7 @@ class _LoraUpdate(torch.autograd.Function):
             h = torch.mm(flat, a.t())
         if base_out.dtype == dtype and base_out.is_contiguous():
             out_flat = base_out.view(-1, base_out.shape[-1])
-            if inplace:
+            if eager and not base_out._is_view():
                 out = base_out
                 out_flat.addmm_(h, b.t(), alpha=alpha)
                 ctx.mark_dirty(out)
@@ -171,9 +176,9 @@ _fused_4bit: Optional[type] = None
 
 def fused_4bit_class() -> type:
     """PEFT's lora Linear4bit (QLoRA: a bitsandbytes 4-bit base) with the fused forward. Made on first use: importing
-    PEFT's bnb module imports bitsandbytes, which a run without a 4-bit base never loads. The base's output is a fresh
-    tensor (bitsandbytes dequantizes and multiplies), so the update is added into it in place, as over nn.Linear;
-    PEFT's forward copies it first, and keeps each adapter's dropped-out input and mask."""
+    PEFT's bnb module imports bitsandbytes, which a run without a 4-bit base never loads. On CUDA the base's output is
+    a view made inside bitsandbytes' MatMul4Bit Function, so the update is added out of place (_LoraUpdate); PEFT's
+    forward copies it first, and keeps each adapter's dropped-out input and mask."""
     global _fused_4bit
     if _fused_4bit is None:
         from peft.tuners.lora.bnb import Linear4bit
