@@ -78,6 +78,16 @@ class SyncCallers:
                 print(f"             {frame}")
 
 
+def max_steps(flags: list[str]) -> int | None:
+    """The run's --max_steps, where the flags give it."""
+    for i, flag in enumerate(flags):
+        if flag == "--max_steps" and i + 1 < len(flags):
+            return int(flags[i + 1])
+        if flag.startswith("--max_steps="):
+            return int(flag.split("=", 1)[1])
+    return None
+
+
 WAIT_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync", "cudaMemcpy")
 
 
@@ -133,8 +143,17 @@ def main(argv=None) -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     # --waits: Python stacks too, so each host wait can be traced to the operator and the code that made it.
     prof = profile(activities=activities, with_stack=args.waits)
-    state = {"steps": 0, "started": None}
+    state = {"steps": 0, "started": None, "wall": None}
     original = loop.train_step
+    last = max_steps(flags)
+
+    def stop() -> None:
+        if state["started"] is not None and state["wall"] is None:
+            if cuda:
+                torch.cuda.synchronize()
+            state["wall"] = time.perf_counter() - state["started"]
+            prof.stop()
+            waits.stop()
 
     def counted_step(*a, **k):  # the profiler runs from the end of step `skip` to the end of the last step
         out = original(*a, **k)
@@ -146,6 +165,9 @@ def main(argv=None) -> None:
                     waits.start()
             prof.start()
             state["started"] = time.perf_counter()
+        elif state["steps"] == last:
+            # Here, not after the run: the final model save (a host copy per adapter tensor) is no part of a step.
+            stop()
         return out
 
     waits = SyncCallers()
@@ -153,11 +175,8 @@ def main(argv=None) -> None:
     code = phalanx_main(["train", *flags])
     if state["started"] is None:
         sys.exit(f"the run ended after {state['steps']} step(s), before profiling began (--skip {args.skip})")
-    if cuda:
-        torch.cuda.synchronize()
-    wall = time.perf_counter() - state["started"]
-    prof.stop()
-    waits.stop()
+    stop()  # a run that ended before --max_steps (or without one): at its end
+    wall = state["wall"]
     steps = state["steps"] - args.skip
     events = prof.key_averages()
     device_key = "self_device_time_total" if cuda else "self_cpu_time_total"
