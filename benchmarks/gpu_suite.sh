@@ -3,7 +3,7 @@
 #   benchmarks/gpu_suite.sh                 # `arms`: every arm of issue 15 in one call of at most 600 s
 #   SUITE_SECONDS=300 ORDER=hf-first ARMS=lora-plain PROFILE=1 benchmarks/gpu_suite.sh   # one order, a profile
 #   benchmarks/gpu_suite.sh versions|smoke|speed|speed-hf-first|profile|profile-compile|qlora|strategies|strategies-full|
-#                           generate|compile|compile-lora|compile-full|vs-hf|profile-eager|arms ...
+#                           generate|compile|compile-lora|compile-full|vs-hf|profile-eager|seeds|arms ...
 # Wheels the GPU image lacks travel in .whl/ (trl, liger-kernel, and pydantic/datasets where missing; see
 # benchmarks/RESULTS.md); OUT (optional) collects the logs, and RESULTS-append.md: the entries the scripts appended
 # to benchmarks/RESULTS.md there, to append here (the device's copy of the tree does not come back).
@@ -114,6 +114,13 @@ for part in $parts; do
       step "phalanx-arms-$part" 560 env TORCH_LOGS=recompiles,graph_breaks python3 benchmarks/phalanx_arms.py \
         --gpu-shape r1-distill-qwen-1.5b --arms "$arms" --steps 30 --warmup 12 --arm-timeout 150 \
         --work_dir /tmp/phalanx-bench --note "gpu_suite $part: compiled layers against eager" ;;
+    seeds)  # the seeds' own setting (seed 002: batch 1, 8 micro-batches per step): phalanx's merged passes (default,
+           # and 16,384-token passes) against one pass per micro-batch; then against Trainer+PEFT and TRL, both orders
+      step seeds-arms 150 python3 benchmarks/phalanx_arms.py --gpu-shape r1-distill-qwen-1.5b \
+        --arms seeds,seeds-merge-16k,seeds-unmerged --steps 8 --warmup 3 --arm-timeout 60 --work_dir /tmp/phalanx-bench \
+        --note "gpu_suite seeds: batch 1 x 8 micro-batches, merged and not"
+      step seeds-vs-hf 230 python3 benchmarks/train_vs_hf.py --gpu-shape r1-distill-qwen-1.5b --steps 6 --warmup 2 \
+        --batch_size 1 --grad_accum 8 --orders "${ORDER:-both}" --with-trl --note "gpu_suite seeds: the seeds' batch 1 x 8" ;;
     profile-eager|profile-compile)  # where a LoRA step's time and host waits go, eager (the default) or compiled
            # (135 syncs and 341 copies per compiled step on 2026-11-27: from where?)
       model_folder

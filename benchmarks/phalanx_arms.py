@@ -59,6 +59,19 @@ ARMS = {  # flags on top of the shared ones; FLOPs factor per token (4N frozen b
     "lora-16k": (["--training.batch_tokens", "16384"], 4),
     "lora-compile-16k": (["--training.compile", "true", "--training.batch_tokens", "16384"], 4),
     "full-16k": (["--finetune", "full", "--training.batch_tokens", "16384"], 6),
+    "full-compile-16k": (["--finetune", "full", "--training.compile", "true", "--training.batch_tokens", "16384"], 6),
+    # The seeds' own setting (seed 002: batch 1, 8 micro-batches per step): one pass per micro-batch, the default
+    # (a step's micro-batches merged into passes of at most batch_size x max_length = 2,048 tokens), and merged
+    # into passes of at most 16,384 tokens. The same rows per optimizer step in all three.
+    "seeds-unmerged": (
+        ["--batch_size", "1", "--gradient_accumulation_steps", "8", "--training.merge_micro_batches", "false"],
+        4,
+    ),
+    "seeds": (["--batch_size", "1", "--gradient_accumulation_steps", "8"], 4),
+    "seeds-merge-16k": (
+        ["--batch_size", "1", "--gradient_accumulation_steps", "8", "--training.merge_tokens", "16384"],
+        4,
+    ),
 }
 
 
@@ -103,6 +116,11 @@ def flops_n(model_path: str) -> tuple[int, int, int]:
         getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     )
     return matmul_parameters(model), int(text.num_hidden_layers), width
+
+
+def flag_value(flags: list[str], name: str, default):
+    """An arm's integer flag, or `default` where the arm leaves it to the shared flags."""
+    return int(flags[flags.index(name) + 1]) if name in flags else default
 
 
 def run_arm(name: str, flags: list[str], out: Path, timeout: float, nproc: int) -> dict:
@@ -193,7 +211,7 @@ def main(argv=None) -> None:
 
     cfg = load_config(None, overrides_from_flags(split_flags(shared)[1]))
     _, data = load_data(cfg)  # the runs read these rows from the same cache
-    plans: dict = {}  # by token budget (None: batch_size rows per micro-batch)
+    plans: dict = {}  # by (token budget, batch_size, accumulation): the rows of each step
     n, layers, width = flops_n(resolve_model_path(model))
     peak_t = args.peak_tflops or (peak_tflops_for(torch.cuda.get_device_name(0)) if cuda and gpu else None)
     device = torch.cuda.get_device_name(0) if gpu else f"CPU ({cpu_model()}, nproc {os.cpu_count()})"
@@ -206,10 +224,13 @@ def main(argv=None) -> None:
         if "error" in res:
             rows.append((name, res["error"]))
             continue
-        budget = int(extra[extra.index("--training.batch_tokens") + 1]) if "--training.batch_tokens" in extra else None
-        if budget not in plans:
-            plans[budget] = make_plan(data.train, args.nproc, args.batch_size, 1, args.steps, cfg.training.seed, budget)
-        plan = plans[budget]
+        budget = flag_value(extra, "--training.batch_tokens", None)
+        batch = flag_value(extra, "--batch_size", args.batch_size)
+        accumulation = flag_value(extra, "--gradient_accumulation_steps", 1)
+        key = (budget, batch, accumulation)
+        if key not in plans:
+            plans[key] = make_plan(data.train, args.nproc, batch, accumulation, args.steps, cfg.training.seed, budget)
+        plan = plans[key]
         ends = res["ends"]
         first = max(min(ends), args.warmup)
         last = max(ends)

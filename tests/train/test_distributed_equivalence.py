@@ -43,6 +43,27 @@ def test_accumulation_and_activation_checkpointing_change_no_loss(equivalence_da
     assert losses == pytest.approx(reference, abs=1e-5)
 
 
+def test_merged_micro_batches_match_one_process(equivalence_data, tmp_path, single):
+    """2 ranks x batch 1 x 2 micro-batches, each rank's two run as one pass (training.merge_micro_batches, what
+    'auto' does on CUDA): one backward per step, so DDP reduces once, and the same losses and weights."""
+    single_dir, reference = single("lora")
+    losses = train(
+        equivalence_data,
+        tmp_path,
+        2,
+        1,
+        "lora",
+        "--gradient_accumulation_steps",
+        "2",
+        "--training.merge_micro_batches",
+        "true",
+        "--training.merge_tokens",
+        "1536",  # twice max_length: a rank's two micro-batches always fit one pass
+    )
+    assert losses == pytest.approx(reference, abs=1e-5)
+    assert_saved_weights_match(single_dir, tmp_path, "lora")
+
+
 def test_fp16_gradient_compression_stays_close(equivalence_data, tmp_path, single):
     """seed 000's comm hook: gradients travel as fp16, so the match is close rather than exact. Padded micro-batches
     here (--packing false): the multi-rank padded path keeps a run of its own."""

@@ -181,6 +181,23 @@ class TrainingConfig(Section):
         "resumes only with the same value.",
     )
     gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
+    merge_micro_batches: Literal["auto", "true", "false"] = Field(
+        "auto",
+        description="With gradient_accumulation_steps > 1 and packed rows: run one optimizer step's micro-batches as "
+        "few forward/backward passes of at most training.merge_tokens tokens each (their rows packed together). The "
+        "same rows, the same loss normalisation (the global batch's target tokens), the same gradients up to the "
+        "order of summation; fewer, larger passes keep a GPU busy, where a one-row pass is bound by launching "
+        "kernels. 'auto': on for CUDA under DDP or FSDP (one process included); off on CPU, where passes are not "
+        "launch-bound, and under DeepSpeed, whose engine is not checked with merged passes.",
+    )
+    merge_tokens: Optional[int] = Field(
+        None,
+        gt=0,
+        description="Most tokens in one merged pass (training.merge_micro_batches). Unset: the most one micro-batch "
+        "holds already (batch_tokens, else batch_size x max_length), so activation memory stays within the unmerged "
+        "run's bound; more (e.g. 16384 for a 1.5B LoRA on an 80 GB GPU: `phalanx plan` says what fits) is faster. "
+        "At least data.max_length.",
+    )
     learning_rate: float = Field(5e-5, gt=0, description="Peak AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     warmup_ratio: float = Field(
@@ -439,8 +456,33 @@ class RunConfig(Section):
                     f"{self.data.max_length}: the longest row would not fit; raise batch_tokens to at least "
                     f"{self.data.max_length} or lower max_length"
                 )
+        self._check_merge()
         self._check_4bit()
         return self
+
+    def _check_merge(self) -> None:
+        t = self.training
+        if t.merge_micro_batches == "true" and not self.data.packing:
+            raise ValueError(
+                "training.merge_micro_batches = true packs a step's micro-batches together and needs data.packing "
+                "true; drop it (or set it to auto) to train padded"
+            )
+        if t.merge_micro_batches == "true" and self.distributed.strategy == "deepspeed":
+            raise ValueError(
+                "training.merge_micro_batches = true is not supported under --strategy deepspeed (its engine is not "
+                "checked with merged passes); use auto or false there"
+            )
+        if t.merge_tokens is not None:
+            if t.merge_micro_batches == "false":
+                raise ValueError(
+                    f"training.merge_tokens = {t.merge_tokens} is set but training.merge_micro_batches is false; "
+                    "drop one of them"
+                )
+            if t.merge_tokens < self.data.max_length:
+                raise ValueError(
+                    f"training.merge_tokens = {t.merge_tokens} is less than data.max_length = {self.data.max_length}: "
+                    f"the longest row would not fit; raise merge_tokens to at least {self.data.max_length}"
+                )
 
     def _check_4bit(self) -> None:
         """QLoRA trains an adapter on a frozen 4-bit base; its settings mean nothing without it."""

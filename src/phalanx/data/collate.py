@@ -9,8 +9,11 @@ and the loss selects target positions with an index, not a boolean mask (which w
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
+from phalanx.config.schema import RunConfig
 from phalanx.data.chat import IGNORE_INDEX
 
 
@@ -87,3 +90,60 @@ def batch_counts(batch: dict) -> tuple[int, int]:
 def to_device(batch: dict, device: torch.device) -> dict:
     """The batch with its tensors on `device`; host-side counts and row lengths stay as they are."""
     return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+# What collate() puts in a packed micro-batch: merge_packed joins exactly these.
+_PACKED_KEYS = frozenset(
+    {"input_ids", "position_ids", "labels", "row_lengths", "target_positions", "target_labels", "rows"}
+    | {"input_tokens", "target_tokens"}
+)
+
+
+def merge_budget(cfg: RunConfig, device: torch.device, packing: bool) -> Optional[int]:
+    """The most tokens in one merged forward/backward pass (training.merge_micro_batches), or None: one pass per
+    micro-batch. Merging needs packed rows and more than one micro-batch per step; 'auto' merges on CUDA outside
+    DeepSpeed. Unset merge_tokens: what one micro-batch can hold already, so memory keeps the unmerged bound."""
+    t = cfg.training
+    wanted = t.merge_micro_batches == "true" or (
+        t.merge_micro_batches == "auto" and device.type == "cuda" and cfg.distributed.strategy != "deepspeed"
+    )
+    if not (wanted and packing and t.gradient_accumulation_steps > 1):
+        return None
+    return t.merge_tokens or t.batch_tokens or t.batch_size * cfg.data.max_length
+
+
+def merge_packed(batches: list[dict], max_tokens: int) -> list[dict]:
+    """Consecutive packed micro-batches joined into as few as hold at most `max_tokens` tokens each, in order.
+
+    A join is exactly the packed micro-batch of all its rows (pack_batch over their rows, in order): each row keeps
+    its own position ids and row boundary, and a row's first label is already -100, so no row predicts across a
+    join. The step's rows, targets and counts are unchanged; only the number of forward/backward passes falls.
+    Batches that are not collate()'s packed ones (padded, or from elsewhere) are returned as they are."""
+    if len(batches) < 2 or any(b.keys() != _PACKED_KEYS for b in batches):
+        return batches
+    merged, group, tokens = [], [], 0
+    for batch in batches:
+        n = batch["input_ids"].shape[1]
+        if group and tokens + n > max_tokens:
+            merged.append(_join(group))
+            group, tokens = [], 0
+        group.append(batch)
+        tokens += n
+    merged.append(_join(group))
+    return merged
+
+
+def _join(group: list[dict]) -> dict:
+    if len(group) == 1:
+        return group[0]
+    offsets, total = [], 0
+    for batch in group:
+        offsets.append(total)
+        total += batch["input_ids"].shape[1]
+    joined = {key: torch.cat([b[key] for b in group], dim=1) for key in ("input_ids", "position_ids", "labels")}
+    joined["row_lengths"] = tuple(n for b in group for n in b["row_lengths"])
+    joined["target_positions"] = torch.cat([b["target_positions"] + o for b, o in zip(group, offsets)])
+    joined["target_labels"] = torch.cat([b["target_labels"] for b in group])
+    for key in ("rows", "input_tokens", "target_tokens"):
+        joined[key] = sum(b[key] for b in group)
+    return joined

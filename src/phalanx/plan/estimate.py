@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from phalanx.config.schema import RunConfig
+from phalanx.data.collate import merge_budget
 from phalanx.errors import ConfigError
 from phalanx.models.compile import compile_wanted
 from phalanx.models.lora_fused import REDRAW_MASK_ON
@@ -118,6 +119,7 @@ class Setup:
     data_note: str = ""  # where the figures above come from, or why the data was not read
     token_budget: Optional[int] = None  # training.batch_tokens: packed micro-batches of at most this many tokens
     compiled: bool = False  # training.compile applies on this device (models/compile.py)
+    merge_tokens: Optional[int] = None  # a step's micro-batches run as passes of at most this many tokens (merged)
 
     @property
     def tokens(self) -> int:
@@ -128,9 +130,12 @@ class Setup:
     def packed_tokens(self) -> int:
         """Tokens of the largest packed micro-batch: the sum of its rows' lengths (the data's, else the bound), at
         most the token budget when micro-batches are filled to one."""
-        if self.token_budget is not None:
-            return self.token_budget
-        return min(self.data_tokens, self.tokens) if self.data_tokens is not None else self.tokens
+        one = self.token_budget
+        if one is None:
+            one = min(self.data_tokens, self.tokens) if self.data_tokens is not None else self.tokens
+        if self.merge_tokens is not None:  # merged passes (training.merge_micro_batches): up to a step's rows
+            return max(one, min(self.merge_tokens, one * self.accumulation))
+        return one
 
     def targets(self, tokens: int) -> int:
         """Positions that reach the output head: the data's count, else every position (an upper bound)."""
@@ -162,6 +167,7 @@ def setup_from_config(cfg: RunConfig, device: str) -> Setup:
         base_4bit_bytes=four_bit,
         packing=cfg.data.packing,
         token_budget=getattr(cfg.training, "batch_tokens", None),
+        merge_tokens=merge_budget(cfg, torch.device(device), cfg.data.packing),
         # 'auto' compiles long runs (models/compile.py); the plan knows a run's length only from max_steps.
         compiled=compile_wanted(
             cfg.training.compile,

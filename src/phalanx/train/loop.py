@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from phalanx.data.collate import batch_counts, to_device
+from phalanx.data.collate import batch_counts, merge_packed, to_device
 from phalanx.errors import PhalanxError
 from phalanx.runtime.dist import all_reduce_sum
 from phalanx.runtime.faults import kill_self
@@ -48,6 +48,8 @@ def train_step(run: Run, micro_batches: list[dict], after_a_save: bool = False) 
     that comes during the step is seen at its end, with the loss: the step finishes and the run stops after it,
     never a step later."""
     device, strategy, step = run.rank.device, run.strategy, run.state.global_step + 1
+    if run.merge_tokens:  # fewer, larger passes over the same rows (training.merge_micro_batches)
+        micro_batches = merge_packed(micro_batches, run.merge_tokens)
     local = [batch_counts(mb) for mb in micro_batches]
     counts = all_reduce_sum(
         torch.tensor(

@@ -34,6 +34,7 @@ from phalanx.checkpoint.resume import (
 )
 from phalanx.config.schema import ModelConfig, RunConfig
 from phalanx.data.collate import collate as collate_rows
+from phalanx.data.collate import merge_budget
 from phalanx.data.prepare import PreparedData, describe_report, prepare_data
 from phalanx.data.sampler import (
     StatefulDistributedSampler,
@@ -89,6 +90,7 @@ class Run:
     fault: Optional[Fault] = None
     resumed_from: Optional[Path] = None
     consecutive_skips: int = 0
+    merge_tokens: Optional[int] = None  # most tokens per forward/backward pass when a step's micro-batches merge
 
     def steps_of_epoch(self) -> Iterator[list[dict]]:
         """This epoch's remaining micro-batches, grouped per optimizer step (the last group may be short)."""
@@ -360,6 +362,14 @@ def build_run(cfg: RunConfig, preemption: Optional[PreemptionFlag] = None) -> Ru
             "enough to pay back the warm-up (--training.compile false keeps the layers eager).",
             flush=True,
         )
+    merge_tokens = merge_budget(cfg, rank.device, packing)
+    if merge_tokens and rank.is_main:
+        print(
+            f"🧮 Each step's {cfg.training.gradient_accumulation_steps} micro-batches run as passes of at most "
+            f"{merge_tokens:,} tokens (the same rows and gradients, fewer passes; "
+            "--training.merge_micro_batches false runs one per micro-batch).",
+            flush=True,
+        )
     # After activation checkpointing, before the strategy wraps the model.
     model = fuse_elementwise(model, compile_layers, cfg.training.liger_kernels, rank.device, announce=rank.is_main)
     strategy = make_strategy(rank, precision, cfg.distributed.ddp_comm_hook, cfg=cfg)
@@ -428,6 +438,7 @@ def build_run(cfg: RunConfig, preemption: Optional[PreemptionFlag] = None) -> Ru
         fault=planned_fault(),
         resumed_from=resume_from,
         preemption=preemption,
+        merge_tokens=merge_tokens,
     )
     announce(run)
     return run

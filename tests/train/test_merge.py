@@ -1,0 +1,96 @@
+"""training.merge_micro_batches: a step's packed micro-batches run as fewer, larger passes, and train the same.
+
+In one process on CPU (fp32): batch 1 x accumulation 4, merged into passes of at most 1,024 tokens, against the same
+run unmerged: the same losses and the same adapter weights to float-summation order, in fewer forward passes. The
+multi-rank proof (2 DDP ranks, merged, against one process) is in test_distributed_equivalence.py."""
+
+import pytest
+import torch
+
+from phalanx.config.flags import split_flags
+from phalanx.config.loader import load_config, overrides_from_flags
+from phalanx.data.collate import merge_budget
+
+
+def config(*flags: str):
+    return load_config(None, overrides_from_flags(split_flags(list(flags))[1]))
+
+
+def train_counting_passes(tmp_path, monkeypatch, merge: str) -> tuple[list[float], dict, list[int]]:
+    import phalanx.train.loop as loop
+    from phalanx.runtime.dist import shutdown
+    from phalanx.train.loss import token_loss_sum as original
+    from phalanx.train.run import build_run
+
+    passes = []
+
+    def counted(model, batch, *args, **kwargs):
+        passes.append(batch["input_ids"].shape[1])
+        return original(model, batch, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "token_loss_sum", counted)
+    out = tmp_path / merge
+    cfg = config(
+        *("--max_steps", "3", "--batch_size", "1", "--gradient_accumulation_steps", "4", "--max_length", "512"),
+        *("--test_size", "0", "--output_dir", str(out), "--logging.tensorboard", "false"),
+        *("--logging.progress_bar", "false", "--lora_dropout", "0", "--learning_rate", "1e-3"),
+        *("--training.merge_micro_batches", merge),
+        *(("--training.merge_tokens", "1024") if merge == "true" else ()),
+    )
+    run = build_run(cfg)
+    try:
+        losses = []
+        for micro_batches in run.steps_of_epoch():
+            losses.append(loop.train_step(run, micro_batches)["loss"])
+            run.state.global_step += 1
+            if len(losses) == 3:
+                break
+        weights = {n: p.detach().clone() for n, p in run.model.named_parameters() if p.requires_grad}
+    finally:
+        shutdown()
+    return losses, weights, passes
+
+
+def test_merged_passes_train_like_one_pass_per_micro_batch(tmp_path, monkeypatch):
+    merged_losses, merged_weights, merged_passes = train_counting_passes(tmp_path, monkeypatch, "true")
+    plain_losses, plain_weights, plain_passes = train_counting_passes(tmp_path, monkeypatch, "false")
+    assert len(plain_passes) == 12 and len(merged_passes) < len(plain_passes)
+    assert max(merged_passes) <= 1024 and sum(merged_passes) == sum(plain_passes)  # the same tokens, fewer passes
+    assert merged_losses == pytest.approx(plain_losses, abs=1e-6)
+    assert plain_losses[-1] != plain_losses[0]
+    for name, weight in plain_weights.items():
+        torch.testing.assert_close(merged_weights[name], weight, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_auto_merges_on_cuda_only_and_keeps_the_unmerged_memory_bound():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    cfg = config("--batch_size", "1", "--gradient_accumulation_steps", "8", "--max_length", "2048")
+    assert merge_budget(cfg, cuda, packing=True) == 2048  # batch_size x max_length: what one micro-batch holds
+    assert merge_budget(cfg, cpu, packing=True) is None
+    assert merge_budget(cfg, cuda, packing=False) is None
+    assert (
+        merge_budget(config("--batch_size", "4", "--max_length", "2048"), cuda, packing=True) is None
+    )  # nothing to merge
+    deepspeed = config("--gradient_accumulation_steps", "8", "--strategy", "deepspeed")
+    assert merge_budget(deepspeed, cuda, packing=True) is None
+    bigger = config("--gradient_accumulation_steps", "8", "--training.merge_tokens", "16384")
+    assert merge_budget(bigger, cuda, packing=True) == 16384
+    on_cpu = config("--gradient_accumulation_steps", "8", "--training.merge_micro_batches", "true")
+    assert merge_budget(on_cpu, cpu, packing=True) == on_cpu.data.max_length
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (("--training.merge_micro_batches", "true", "--packing", "false"), "needs data.packing"),
+        (("--training.merge_micro_batches", "true", "--strategy", "deepspeed"), "not supported under --strategy"),
+        (("--training.merge_micro_batches", "false", "--training.merge_tokens", "4096"), "drop one of them"),
+        (("--training.merge_tokens", "100", "--max_length", "512"), "at least 512"),
+    ],
+)
+def test_contradictory_merge_settings_are_refused_by_name(flags, named):
+    from phalanx.errors import ConfigError
+
+    with pytest.raises((ConfigError, ValueError)) as caught:
+        config(*flags)
+    assert "training.merge" in str(caught.value) and named in str(caught.value)
