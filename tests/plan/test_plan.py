@@ -19,7 +19,7 @@ from phalanx.cli import main as phalanx_main
 from phalanx.config.loader import load_config
 from phalanx.errors import ConfigError
 from phalanx.plan import model_facts, setup_from_config, strategy_rows
-from phalanx.plan.command import THROUGHPUT_BUDGETS, make_plan, render, with_data_lengths
+from phalanx.plan.command import THROUGHPUT_BUDGETS, make_plan, merge_tokens_that_fit, render, with_data_lengths
 from phalanx.plan.estimate import GiB, loss_bytes
 from plan.workers import SMALL, measure, write_model, write_rows
 
@@ -450,3 +450,38 @@ def test_plan_refuses_a_json_the_run_refuses_and_reads_the_stage_the_run_takes(t
     ds_json.write_text('{"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}')
     plan = make_plan(ds, "cpu", 64 * 2**30, read_data=False)
     assert plan.configured == "ZeRO-3 +offload opt" and "ZeRO-3 +offload opt *" in render(plan)
+
+
+def test_merged_passes_take_the_largest_size_the_estimate_fits_on_the_gpu(llama_7b):
+    """A step's micro-batches merge into passes (training.merge_micro_batches 'auto', CUDA): the train command asks
+    this for the pass size on its GPU, the largest budget the memory model fits under the run's own strategy; the
+    plan's table then estimates that pass, and gives no --batch_tokens advice (merging keeps the training as is)."""
+    flags = {
+        "model.model_name": llama_7b,
+        "training.batch_size": 1,
+        "training.gradient_accumulation_steps": 8,
+        "data.max_length": 2048,
+    }
+    cfg = load_config(None, flags)
+    budget = merge_tokens_that_fit(cfg, 80 * GiB)
+    assert budget in THROUGHPUT_BUDGETS and budget > 2048
+    facts, setup = model_facts(cfg), setup_from_config(cfg, "cuda")
+
+    def fits(tokens: int) -> bool:
+        rows = strategy_rows(facts, replace(setup, merge_tokens=tokens), device_memory=80 * GiB)
+        return next(r for r in rows if r.strategy == "single process").fits
+
+    whole_step = 8 * 2048  # never a larger pass than a step's rows can make
+    larger = [b for b in THROUGHPUT_BUDGETS if budget < b <= whole_step]
+    assert budget <= whole_step and fits(budget) and not any(fits(b) for b in larger)
+    plan = make_plan(cfg, "cuda", 80 * GiB, read_data=False)
+    assert plan.setup.packed_tokens == budget and f"a merged pass of up to {budget:,} tokens" in render(plan)
+    assert not any("--batch_tokens" in a for a in plan.advice)
+    assert merge_tokens_that_fit(cfg, 20 * GiB) is None  # a 7B LoRA on 20 GiB: no larger pass fits
+    for other in (
+        {**flags, "training.gradient_accumulation_steps": 1},  # nothing to merge
+        {**flags, "training.merge_tokens": 4096},  # the user's size stands
+        {**flags, "training.merge_micro_batches": "false"},
+        {**flags, "data.packing": False},
+    ):
+        assert merge_tokens_that_fit(load_config(None, other), 80 * GiB) is None, other

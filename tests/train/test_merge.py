@@ -94,3 +94,59 @@ def test_contradictory_merge_settings_are_refused_by_name(flags, named):
     with pytest.raises((ConfigError, ValueError)) as caught:
         config(*flags)
     assert "training.merge" in str(caught.value) and named in str(caught.value)
+
+
+# DeepSeek-R1-Distill-Qwen-1.5B's shape: a config.json is all the memory model reads.
+R1_DISTILL_SHAPE = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_on_a_gpu_the_train_command_sizes_merged_passes_by_the_memory_model(tmp_path, monkeypatch):
+    """The seeds' setting (batch 1 x 8 micro-batches) on an 80 GB GPU: passes of a whole step's rows (16,384 tokens at
+    most), which the estimate fits (measured on an H100: 23.9 GB, 7.02x the tokens/s of one pass per micro-batch,
+    benchmarks/RESULTS.md 2026-11-27 08:42); on 24 GB, one micro-batch's size stays. CPU: nothing is asked."""
+    import json
+    from types import SimpleNamespace
+
+    from phalanx.plan.estimate import GiB
+    from phalanx.train.command import merge_tokens_for_this_device
+
+    (tmp_path / "config.json").write_text(json.dumps(R1_DISTILL_SHAPE))
+    seeds = ("--model_name", str(tmp_path), "--batch_size", "1", "--gradient_accumulation_steps", "8")
+    assert merge_tokens_for_this_device(config(*seeds, "--max_length", "2048")) is None  # no CUDA here
+    memory = {"total": 80 * GiB}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=memory["total"]))
+    assert merge_tokens_for_this_device(config(*seeds, "--max_length", "2048")) == 16384
+    assert merge_tokens_for_this_device(config(*seeds, "--training.merge_tokens", "4096")) is None  # the user's size
+    memory["total"] = 24 * GiB
+    assert merge_tokens_for_this_device(config(*seeds, "--max_length", "2048")) is None
+
+
+def test_a_fitted_pass_size_replaces_one_micro_batchs_and_the_run_says_so(tmp_path, capsys):
+    from phalanx.runtime.dist import shutdown
+    from phalanx.train.run import build_run
+
+    cfg = config(
+        *("--max_steps", "1", "--batch_size", "1", "--gradient_accumulation_steps", "4", "--max_length", "512"),
+        *("--test_size", "0", "--output_dir", str(tmp_path / "out"), "--logging.tensorboard", "false"),
+        *("--training.merge_micro_batches", "true"),
+    )
+    try:
+        run = build_run(cfg, merge_tokens_that_fit=1536)
+        assert run.merge_tokens == 1536
+    finally:
+        shutdown()
+    assert "passes of at most 1,536 tokens (the most the memory estimate fits on this device" in capsys.readouterr().out

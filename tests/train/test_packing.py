@@ -276,6 +276,7 @@ def test_a_training_step_reads_the_device_once_and_the_grad_norm_only_when_logge
         preemption=SimpleNamespace(requested=False),
         cfg=SimpleNamespace(training=SimpleNamespace(max_grad_norm=1.0)),
         scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
+        merge_tokens=None,
     )
     examples = rows(256, lengths=(50, 17, 90, 33))
     micro_batches = [collate(examples[:2], 0, packing=True), collate(examples[2:], 0, packing=True)]

@@ -127,6 +127,9 @@ def make_plan(cfg: RunConfig, device: str, device_memory: int, read_data: bool =
     facts = model_facts(cfg)
     setup = setup_from_config(cfg, device)
     configured = configured_strategy(cfg, setup.world, on_gpu=device == "cuda")  # refuses first, as train does
+    fitted = merge_tokens_that_fit(cfg, device_memory) if device == "cuda" else None
+    if fitted is not None:  # the run merges a step's micro-batches into passes this large on such a GPU
+        setup = replace(setup, merge_tokens=fitted)
     setup = with_data_lengths(cfg, setup, read_data and facts.packable)
     ds_config = _read_json(cfg.distributed.deepspeed_config)
     rows = sorted(
@@ -176,6 +179,8 @@ def _more_tokens_per_micro_batch(
     speed)."""
     if setup.device != "cuda" or not (setup.packing and facts.packable) or setup.token_budget is not None:
         return []
+    if setup.merge_tokens is not None:  # the run merges its micro-batches into larger passes itself, same training
+        return []
     for budget in THROUGHPUT_BUDGETS:
         if budget < max(setup.seq, 2 * setup.packed_tokens):
             return []
@@ -192,6 +197,29 @@ def _more_tokens_per_micro_batch(
                 "It is a larger batch: fewer optimizer steps per epoch, so revisit the learning rate"
             ]
     return []
+
+
+def merge_tokens_that_fit(cfg: RunConfig, device_memory: int) -> Optional[int]:
+    """For a CUDA run whose step's micro-batches merge (training.merge_micro_batches 'auto', merge_tokens unset): the
+    largest of THROUGHPUT_BUDGETS, above what one micro-batch holds, whose merged pass this estimate fits in
+    `device_memory` under the run's own strategy and checkpointing (no data read: every row at its bound). None:
+    merging keeps that bound. The estimate runs above the measured peaks (RESULTS: 51.6 GiB estimated for 38.7 GB
+    measured), so the margin is on the safe side."""
+    setup = setup_from_config(cfg, "cuda")
+    if setup.merge_tokens is None or cfg.training.merge_tokens is not None:
+        return None
+    facts = model_facts(cfg)
+    if not facts.packable:
+        return None
+    strategy = configured_strategy(cfg, setup.world, on_gpu=True)
+    for budget in THROUGHPUT_BUDGETS:
+        if budget <= setup.merge_tokens:
+            return None
+        rows = strategy_rows(facts, replace(setup, merge_tokens=budget), device_memory=device_memory, ds_config=None)
+        row = next((r for r in rows if r.strategy == strategy), None)
+        if row is not None and (row.fits_ckpt if cfg.model.gradient_checkpointing else row.fits):
+            return min(budget, setup.merge_tokens * setup.accumulation)  # never more than a whole step holds
+    return None
 
 
 def _more_ranks(facts: ModelFacts, setup: Setup, device_memory: int, ds_config: Optional[dict]) -> list[str]:
@@ -255,7 +283,12 @@ def _human(n: float) -> str:
 def render(plan: Plan) -> str:
     m, s = plan.facts, plan.setup
     dtype = "fp32" if s.compute_bytes == 4 else "bf16/fp16 mixed precision"
-    if s.packing and m.packable and s.token_budget is not None:
+    if s.packing and m.packable and s.merge_tokens is not None:
+        batch = (
+            f"a merged pass of up to {s.packed_tokens:,} tokens (a step's {s.accumulation} micro-batches packed "
+            f"together: training.merge_micro_batches)"
+        )
+    elif s.packing and m.packable and s.token_budget is not None:
         batch = f"a packed micro-batch of up to {s.packed_tokens:,} tokens ({s.data_note})"
     elif s.packing and m.packable:
         batch = f"a packed micro-batch of {s.batch} rows, {s.packed_tokens:,} tokens ({s.data_note})"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import errno
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from phalanx.errors import PhalanxError, RanksFailed
 
@@ -107,6 +107,27 @@ def train_rank(args: Sequence[str], preemption: PreemptionFlag) -> int:
         return report_bad_input(exc, rank)
 
 
+def merge_tokens_for_this_device(cfg: RunConfig) -> Optional[int]:
+    """On CUDA, for merged micro-batches of an automatic size: the largest pass `phalanx plan`'s memory model fits on
+    this rank's GPU (None: keep what one micro-batch holds). An estimate that cannot be made only leaves it there."""
+    import torch
+
+    t = cfg.training
+    if not torch.cuda.is_available() or t.merge_micro_batches != "auto" or t.merge_tokens is not None:
+        return None
+    from phalanx.plan.command import merge_tokens_that_fit
+    from phalanx.runtime.dist import env_rank_info
+    from phalanx.runtime.watch import one_line
+
+    local_rank = env_rank_info()[2]
+    try:
+        memory = torch.cuda.get_device_properties(local_rank % torch.cuda.device_count()).total_memory
+        return merge_tokens_that_fit(cfg, memory)
+    except (PhalanxError, OSError, ValueError, KeyError) as exc:
+        print(f"🧮 merged passes keep one micro-batch's size: no memory estimate ({one_line(exc)})", flush=True)
+        return None
+
+
 def train_worker(cfg: RunConfig, preemption: PreemptionFlag) -> int:
     """One rank's whole run. A failure is reported with what every rank was doing, so the stuck one is named."""
     from phalanx.launch.local import STOPPED_FOR_LOST_PEER, write_rank_message
@@ -120,7 +141,7 @@ def train_worker(cfg: RunConfig, preemption: PreemptionFlag) -> int:
     rank, world = env_rank_info()[:2]
     run = None
     try:
-        run = build_run(cfg, preemption)
+        run = build_run(cfg, preemption, merge_tokens_that_fit=merge_tokens_for_this_device(cfg))
         train(run)
         finish_run(run)
     except Preempted as exc:

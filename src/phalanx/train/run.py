@@ -318,10 +318,13 @@ def choose_packing(
     return True
 
 
-def build_run(cfg: RunConfig, preemption: Optional[PreemptionFlag] = None) -> Run:
+def build_run(
+    cfg: RunConfig, preemption: Optional[PreemptionFlag] = None, merge_tokens_that_fit: Optional[int] = None
+) -> Run:
     """`preemption`: the flag the caller installed when the process started (the CLI does, before its imports), so
     that a SIGTERM/SIGUSR1 while the ranks import, tokenize or load is kept and honoured at the first step (save,
-    exit 75) instead of killing the rank."""
+    exit 75) instead of killing the rank. `merge_tokens_that_fit`: a larger pass than one micro-batch holds that the
+    memory estimate fits on this device (the train command asks `phalanx plan`'s model), for merged micro-batches."""
     rank_id, world, _, local_world = rt.env_rank_info()
     preemption = preemption or PreemptionFlag().install()
     rt.check_world_fits(local_world, cfg.distributed.backend)
@@ -363,11 +366,15 @@ def build_run(cfg: RunConfig, preemption: Optional[PreemptionFlag] = None) -> Ru
             flush=True,
         )
     merge_tokens = merge_budget(cfg, rank.device, packing)
+    fitted = bool(merge_tokens and merge_tokens_that_fit and merge_tokens_that_fit > merge_tokens)
+    if fitted:
+        merge_tokens = merge_tokens_that_fit
     if merge_tokens and rank.is_main:
+        source = "the most the memory estimate fits on this device; " if fitted else ""
         print(
             f"🧮 Each step's {cfg.training.gradient_accumulation_steps} micro-batches run as passes of at most "
-            f"{merge_tokens:,} tokens (the same rows and gradients, fewer passes; "
-            "--training.merge_micro_batches false runs one per micro-batch).",
+            f"{merge_tokens:,} tokens ({source}the same rows and gradients in fewer passes; "
+            "--training.merge_tokens sets the size, --training.merge_micro_batches false runs one per micro-batch).",
             flush=True,
         )
     # After activation checkpointing, before the strategy wraps the model.
