@@ -47,19 +47,8 @@ def test_merged_micro_batches_match_one_process(equivalence_data, tmp_path, sing
     """2 ranks x batch 1 x 2 micro-batches, each rank's two run as one pass (training.merge_micro_batches, what
     'auto' does on CUDA): one backward per step, so DDP reduces once, and the same losses and weights."""
     single_dir, reference = single("lora")
-    losses = train(
-        equivalence_data,
-        tmp_path,
-        2,
-        1,
-        "lora",
-        "--gradient_accumulation_steps",
-        "2",
-        "--training.merge_micro_batches",
-        "true",
-        "--training.merge_tokens",
-        "1536",  # twice max_length: a rank's two micro-batches always fit one pass
-    )
+    merged = ("--training.merge_micro_batches", "true", "--training.merge_tokens", "1536")  # 2 x max_length: one pass
+    losses = train(equivalence_data, tmp_path, 2, 1, "lora", "--gradient_accumulation_steps", "2", *merged)
     assert losses == pytest.approx(reference, abs=1e-5)
     assert_saved_weights_match(single_dir, tmp_path, "lora")
 
