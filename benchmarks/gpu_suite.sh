@@ -115,11 +115,13 @@ for part in $parts; do
         --gpu-shape r1-distill-qwen-1.5b --arms "$arms" --steps 30 --warmup 12 --arm-timeout 150 \
         --work_dir /tmp/phalanx-bench --note "gpu_suite $part: compiled layers against eager" ;;
     seeds)  # the seeds' own setting (seed 002: batch 1, 8 micro-batches per step): phalanx's merged passes (default,
-           # and 16,384-token passes) against one pass per micro-batch; then against Trainer+PEFT and TRL, both orders
+           # and 16,384-token passes) against one pass per micro-batch; then against Trainer+PEFT and TRL, both orders.
+           # About 90 s + 2 x 140 s (2026-11-27: the second order did not fit a 465 s call after other parts): a call
+           # of its own, or ORDER=phalanx-first.
       step seeds-arms 150 python3 benchmarks/phalanx_arms.py --gpu-shape r1-distill-qwen-1.5b \
         --arms seeds,seeds-merge-16k,seeds-unmerged --steps 8 --warmup 3 --arm-timeout 60 --work_dir /tmp/phalanx-bench \
         --note "gpu_suite seeds: batch 1 x 8 micro-batches, merged and not"
-      step seeds-vs-hf 230 python3 benchmarks/train_vs_hf.py --gpu-shape r1-distill-qwen-1.5b --steps 6 --warmup 2 \
+      step seeds-vs-hf 320 python3 benchmarks/train_vs_hf.py --gpu-shape r1-distill-qwen-1.5b --steps 6 --warmup 2 \
         --batch_size 1 --grad_accum 8 --orders "${ORDER:-both}" --with-trl --note "gpu_suite seeds: the seeds' batch 1 x 8" ;;
     profile-eager|profile-compile)  # where a LoRA step's time and host waits go, eager (the default) or compiled
            # (135 syncs and 341 copies per compiled step on 2026-11-27: from where?)

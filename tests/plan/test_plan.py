@@ -19,8 +19,9 @@ from phalanx.cli import main as phalanx_main
 from phalanx.config.loader import load_config
 from phalanx.errors import ConfigError
 from phalanx.plan import model_facts, setup_from_config, strategy_rows
-from phalanx.plan.command import THROUGHPUT_BUDGETS, make_plan, merge_tokens_that_fit, render, with_data_lengths
+from phalanx.plan.command import make_plan, render, with_data_lengths
 from phalanx.plan.estimate import GiB, loss_bytes
+from phalanx.plan.fit import THROUGHPUT_BUDGETS, merge_tokens_that_fit
 from plan.workers import SMALL, measure, write_model, write_rows
 
 TOLERANCE = 0.25

@@ -84,7 +84,7 @@ def test_a_rank_that_crashes_exits_1_not_the_bad_input_status(monkeypatch, tmp_p
     from phalanx.errors import RanksFailed
     from phalanx.train.command import train_worker
 
-    def peer_died(cfg, preemption):
+    def peer_died(cfg, preemption, **run_options):
         raise RuntimeError("Connection closed by peer")
 
     # Stand-ins for the run's modules, whose model stack takes seconds to import and plays no part here.

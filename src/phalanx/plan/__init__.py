@@ -2,7 +2,8 @@
 
 `model` counts parameters on the meta device; `estimate` turns counts, dtypes, micro-batch and
 sequence length into parameters, gradients, optimizer state, activations and a step's peak per
-strategy; `command` prints the table and the recommendation. Method and accuracy: docs/plan.md.
+strategy; `fit` what fits on one device (also asked by `phalanx train`); `command` prints the table and the
+recommendation. Method and accuracy: docs/plan.md.
 """
 
 from phalanx.plan.estimate import Activations, Row, Setup, activation_bytes, setup_from_config, strategy_rows

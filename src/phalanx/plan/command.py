@@ -20,8 +20,8 @@ from phalanx.plan.estimate import (
     Setup,
     setup_from_config,
     strategy_rows,
-    zero_label,
 )
+from phalanx.plan.fit import THROUGHPUT_BUDGETS, configured_strategy, merge_tokens_that_fit
 from phalanx.plan.model import ModelFacts, model_facts
 
 ORDER = {s.label: k for k, s in enumerate(STRATEGIES)}
@@ -38,33 +38,6 @@ class Plan:
     recommended_ckpt: bool
     reason: str
     advice: list[str] = field(default_factory=list)
-
-
-def configured_strategy(cfg: RunConfig, world: int, on_gpu: bool) -> str:
-    """The row this config runs as, with its DeepSpeed / FSDP JSON read as the run reads it. First the refusals the
-    run would give before any rank starts (a JSON that contradicts the run config): the same function as train's."""
-    from phalanx.parallel import check_before_launch, launch_precision
-
-    check_before_launch(cfg, world, on_gpu)
-    d = cfg.distributed
-    if d.strategy == "fsdp":
-        from phalanx.parallel.config_files import fsdp_settings
-
-        sharding, offload, _ = fsdp_settings(d)  # an FSDP JSON's settings, as the run will take them
-        sharding = "FULL_SHARD" if sharding == "HYBRID_SHARD" else sharding  # the same bytes per rank
-        return f"fsdp {sharding}" + (" +offload" if offload else "")
-    if d.strategy == "deepspeed":
-        stage, offload_opt, offload_param = d.zero_stage, d.offload_optimizer, d.offload_param
-        if d.deepspeed_config:  # the JSON's stage and offload where the run config leaves them, as the run merges
-            from phalanx.parallel.deepspeed import build_ds_config
-
-            zero = build_ds_config(cfg, world, launch_precision(cfg, on_gpu)).get("zero_optimization", {})
-            stage = zero.get("stage", stage)
-            offload_opt, offload_param = (
-                (zero.get(key) or {}).get("device", "none") != "none" for key in ("offload_optimizer", "offload_param")
-            )
-        return zero_label(stage or 1, offload_opt, offload_param)
-    return "single process" if d.world_size == 1 else "ddp"
 
 
 def choose(rows: list[Row]) -> tuple[Optional[Row], bool]:
@@ -168,9 +141,6 @@ def make_plan(cfg: RunConfig, device: str, device_memory: int, read_data: bool =
 # Token budgets (training.batch_tokens) the plan tries on a GPU, largest first. On an H100 a LoRA step of 4 rows
 # (~3,700 tokens) was bound by the host launching kernels: 16,384-token micro-batches gave 2.84x its tokens/s, eager
 # (benchmarks/RESULTS.md, 2026-11-27; full fine-tuning: MFU 12.1% -> 39.5%).
-THROUGHPUT_BUDGETS = (32768, 16384, 8192)
-
-
 def _more_tokens_per_micro_batch(
     facts: ModelFacts, setup: Setup, device_memory: int, ds_config: Optional[dict], strategy: str
 ) -> list[str]:
@@ -197,29 +167,6 @@ def _more_tokens_per_micro_batch(
                 "It is a larger batch: fewer optimizer steps per epoch, so revisit the learning rate"
             ]
     return []
-
-
-def merge_tokens_that_fit(cfg: RunConfig, device_memory: int) -> Optional[int]:
-    """For a CUDA run whose step's micro-batches merge (training.merge_micro_batches 'auto', merge_tokens unset): the
-    largest of THROUGHPUT_BUDGETS, above what one micro-batch holds, whose merged pass this estimate fits in
-    `device_memory` under the run's own strategy and checkpointing (no data read: every row at its bound). None:
-    merging keeps that bound. The estimate runs above the measured peaks (RESULTS: 51.6 GiB estimated for 38.7 GB
-    measured), so the margin is on the safe side."""
-    setup = setup_from_config(cfg, "cuda")
-    if setup.merge_tokens is None or cfg.training.merge_tokens is not None:
-        return None
-    facts = model_facts(cfg)
-    if not facts.packable:
-        return None
-    strategy = configured_strategy(cfg, setup.world, on_gpu=True)
-    for budget in THROUGHPUT_BUDGETS:
-        if budget <= setup.merge_tokens:
-            return None
-        rows = strategy_rows(facts, replace(setup, merge_tokens=budget), device_memory=device_memory, ds_config=None)
-        row = next((r for r in rows if r.strategy == strategy), None)
-        if row is not None and (row.fits_ckpt if cfg.model.gradient_checkpointing else row.fits):
-            return min(budget, setup.merge_tokens * setup.accumulation)  # never more than a whole step holds
-    return None
 
 
 def _more_ranks(facts: ModelFacts, setup: Setup, device_memory: int, ds_config: Optional[dict]) -> list[str]:

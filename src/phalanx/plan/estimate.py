@@ -461,7 +461,7 @@ def _ds_knobs(ds_config: Optional[dict], trainable: int) -> dict[str, int]:
 
 
 def zero_label(stage: int, off_opt: bool, off_param: bool) -> str:
-    """A ZeRO row's name: the table's rows and the one a config runs as (plan.command.configured_strategy)."""
+    """A ZeRO row's name: the table's rows and the one a config runs as (plan.fit.configured_strategy)."""
     return f"ZeRO-{stage}" + (" +offload opt" if off_opt else "") + ("+param" if off_param else "")
 
 

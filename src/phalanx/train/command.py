@@ -115,7 +115,7 @@ def merge_tokens_for_this_device(cfg: RunConfig) -> Optional[int]:
     t = cfg.training
     if not torch.cuda.is_available() or t.merge_micro_batches != "auto" or t.merge_tokens is not None:
         return None
-    from phalanx.plan.command import merge_tokens_that_fit
+    from phalanx.plan.fit import merge_tokens_that_fit
     from phalanx.runtime.dist import env_rank_info
     from phalanx.runtime.watch import one_line
 
