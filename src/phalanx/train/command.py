@@ -119,12 +119,13 @@ def merge_tokens_for_this_device(cfg: RunConfig) -> Optional[int]:
     from phalanx.runtime.dist import env_rank_info
     from phalanx.runtime.watch import one_line
 
-    local_rank = env_rank_info()[2]
+    rank, _, local_rank, _ = env_rank_info()
     try:
         memory = torch.cuda.get_device_properties(local_rank % torch.cuda.device_count()).total_memory
         return merge_tokens_that_fit(cfg, memory)
     except (PhalanxError, OSError, ValueError, KeyError) as exc:
-        print(f"🧮 merged passes keep one micro-batch's size: no memory estimate ({one_line(exc)})", flush=True)
+        if rank == 0:  # every rank gets the same answer: one line says it
+            print(f"🧮 merged passes keep one micro-batch's size: no memory estimate ({one_line(exc)})", flush=True)
         return None
 
 
