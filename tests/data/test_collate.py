@@ -2,7 +2,7 @@
 
 import torch
 
-from phalanx.data.collate import collate, merge_packed
+from phalanx.data.collate import collate, merge_packed, passes_per_step
 
 
 def rows(lengths, seed=0):
@@ -48,3 +48,17 @@ def test_padded_batches_and_single_micro_batches_are_left_alone():
     assert merge_packed(padded, max_tokens=100) is padded
     one = [collate(examples, 0, packing=True)]
     assert merge_packed(one, max_tokens=100) is one
+
+
+def test_a_step_makes_as_many_passes_as_its_micro_batches_fill_at_their_bound():
+    """What compile's 'auto' counts: warm-up pays back per forward/backward pass, and merging makes fewer of them."""
+    from phalanx.config.loader import load_config
+
+    cfg = load_config(
+        None, {"training.batch_size": 1, "training.gradient_accumulation_steps": 8, "data.max_length": 2048}
+    )
+    assert passes_per_step(cfg, None) == 8  # one per micro-batch
+    assert passes_per_step(cfg, 2048) == 8  # one micro-batch's bound: rows may each fill it
+    assert passes_per_step(cfg, 4096) == 4
+    assert passes_per_step(cfg, 16384) == 1  # a whole step in one pass
+    assert passes_per_step(cfg, 32768) == 1

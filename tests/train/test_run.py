@@ -44,8 +44,8 @@ def test_the_header_points_to_generated_records_that_a_run_without_a_dataset_lea
 
 def test_auto_compile_is_asked_with_the_runs_length_in_micro_batches(tmp_path, monkeypatch):
     """'auto' compile pays back its warm-up only in long runs (models/compile.py): the run asks with the micro-batches
-    it will take per rank (optimizer steps x accumulation), whether the base is plain LoRA, whether the micro-batches
-    are packed, and the strategy."""
+    it will take per rank (optimizer steps x accumulation, or x the passes merged micro-batches make), whether the base
+    is plain LoRA, whether the micro-batches are packed, and the strategy."""
     import phalanx.train.run as run_module
     from phalanx.config.flags import split_flags
     from phalanx.config.loader import load_config, overrides_from_flags
@@ -59,9 +59,12 @@ def test_auto_compile_is_asked_with_the_runs_length_in_micro_batches(tmp_path, m
 
     monkeypatch.setattr(run_module, "compile_wanted", record)
     flags = ["--max_steps", "7", "--gradient_accumulation_steps", "3", "--test_size", "0"]
-    flags += ["--output_dir", str(tmp_path / "out"), "--logging.tensorboard", "false"]
-    run = run_module.build_run(load_config(None, overrides_from_flags(split_flags(flags)[1])))
-    del run
-    shutdown()
+    flags += ["--logging.tensorboard", "false", "--max_length", "1024"]
     expected = {"setting": "auto", "device": "cpu", "plain_lora": True, "packed": True, "strategy": "ddp"}
-    assert asked == {**expected, "micro_batches": 21}
+    # Merged micro-batches (3 x 1,024 tokens in passes of 3,072): one pass per step, and the warm-up is paid per pass.
+    for extra, passes in (([], 21), (["--training.merge_micro_batches", "true", "--training.merge_tokens", "3072"], 7)):
+        out = ["--output_dir", str(tmp_path / f"out-{passes}")]
+        run = run_module.build_run(load_config(None, overrides_from_flags(split_flags(flags + out + extra)[1])))
+        del run
+        shutdown()
+        assert asked == {**expected, "micro_batches": passes}

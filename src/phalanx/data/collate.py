@@ -112,6 +112,16 @@ def merge_budget(cfg: RunConfig, device: torch.device, packing: bool) -> Optiona
     return t.merge_tokens or t.batch_tokens or t.batch_size * cfg.data.max_length
 
 
+def passes_per_step(cfg: RunConfig, merge_tokens: Optional[int]) -> int:
+    """Forward/backward passes one step makes at most: one per micro-batch, or with merged micro-batches as many as
+    the step's micro-batches fill at their token bound (what sizes a compile decision: warm-up pays back per pass)."""
+    t = cfg.training
+    if not merge_tokens:
+        return t.gradient_accumulation_steps
+    one = t.batch_tokens or t.batch_size * cfg.data.max_length
+    return max(1, min(t.gradient_accumulation_steps, -(-t.gradient_accumulation_steps * one // merge_tokens)))
+
+
 def merge_packed(batches: list[dict], max_tokens: int) -> list[dict]:
     """Consecutive packed micro-batches joined into as few as hold at most `max_tokens` tokens each, in order.
 

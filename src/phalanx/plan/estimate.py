@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from phalanx.config.schema import RunConfig
-from phalanx.data.collate import merge_budget
+from phalanx.data.collate import merge_budget, passes_per_step
 from phalanx.errors import ConfigError
 from phalanx.models.compile import compile_wanted
 from phalanx.models.lora_fused import REDRAW_MASK_ON
@@ -155,6 +155,7 @@ def setup_from_config(cfg: RunConfig, device: str) -> Setup:
         # 4 bits per weight and an fp32 scale per block of 64; double quantization stores the scales in 8 bits
         # with an fp32 scale per 256 of them.
         four_bit = 0.5 + (1 / 64 + 4 / (64 * 256) if cfg.model.bnb_4bit_use_double_quant else 4 / 64)
+    merge = merge_budget(cfg, torch.device(device), cfg.data.packing)
     return Setup(
         device=device,
         compute_bytes=compute,
@@ -167,7 +168,7 @@ def setup_from_config(cfg: RunConfig, device: str) -> Setup:
         base_4bit_bytes=four_bit,
         packing=cfg.data.packing,
         token_budget=getattr(cfg.training, "batch_tokens", None),
-        merge_tokens=merge_budget(cfg, torch.device(device), cfg.data.packing),
+        merge_tokens=merge,
         # 'auto' compiles long runs (models/compile.py); the plan knows a run's length only from max_steps.
         compiled=compile_wanted(
             cfg.training.compile,
@@ -175,7 +176,7 @@ def setup_from_config(cfg: RunConfig, device: str) -> Setup:
             plain_lora=cfg.model.finetune == "lora" and not four_bit,
             packed=cfg.data.packing,
             strategy=cfg.distributed.strategy,
-            micro_batches=(cfg.training.max_steps or 0) * cfg.training.gradient_accumulation_steps or None,
+            micro_batches=(cfg.training.max_steps or 0) * passes_per_step(cfg, merge) or None,
         ),
     )
 

@@ -34,7 +34,7 @@ from phalanx.checkpoint.resume import (
 )
 from phalanx.config.schema import ModelConfig, RunConfig
 from phalanx.data.collate import collate as collate_rows
-from phalanx.data.collate import merge_budget
+from phalanx.data.collate import merge_budget, passes_per_step
 from phalanx.data.prepare import PreparedData, describe_report, prepare_data
 from phalanx.data.sampler import (
     StatefulDistributedSampler,
@@ -351,20 +351,6 @@ def build_run(
     collate = partial(collate_rows, pad_token_id=tokenizer.pad_token_id, packing=packing)
     sampler, train_loader = make_train_loader(cfg, data.train, rank, collate)
     total_steps = count_total_steps(cfg, sampler.sampler)
-    compile_layers = compile_wanted(
-        cfg.training.compile,
-        rank.device,
-        plain_lora=cfg.model.finetune == "lora" and quantization is None,
-        packed=packing,
-        strategy=cfg.distributed.strategy,
-        micro_batches=total_steps * cfg.training.gradient_accumulation_steps,
-    )
-    if compile_layers and cfg.training.compile == "auto" and rank.is_main:
-        print(
-            f"🧩 training.compile auto: compiling, as this LoRA run on CUDA is {total_steps:,} optimizer steps long, "
-            "enough to pay back the warm-up (--training.compile false keeps the layers eager).",
-            flush=True,
-        )
     merge_tokens = merge_budget(cfg, rank.device, packing)
     fitted = bool(merge_tokens and merge_tokens_that_fit and merge_tokens_that_fit > merge_tokens)
     if fitted:
@@ -375,6 +361,20 @@ def build_run(
             f"🧮 Each step's {cfg.training.gradient_accumulation_steps} micro-batches run as passes of at most "
             f"{merge_tokens:,} tokens ({source}the same rows and gradients in fewer passes; "
             "--training.merge_tokens sets the size, --training.merge_micro_batches false runs one per micro-batch).",
+            flush=True,
+        )
+    compile_layers = compile_wanted(
+        cfg.training.compile,
+        rank.device,
+        plain_lora=cfg.model.finetune == "lora" and quantization is None,
+        packed=packing,
+        strategy=cfg.distributed.strategy,
+        micro_batches=total_steps * passes_per_step(cfg, merge_tokens),  # the passes compiled layers run
+    )
+    if compile_layers and cfg.training.compile == "auto" and rank.is_main:
+        print(
+            f"🧩 training.compile auto: compiling, as this LoRA run on CUDA is {total_steps:,} optimizer steps long, "
+            "enough to pay back the warm-up (--training.compile false keeps the layers eager).",
             flush=True,
         )
     # After activation checkpointing, before the strategy wraps the model.
