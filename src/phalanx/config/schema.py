@@ -193,10 +193,10 @@ class TrainingConfig(Section):
     merge_tokens: Optional[int] = Field(
         None,
         gt=0,
-        description="Most tokens in one merged pass (training.merge_micro_batches). Unset: the most one micro-batch "
-        "holds already (batch_tokens, else batch_size x max_length), so activation memory stays within the unmerged "
-        "run's bound; more (e.g. 16384 for a 1.5B LoRA on an 80 GB GPU: `phalanx plan` says what fits) is faster. "
-        "At least data.max_length.",
+        description="Most tokens in one merged pass (training.merge_micro_batches). Unset: on a GPU the largest pass "
+        "`phalanx plan`'s memory model fits there (8192, 16384 or 32768 tokens, at most a whole step; 16384 for the "
+        "seeds' 1.5B LoRA at batch 1 x 8 on 80 GB), else the most one micro-batch holds already (batch_tokens, else "
+        "batch_size x max_length), within the unmerged run's memory bound. At least data.max_length.",
     )
     learning_rate: float = Field(5e-5, gt=0, description="Peak AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")

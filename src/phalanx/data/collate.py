@@ -109,7 +109,12 @@ def merge_budget(cfg: RunConfig, device: torch.device, packing: bool) -> Optiona
     )
     if not (wanted and packing and t.gradient_accumulation_steps > 1):
         return None
-    return t.merge_tokens or t.batch_tokens or t.batch_size * cfg.data.max_length
+    return t.merge_tokens or micro_batch_bound(cfg)
+
+
+def micro_batch_bound(cfg: RunConfig) -> int:
+    """The most tokens one packed micro-batch can hold: the token budget, else batch_size rows at max_length."""
+    return cfg.training.batch_tokens or cfg.training.batch_size * cfg.data.max_length
 
 
 def passes_per_step(cfg: RunConfig, merge_tokens: Optional[int]) -> int:
@@ -118,8 +123,8 @@ def passes_per_step(cfg: RunConfig, merge_tokens: Optional[int]) -> int:
     t = cfg.training
     if not merge_tokens:
         return t.gradient_accumulation_steps
-    one = t.batch_tokens or t.batch_size * cfg.data.max_length
-    return max(1, min(t.gradient_accumulation_steps, -(-t.gradient_accumulation_steps * one // merge_tokens)))
+    step = t.gradient_accumulation_steps * micro_batch_bound(cfg)
+    return max(1, min(t.gradient_accumulation_steps, -(-step // merge_tokens)))
 
 
 def merge_packed(batches: list[dict], max_tokens: int) -> list[dict]:

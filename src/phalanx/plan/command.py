@@ -21,7 +21,7 @@ from phalanx.plan.estimate import (
     setup_from_config,
     strategy_rows,
 )
-from phalanx.plan.fit import THROUGHPUT_BUDGETS, configured_strategy, merge_tokens_that_fit
+from phalanx.plan.fit import THROUGHPUT_BUDGETS, configured_strategy, fitting_merge
 from phalanx.plan.model import ModelFacts, model_facts
 
 ORDER = {s.label: k for k, s in enumerate(STRATEGIES)}
@@ -100,7 +100,9 @@ def make_plan(cfg: RunConfig, device: str, device_memory: int, read_data: bool =
     facts = model_facts(cfg)
     setup = setup_from_config(cfg, device)
     configured = configured_strategy(cfg, setup.world, on_gpu=device == "cuda")  # refuses first, as train does
-    fitted = merge_tokens_that_fit(cfg, device_memory) if device == "cuda" else None
+    fitted = None
+    if device == "cuda" and cfg.training.merge_tokens is None:
+        fitted = fitting_merge(facts, setup, configured, cfg.model.gradient_checkpointing, device_memory)
     if fitted is not None:  # the run merges a step's micro-batches into passes this large on such a GPU
         setup = replace(setup, merge_tokens=fitted)
     setup = with_data_lengths(cfg, setup, read_data and facts.packable)

@@ -8,8 +8,8 @@ from dataclasses import replace
 from typing import Optional
 
 from phalanx.config.schema import RunConfig
-from phalanx.plan.estimate import setup_from_config, strategy_rows, zero_label
-from phalanx.plan.model import model_facts
+from phalanx.plan.estimate import Setup, setup_from_config, strategy_rows, zero_label
+from phalanx.plan.model import ModelFacts, model_facts
 
 # Token budgets tried for larger passes, largest first (plan's --batch_tokens advice, merged passes).
 THROUGHPUT_BUDGETS = (32768, 16384, 8192)
@@ -43,23 +43,30 @@ def configured_strategy(cfg: RunConfig, world: int, on_gpu: bool) -> str:
 
 
 def merge_tokens_that_fit(cfg: RunConfig, device_memory: int) -> Optional[int]:
-    """For a CUDA run whose step's micro-batches merge (training.merge_micro_batches 'auto', merge_tokens unset): the
-    largest of THROUGHPUT_BUDGETS, above what one micro-batch holds, whose merged pass this estimate fits in
-    `device_memory` under the run's own strategy and checkpointing (no data read: every row at its bound). None:
-    merging keeps that bound. The estimate runs above the measured peaks (RESULTS: 51.6 GiB estimated for 38.7 GB
-    measured), so the margin is on the safe side."""
+    """For a CUDA run whose step's micro-batches merge with no merge_tokens set: the largest of THROUGHPUT_BUDGETS,
+    above what one micro-batch holds, whose merged pass this estimate fits in `device_memory` under the run's own
+    strategy and checkpointing (no data read: every row at its bound). None: merging keeps that bound. The estimate
+    runs above the measured peaks (RESULTS: 51.6 GiB estimated for 38.7 GB measured), so the margin is on the safe
+    side."""
     setup = setup_from_config(cfg, "cuda")
     if setup.merge_tokens is None or cfg.training.merge_tokens is not None:
         return None
     facts = model_facts(cfg)
-    if not facts.packable:
-        return None
     strategy = configured_strategy(cfg, setup.world, on_gpu=True)
+    return fitting_merge(facts, setup, strategy, cfg.model.gradient_checkpointing, device_memory)
+
+
+def fitting_merge(
+    facts: ModelFacts, setup: Setup, strategy: str, checkpointing: bool, device_memory: int
+) -> Optional[int]:
+    """merge_tokens_that_fit over what the caller already has (`phalanx plan` builds the facts once)."""
+    if setup.merge_tokens is None or not facts.packable:
+        return None
     for budget in THROUGHPUT_BUDGETS:
         if budget <= setup.merge_tokens:
             return None
         rows = strategy_rows(facts, replace(setup, merge_tokens=budget), device_memory=device_memory, ds_config=None)
         row = next((r for r in rows if r.strategy == strategy), None)
-        if row is not None and (row.fits_ckpt if cfg.model.gradient_checkpointing else row.fits):
+        if row is not None and (row.fits_ckpt if checkpointing else row.fits):
             return min(budget, setup.merge_tokens * setup.accumulation)  # never more than a whole step holds
     return None

@@ -108,12 +108,12 @@ def train_rank(args: Sequence[str], preemption: PreemptionFlag) -> int:
 
 
 def merge_tokens_for_this_device(cfg: RunConfig) -> Optional[int]:
-    """On CUDA, for merged micro-batches of an automatic size: the largest pass `phalanx plan`'s memory model fits on
-    this rank's GPU (None: keep what one micro-batch holds). An estimate that cannot be made only leaves it there."""
+    """On CUDA, for merged micro-batches with no merge_tokens set: the largest pass `phalanx plan`'s memory model fits
+    on this rank's GPU (None: keep what one micro-batch holds; merge_tokens_that_fit says when merging applies). An
+    estimate that cannot be made only leaves it there."""
     import torch
 
-    t = cfg.training
-    if not torch.cuda.is_available() or t.merge_micro_batches != "auto" or t.merge_tokens is not None:
+    if not torch.cuda.is_available():
         return None
     from phalanx.plan.fit import merge_tokens_that_fit
     from phalanx.runtime.dist import env_rank_info
