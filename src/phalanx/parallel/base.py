@@ -121,8 +121,16 @@ class Strategy:
 
     def clip_gradients(self, max_grad_norm: float) -> torch.Tensor:
         """Clip to max_grad_norm (0 = off) and return the pre-clip global norm; sharded strategies override it."""
-        params = [p for p in self.unwrap().parameters() if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
+        return torch.nn.utils.clip_grad_norm_(
+            self.parameters_with_gradients(), max_grad_norm if max_grad_norm > 0 else float("inf")
+        )
+
+    def parameters_with_gradients(self) -> list[torch.Tensor]:
+        """The parameters the optimizer applies that hold a gradient, from its parameter groups: what a step clips and
+        measures. Not a walk over the model's modules, which at the seeds' 28 layers x 7 adapters was a third of the
+        Python calls of a step on the host (~10 ms on a 2-core CPU; benchmarks/RESULTS.md, 2026-11-27)."""
+        assert self.optimizer is not None
+        return [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
 
     def discard_gradients(self) -> None:
         """Drop this step's gradients without applying them (a skipped step)."""

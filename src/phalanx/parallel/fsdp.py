@@ -195,7 +195,7 @@ class FSDPStrategy(Strategy):
 
     def clip_gradients(self, max_grad_norm: float) -> torch.Tensor:
         """Clip by the norm of the whole (sharded) gradient: each rank's partial sums are reduced before clipping."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        params = self.parameters_with_gradients()
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
