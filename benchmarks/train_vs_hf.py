@@ -39,6 +39,10 @@ their geometric mean: on a shared machine one order alone is not a comparison.
 in bf16 on CUDA and adds MFU. `--dry-run` prints the plan (and builds the
 model on CPU in gpu-shape mode) without training.
 
+`--host-proxy r1-distill-qwen-1.5b` is that model's 28 layers and 196 adapters at tiny widths on short chats, on CPU:
+the arithmetic is negligible, so a step costs what the framework spends on the host (Python, dispatch, autograd),
+the cost that bounds an eager GPU step at batch 4 (RESULTS 2026-11-26: ~0.25 s of host per ~0.1 s of GPU work).
+
 Run from the repository root:
   .venv/bin/python benchmarks/train_vs_hf.py                # 2 CPU ranks, 30 steps, batch 4, max_length 2048, both orders
   .venv/bin/python benchmarks/train_vs_hf.py --gpu-shape r1-distill-qwen-1.5b --dry-run
@@ -200,12 +204,23 @@ def byte_level_qwen2_tokenizer():
     return tokenizer
 
 
-def build_gpu_shape_folder(shape: str, folder: Path, layers: Optional[int] = None, device: str = "cpu") -> Path:
-    """A from_pretrained folder: a Qwen2 model with `shape`'s sizes and random weights, and a byte-level tokenizer."""
+# --host-proxy: a GPU shape's layers, projections and adapters (the same modules, kernels and launches per step) at
+# widths where the arithmetic is negligible on a CPU, so a step's time is what the framework costs on the host. Grouped
+# key/value heads kept (2 of 4), vocabulary just above the byte-level tokenizer's.
+HOST_PROXY_WIDTHS = dict(
+    hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=512
+)
+
+
+def build_gpu_shape_folder(
+    shape: str, folder: Path, layers: Optional[int] = None, device: str = "cpu", widths: Optional[dict] = None
+) -> Path:
+    """A from_pretrained folder: a Qwen2 model with `shape`'s sizes (`widths` overriding some) and random weights,
+    and a byte-level tokenizer."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    values = dict(GPU_SHAPES[shape])
+    values = {**GPU_SHAPES[shape], **(widths or {})}
     if layers:
         values["num_hidden_layers"] = layers
     marker = folder / "phalanx-bench.json"
@@ -232,6 +247,27 @@ def build_gpu_shape_folder(shape: str, folder: Path, layers: Optional[int] = Non
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)
     return folder
+
+
+def write_short_chats(path: Path, rows: int = 400, seed: int = 0) -> Path:
+    """--host-proxy's rows: short one-exchange chats (about 60 to 120 tokens with the byte-level tokenizer), so that
+    attention over long rows does not dominate a CPU step. Deterministic; written once."""
+    import random
+
+    if path.is_file():
+        return path
+    rng = random.Random(seed)
+    words = "dose water sleep walk heart rate fever pain rest meal salt sugar tea".split()
+    lines = []
+    for _ in range(rows):
+        question = " ".join(rng.choice(words) for _ in range(rng.randint(4, 10)))
+        answer = " ".join(rng.choice(words) for _ in range(rng.randint(2, 8)))
+        chat = {"messages": [{"role": "user", "content": question + "?"}, {"role": "assistant", "content": answer}]}
+        lines.append(json.dumps(chat))
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, path)
+    return path
 
 
 def construct_gpu_shape_on_cpu(shape: str, layers: Optional[int]) -> tuple[int, dict]:
@@ -801,6 +837,15 @@ def parse_args(argv=None):
         help="override the layer count of --gpu-shape (smoke tests, small GPUs)",
     )
     p.add_argument(
+        "--host-proxy",
+        dest="host_proxy",
+        choices=sorted(GPU_SHAPES),
+        default=None,
+        help="CPU: that shape's layers and adapters at tiny widths (HOST_PROXY_WIDTHS) on short generated chats "
+        "(max_length 256 unless given), so a step's time is the framework's own cost on the host: what bounds an "
+        "eager GPU step at batch 4",
+    )
+    p.add_argument(
         "--peak-tflops",
         dest="peak_tflops",
         type=float,
@@ -863,9 +908,11 @@ def main(argv=None) -> None:
         sys.exit(
             "--gpu-shape needs a CUDA device (bf16 on GPU); add --dry-run to check the plan on a machine without one."
         )
+    if args.host_proxy and gpu:
+        sys.exit("--host-proxy and --gpu-shape are two different models; give one")
     nproc = args.nproc or ((max(torch.cuda.device_count(), 1) if cuda else 1) if gpu else 2)
     batch = args.batch_size or 4
-    max_length = args.max_length or 2048
+    max_length = args.max_length or (256 if args.host_proxy else 2048)
     orders = (
         ["hf-first"]
         if args.hf_first and not args.orders
@@ -902,11 +949,19 @@ def main(argv=None) -> None:
                     args.gpu_shape, work / f"{args.gpu_shape}-random", args.gpu_shape_layers, device="cuda"
                 )
             )
+    elif args.host_proxy:
+        print(f"-- host proxy of {args.host_proxy}: its layers and adapters at widths {HOST_PROXY_WIDTHS}")
+        model_path = str(
+            build_gpu_shape_folder(
+                args.host_proxy, work / f"{args.host_proxy}-host-proxy", args.gpu_shape_layers, widths=HOST_PROXY_WIDTHS
+            )
+        )
+        args.dataset_path = args.dataset_path or str(write_short_chats(work / "host-proxy-chats.jsonl"))
     else:
         from phalanx.models.load import resolve_model_path
 
         model_path = resolve_model_path(args.model)
-    model_flag = model_path if gpu else args.model
+    model_flag = model_path if (gpu or args.host_proxy) else args.model
 
     # -- phalanx flags, and the same config phalanx will build from them
     flags = [
@@ -1487,6 +1542,17 @@ def report(
     return [*entry, *(f"- {line}" for line in mfu_lines), "", text, ""]
 
 
+def model_description(args, gpu: bool) -> str:
+    if gpu:
+        return f"{args.gpu_shape} shape (random weights)"
+    if args.host_proxy:
+        return (
+            f"host proxy of {args.host_proxy} (its layers and adapters at widths {HOST_PROXY_WIDTHS}, random weights) "
+            f"on short generated chats"
+        )
+    return args.model
+
+
 def write_entry(args, entries, summary, nproc, batch, max_length, command, commit, dirty, gpu, cuda, torch) -> None:
     device = torch.cuda.get_device_name(0) if cuda else "no GPU"
     head = [
@@ -1496,7 +1562,7 @@ def write_entry(args, entries, summary, nproc, batch, max_length, command, commi
         f"transformers {__import__('transformers').__version__}, peft {__import__('peft').__version__}",
         f"- commit: {commit}{' (with uncommitted changes under src/)' if dirty else ''}",
         f"- command: `{command}`",
-        f"- model: {args.gpu_shape + ' shape (random weights)' if gpu else args.model}; LoRA r {args.lora_r}, alpha {args.lora_alpha}, "
+        f"- model: {model_description(args, gpu)}; LoRA r {args.lora_r}, alpha {args.lora_alpha}, "
         f"dropout {args.lora_dropout}, all-linear; lr {args.learning_rate}; phalanx launched "
         f"{'natively (--world_size)' if args.phalanx_launcher == 'native' and not args.profile else 'under torchrun'} with its "
         f"defaults (packed micro-batches, target-only head), Trainer under torchrun (padded)",
