@@ -104,10 +104,11 @@ for part in $parts; do
       step vs-hf 250 python3 benchmarks/train_vs_hf.py --gpu-shape r1-distill-qwen-1.5b --steps 14 --warmup 4 \
         --orders "${ORDER:-both}" --with-trl --note "gpu_suite vs-hf" ;;
     compile|compile-lora|compile-full)  # compiled layers against the eager default at 30 steps, 12 of warm-up: LoRA
-           # (compile-lora), full fine-tuning (compile-full) or both (compile). Warm-up is minutes: a call of its own.
+           # (compile-lora, with the C++ kernel launcher's arm first), full fine-tuning (compile-full) or both
+           # (compile). Warm-up is minutes: a call of its own.
       arms=${ARMS:-}
       [ -z "$arms" ] && case $part in
-        compile-lora) arms=lora-compile,lora ;;
+        compile-lora) arms=lora-compile-cpp,lora-compile,lora ;;
         compile-full) arms=full-compile,full ;;
         *) arms=lora-compile,lora,full-compile,full ;;
       esac

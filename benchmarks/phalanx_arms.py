@@ -58,6 +58,9 @@ ARMS = {  # flags on top of the shared ones; FLOPs factor per token (4N frozen b
     # by the host launching kernels, so more tokens per launch show in MFU (RESULTS 2026-11-27: 9.4% -> 26.8% eager).
     "lora-16k": (["--training.batch_tokens", "16384"], 4),
     "lora-compile-16k": (["--training.compile", "true", "--training.batch_tokens", "16384"], 4),
+    # Compiled layers whose kernels a C++ wrapper launches (ARM_ENV; models/compile.py CPP_WRAPPER_ENV): at batch 4 the
+    # compiled step was still bound by the host launching ~3,900 kernels from Python.
+    "lora-compile-cpp": (["--training.compile", "true"], 4),
     "full-16k": (["--finetune", "full", "--training.batch_tokens", "16384"], 6),
     "full-compile-16k": (["--finetune", "full", "--training.compile", "true", "--training.batch_tokens", "16384"], 6),
     # The seeds' own setting (seed 002: batch 1, 8 micro-batches per step): one pass per micro-batch, the default
@@ -73,6 +76,10 @@ ARMS = {  # flags on top of the shared ones; FLOPs factor per token (4N frozen b
         4,
     ),
 }
+
+
+# Environment an arm runs with, on top of the caller's.
+ARM_ENV = {"lora-compile-cpp": {"PHALANX_COMPILE_CPP_WRAPPER": "1"}}
 
 
 def parse_args(argv=None):
@@ -131,6 +138,7 @@ def run_arm(name: str, flags: list[str], out: Path, timeout: float, nproc: int) 
     # One thread per rank unless told otherwise: on a shared CPU, OpenMP's spinning threads multiply a busy
     # machine's slowdown (a tiny LoRA step took 20 s with torch's default threads at load 7 on 2 cores).
     env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(ARM_ENV.get(name, {}))
     start = time.perf_counter()
     try:
         with log.open("w") as f:

@@ -22,6 +22,7 @@ from phalanx.models.attention import enable_varlen_attention
 from phalanx.models.blocks import decoder_layers
 from phalanx.models.compile import (
     AUTO_COMPILE_MIN_MICRO_BATCHES,
+    CPP_WRAPPER_ENV,
     compile_decoder_layers,
     compile_wanted,
     fuse_elementwise,
@@ -83,6 +84,36 @@ def test_compiled_layers_match_eager_loss_and_gradients():
     assert counters["stats"]["unique_graphs"] >= 1  # dynamo traced and compiled the layers, not a silent eager run
     torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
     assert grads_e.keys() == grads_c.keys() and any("lora_A" in n for n in grads_e)
+    for name in grads_e:
+        torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.skipif(
+    shutil.which("gcc") is None and shutil.which("cc") is None, reason="inductor needs a C++ compiler on CPU"
+)
+def test_cpp_wrapper_launches_the_layers_from_cpp_with_the_same_loss_and_gradients(monkeypatch):
+    """PHALANX_COMPILE_CPP_WRAPPER=1: inductor writes each layer graph's launcher in C++ (forward and backward), and
+    the step is the eager one."""
+    from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
+
+    wrappers = []
+    create = CppWrapperCpu.create
+
+    def counted(*args, **kwargs):
+        wrappers.append(1)
+        return create(*args, **kwargs)
+
+    monkeypatch.setattr(CppWrapperCpu, "create", staticmethod(counted))
+    monkeypatch.setenv(CPP_WRAPPER_ENV, "1")
+    eager = tiny_lora_model(gradient_checkpointing=False)
+    compiled = copy.deepcopy(eager)
+    compile_decoder_layers(compiled, CPU, announce=False)
+    batch = packed_batch()
+    loss_e, grads_e = step(eager, batch)
+    torch._dynamo.reset()
+    loss_c, grads_c = step(compiled, batch)
+    assert len(wrappers) >= 2  # a forward and a backward graph, each launched from C++
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
     for name in grads_e:
         torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-5, msg=name)
 

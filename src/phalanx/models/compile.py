@@ -38,6 +38,13 @@ from phalanx.models.attention import layers_compiled
 # torch.compile backend: inductor, unless this names another ("aot_eager" traces and checks without generating
 # kernels: a machine with no C++ compiler for CPU inductor, or a quick test of the wiring).
 BACKEND_ENV = "PHALANX_COMPILE_BACKEND"
+# "1": inductor's C++ wrapper (cpp_wrapper) launches each compiled graph's kernels, instead of generated Python. A
+# compiled LoRA step at batch 4 on an H100 was still bound by the host (device busy 44%, ~3,900 launches a step,
+# RESULTS 2026-11-27 06:00), and Python launching costs more per kernel than C++; the wrapper's C++ is compiled at
+# warm-up, which takes longer. Off until a GPU measurement shows it pays (benchmarks/phalanx_arms.py arm
+# lora-compile-cpp; the CPU host proxy in RESULTS 2026-11-27); the same losses and gradients as eager on CPU
+# (tests/models/test_compile.py).
+CPP_WRAPPER_ENV = "PHALANX_COMPILE_CPP_WRAPPER"
 # liger_kernel.transformers' patch for each model type it covers and phalanx trains packed.
 LIGER_PATCHES = {
     "qwen2": "apply_liger_kernel_to_qwen2",
@@ -109,17 +116,18 @@ def compile_decoder_layers(
             )
         return model
     backend = backend or os.environ.get(BACKEND_ENV) or "inductor"
+    cpp_wrapper = backend == "inductor" and os.environ.get(CPP_WRAPPER_ENV) == "1"
     layers_compiled()  # packed rows' ends reach the layers as a tensor only: no recompile per number of rows
     for layer in layers:
         # Not fullgraph: a layer whose code dynamo cannot trace in one graph (a 4-bit base, an adapter variant)
         # still runs, in pieces. dynamic: micro-batches change length every step (packed: the sum of their rows;
         # padded: the longest row), so the token dimension is traced as symbolic from the first step instead of
         # compiling a static graph first and recompiling at the second length.
-        layer.compile(backend=backend, dynamic=True)
+        layer.compile(backend=backend, dynamic=True, options={"cpp_wrapper": True} if cpp_wrapper else None)
     if announce:
         print(
-            f"🧩 Compiled {len(layers)} {type(layers[0]).__name__} layers one by one (torch.compile, {backend}); the "
-            "first steps include compilation.",
+            f"🧩 Compiled {len(layers)} {type(layers[0]).__name__} layers one by one (torch.compile, {backend}"
+            f"{', C++ wrapper' if cpp_wrapper else ''}); the first steps include compilation.",
             flush=True,
         )
     return model
