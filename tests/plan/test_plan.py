@@ -478,6 +478,15 @@ def test_merged_passes_take_the_largest_size_the_estimate_fits_on_the_gpu(llama_
     plan = make_plan(cfg, "cuda", 80 * GiB, read_data=False)
     assert plan.setup.packed_tokens == budget and f"a merged pass of up to {budget:,} tokens" in render(plan)
     assert not any("--batch_tokens" in a for a in plan.advice)
+    # DeepSpeed runs one pass per micro-batch (merge_budget): its rows price that pass, the others the merged one.
+    unmerged = {r.strategy: r for r in strategy_rows(facts, setup, device_memory=80 * GiB)}
+    merged = {r.strategy: r for r in strategy_rows(facts, replace(setup, merge_tokens=budget), device_memory=80 * GiB)}
+    assert setup.merge_tokens == 2048 and budget > 2048
+    for name, row in merged.items():
+        if name.startswith("ZeRO"):
+            assert row.activations == unmerged[name].activations, name
+        else:
+            assert row.activations > unmerged[name].activations, name
     assert merge_tokens_that_fit(cfg, 20 * GiB) is None  # a 7B LoRA on 20 GiB: no larger pass fits
     for other in (
         {**flags, "training.gradient_accumulation_steps": 1},  # nothing to merge

@@ -8,7 +8,7 @@ mixed precision, 4 in fp32), trainable weights and optimizer state are always fp
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 import torch
@@ -431,7 +431,8 @@ def strategy_rows(m: ModelFacts, s: Setup, *, device_memory: int, ds_config: Opt
     )
 
     knobs = _ds_knobs(ds_config, m.trainable_params)
-    ds_act = activation_bytes(m, s, stream=c, compute=c)
+    # DeepSpeed never merges micro-batches (data/collate.py merge_budget): its rows price one micro-batch's pass.
+    ds_act = activation_bytes(m, replace(s, merge_tokens=None), stream=c, compute=c)
     for stage, off_opt, off_param in (
         (1, False, False),
         (2, False, False),
