@@ -37,6 +37,25 @@ def phalanx_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session", autouse=True)
+def one_thread_per_process():
+    """One intra-op thread in this process and in every process it starts (they inherit OMP_NUM_THREADS). The suite
+    runs two test files at once on two cores (`make test`), so a second thread mostly waits for a busy core: a
+    one-process run of the embedded model trained 5-10x slower with two. Launched ranks already take one each
+    (runtime.dist shares the cores out when OMP_NUM_THREADS is unset: tests/runtime/test_dist.py checks that)."""
+    import torch
+
+    old_env, old_threads = os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old_threads)
+    if old_env is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = old_env
+
+
+@pytest.fixture(scope="session", autouse=True)
 def hub_not_looked_up():
     """The test process never looks the Hub's name up (phalanx.runtime.hub): on a machine without DNS the lookup would
     switch this process, and every run it starts, to offline mode for the rest of the session. tests/runtime/test_hub.py

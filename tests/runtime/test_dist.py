@@ -1,5 +1,7 @@
 """runtime.dist: which environment makes this process a rank, and how many fit."""
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -36,3 +38,29 @@ def test_nccl_ranks_without_cuda_devices_are_pointed_to_gloo(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(ConfigError, match="only 2 CUDA device.* Use --world_size 2 or fewer."):
         check_world_fits(4, "nccl")
+
+
+def test_cpu_ranks_share_the_cores_unless_omp_num_threads_says_otherwise(monkeypatch):
+    """Without OMP_NUM_THREADS each CPU rank takes its share of the cores (more threads than cores slows every rank);
+    a value the user set is left to torch. The test session sets OMP_NUM_THREADS=1 (tests/conftest.py), so the ranks
+    it launches take the other path: this is where the share itself is checked."""
+    cores = os.cpu_count() or 1
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)  # one of two ranks on this machine (a world of one: no process group)
+    try:
+        torch.set_num_threads(cores + 1)  # neither value it should end with
+        init_runtime("gloo")
+        assert torch.get_num_threads() == max(1, cores // 2)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+        torch.set_num_threads(cores + 1)
+        init_runtime("gloo")
+        assert torch.get_num_threads() == cores
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(1)
+        init_runtime("gloo")
+        assert torch.get_num_threads() == 1, "OMP_NUM_THREADS is the user's to set"
+    finally:
+        shutdown()
+        torch.set_num_threads(before)
