@@ -127,8 +127,8 @@ class Strategy:
 
     def parameters_with_gradients(self) -> list[torch.Tensor]:
         """The parameters the optimizer applies that hold a gradient, from its parameter groups: what a step clips and
-        measures. Not a walk over the model's modules, which at the seeds' 28 layers x 7 adapters was a third of the
-        Python calls of a step on the host (~10 ms on a 2-core CPU; benchmarks/RESULTS.md, 2026-11-27)."""
+        measures. Not a walk over the model's modules: at the seeds' 28 layers x 7 adapters that walk was a third of a
+        step's Python calls (though not a measurable share of its time on CPU; benchmarks/RESULTS.md, 2026-11-27)."""
         assert self.optimizer is not None
         return [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
 
