@@ -35,7 +35,8 @@ format: install
 
 # Two workers (pytest-xdist), each taking a whole test file at a time: the launch-heavy tests are
 # seconds of single-threaded imports and waits each, so two at once fill the two cores a CI machine has
-# (22 -> 18 minutes there). TEST_WORKERS=0 runs them one by one in this process.
+# (22 -> 18 minutes there; 17 with one thread per test process, tests/conftest.py). TEST_WORKERS=0 runs them one
+# by one in this process.
 TEST_WORKERS ?= 2
 test: lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
