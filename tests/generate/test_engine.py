@@ -16,12 +16,9 @@ MODEL = "embedded:tiny-qwen3"
 
 @pytest.fixture(scope="module")
 def tiny():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)  # a shared 2-core machine: a second thread mostly waits for a busy core
     tokenizer = load_tokenizer(MODEL)
     model = load_model(MODEL, torch.float32).eval()
-    yield model, tokenizer
-    torch.set_num_threads(old)
+    return model, tokenizer
 
 
 def encode(tokenizer, question: str, system: str | None = None) -> list[int]:

@@ -49,21 +49,6 @@ FLAGS = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One CPU thread per process (the subprocesses inherit OMP_NUM_THREADS): this 2-core machine is shared,
-    and two ranks with two threads each would only fight over the cores."""
-    old_env, old_threads = os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old_threads)
-    if old_env is None:
-        os.environ.pop("OMP_NUM_THREADS", None)
-    else:
-        os.environ["OMP_NUM_THREADS"] = old_env
-
-
 def write_prompts(path: Path) -> Path:
     rows = [chat_row(i) for i in range(3)]  # full tool-calling conversations: the last answer is regenerated
     rows += [{"question": "How much water should I drink a day?" + " Please be specific." * i} for i in range(5)]
