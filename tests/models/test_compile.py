@@ -3,7 +3,8 @@
 On CPU with the inductor backend (gcc is on this machine; without a C++ compiler inductor cannot build its kernels
 and the test would have to use "aot_eager"): the embedded tiny model with LoRA (phalanx's fused forward) and
 activation checkpointing, a packed micro-batch through the target-only loss, one step: loss and every LoRA
-gradient equal the uncompiled ones to 1e-5. 'auto' leaves a CPU model alone. The flag reaches a real CLI run
+gradient equal the uncompiled ones to 1e-5, also with the layers' kernels launched from inductor's C++ wrapper
+(PHALANX_COMPILE_CPP_WRAPPER=1). 'auto' leaves a CPU model alone. The flag reaches a real CLI run
 (there with the aot_eager backend, to keep it short).
 """
 
