@@ -360,6 +360,11 @@ class DistributedConfig(Section):
 REPORT_TO = ("tensorboard", "none")
 
 
+# Strategies whose runs never merge a step's micro-batches (training.merge_micro_batches): DeepSpeed's engine is not
+# checked with merged passes. One rule for the config check, the run (data/collate.py) and the plan's table.
+UNMERGED_STRATEGIES = frozenset({"deepspeed"})
+
+
 class RunConfig(Section):
     output_dir: str = Field("./phalanx-output", description="Where checkpoints, the final model and logs go.")
     overwrite_output_dir: bool = Field(
@@ -467,7 +472,7 @@ class RunConfig(Section):
                 "training.merge_micro_batches = true packs a step's micro-batches together and needs data.packing "
                 "true; drop it (or set it to auto) to train padded"
             )
-        if t.merge_micro_batches == "true" and self.distributed.strategy == "deepspeed":
+        if t.merge_micro_batches == "true" and self.distributed.strategy in UNMERGED_STRATEGIES:
             raise ValueError(
                 "training.merge_micro_batches = true is not supported under --strategy deepspeed (its engine is not "
                 "checked with merged passes); use auto or false there"

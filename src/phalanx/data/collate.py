@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from phalanx.config.schema import RunConfig
+from phalanx.config.schema import UNMERGED_STRATEGIES, RunConfig
 from phalanx.data.chat import IGNORE_INDEX
 
 
@@ -105,7 +105,9 @@ def merge_budget(cfg: RunConfig, device: torch.device, packing: bool) -> Optiona
     DeepSpeed. Unset merge_tokens: what one micro-batch can hold already, so memory keeps the unmerged bound."""
     t = cfg.training
     wanted = t.merge_micro_batches == "true" or (
-        t.merge_micro_batches == "auto" and device.type == "cuda" and cfg.distributed.strategy != "deepspeed"
+        t.merge_micro_batches == "auto"
+        and device.type == "cuda"
+        and cfg.distributed.strategy not in UNMERGED_STRATEGIES
     )
     if not (wanted and packing and t.gradient_accumulation_steps > 1):
         return None

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from phalanx.config.schema import RunConfig
+from phalanx.config.schema import UNMERGED_STRATEGIES, RunConfig
 from phalanx.data.collate import merge_budget, passes_per_step
 from phalanx.errors import ConfigError
 from phalanx.models.compile import compile_wanted
@@ -431,8 +431,9 @@ def strategy_rows(m: ModelFacts, s: Setup, *, device_memory: int, ds_config: Opt
     )
 
     knobs = _ds_knobs(ds_config, m.trainable_params)
-    # DeepSpeed never merges micro-batches (data/collate.py merge_budget): its rows price one micro-batch's pass.
-    ds_act = activation_bytes(m, replace(s, merge_tokens=None), stream=c, compute=c)
+    # A strategy that never merges micro-batches (UNMERGED_STRATEGIES: DeepSpeed) prices one micro-batch's pass.
+    ds_setup = replace(s, merge_tokens=None) if "deepspeed" in UNMERGED_STRATEGIES else s
+    ds_act = activation_bytes(m, ds_setup, stream=c, compute=c)
     for stage, off_opt, off_param in (
         (1, False, False),
         (2, False, False),
