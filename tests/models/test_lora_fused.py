@@ -110,6 +110,42 @@ def test_dropout_masks_survive_activation_checkpointing(mask_policy):
     assert_close(fused, run(lora_model("peft", 0.1)), atol=1e-6, rtol=1e-5)
 
 
+def test_dropout_is_one_operator_per_draw_and_backward_leaves_the_generator_where_it_was(mask_policy):
+    """Each adapter's dropout is one `native_dropout` (CUDA: one fused kernel that draws and scales), no separate
+    draw, multiply or cast of a mask; a redrawn mask is one more `native_dropout` in backward, whose masked input is
+    the forward's exactly. Backward puts the default generator back: the draws after a step are those after its
+    forward alone."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    model = lora_model("fused", 0.1).train()
+    embeds = torch.randn(2, 24, TINY["hidden_size"], requires_grad=True)
+    torch.manual_seed(5)
+    with Calls() as forward_calls:
+        logits = model(inputs_embeds=embeds).logits
+    after_forward = torch.randint(0, 2**30, (4,))
+    torch.manual_seed(5)
+    logits = model(inputs_embeds=embeds).logits
+    with Calls() as backward_calls:
+        logits.sum().backward()
+    assert torch.equal(torch.randint(0, 2**30, (4,)), after_forward)
+    assert forward_calls.names.count("aten.native_dropout") == LINEARS
+    assert "aten.bernoulli_" not in forward_calls.names + backward_calls.names
+    redrawn = backward_calls.names.count("aten.native_dropout")
+    assert redrawn == (LINEARS if mask_policy == "redraw" else 0)
+    # The input's gradient takes the mask once per adapter; a kept mask also rebuilds the masked input (for A's).
+    rescaled = backward_calls.names.count("aten.native_dropout_backward")
+    assert rescaled == LINEARS * (2 if mask_policy == "keep" else 1)
+
+
 def test_eval_mode_has_no_dropout():
     out = run(lora_model("fused", 0.3), train=False)[0]
     torch.testing.assert_close(out, run(lora_model("peft", 0.0), train=False)[0], atol=1e-6, rtol=1e-5)

@@ -15,15 +15,14 @@ intermediate x @ A^T. The update is added into the base output in place (`addmm_
 unless that output is a view (then one out-of-place addmm: see _LoraUpdate); under torch.compile always out of place,
 and dropout masks are kept, not redrawn.
 
-Dropout keeps PEFT's semantics exactly: every adapter draws its own mask, from the same default generator, with the
-same call PEFT's dropout makes on CPU (`bernoulli_(1 - p)` on a tensor of the input's shape), so on CPU in fp32
-the masks are PEFT's bit for bit. Sharing one mask across q/k/v would correlate their noise, which changes the
-estimator, so it is not done. On CUDA no mask is kept: the generator state before the draw is saved (16 bytes) and
-backward redraws the mask from it into a temporary; Philox draws cost about a copy there, and memory is what
-limits a GPU step. On CPU a draw costs about 10 ns per element, ten times the multiply it feeds, so the mask is kept
-instead, as bools (1 byte per element, where PEFT keeps about 9 to 11 bytes per element per adapter). The 1/(1-p)
-rescaling goes into the scalar alpha, not the mask, so a bf16 mask holds exact 0/1 values and the rescale is not
-rounded to bf16. With dropout 0 (or in eval mode) there is no mask and no copy at all.
+Dropout is torch's own dropout operator (`native_dropout`), the one PEFT's `nn.Dropout` reaches: every adapter draws
+its own mask from the same default generator, so on CPU in fp32 the masks and outputs are PEFT's bit for bit (on CUDA
+it is the same fused kernel, one launch that draws the mask and scales the input). Sharing one mask across q/k/v
+would correlate their noise, which changes the estimator, so it is not done. On CUDA no mask is kept: the generator
+state before the draw is saved (16 bytes) and backward redraws the mask from it into a temporary, with the same
+operator; a draw costs about a copy there, and memory is what limits a GPU step. On CPU a draw costs about 10 ns per
+element, ten times the multiply it feeds, so the mask is kept instead, as bools (1 byte per element, where PEFT keeps
+about 9 to 11 bytes per element per adapter). With dropout 0 (or in eval mode) there is no mask and no copy at all.
 
 The same forward runs over a bitsandbytes 4-bit base (QLoRA): the update does not depend on how the base computes its
 output. Layers this does not cover keep PEFT's forward: DoRA and other variants, LoRA biases, several active adapters,
@@ -51,9 +50,8 @@ def _default_generator(device: torch.device) -> Optional[torch.Generator]:
 
 
 class _LoraUpdate(torch.autograd.Function):
-    """out = base_out + alpha * (m ∘ x) @ A^T @ B^T, with m the 0/1 dropout mask (none when p is 0).
-
-    alpha = scale / (1 - p). The matmuls run in `dtype`; A and B are cast to it once, in the forward, and the casts
+    """out = base_out + alpha * d(x) @ A^T @ B^T, with d(x) = m ∘ x / (1 - p) the dropout (x itself when p is 0) and
+    alpha the LoRA scale. The matmuls run in `dtype`; A and B are cast to it once, in the forward, and the casts
     (r x features each) are kept for the backward, where alpha rides in the GEMMs (beta 0) instead of a pass of its
     own; gradients return in the parameters' dtypes. An eager GPU step of ~200 adapters is bound by the host launching
     their kernels (benchmarks/RESULTS.md, 2026-11-26), so each launch saved counts. `eager` (not being compiled): add
@@ -75,12 +73,11 @@ class _LoraUpdate(torch.autograd.Function):
             redraw = eager and flat.device.type in REDRAW_MASK_ON  # eager only: compiled graphs keep the mask
             if redraw:
                 state = _default_generator(flat.device).get_state()
-            # PEFT's dropout on CPU is exactly this draw (torch's _dropout_impl): same stream, same mask.
-            kept = torch.empty_like(flat).bernoulli_(1.0 - p)
-            if not redraw:
-                mask = kept.bool()
-            h = torch.mm(kept.mul_(flat), a.t())
-            del kept
+            dropped, mask = torch.native_dropout(flat, p, True)  # what PEFT's nn.Dropout runs: same stream, same mask
+            if redraw:
+                mask = None
+            h = torch.mm(dropped, a.t())
+            del dropped
         else:
             h = torch.mm(flat, a.t())
         if base_out.dtype == dtype and base_out.is_contiguous():
@@ -116,18 +113,31 @@ class _LoraUpdate(torch.autograd.Function):
             flat = x.reshape(-1, x.shape[-1])
             if flat.dtype != dtype:
                 flat = flat.to(dtype)
+            dropped, scale = flat, 1.0 / (1.0 - ctx.p)
             if ctx.state is not None:
-                generator = torch.Generator(device=flat.device)
-                generator.set_state(ctx.state)
-                mask = torch.empty_like(flat).bernoulli_(1.0 - ctx.p, generator=generator)
+                dropped, mask = _redraw(flat, ctx.p, ctx.state)
+            elif mask is not None:
+                dropped = torch.ops.aten.native_dropout_backward(flat, mask, scale)  # m ∘ x / (1 - p), one pass
             if need_a:
-                grad_a = torch.mm(gh.t(), flat if mask is None else flat * mask).to(dtype_a)
+                grad_a = torch.mm(gh.t(), dropped).to(dtype_a)
             if need_x:
                 grad_x = torch.mm(gh, a)
                 if mask is not None:
-                    grad_x.mul_(mask)
+                    grad_x = torch.ops.aten.native_dropout_backward(grad_x, mask, scale)
                 grad_x = grad_x.view(x.shape).to(x.dtype)
         return grad_out, grad_x, grad_a, grad_b, None, None, None, None
+
+
+def _redraw(flat: torch.Tensor, p: float, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward's dropout again, (m ∘ x / (1 - p), m), drawn from the default generator's state saved before it; the
+    generator is left where it was (the step's other draws do not move)."""
+    generator = _default_generator(flat.device)
+    now = generator.get_state()
+    generator.set_state(state)
+    try:
+        return torch.native_dropout(flat, p, True)
+    finally:
+        generator.set_state(now)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -158,7 +168,7 @@ class _FusedForward:
         name = adapters[0]
         result = self.base_layer(x)
         p = self.lora_dropout[name].p if (self.training and isinstance(self.lora_dropout[name], nn.Dropout)) else 0.0
-        alpha = self.scaling[name] / (1.0 - p)
+        alpha = self.scaling[name]
         # Under torch.compile the update is added out of place (one addmm): AOTAutograd mishandles a custom Function
         # that marks an input dirty (the base output's gradient is lost; checked with aot_eager, torch 2.13).
         eager = not torch.compiler.is_compiling()
