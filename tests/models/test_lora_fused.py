@@ -141,9 +141,11 @@ def test_dropout_is_one_operator_per_draw_and_backward_leaves_the_generator_wher
     assert "aten.bernoulli_" not in forward_calls.names + backward_calls.names
     redrawn = backward_calls.names.count("aten.native_dropout")
     assert redrawn == (LINEARS if mask_policy == "redraw" else 0)
-    # The input's gradient takes the mask once per adapter; a kept mask also rebuilds the masked input (for A's).
-    rescaled = backward_calls.names.count("aten.native_dropout_backward")
-    assert rescaled == LINEARS * (2 if mask_policy == "keep" else 1)
+    # The input's gradient takes the mask in the pass that adds the base's gradient to the update's (addcmul_), once
+    # per adapter; a kept mask also rebuilds the masked input, for A's gradient.
+    assert backward_calls.names.count("aten.addcmul_") == LINEARS
+    rebuilt = backward_calls.names.count("aten.native_dropout_backward")
+    assert rebuilt == (LINEARS if mask_policy == "keep" else 0)
 
 
 def test_eval_mode_has_no_dropout():
@@ -387,3 +389,38 @@ def test_base_output_that_is_a_view_gets_the_update_out_of_place(dropout, mask_p
     for m in (fused, peft):
         _base_outputs_made_by_a_custom_function(m)
     assert_close(run(fused), run(peft), atol=1e-6, rtol=1e-5)
+
+
+def test_a_plain_frozen_base_runs_inside_the_adapter_one_node_and_one_input_gradient():
+    """Over a plain frozen nn.Linear the fused Function applies the base itself: one autograd node per adapter (none
+    of the base linear's own), and x's gradient is the base's and the update's summed in the same pass, not two
+    gradients that autograd adds. A base that is hooked or trained is called as a module instead, and the result is
+    still PEFT's (outputs and every gradient, the trained base's own included)."""
+    model = lora_model("fused", 0.1)
+    logits = model(inputs_embeds=torch.randn(1, 8, TINY["hidden_size"], requires_grad=True)).logits
+    counts: dict[str, int] = {}
+    seen, stack = set(), [logits.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        counts[type(node).__name__] = counts.get(type(node).__name__, 0) + 1
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    assert counts["_LoraUpdateBackward"] == LINEARS
+    linear_nodes = sum(counts.get(name, 0) for name in ("MmBackward0", "AddmmBackward0", "LinearBackward0"))
+    assert linear_nodes == 1, counts  # the output head's; no adapter's base adds one
+
+    calls = []
+    fused, peft = lora_model("fused", 0.1), lora_model("peft", 0.1)
+    for m in (fused, peft):
+        layer = m.base_model.model.model.layers[1]
+        layer.self_attn.q_proj.base_layer.register_forward_hook(lambda mod, args, out: calls.append(out.shape))
+        layer.mlp.down_proj.base_layer.weight.requires_grad_(True)
+    (out_f, grads_f, gx_f), (out_p, grads_p, gx_p) = run(fused), run(peft)
+    assert len(calls) == 2  # the hooked base was called as a module, by each model
+    torch.testing.assert_close(out_f, out_p, atol=1e-6, rtol=1e-5)
+    assert grads_f.keys() == grads_p.keys() and len(grads_f) == 2 * LINEARS + 1
+    for name in grads_p:
+        torch.testing.assert_close(grads_f[name], grads_p[name], atol=1e-6, rtol=1e-5, msg=name)
+    torch.testing.assert_close(gx_f, gx_p, atol=1e-6, rtol=1e-5)

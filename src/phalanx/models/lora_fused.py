@@ -4,16 +4,17 @@ PEFT's `lora.Linear.forward` casts each adapter's input to the adapter dtype (fp
 keeps it for backward, then casts it back to bf16 under autocast (another copy kept), and scales and adds the
 update in separate passes. q/k/v (and gate/up) read the same hidden states, so each keeps its own copies.
 
-Here the update is one autograd Function per layer,
+Here the layer is one autograd Function,
 
     out = base(x) + (dropout(x) @ A^T @ B^T) * scale
 
 computed in the activation dtype (the autocast dtype, else x's): A and B stay the fp32 (or whatever dtype the
 strategy gives them) parameters PEFT made; they are cast to the activation dtype for the matmuls, and their
 gradients come back in their own dtype. Backward needs only x (which the base linear keeps anyway) and the r-wide
-intermediate x @ A^T. The update is added into the base output in place (`addmm_`), with the scale as its alpha,
-unless that output is a view (then one out-of-place addmm: see _LoraUpdate); under torch.compile always out of place,
-and dropout masks are kept, not redrawn.
+intermediate x @ A^T. A plain frozen base linear is applied inside the Function (one autograd node per layer, and
+one gradient for x); a 4-bit, trained or hooked base is called as its module and the update added into its output in
+place (`addmm_`), with the scale as its alpha, unless that output is a view (then one out-of-place addmm: see
+_LoraUpdate). Under torch.compile dropout masks are kept, not redrawn.
 
 Dropout is torch's own dropout operator (`native_dropout`), the one PEFT's `nn.Dropout` reaches: every adapter draws
 its own mask from the same default generator, so on CPU in fp32 the masks and outputs are PEFT's bit for bit (on CUDA
@@ -50,24 +51,34 @@ def _default_generator(device: torch.device) -> Optional[torch.Generator]:
 
 
 class _LoraUpdate(torch.autograd.Function):
-    """out = base_out + alpha * d(x) @ A^T @ B^T, with d(x) = m ∘ x / (1 - p) the dropout (x itself when p is 0) and
+    """out = base(x) + alpha * d(x) @ A^T @ B^T, with d(x) = m ∘ x / (1 - p) the dropout (x itself when p is 0) and
     alpha the LoRA scale. The matmuls run in `dtype`; A and B are cast to it once, in the forward, and the casts
     (r x features each) are kept for the backward, where alpha rides in the GEMMs (beta 0) instead of a pass of its
     own; gradients return in the parameters' dtypes. An eager GPU step of ~200 adapters is bound by the host launching
-    their kernels (benchmarks/RESULTS.md, 2026-11-26), so each launch saved counts. `eager` (not being compiled): add
-    into base_out in place where it is not a view, and redraw the dropout mask in backward on CUDA. A view is added
-    to out of place: in place, autograd would copy the whole output back into its base in backward (CopySlices:
-    a clone and two copies per layer, e.g. Qwen2's q/k/v, whose biased linear returns a view of a flat addmm), and
-    a view made inside a custom Function (bitsandbytes' 4-bit matmul on CUDA) may not be modified at all. Compiled
-    graphs always add out of place (inductor fuses it)."""
+    their kernels and running autograd's nodes (benchmarks/RESULTS.md, 2026-11-26/27), so each one saved counts.
+
+    The base is either given as its output, `base_out` (a 4-bit base, whose matmul bitsandbytes owns), or as the
+    frozen `weight` and `bias` of a plain linear, which this Function applies itself (`base_out` None): then the
+    output is its own to add into in place, and backward gives x one gradient, the base's and the update's summed
+    in the GEMM (`addmm_`) or with the dropout mask (`addcmul_`), instead of two that autograd adds in a pass of its
+    own, with one autograd node per adapter instead of two.
+
+    A given base_out is added into in place when `eager` (not being compiled) and it is not a view. A view is added
+    to out of place: in place, autograd would copy the whole output back into its base in backward (CopySlices: a
+    clone and two copies per layer), and a view made inside a custom Function (bitsandbytes' 4-bit matmul on CUDA)
+    may not be modified at all. Compiled graphs add a given base_out out of place (inductor fuses it), and keep the
+    dropout mask where eager CUDA redraws it."""
 
     @staticmethod
-    def forward(ctx, base_out, x, weight_a, weight_b, alpha: float, p: float, dtype: torch.dtype, eager: bool):
+    def forward(
+        ctx, base_out, x, weight, bias, weight_a, weight_b, alpha: float, p: float, dtype: torch.dtype, eager: bool
+    ):
         flat = x.reshape(-1, x.shape[-1])
         if flat.dtype != dtype:
             flat = flat.to(dtype)
         a = weight_a.to(dtype)
         b = weight_b.to(dtype)
+        w = None if weight is None else weight.to(dtype)
         state = mask = None
         if p > 0.0:
             redraw = eager and flat.device.type in REDRAW_MASK_ON  # eager only: compiled graphs keep the mask
@@ -80,7 +91,10 @@ class _LoraUpdate(torch.autograd.Function):
             del dropped
         else:
             h = torch.mm(flat, a.t())
-        if base_out.dtype == dtype and base_out.is_contiguous():
+        if w is not None:  # the base applied here (F.linear's GEMM): an output of our own, added into in place
+            out_flat = torch.mm(flat, w.t()) if bias is None else torch.addmm(bias.to(dtype), flat, w.t())
+            out = out_flat.addmm_(h, b.t(), alpha=alpha).view(*x.shape[:-1], w.shape[0])
+        elif base_out.dtype == dtype and base_out.is_contiguous():
             out_flat = base_out.view(-1, base_out.shape[-1])
             if eager and not base_out._is_view():
                 out = base_out
@@ -90,18 +104,19 @@ class _LoraUpdate(torch.autograd.Function):
                 out = torch.addmm(out_flat, h, b.t(), alpha=alpha).view(base_out.shape)
         else:
             out = base_out + torch.mm(h, b.t()).mul_(alpha).to(base_out.dtype).view(base_out.shape)
-        ctx.save_for_backward(x, a, b, h, mask)
+        ctx.save_for_backward(x, w, a, b, h, mask)
         ctx.state, ctx.p, ctx.alpha, ctx.dtype = state, p, alpha, dtype
         ctx.weight_dtypes = (weight_a.dtype, weight_b.dtype)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, a, b, h, mask = ctx.saved_tensors  # A and B in the compute dtype
+        x, w, a, b, h, mask = ctx.saved_tensors  # w, A and B in the compute dtype
         dtype, alpha = ctx.dtype, ctx.alpha
         dtype_a, dtype_b = ctx.weight_dtypes
         unused = h.new_empty(())  # addmm's input, ignored with beta 0: the GEMM scales by alpha itself
-        need_x, need_a, need_b = ctx.needs_input_grad[1:4]
+        need_x = ctx.needs_input_grad[1]
+        need_a, need_b = ctx.needs_input_grad[4:6]
         g = grad_out.reshape(-1, grad_out.shape[-1])
         if g.dtype != dtype:
             g = g.to(dtype)
@@ -121,11 +136,17 @@ class _LoraUpdate(torch.autograd.Function):
             if need_a:
                 grad_a = torch.mm(gh.t(), dropped).to(dtype_a)
             if need_x:
-                grad_x = torch.mm(gh, a)
-                if mask is not None:
-                    grad_x = torch.ops.aten.native_dropout_backward(grad_x, mask, scale)
+                if w is None:  # the base's own backward gives x its gradient; autograd adds the two
+                    grad_x = torch.mm(gh, a)
+                    if mask is not None:
+                        grad_x = torch.ops.aten.native_dropout_backward(grad_x, mask, scale)
+                elif mask is None:
+                    grad_x = torch.mm(g, w).addmm_(gh, a)
+                else:
+                    grad_x = torch.mm(g, w).addcmul_(torch.mm(gh, a), mask, value=scale)
                 grad_x = grad_x.view(x.shape).to(x.dtype)
-        return grad_out, grad_x, grad_a, grad_b, None, None, None, None
+        grad_base = grad_out if ctx.needs_input_grad[0] else None
+        return grad_base, grad_x, None, None, grad_a, grad_b, None, None, None, None
 
 
 def _redraw(flat: torch.Tensor, p: float, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,6 +159,20 @@ def _redraw(flat: torch.Tensor, p: float, state: torch.Tensor) -> tuple[torch.Te
         return torch.native_dropout(flat, p, True)
     finally:
         generator.set_state(now)
+
+
+def _applied_here(base: nn.Module) -> bool:
+    """The fused Function applies the base itself where it is a plain, frozen nn.Linear that nothing hooks or patches
+    (a hook, e.g. ZeRO-3's parameter gathering, or a forward replaced on the instance, runs only when the module is
+    called). A 4-bit base (a subclass), a trained one or a hooked one is called as a module, and its output handed
+    over."""
+    return (
+        type(base) is nn.Linear
+        and "forward" not in base.__dict__
+        and not base.weight.requires_grad
+        and (base.bias is None or not base.bias.requires_grad)
+        and not (base._forward_hooks or base._forward_pre_hooks or base._backward_hooks or base._backward_pre_hooks)
+    )
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -153,27 +188,42 @@ class _FusedForward:
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         adapters = self.active_adapters
+        name = adapters[0] if len(adapters) == 1 else None
+        lora_a = self.lora_A[name] if name in self.lora_A else None  # one lookup each: this runs ~200 times a pass
         if (
-            self.disable_adapters
+            lora_a is None
+            or self.disable_adapters
             or self.merged
             or args
             or kwargs
-            or len(adapters) != 1
-            or adapters[0] not in self.lora_A
-            or adapters[0] in self.lora_variant
+            or name in self.lora_variant
             or _default_generator(x.device) is None
-            or hasattr(self.lora_A[adapters[0]].weight, "ds_id")
+            or hasattr(lora_a.weight, "ds_id")
         ):
             return super().forward(x, *args, **kwargs)
-        name = adapters[0]
-        result = self.base_layer(x)
-        p = self.lora_dropout[name].p if (self.training and isinstance(self.lora_dropout[name], nn.Dropout)) else 0.0
-        alpha = self.scaling[name]
-        # Under torch.compile the update is added out of place (one addmm): AOTAutograd mishandles a custom Function
-        # that marks an input dirty (the base output's gradient is lost; checked with aot_eager, torch 2.13).
+        base = self.base_layer
+        weight = bias = result = None
+        if _applied_here(base):
+            weight, bias = base.weight, base.bias
+        else:
+            result = base(x)
+        dropout = self.lora_dropout[name]
+        p = dropout.p if (self.training and isinstance(dropout, nn.Dropout)) else 0.0
+        # Under torch.compile a given base output is added to out of place (one addmm): AOTAutograd mishandles a
+        # custom Function that marks an input dirty (the base output's gradient is lost; checked with aot_eager,
+        # torch 2.13).
         eager = not torch.compiler.is_compiling()
         return _LoraUpdate.apply(
-            result, x, self.lora_A[name].weight, self.lora_B[name].weight, alpha, p, _compute_dtype(x), eager
+            result,
+            x,
+            weight,
+            bias,
+            lora_a.weight,
+            self.lora_B[name].weight,
+            self.scaling[name],
+            p,
+            _compute_dtype(x),
+            eager,
         )
 
 
