@@ -424,3 +424,86 @@ def test_a_plain_frozen_base_runs_inside_the_adapter_one_node_and_one_input_grad
     for name in grads_p:
         torch.testing.assert_close(grads_f[name], grads_p[name], atol=1e-6, rtol=1e-5, msg=name)
     torch.testing.assert_close(gx_f, gx_p, atol=1e-6, rtol=1e-5)
+
+
+def _train(model, steps, kept=False, on_step=None):
+    """`steps` AdamW steps of one forward+backward each under CPU bf16 autocast; the losses, and the dispatched
+    operators of each step's forward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from phalanx.models.lora_fused import keep_casts
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    if kept:
+        assert keep_casts(model, optimizer, torch.bfloat16, "single", compiled=False) is not None
+    model.train()
+    gen = torch.Generator().manual_seed(2)
+    losses, forward_ops = [], []
+    for step in range(steps):
+        embeds = (torch.randn(2, 24, TINY["hidden_size"], generator=gen) * 0.5).to(model.dtype)
+        torch.manual_seed(10 + step)
+        with Calls() as calls, torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(inputs_embeds=embeds).logits
+        forward_ops.append(calls.names)
+        loss = (logits.float() * torch.linspace(-1, 1, logits.shape[-1])).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        if on_step:
+            on_step(model, step)
+    return losses, forward_ops
+
+
+def test_kept_casts_train_exactly_as_casting_in_every_forward_with_two_casts_fewer_per_adapter():
+    """KeptCasts (one process or DDP under autocast, eager): A and B kept in bf16 between optimizer steps, refreshed
+    in one foreach copy after each step. Training is bit for bit the same as casting in every forward; from the second
+    step on, a forward casts no adapter weight (2 casts fewer per adapter)."""
+    plain, kept = lora_model("fused", 0.1, dtype=torch.bfloat16), lora_model("fused", 0.1, dtype=torch.bfloat16)
+    losses_plain, ops_plain = _train(plain, 3)
+    losses_kept, ops_kept = _train(kept, 3, kept=True)
+    assert losses_kept == losses_plain
+    for (name, p), q in zip(plain.named_parameters(), kept.parameters()):
+        assert torch.equal(p, q), name
+    for step in (1, 2):
+        assert ops_plain[step].count("aten._to_copy") - ops_kept[step].count("aten._to_copy") == 2 * LINEARS
+        assert "aten._foreach_copy_" not in ops_kept[step]  # refreshed after the step, not in the forward
+
+
+def test_kept_casts_follow_a_weight_changed_outside_the_optimizer():
+    """A LoRA weight changed in place, or swapped under `.data`, between steps is copied again in the next forward:
+    the losses equal a run that casts in every forward and has the same changes."""
+
+    def change(model, step):
+        layer = model.base_model.model.model.layers[0].mlp.up_proj
+        with torch.no_grad():
+            if step == 0:
+                layer.lora_A["default"].weight.mul_(1.5)
+            elif step == 1:
+                layer.lora_B["default"].weight.data = layer.lora_B["default"].weight.data * -2.0
+
+    plain, kept = lora_model("fused", 0.0, dtype=torch.bfloat16), lora_model("fused", 0.0, dtype=torch.bfloat16)
+    assert _train(kept, 3, kept=True, on_step=change)[0] == _train(plain, 3, on_step=change)[0]
+
+
+def test_kept_casts_only_for_eager_single_process_or_ddp_runs_under_autocast():
+    from phalanx.models.lora_fused import keep_casts
+
+    model = lora_model("fused", 0.0, dtype=torch.bfloat16)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    assert keep_casts(model, optimizer, None, "single", compiled=False) is None  # fp32: nothing to cast
+    assert keep_casts(model, optimizer, torch.bfloat16, "fsdp", compiled=False) is None  # sharded weights
+    assert keep_casts(model, optimizer, torch.bfloat16, "deepspeed", compiled=False) is None
+    assert keep_casts(model, optimizer, torch.bfloat16, "ddp", compiled=True) is None  # graphs cast for themselves
+    peft = lora_model("peft", 0.0, dtype=torch.bfloat16)
+    assert keep_casts(peft, optimizer, torch.bfloat16, "ddp", compiled=False) is None  # no fused layers
+    assert len(keep_casts(model, optimizer, torch.bfloat16, "ddp", compiled=False).layers) == LINEARS

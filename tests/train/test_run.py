@@ -68,3 +68,41 @@ def test_auto_compile_is_asked_with_the_runs_length_in_micro_batches(tmp_path, m
         del run
         shutdown()
         assert asked == {**expected, "micro_batches": passes}
+
+
+def test_a_bf16_lora_run_keeps_adapter_casts_that_stay_equal_to_its_weights(tmp_path, monkeypatch):
+    """A LoRA run under bf16 autocast, one process, eager (CUDA's default for short runs; forced onto CPU here, where
+    the CLI refuses bf16) keeps every adapter's A and B in bf16 between steps (models/lora_fused.py KeptCasts): each
+    fused layer holds the run's KeptCasts, and after every step the kept copies equal the bf16 casts of the weights
+    the optimizer just wrote."""
+    import torch
+
+    import phalanx.train.run as run_module
+    from phalanx.config.flags import split_flags
+    from phalanx.config.loader import load_config, overrides_from_flags
+    from phalanx.models.lora_fused import KEPT_CASTS, _FusedForward
+    from phalanx.parallel import Precision
+    from phalanx.runtime.dist import shutdown
+    from phalanx.train.loop import train_step
+
+    monkeypatch.setattr(run_module.Precision, "choose", classmethod(lambda cls, *a: Precision(torch.bfloat16)))
+    flags = ["--max_steps", "3", "--test_size", "0", "--logging.tensorboard", "false", "--max_length", "512"]
+    flags += ["--training.compile", "false", "--output_dir", str(tmp_path / "out")]
+    run = run_module.build_run(load_config(None, overrides_from_flags(split_flags(flags)[1])))
+    try:
+        layers = [m for m in run.model.modules() if isinstance(m, _FusedForward)]
+        kept = {id(layer.__dict__[KEPT_CASTS]) for layer in layers}
+        assert layers and len(kept) == 1
+        steps = run.steps_of_epoch()
+        for _ in range(2):
+            train_step(run, next(steps))
+            run.state.global_step += 1
+            kept_casts = layers[0].__dict__[KEPT_CASTS]
+            assert len(kept_casts._kept) == len(layers)  # every adapter ran with a kept copy
+            for entry in kept_casts._kept.values():
+                assert not entry.stale()
+                for master, copy in zip(entry.masters, entry.copies):
+                    assert copy.dtype == torch.bfloat16 and torch.equal(copy, master.detach().to(torch.bfloat16))
+    finally:
+        del run
+        shutdown()

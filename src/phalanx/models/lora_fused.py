@@ -40,6 +40,10 @@ from torch import nn
 
 # Devices on which backward redraws the dropout mask from the saved generator state instead of keeping it.
 REDRAW_MASK_ON = frozenset({"cuda"})
+# The attribute of a fused layer that holds the run's KeptCasts, where it has one.
+KEPT_CASTS = "_phalanx_kept_casts"
+# Strategies whose LoRA weights are whole, plain tensors of each process, changed in place only (KeptCasts).
+KEPT_CAST_STRATEGIES = frozenset({"single", "ddp"})
 
 
 def _default_generator(device: torch.device) -> Optional[torch.Generator]:
@@ -52,8 +56,8 @@ def _default_generator(device: torch.device) -> Optional[torch.Generator]:
 
 class _LoraUpdate(torch.autograd.Function):
     """out = base(x) + alpha * d(x) @ A^T @ B^T, with d(x) = m ∘ x / (1 - p) the dropout (x itself when p is 0) and
-    alpha the LoRA scale. The matmuls run in `dtype`; A and B are cast to it once, in the forward, and the casts
-    (r x features each) are kept for the backward, where alpha rides in the GEMMs (beta 0) instead of a pass of its
+    alpha the LoRA scale. The matmuls run in `dtype`; A and B are cast to it once, in the forward (or `kept`: casts
+    that KeptCasts made, fresh), and the casts (r x features each) are kept for the backward, where alpha rides in the GEMMs (beta 0) instead of a pass of its
     own; gradients return in the parameters' dtypes. An eager GPU step of ~200 adapters is bound by the host launching
     their kernels and running autograd's nodes (benchmarks/RESULTS.md, 2026-11-26/27), so each one saved counts.
 
@@ -71,13 +75,23 @@ class _LoraUpdate(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, base_out, x, weight, bias, weight_a, weight_b, alpha: float, p: float, dtype: torch.dtype, eager: bool
+        ctx,
+        base_out,
+        x,
+        weight,
+        bias,
+        weight_a,
+        weight_b,
+        kept: Optional[tuple[torch.Tensor, torch.Tensor]],
+        alpha: float,
+        p: float,
+        dtype: torch.dtype,
+        eager: bool,
     ):
         flat = x.reshape(-1, x.shape[-1])
         if flat.dtype != dtype:
             flat = flat.to(dtype)
-        a = weight_a.to(dtype)
-        b = weight_b.to(dtype)
+        a, b = kept if kept is not None else (weight_a.to(dtype), weight_b.to(dtype))
         w = None if weight is None else weight.to(dtype)
         state = mask = None
         if p > 0.0:
@@ -146,7 +160,7 @@ class _LoraUpdate(torch.autograd.Function):
                     grad_x = torch.mm(g, w).addcmul_(torch.mm(gh, a), mask, value=scale)
                 grad_x = grad_x.view(x.shape).to(x.dtype)
         grad_base = grad_out if ctx.needs_input_grad[0] else None
-        return grad_base, grad_x, None, None, grad_a, grad_b, None, None, None, None
+        return grad_base, grad_x, None, None, grad_a, grad_b, None, None, None, None, None
 
 
 def _redraw(flat: torch.Tensor, p: float, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,22 +223,105 @@ class _FusedForward:
             result = base(x)
         dropout = self.lora_dropout[name]
         p = dropout.p if (self.training and isinstance(dropout, nn.Dropout)) else 0.0
+        weight_a, weight_b, dtype = lora_a.weight, self.lora_B[name].weight, _compute_dtype(x)
         # Under torch.compile a given base output is added to out of place (one addmm): AOTAutograd mishandles a
         # custom Function that marks an input dirty (the base output's gradient is lost; checked with aot_eager,
-        # torch 2.13).
+        # torch 2.13). Compiled graphs cast A and B themselves: a kept cast's freshness is checked in Python.
         eager = not torch.compiler.is_compiling()
+        kept = self.__dict__.get(KEPT_CASTS)
+        casts = kept.casts(self, name, weight_a, weight_b, dtype) if (kept is not None and eager) else None
         return _LoraUpdate.apply(
-            result,
-            x,
-            weight,
-            bias,
-            lora_a.weight,
-            self.lora_B[name].weight,
-            self.scaling[name],
-            p,
-            _compute_dtype(x),
-            eager,
+            result, x, weight, bias, weight_a, weight_b, casts, self.scaling[name], p, dtype, eager
         )
+
+
+class _KeptCast:
+    """One adapter's A and B in the compute dtype, with the versions of the weights they were copied from."""
+
+    __slots__ = ("name", "masters", "copies", "versions")
+
+    def __init__(self, name: str, masters: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype) -> None:
+        self.name, self.masters = name, masters
+        self.copies = tuple(torch.empty_like(m, dtype=dtype, requires_grad=False) for m in masters)
+        self.versions = (-1, -1, -1, -1)  # never fresh until copied
+
+    def matches(self, name: str, weight_a: torch.Tensor, weight_b: torch.Tensor, dtype: torch.dtype) -> bool:
+        a, b = self.masters
+        return name == self.name and a is weight_a and b is weight_b and self.copies[0].dtype == dtype
+
+    def stale(self) -> bool:
+        return self._stamp() != self.versions
+
+    def mark_fresh(self) -> None:
+        self.versions = self._stamp()
+
+    def _stamp(self) -> tuple[int, int, int, int]:
+        # The version counts in-place changes; the data pointer, a `.data =` swap (which keeps the version).
+        a, b = self.masters
+        return (a._version, a.data_ptr(), b._version, b.data_ptr())
+
+
+def keep_casts(
+    model: nn.Module, optimizer: torch.optim.Optimizer, dtype: Optional[torch.dtype], strategy: str, compiled: bool
+) -> Optional["KeptCasts"]:
+    """KeptCasts for this run where they apply (an eager run under autocast, one process or DDP), refreshed after each
+    optimizer step; None elsewhere."""
+    if dtype is None or compiled or strategy not in KEPT_CAST_STRATEGIES:
+        return None
+    kept = KeptCasts(model, dtype)
+    if not kept.layers:
+        return None
+    optimizer.register_step_post_hook(kept.refresh)
+    return kept
+
+
+class KeptCasts:
+    """Every fused adapter's A and B kept in the compute dtype between optimizer steps, for eager runs whose LoRA
+    weights are plain fp32 tensors of this process (one process, DDP) under bf16/fp16 autocast.
+
+    Without it each adapter casts A and B in every forward: 392 launches per micro-batch at the seeds' 196 adapters,
+    in a step bound by the host launching kernels (benchmarks/RESULTS.md, 2026-11-26/27). With it the copies are
+    refreshed after each optimizer step in one `_foreach_copy_` (`refresh`, an optimizer step post-hook), and a forward
+    uses a copy only when it is fresh: the weight is the same tensor, over the same memory, at the same version it was
+    copied at (any in-place change bumps the version: the optimizer's, a checkpoint load's; a write through `.data`
+    would not, and nothing in a phalanx run makes one), else it copies that one adapter again right there. Sharded
+    weights (FSDP2, ZeRO) change under other rules, so they are never given kept casts; nor are compiled layers,
+    whose graphs cannot check a version (they cast in the graph)."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.layers = [m for m in model.modules() if isinstance(m, _FusedForward)]
+        self._kept: dict[int, _KeptCast] = {}  # id of a layer (held in self.layers) -> its adapter's copies
+        for layer in self.layers:
+            layer.__dict__[KEPT_CASTS] = self
+
+    def casts(
+        self, layer: nn.Module, name: str, weight_a: torch.Tensor, weight_b: torch.Tensor, dtype: torch.dtype
+    ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """The fresh compute-dtype copies of `layer`'s adapter's A and B (copied now where they were stale), or None
+        where the forward's compute dtype is not the kept one or is the weights' own."""
+        if dtype != self.dtype or weight_a.dtype == dtype or weight_b.dtype == dtype:
+            return None
+        layer_kept = self._kept.get(id(layer))
+        if layer_kept is None or not layer_kept.matches(name, weight_a, weight_b, dtype):
+            layer_kept = self._kept[id(layer)] = _KeptCast(name, (weight_a, weight_b), dtype)
+        if layer_kept.stale():
+            with torch.no_grad():
+                torch._foreach_copy_(list(layer_kept.copies), list(layer_kept.masters))
+            layer_kept.mark_fresh()
+        return layer_kept.copies
+
+    def refresh(self, *_args) -> None:
+        """Copy every stale adapter's A and B in one foreach (after an optimizer step: all of them)."""
+        stale = [kept for kept in self._kept.values() if kept.stale()]
+        if not stale:
+            return
+        with torch.no_grad():
+            torch._foreach_copy_(
+                [c for kept in stale for c in kept.copies], [m for kept in stale for m in kept.masters]
+            )
+        for kept in stale:
+            kept.mark_fresh()
 
 
 class FusedLoraLinear(_FusedForward, PeftLoraLinear):

@@ -48,6 +48,7 @@ from phalanx.models.adapters import apply_finetuning, trainable_parameter_count
 from phalanx.models.attention import enable_varlen_attention, packing_unsupported_reason
 from phalanx.models.compile import compile_wanted, fuse_elementwise
 from phalanx.models.load import cache_root, four_bit_compute_dtype, load_model, load_tokenizer, quantization_config
+from phalanx.models.lora_fused import keep_casts
 from phalanx.observe.memory import peak_memory_mb
 from phalanx.observe.metrics import Reporter, last_logged_step
 from phalanx.observe.plot import plot_loss_curve
@@ -382,6 +383,7 @@ def build_run(
     strategy = make_strategy(rank, precision, cfg.distributed.ddp_comm_hook, cfg=cfg)
     make = partial(make_optimizer, cfg=cfg.training, fused_on_cuda=cfg.distributed.strategy != "deepspeed")
     model, optimizer = strategy.prepare(model, make)
+    keep_casts(model, optimizer, precision.dtype, strategy.name, compiled=compile_layers)
 
     eval_batches = None
     if data.eval is not None and len(data.eval) > 0:
