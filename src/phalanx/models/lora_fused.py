@@ -247,7 +247,10 @@ class _KeptCast:
 
     def matches(self, name: str, weight_a: torch.Tensor, weight_b: torch.Tensor, dtype: torch.dtype) -> bool:
         a, b = self.masters
-        return name == self.name and a is weight_a and b is weight_b and self.copies[0].dtype == dtype
+        if name != self.name or a is not weight_a or b is not weight_b or self.copies[0].dtype != dtype:
+            return False
+        # A weight moved or resized under `.data` is the same tensor object: its copy must follow.
+        return all(c.device == m.device and c.shape == m.shape for c, m in zip(self.copies, self.masters))
 
     def stale(self) -> bool:
         return self._stamp() != self.versions
