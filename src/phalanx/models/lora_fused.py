@@ -56,9 +56,9 @@ def _default_generator(device: torch.device) -> Optional[torch.Generator]:
 
 class _LoraUpdate(torch.autograd.Function):
     """out = base(x) + alpha * d(x) @ A^T @ B^T, with d(x) = m ∘ x / (1 - p) the dropout (x itself when p is 0) and
-    alpha the LoRA scale. The matmuls run in `dtype`; A and B are cast to it once, in the forward (or `kept`: casts
-    that KeptCasts made, fresh), and the casts (r x features each) are kept for the backward, where alpha rides in the GEMMs (beta 0) instead of a pass of its
-    own; gradients return in the parameters' dtypes. An eager GPU step of ~200 adapters is bound by the host launching
+    alpha the LoRA scale. The matmuls run in `dtype`; A and B are cast to it once, in the forward (or come `kept`:
+    fresh casts that KeptCasts holds), and the casts (r x features each) are kept for the backward, where alpha rides
+    in the GEMMs (beta 0) instead of a pass of its own; gradients return in the parameters' dtypes. An eager GPU step of ~200 adapters is bound by the host launching
     their kernels and running autograd's nodes (benchmarks/RESULTS.md, 2026-11-26/27), so each one saved counts.
 
     The base is either given as its output, `base_out` (a 4-bit base, whose matmul bitsandbytes owns), or as the
