@@ -495,3 +495,16 @@ def test_merged_passes_take_the_largest_size_the_estimate_fits_on_the_gpu(llama_
         {**flags, "data.packing": False},
     ):
         assert merge_tokens_that_fit(load_config(None, other), 80 * GiB) is None, other
+
+
+def test_a_bf16_lora_run_on_one_gpu_counts_its_kept_adapter_casts(llama_7b):
+    """Under bf16 autocast a one-process LoRA run holds A and B's bf16 copies through forward and backward (kept
+    between steps when eager: models/lora_fused.KeptCasts): 2 bytes per trained parameter on top of the fp32 ones."""
+    cfg = load_config(None, {"model.model_name": llama_7b, "lora.r": 16, "training.batch_size": 1})
+    m, s = model_facts(cfg), setup_from_config(cfg, "cuda")
+    assert s.compute_bytes == 2
+    single = strategy_rows(m, s, device_memory=80 * 2**30)[0]
+    assert single.strategy == "single process"
+    assert single.detail["working_params"] == 2 * m.trainable_params
+    assert single.params == single.detail["resident_params"] + 2 * m.trainable_params
+    assert single.peak >= single.params + single.optimizer + single.activations

@@ -368,7 +368,8 @@ def strategy_rows(m: ModelFacts, s: Setup, *, device_memory: int, ds_config: Opt
         return 2 * largest * FP32 if s.device == "cpu" else 0
 
     # DDP: a full replica. LoRA's frozen base is loaded in the compute dtype; what trains is fp32, and under autocast
-    # its bf16 copies are cached for the forward and kept for backward. DDP's gradients are views into its all-reduce
+    # its bf16 copies are cached for the forward and kept for backward (LoRA's A and B: kept between steps too,
+    # models/lora_fused.KeptCasts; compiled layers hold theirs from forward to backward). DDP's gradients are views into its all-reduce
     # buckets (gradient_as_bucket_view), which stay allocated between steps: one copy of the grads, always kept.
     act = activation_bytes(m, s, stream=c if (lora and mixed) else FP32, compute=c)
     buckets = T * FP32 if n > 1 else 0
@@ -384,7 +385,7 @@ def strategy_rows(m: ModelFacts, s: Setup, *, device_memory: int, ds_config: Opt
             optimizer=2 * T * FP32,
             grads=T * FP32,
             grads_kept=buckets,
-            working=(0 if lora else T * c) if mixed else 0,
+            working=T * c if mixed else 0,
             scratch=scratch(T, m.largest_trainable),
         )
     )
