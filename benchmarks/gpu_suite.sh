@@ -3,7 +3,7 @@
 #   benchmarks/gpu_suite.sh                 # `arms`: every arm of issue 15 in one call of at most 600 s
 #   SUITE_SECONDS=300 ORDER=hf-first ARMS=lora-plain PROFILE=1 benchmarks/gpu_suite.sh   # one order, a profile
 #   benchmarks/gpu_suite.sh versions|smoke|speed|speed-hf-first|profile|profile-compile|qlora|strategies|strategies-full|
-#                           generate|compile|compile-lora|compile-full|vs-hf|profile-eager|seeds|arms ...
+#                           generate|compile|compile-lora|compile-full|vs-hf|profile-eager|seeds|lora-tests|arms ...
 # Wheels the GPU image lacks travel in .whl/ (trl, liger-kernel, and pydantic/datasets where missing; see
 # benchmarks/RESULTS.md); OUT (optional) collects the logs, and RESULTS-append.md: the entries the scripts appended
 # to benchmarks/RESULTS.md there, to append here (the device's copy of the tree does not come back).
@@ -141,6 +141,10 @@ for part in $parts; do
       step generate 240 python3 benchmarks/generate_vs_loop.py --device cuda --dtype bfloat16 --gpu-shape r1-distill-qwen-1.5b \
         --num_questions 4 --num_sequences_per_question 25 --batch_size 38 --loop_sequences 4 --repeats 2 --skip-k-loop \
         --kv_caches growing,fixed --note "gpu_suite generate: the seeds' generation shape" ;;
+    lora-tests)  # tests/models/test_lora_fused.py on the GPU: CUDA's dropout kernel and generator, its mixed-dtype
+      # kernels (a bool mask in addcmul_), kept casts under CUDA autocast; pytest travels in .whl/ where the image lacks it
+      step lora-tests 240 env PHALANX_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -m "not distributed" \
+        tests/models/test_lora_fused.py ;;
     smoke)
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
       python3 -c "import torch, transformers, peft; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'peft', peft.__version__)"

@@ -3,9 +3,13 @@
 fp32 on CPU: outputs and the gradients of A, B and the input equal PEFT's to 1e-6, with dropout 0 and with dropout
 (the masks are PEFT's own draws). bf16: within bf16 rounding of PEFT, adapters stay fp32. save_pretrained output
 loads with PeftModel.from_pretrained. A 4-bit (QLoRA) base runs the fused forward too. Layers the fused path does not
-cover keep PEFT's forward, and the run says so."""
+cover keep PEFT's forward, and the run says so.
+
+PHALANX_TEST_DEVICE=cuda runs the same tests on a GPU (benchmarks/gpu_suite.sh lora-tests: CUDA's dropout kernel,
+generator and mixed-dtype kernels are not on CPU); CI runs them on CPU."""
 
 import copy
+import os
 
 import pytest
 import torch
@@ -17,6 +21,8 @@ from phalanx.config.schema import LoraConfig, ModelConfig
 from phalanx.models import lora_fused
 from phalanx.models.adapters import apply_finetuning
 from phalanx.models.lora_fused import FusedLoraLinear, install_fused_lora
+
+DEVICE = torch.device(os.environ.get("PHALANX_TEST_DEVICE", "cpu"))
 
 TINY = dict(
     vocab_size=96,
@@ -49,18 +55,23 @@ def lora_model(kernel, dropout=0.0, dtype=torch.float32, gradient_checkpointing=
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
-    return model
+    return model.to(DEVICE)
+
+
+def inputs(*shape, dtype=torch.float32, seed=None, scale=1.0):
+    """Random input embeddings on the test device (drawn on CPU: the same values on every device)."""
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    return (torch.randn(*shape, generator=gen) * scale).to(DEVICE, dtype)
 
 
 def run(model, seed=3, autocast=None, train=True):
     """Logits, gradients of every adapter weight and of the input embeddings, for one forward+backward."""
     model.train(train)
-    gen = torch.Generator().manual_seed(2)
-    embeds = (torch.randn(2, 24, TINY["hidden_size"], generator=gen) * 0.5).to(model.dtype).requires_grad_(True)
+    embeds = inputs(2, 24, TINY["hidden_size"], dtype=model.dtype, seed=2, scale=0.5).requires_grad_(True)
     torch.manual_seed(seed)  # the dropout masks
-    with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+    with torch.autocast(DEVICE.type, dtype=autocast, enabled=autocast is not None):
         logits = model(inputs_embeds=embeds).logits
-    (logits.float() * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
+    (logits.float() * torch.linspace(-1, 1, logits.shape[-1], device=DEVICE)).sum().backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
     return logits.detach().float(), grads, embeds.grad.float()
 
@@ -68,9 +79,9 @@ def run(model, seed=3, autocast=None, train=True):
 @pytest.fixture(params=["keep", "redraw"])
 def mask_policy(request, monkeypatch):
     """Both ways backward gets the dropout mask: kept as bools (CPU's default), or redrawn from the saved generator
-    state (CUDA's default, forced onto CPU here)."""
-    if request.param == "redraw":
-        monkeypatch.setattr(lora_fused, "REDRAW_MASK_ON", frozenset({"cpu", "cuda"}))
+    state (CUDA's default), whatever the test device's default is."""
+    redraw_on = frozenset({DEVICE.type}) if request.param == "redraw" else frozenset()
+    monkeypatch.setattr(lora_fused, "REDRAW_MASK_ON", redraw_on)
     return request.param
 
 
@@ -127,16 +138,16 @@ def test_dropout_is_one_operator_per_draw_and_backward_leaves_the_generator_wher
             return func(*args, **(kwargs or {}))
 
     model = lora_model("fused", 0.1).train()
-    embeds = torch.randn(2, 24, TINY["hidden_size"], requires_grad=True)
+    embeds = inputs(2, 24, TINY["hidden_size"]).requires_grad_(True)
     torch.manual_seed(5)
     with Calls() as forward_calls:
         logits = model(inputs_embeds=embeds).logits
-    after_forward = torch.randint(0, 2**30, (4,))
+    after_forward = torch.randint(0, 2**30, (4,), device=DEVICE)
     torch.manual_seed(5)
     logits = model(inputs_embeds=embeds).logits
     with Calls() as backward_calls:
         logits.sum().backward()
-    assert torch.equal(torch.randint(0, 2**30, (4,)), after_forward)
+    assert torch.equal(torch.randint(0, 2**30, (4,), device=DEVICE), after_forward)
     assert forward_calls.names.count("aten.native_dropout") == LINEARS
     assert "aten.bernoulli_" not in forward_calls.names + backward_calls.names
     redrawn = backward_calls.names.count("aten.native_dropout")
@@ -186,8 +197,9 @@ def test_bf16_saves_far_fewer_activation_bytes(mask_policy):
             return t
 
         model.train()
-        embeds = torch.randn(2, 24, TINY["hidden_size"], dtype=torch.bfloat16, requires_grad=True)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        embeds = inputs(2, 24, TINY["hidden_size"], dtype=torch.bfloat16).requires_grad_(True)
+        autocast = torch.autocast(DEVICE.type, dtype=torch.bfloat16)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
             model(inputs_embeds=embeds).logits.float().sum().backward()
         return sum(seen.values())
 
@@ -210,8 +222,8 @@ def test_compiles_in_one_graph_and_matches_eager(dropout, mask_policy):
     backward match eager (aot_eager: no Inductor on CI's two cores). Compiled graphs add the update out of place."""
     model = lora_model("fused", dropout).train()
     layer = model.base_model.model.model.layers[0].self_attn.q_proj
-    x = torch.randn(2, 16, TINY["hidden_size"], requires_grad=True)
-    weight = torch.linspace(0, 1, layer.out_features)
+    x = inputs(2, 16, TINY["hidden_size"]).requires_grad_(True)
+    weight = torch.linspace(0, 1, layer.out_features, device=DEVICE)
     results = []
     torch._dynamo.reset()
     for forward in (torch.compile(layer, backend="aot_eager", fullgraph=True), layer):
@@ -283,7 +295,7 @@ def test_qlora_base_runs_the_fused_forward_and_matches_peft(dropout, mask_policy
             for name, param in model.named_parameters():
                 if "lora_B" in name:
                     param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
-        return model
+        return model.to(DEVICE)
 
     capsys.readouterr()
     fused, peft = qlora("fused"), qlora("peft")
@@ -294,11 +306,10 @@ def test_qlora_base_runs_the_fused_forward_and_matches_peft(dropout, mask_policy
 
     def run(model):
         model.train()
-        gen = torch.Generator().manual_seed(2)
-        embeds = (torch.randn(2, 24, model.config.hidden_size, generator=gen) * 0.5).requires_grad_(True)
+        embeds = inputs(2, 24, model.config.hidden_size, seed=2, scale=0.5).requires_grad_(True)
         torch.manual_seed(3)  # the dropout masks
         logits = model(inputs_embeds=embeds).logits
-        (logits.float() * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
+        (logits.float() * torch.linspace(-1, 1, logits.shape[-1], device=DEVICE)).sum().backward()
         grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
         return logits.detach(), grads, embeds.grad
 
@@ -317,8 +328,8 @@ def test_cli_training_with_dropout_matches_the_peft_kernel(equivalence_data, tmp
     """Through `phalanx train` (one process, fp32 CPU, dropout live): PEFT's draws on CPU are the fused path's, so the
     runs agree to rounding. The first two steps' gradient norms agree to 1e-6 (different masks would move them by
     percents; measured 1.1e-7, the fused backward scaling inside its GEMMs); after that the order of fp32 roundings
-    differs (the 1/(1-p) rescale sits in another place) and Adam at lr 1e-2 with clipping grows it: measured 3e-5
-    relative in the step-5 loss."""
+    differs (the LoRA scale sits inside a GEMM) and Adam at lr 1e-2 with clipping grows it: measured 3e-5 relative in
+    the step-5 loss."""
     from safetensors.torch import load_file
 
     from equivalence import grad_norms, train
@@ -382,7 +393,7 @@ def test_base_output_that_is_a_view_gets_the_update_out_of_place(dropout, mask_p
     backward (CopySlices, a clone and two copies per layer). A view made inside a custom Function (the 4-bit base on
     CUDA) could not be modified at all: 'Output 0 of MatMul4BitBackward is a view and is being modified inplace'."""
     model = lora_model("fused", dropout)
-    logits = model(inputs_embeds=torch.randn(1, 8, TINY["hidden_size"])).logits
+    logits = model(inputs_embeds=inputs(1, 8, TINY["hidden_size"])).logits
     assert "CopySlices" not in _backward_nodes(logits)
 
     fused, peft = lora_model("fused", dropout), lora_model("peft", dropout)
@@ -397,7 +408,7 @@ def test_a_plain_frozen_base_runs_inside_the_adapter_one_node_and_one_input_grad
     gradients that autograd adds. A base that is hooked or trained is called as a module instead, and the result is
     still PEFT's (outputs and every gradient, the trained base's own included)."""
     model = lora_model("fused", 0.1)
-    logits = model(inputs_embeds=torch.randn(1, 8, TINY["hidden_size"], requires_grad=True)).logits
+    logits = model(inputs_embeds=inputs(1, 8, TINY["hidden_size"]).requires_grad_(True)).logits
     counts: dict[str, int] = {}
     seen, stack = set(), [logits.grad_fn]
     while stack:
@@ -427,8 +438,8 @@ def test_a_plain_frozen_base_runs_inside_the_adapter_one_node_and_one_input_grad
 
 
 def _train(model, steps, kept=False, on_step=None):
-    """`steps` AdamW steps of one forward+backward each under CPU bf16 autocast; the losses, and the dispatched
-    operators of each step's forward."""
+    """`steps` AdamW steps of one forward+backward each under bf16 autocast; the losses, and the dispatched operators
+    of each step's forward."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from phalanx.models.lora_fused import keep_casts
@@ -446,15 +457,14 @@ def _train(model, steps, kept=False, on_step=None):
     if kept:
         assert keep_casts(model, optimizer, torch.bfloat16, "single", compiled=False) is not None
     model.train()
-    gen = torch.Generator().manual_seed(2)
     losses, forward_ops = [], []
     for step in range(steps):
-        embeds = (torch.randn(2, 24, TINY["hidden_size"], generator=gen) * 0.5).to(model.dtype)
+        embeds = inputs(2, 24, TINY["hidden_size"], dtype=model.dtype, seed=20 + step, scale=0.5)
         torch.manual_seed(10 + step)
-        with Calls() as calls, torch.autocast("cpu", dtype=torch.bfloat16):
+        with Calls() as calls, torch.autocast(DEVICE.type, dtype=torch.bfloat16):
             logits = model(inputs_embeds=embeds).logits
         forward_ops.append(calls.names)
-        loss = (logits.float() * torch.linspace(-1, 1, logits.shape[-1])).mean()
+        loss = (logits.float() * torch.linspace(-1, 1, logits.shape[-1], device=DEVICE)).mean()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
