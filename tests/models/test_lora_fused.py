@@ -15,6 +15,7 @@ import pytest
 import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from phalanx.config.schema import LoraConfig, ModelConfig
@@ -94,6 +95,18 @@ def assert_close(fused, peft, atol, rtol):
     torch.testing.assert_close(gx_f, gx_p, atol=atol, rtol=rtol)
 
 
+class Calls(TorchDispatchMode):
+    """The operators dispatched while active, by name (`aten.mm`), each call once: what launches kernels on a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
 def test_fused_is_the_default_and_covers_every_linear():
     model = lora_model("fused")
     assert LoraConfig().kernel == "fused"
@@ -126,17 +139,6 @@ def test_dropout_is_one_operator_per_draw_and_backward_leaves_the_generator_wher
     draw, multiply or cast of a mask; a redrawn mask is one more `native_dropout` in backward, whose masked input is
     the forward's exactly. Backward puts the default generator back: the draws after a step are those after its
     forward alone."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Calls(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(str(func.overloadpacket))
-            return func(*args, **(kwargs or {}))
-
     model = lora_model("fused", 0.1).train()
     embeds = inputs(2, 24, TINY["hidden_size"]).requires_grad_(True)
     torch.manual_seed(5)
@@ -440,18 +442,7 @@ def test_a_plain_frozen_base_runs_inside_the_adapter_one_node_and_one_input_grad
 def _train(model, steps, kept=False, on_step=None):
     """`steps` AdamW steps of one forward+backward each under bf16 autocast; the losses, and the dispatched operators
     of each step's forward."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from phalanx.models.lora_fused import keep_casts
-
-    class Calls(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(str(func.overloadpacket))
-            return func(*args, **(kwargs or {}))
 
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     if kept:
