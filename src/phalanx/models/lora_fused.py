@@ -250,7 +250,8 @@ class _KeptCast:
         if name != self.name or a is not weight_a or b is not weight_b or self.copies[0].dtype != dtype:
             return False
         # A weight moved or resized under `.data` is the same tensor object: its copy must follow.
-        return all(c.device == m.device and c.shape == m.shape for c, m in zip(self.copies, self.masters))
+        copy_a, copy_b = self.copies
+        return copy_a.device == a.device and copy_a.shape == a.shape and copy_b.shape == b.shape
 
     def stale(self) -> bool:
         return self._stamp() != self.versions
@@ -309,22 +310,22 @@ class KeptCasts:
         if layer_kept is None or not layer_kept.matches(name, weight_a, weight_b, dtype):
             layer_kept = self._kept[id(layer)] = _KeptCast(name, (weight_a, weight_b), dtype)
         if layer_kept.stale():
-            with torch.no_grad():
-                torch._foreach_copy_(list(layer_kept.copies), list(layer_kept.masters))
-            layer_kept.mark_fresh()
+            _copy_fresh([layer_kept])
         return layer_kept.copies
 
     def refresh(self, *_args) -> None:
         """Copy every stale adapter's A and B in one foreach (after an optimizer step: all of them)."""
-        stale = [kept for kept in self._kept.values() if kept.stale()]
-        if not stale:
-            return
-        with torch.no_grad():
-            torch._foreach_copy_(
-                [c for kept in stale for c in kept.copies], [m for kept in stale for m in kept.masters]
-            )
-        for kept in stale:
-            kept.mark_fresh()
+        _copy_fresh([kept for kept in self._kept.values() if kept.stale()])
+
+
+def _copy_fresh(stale: list[_KeptCast]) -> None:
+    """Copy the weights of `stale` into their compute-dtype copies, in one foreach, and mark them fresh."""
+    if not stale:
+        return
+    with torch.no_grad():
+        torch._foreach_copy_([c for kept in stale for c in kept.copies], [m for kept in stale for m in kept.masters])
+    for kept in stale:
+        kept.mark_fresh()
 
 
 class FusedLoraLinear(_FusedForward, PeftLoraLinear):
