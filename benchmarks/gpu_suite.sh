@@ -103,17 +103,18 @@ for part in $parts; do
     vs-hf)  # the LoRA default against Trainer+PEFT and TRL (padding-free + Liger, no checkpointing), ORDER's orders
       step vs-hf 250 python3 benchmarks/train_vs_hf.py --gpu-shape r1-distill-qwen-1.5b --steps 14 --warmup 4 \
         --orders "${ORDER:-both}" --with-trl --note "gpu_suite vs-hf" ;;
-    compile|compile-lora|compile-full)  # compiled layers against the eager default at 30 steps, 12 of warm-up: LoRA
-           # (compile-lora, with the C++ kernel launcher's arm first), full fine-tuning (compile-full) or both
-           # (compile). Warm-up is minutes: a call of its own.
+    compile|compile-lora|compile-full)  # compiled layers against the eager default at 40 steps, 20 of warm-up (CUDA
+           # graphs capture each new micro-batch shape at its first use): LoRA (compile-lora: CUDA graphs, then the C++
+           # kernel launcher, then compiled and eager), full fine-tuning (compile-full) or both (compile). Warm-up is
+           # minutes: a call of its own.
       arms=${ARMS:-}
       [ -z "$arms" ] && case $part in
-        compile-lora) arms=lora-compile-cpp,lora-compile,lora ;;
+        compile-lora) arms=lora-graphs,lora-compile-cpp,lora-compile,lora ;;
         compile-full) arms=full-compile,full ;;
         *) arms=lora-compile,lora,full-compile,full ;;
       esac
       step "phalanx-arms-$part" 560 env TORCH_LOGS=recompiles,graph_breaks python3 benchmarks/phalanx_arms.py \
-        --gpu-shape r1-distill-qwen-1.5b --arms "$arms" --steps 30 --warmup 12 --arm-timeout 150 \
+        --gpu-shape r1-distill-qwen-1.5b --arms "$arms" --steps 40 --warmup 20 --arm-timeout 150 \
         --work_dir /tmp/phalanx-bench --note "gpu_suite $part: compiled layers against eager" ;;
     seeds)  # the seeds' own setting (seed 002: batch 1, 8 micro-batches per step): phalanx's merged passes (default,
            # and 16,384-token passes) against one pass per micro-batch; then against Trainer+PEFT and TRL, both orders.

@@ -61,6 +61,9 @@ ARMS = {  # flags on top of the shared ones; FLOPs factor per token (4N frozen b
     # Compiled layers whose kernels a C++ wrapper launches (ARM_ENV; models/compile.py CPP_WRAPPER_ENV): at batch 4 the
     # compiled step was still bound by the host launching ~3,900 kernels from Python.
     "lora-compile-cpp": (["--training.compile", "true"], 4),
+    # Compiled layers captured as CUDA graphs (training.cuda_graphs, models/graphs.py): the batch-4 step without the
+    # host launching each kernel; micro-batches padded to 16 token counts, each captured at its first use.
+    "lora-graphs": (["--training.cuda_graphs", "true"], 4),
     "full-16k": (["--finetune", "full", "--training.batch_tokens", "16384"], 6),
     "full-compile-16k": (["--finetune", "full", "--training.compile", "true", "--training.batch_tokens", "16384"], 6),
     # The seeds' own setting (seed 002: batch 1, 8 micro-batches per step): one pass per micro-batch, the default
@@ -79,7 +82,11 @@ ARMS = {  # flags on top of the shared ones; FLOPs factor per token (4N frozen b
 
 
 # Environment an arm runs with, on top of the caller's.
-ARM_ENV = {"lora-compile-cpp": {"PHALANX_COMPILE_CPP_WRAPPER": "1"}}
+ARM_ENV = {
+    "lora-compile-cpp": {"PHALANX_COMPILE_CPP_WRAPPER": "1"},
+    # Why a graph was not captured, where one was not (the run also says how many were not).
+    "lora-graphs": {"TORCH_LOGS": "recompiles,graph_breaks,cudagraphs"},
+}
 
 
 def parse_args(argv=None):

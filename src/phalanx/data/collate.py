@@ -63,6 +63,32 @@ def pack_batch(examples: list[dict]) -> dict:
     }
 
 
+def pad_packed(batch: dict, tokens: int, rows: int, pad_token_id: int) -> dict:
+    """A packed micro-batch grown to exactly `tokens` tokens in `rows` rows by rows of padding after its own (a fixed
+    shape: models/graphs.py). Each padding row is at least one token long, its labels are -100 and its positions
+    start at 0, so it predicts nothing and, as a row of its own, no real row attends to it. The host counts, the
+    target positions and the real rows are left as they were: the loss and its normalisation do not change."""
+    lengths = tuple(batch["row_lengths"])
+    extra_rows, extra_tokens = rows - len(lengths), tokens - batch["input_ids"].shape[1]
+    if extra_rows == 0 and extra_tokens == 0:
+        return batch
+    if extra_rows < 1 or extra_tokens < extra_rows:
+        raise ValueError(
+            f"cannot pad a packed micro-batch of {batch['input_ids'].shape[1]} tokens in {len(lengths)} rows to "
+            f"{tokens} tokens in {rows} rows: padding rows need at least one token each"
+        )
+    pad_lengths = (1,) * (extra_rows - 1) + (extra_tokens - extra_rows + 1,)
+    padded = dict(batch)
+    padded["input_ids"] = torch.cat(
+        [batch["input_ids"], torch.full((1, extra_tokens), pad_token_id, dtype=torch.long)], 1
+    )
+    padded["labels"] = torch.cat([batch["labels"], torch.full((1, extra_tokens), IGNORE_INDEX, dtype=torch.long)], 1)
+    positions = torch.cat([torch.arange(n, dtype=torch.long) for n in pad_lengths])
+    padded["position_ids"] = torch.cat([batch["position_ids"], positions[None]], 1)
+    padded["row_lengths"] = lengths + pad_lengths
+    return padded
+
+
 def collate(examples: list[dict], pad_token_id: int, packing: bool) -> dict:
     """A training or evaluation micro-batch: packed or padded, with its host-side token counts."""
     batch = pack_batch(examples) if packing else pad_batch(examples, pad_token_id)

@@ -118,6 +118,19 @@ def layers_compiled() -> None:
     _host_lengths = False
 
 
+def graph_unsafe_reason(device: torch.device) -> Optional[str]:
+    """Why the packed attention cannot be captured in a CUDA graph on `device` (None: it can, or there are no graphs
+    there). A graph replays what it captured: the longest row must not come from the host (flash_attn's path takes it
+    as an int), and the rows must not be read back from the device (the per-row path does)."""
+    if device.type != "cuda":
+        return None
+    if _active != VARLEN:
+        return f"the {_active} attention takes each micro-batch's longest row from the host"
+    if not _torch_varlen_ok or not all(_torch_varlen_ok.values()):
+        return "torch's varlen kernel is not usable here, and the per-row attention reads the row lengths back"
+    return None
+
+
 def packed_attention_kwargs(row_lengths: tuple[int, ...], device: torch.device) -> dict:
     """Forward kwargs that tell the attention where the packed rows start and end (an SDPA or eager model ignores
     them: transformers' masking derives a block-diagonal causal mask from position_ids instead)."""

@@ -89,12 +89,13 @@ def fuse_elementwise(
     *,
     announce: bool = True,
     backend: Optional[str] = None,
+    cuda_graphs: bool = False,
 ) -> nn.Module:
     """Compile `model`'s decoder layers in place when `compile_layers` (compile_wanted's answer), else patch Liger's
     kernels in when training.liger_kernels allows it (see the module doc); returns `model`. One line says what was
-    done, on the main rank."""
+    done, on the main rank. `cuda_graphs`: the compiled layers are captured as CUDA graphs (models/graphs.py)."""
     if compile_layers:
-        return compile_decoder_layers(model, device, announce=announce, backend=backend)
+        return compile_decoder_layers(model, device, announce=announce, backend=backend, cuda_graphs=cuda_graphs)
     liger = apply_liger_kernels(model, device) if liger_setting == "auto" else None
     if liger and announce:
         print(f"🧩 Liger RMSNorm/SwiGLU/RoPE kernels patched into the {liger} layers (eager).", flush=True)
@@ -102,10 +103,16 @@ def fuse_elementwise(
 
 
 def compile_decoder_layers(
-    model: nn.Module, device: torch.device, *, announce: bool = True, backend: Optional[str] = None
+    model: nn.Module,
+    device: torch.device,
+    *,
+    announce: bool = True,
+    backend: Optional[str] = None,
+    cuda_graphs: bool = False,
 ) -> nn.Module:
     """Compile `model`'s decoder layers in place; returns `model`. `backend`: torch.compile's (else
-    $PHALANX_COMPILE_BACKEND, else 'inductor')."""
+    $PHALANX_COMPILE_BACKEND, else 'inductor'). `cuda_graphs`: inductor captures each compiled layer as CUDA graphs
+    (its 'reduce-overhead' trees; on CUDA only, and only inductor captures)."""
     from phalanx.models.blocks import decoder_layers  # the same units FSDP wraps
 
     layers = decoder_layers(model)
@@ -117,19 +124,27 @@ def compile_decoder_layers(
         return model
     backend = backend or os.environ.get(BACKEND_ENV) or "inductor"
     cpp_wrapper = backend == "inductor" and os.environ.get(CPP_WRAPPER_ENV) == "1"
+    graphs = cuda_graphs and backend == "inductor" and device.type == "cuda"
+    options = {**({"cpp_wrapper": True} if cpp_wrapper else {}), **({"triton.cudagraphs": True} if graphs else {})}
     layers_compiled()  # packed rows' ends reach the layers as a tensor only: no recompile per number of rows
     for layer in layers:
         # Not fullgraph: a layer whose code dynamo cannot trace in one graph (a 4-bit base, an adapter variant)
         # still runs, in pieces. dynamic: micro-batches change length every step (packed: the sum of their rows;
         # padded: the longest row), so the token dimension is traced as symbolic from the first step instead of
         # compiling a static graph first and recompiling at the second length.
-        layer.compile(backend=backend, dynamic=True, options={"cpp_wrapper": True} if cpp_wrapper else None)
+        layer.compile(backend=backend, dynamic=True, options=options or None)
     if announce:
         print(
             f"🧩 Compiled {len(layers)} {type(layers[0]).__name__} layers one by one (torch.compile, {backend}"
-            f"{', C++ wrapper' if cpp_wrapper else ''}); the first steps include compilation.",
+            f"{', C++ wrapper' if cpp_wrapper else ''}{', CUDA graphs' if graphs else ''}); the first steps include "
+            "compilation.",
             flush=True,
         )
+        if cuda_graphs and not graphs:
+            where = f"the {backend} backend" if backend != "inductor" else f"a {device.type} device"
+            print(
+                f"🧩 training.cuda_graphs: no CUDA graphs on {where} (inductor captures them on CUDA only).", flush=True
+            )
     return model
 
 

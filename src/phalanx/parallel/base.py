@@ -58,6 +58,9 @@ class Strategy:
         self.scaler = torch.amp.GradScaler("cuda") if precision.needs_scaler else None
         self.model: Optional[nn.Module] = None
         self.optimizer: Optional[torch.optim.Optimizer] = None
+        # Zero gradients in place after a step instead of freeing them: CUDA-graphed layers with several passes per
+        # step need .grad outside the graphs' memory (models/graphs.py).
+        self.keep_gradients = False
 
     @classmethod
     def from_config(cls, rank: RankInfo, precision: Precision, cfg: RunConfig) -> "Strategy":
@@ -116,7 +119,7 @@ class Strategy:
             self.scaler.update()
         else:
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not self.keep_gradients)
         return norm.detach()
 
     def clip_gradients(self, max_grad_norm: float) -> torch.Tensor:
@@ -135,7 +138,7 @@ class Strategy:
     def discard_gradients(self) -> None:
         """Drop this step's gradients without applying them (a skipped step)."""
         assert self.optimizer is not None
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not self.keep_gradients)
 
     # Saving. Strategies that shard override these; every rank calls them (they may be collective).
     shards_state = False  # True: resume state is written per rank by save_sharded, not optimizer.pt from rank 0

@@ -9,6 +9,7 @@ import torch
 
 from phalanx.data.collate import batch_counts, merge_packed, to_device
 from phalanx.errors import PhalanxError
+from phalanx.models.graphs import say_graph_skips
 from phalanx.runtime.dist import all_reduce_sum
 from phalanx.runtime.faults import kill_self
 from phalanx.runtime.signals import Preempted
@@ -50,6 +51,8 @@ def train_step(run: Run, micro_batches: list[dict], after_a_save: bool = False) 
     device, strategy, step = run.rank.device, run.strategy, run.state.global_step + 1
     if run.merge_tokens:  # fewer, larger passes over the same rows (training.merge_micro_batches)
         micro_batches = merge_packed(micro_batches, run.merge_tokens)
+    if run.graph_shapes:  # the few shapes CUDA-graphed layers were captured for (training.cuda_graphs)
+        micro_batches = [run.graph_shapes.pad(mb) for mb in micro_batches]
     local = [batch_counts(mb) for mb in micro_batches]
     counts = all_reduce_sum(
         torch.tensor(
@@ -63,6 +66,8 @@ def train_step(run: Run, micro_batches: list[dict], after_a_save: bool = False) 
     loss_total = torch.zeros((), dtype=torch.float64, device=device)
     for i, mb in enumerate(micro_batches):
         mb = to_device(mb, device)
+        if run.graph_shapes:
+            run.graph_shapes.begin_pass()
         with strategy.micro_step(sync_gradients=i == len(micro_batches) - 1):
             with strategy.autocast():
                 loss_sum = inject_fault(run, step, token_loss_sum(run.model, mb))
@@ -98,7 +103,9 @@ def run_eval(run: Run) -> dict | None:
         return None
     step = run.state.global_step
     set_phase(run.rank.rank, f"evaluating at step {step}")
-    metrics = evaluate(run.strategy.eval_model(), run.eval_batches, run.rank.device, run.strategy.autocast)
+    metrics = evaluate(
+        run.strategy.eval_model(), run.eval_batches, run.rank.device, run.strategy.autocast, shapes=run.graph_shapes
+    )
     run.state.last_eval_loss = metrics["loss"]
     run.reporter.log(step, metrics, kind="eval")
     run.reporter.say(f"✅ Eval at step {step} | loss: {metrics['loss']:.4f} | perplexity: {metrics['perplexity']:.2f}")
@@ -158,6 +165,8 @@ def train(run: Run) -> None:
             if not started:
                 set_collective_timeout(cfg.distributed.timeout_minutes)  # start-up (and the first step) is over
                 started = True
+                if run.graph_shapes:
+                    say_graph_skips(run.rank.device, reporter.say)
             state.global_step += 1
             state.tokens_seen += metrics["target_tokens"]
             state.add_loss(metrics["loss"])

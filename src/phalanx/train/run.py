@@ -34,7 +34,7 @@ from phalanx.checkpoint.resume import (
 )
 from phalanx.config.schema import ModelConfig, RunConfig
 from phalanx.data.collate import collate as collate_rows
-from phalanx.data.collate import merge_budget, passes_per_step
+from phalanx.data.collate import merge_budget, micro_batch_bound, passes_per_step
 from phalanx.data.prepare import PreparedData, describe_report, prepare_data
 from phalanx.data.sampler import (
     StatefulDistributedSampler,
@@ -45,8 +45,9 @@ from phalanx.data.sampler import (
 )
 from phalanx.errors import ConfigError
 from phalanx.models.adapters import apply_finetuning, trainable_parameter_count
-from phalanx.models.attention import enable_varlen_attention, packing_unsupported_reason
+from phalanx.models.attention import enable_varlen_attention, graph_unsafe_reason, packing_unsupported_reason
 from phalanx.models.compile import compile_wanted, fuse_elementwise
+from phalanx.models.graphs import GraphShapes, allocate_gradients
 from phalanx.models.load import cache_root, four_bit_compute_dtype, load_model, load_tokenizer, quantization_config
 from phalanx.models.lora_fused import keep_casts
 from phalanx.observe.memory import peak_memory_mb
@@ -92,6 +93,7 @@ class Run:
     resumed_from: Optional[Path] = None
     consecutive_skips: int = 0
     merge_tokens: Optional[int] = None  # most tokens per forward/backward pass when a step's micro-batches merge
+    graph_shapes: Optional[GraphShapes] = None  # the shapes passes are padded to for CUDA-graphed layers
 
     def steps_of_epoch(self) -> Iterator[list[dict]]:
         """This epoch's remaining micro-batches, grouped per optimizer step (the last group may be short)."""
@@ -364,7 +366,8 @@ def build_run(
             "--training.merge_tokens sets the size, --training.merge_micro_batches false runs one per micro-batch).",
             flush=True,
         )
-    compile_layers = compile_wanted(
+    graph_shapes = choose_graph_shapes(cfg, rank, packing, merge_tokens, tokenizer.pad_token_id)
+    compile_layers = cfg.training.cuda_graphs or compile_wanted(
         cfg.training.compile,
         rank.device,
         plain_lora=cfg.model.finetune == "lora" and quantization is None,
@@ -372,18 +375,29 @@ def build_run(
         strategy=cfg.distributed.strategy,
         micro_batches=total_steps * passes_per_step(cfg, merge_tokens),  # the passes compiled layers run
     )
-    if compile_layers and cfg.training.compile == "auto" and rank.is_main:
+    if compile_layers and cfg.training.compile == "auto" and not cfg.training.cuda_graphs and rank.is_main:
         print(
             f"🧩 training.compile auto: compiling, as this LoRA run on CUDA is {total_steps:,} optimizer steps long, "
             "enough to pay back the warm-up (--training.compile false keeps the layers eager).",
             flush=True,
         )
     # After activation checkpointing, before the strategy wraps the model.
-    model = fuse_elementwise(model, compile_layers, cfg.training.liger_kernels, rank.device, announce=rank.is_main)
+    model = fuse_elementwise(
+        model,
+        compile_layers,
+        cfg.training.liger_kernels,
+        rank.device,
+        announce=rank.is_main,
+        cuda_graphs=graph_shapes is not None,
+    )
     strategy = make_strategy(rank, precision, cfg.distributed.ddp_comm_hook, cfg=cfg)
     make = partial(make_optimizer, cfg=cfg.training, fused_on_cuda=cfg.distributed.strategy != "deepspeed")
     model, optimizer = strategy.prepare(model, make)
     keep_casts(model, optimizer, precision.dtype, strategy.name, compiled=compile_layers)
+    if graph_shapes is not None and cfg.training.gradient_accumulation_steps > 1:
+        # Gradients summed over a step's passes live outside the graphs' memory (models/graphs.py).
+        allocate_gradients(p for group in optimizer.param_groups for p in group["params"])
+        strategy.keep_gradients = True
 
     eval_batches = None
     if data.eval is not None and len(data.eval) > 0:
@@ -448,6 +462,7 @@ def build_run(
         resumed_from=resume_from,
         preemption=preemption,
         merge_tokens=merge_tokens,
+        graph_shapes=graph_shapes,
     )
     announce(run)
     return run
@@ -459,6 +474,34 @@ def describe_4bit_base(m: ModelConfig, run_dtype: Optional[torch.dtype]) -> str:
     compute = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(four_bit_compute_dtype(m, run_dtype), "fp32")
     quant = f"{m.bnb_4bit_quant_type}{' double-quantized' if m.bnb_4bit_use_double_quant else ''}"
     return f" on a 4-bit {quant} base computing in {compute}"
+
+
+def choose_graph_shapes(
+    cfg: RunConfig, rank: rt.RankInfo, packing: bool, merge_tokens: Optional[int], pad_token_id: int
+) -> Optional[GraphShapes]:
+    """The shapes passes are padded to when training.cuda_graphs is on (models/graphs.py), or None. Off, with a line
+    that says why, where the packed attention cannot be captured (models/attention.py:graph_unsafe_reason)."""
+    if not cfg.training.cuda_graphs:
+        return None
+    if not packing:
+        raise ConfigError(
+            f"training.cuda_graphs needs packed micro-batches, and {cfg.model.model_name} trains padded (the line "
+            "above says why); drop --training.cuda_graphs"
+        )
+    reason = graph_unsafe_reason(rank.device)
+    if reason is not None:
+        if rank.is_main:
+            print(f"📐 training.cuda_graphs off: {reason}; the layers are compiled without graphs.", flush=True)
+        return None
+    t = cfg.training
+    shapes = GraphShapes.for_run(
+        merge_tokens or micro_batch_bound(cfg),
+        None if (t.batch_tokens or merge_tokens) else max(t.batch_size, cfg.eval.eval_batch_size or 0),
+        pad_token_id,
+    )
+    if rank.is_main:
+        print(f"📐 training.cuda_graphs: {shapes.describe()}.", flush=True)
+    return shapes
 
 
 def announce(run: Run) -> None:
