@@ -3,7 +3,8 @@
 #   benchmarks/gpu_suite.sh                 # `arms`: every arm of issue 15 in one call of at most 600 s
 #   SUITE_SECONDS=300 ORDER=hf-first ARMS=lora-plain PROFILE=1 benchmarks/gpu_suite.sh   # one order, a profile
 #   benchmarks/gpu_suite.sh versions|smoke|speed|speed-hf-first|profile|profile-compile|qlora|strategies|strategies-full|
-#                           generate|compile|compile-lora|compile-full|vs-hf|profile-eager|seeds|lora-tests|arms ...
+#                           generate|compile|compile-lora|compile-full|vs-hf|vs-hf-graphs|profile-eager|seeds|lora-tests|
+#                           arms ...
 # Wheels the GPU image lacks travel in .whl/ (trl, liger-kernel, and pydantic/datasets where missing; see
 # benchmarks/RESULTS.md); OUT (optional) collects the logs, and RESULTS-append.md: the entries the scripts appended
 # to benchmarks/RESULTS.md there, to append here (the device's copy of the tree does not come back).
@@ -103,6 +104,11 @@ for part in $parts; do
     vs-hf)  # the LoRA default against Trainer+PEFT and TRL (padding-free + Liger, no checkpointing), ORDER's orders
       step vs-hf 250 python3 benchmarks/train_vs_hf.py --gpu-shape r1-distill-qwen-1.5b --steps 14 --warmup 4 \
         --orders "${ORDER:-both}" --with-trl --note "gpu_suite vs-hf" ;;
+    vs-hf-graphs)  # phalanx with CUDA graphs over compiled layers (training.cuda_graphs, not the default) against
+           # Trainer+PEFT, both orders: 30 steps, 15 of warm-up (compiling and capturing the first shapes)
+      step vs-hf-graphs 420 python3 benchmarks/train_vs_hf.py --gpu-shape r1-distill-qwen-1.5b --steps 30 --warmup 15 \
+        --orders "${ORDER:-both}" --phalanx-flags "--training.cuda_graphs true" \
+        --note "gpu_suite vs-hf-graphs: phalanx with --training.cuda_graphs true" ;;
     compile|compile-lora|compile-full)  # compiled layers against the eager default at 40 steps, 20 of warm-up (CUDA
            # graphs capture each new micro-batch shape at its first use): LoRA (compile-lora: CUDA graphs, then the C++
            # kernel launcher, then compiled and eager), full fine-tuning (compile-full) or both (compile). Warm-up is
