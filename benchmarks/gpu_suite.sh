@@ -3,7 +3,7 @@
 #   benchmarks/gpu_suite.sh                 # `arms`: every arm of issue 15 in one call of at most 600 s
 #   SUITE_SECONDS=300 ORDER=hf-first ARMS=lora-plain PROFILE=1 benchmarks/gpu_suite.sh   # one order, a profile
 #   benchmarks/gpu_suite.sh versions|smoke|speed|speed-hf-first|profile|profile-compile|qlora|strategies|strategies-full|
-#                           generate|compile|compile-lora|compile-full|vs-hf|vs-hf-graphs|profile-eager|seeds|lora-tests|
+#                           generate|compile|compile-lora|compile-full|vs-hf|vs-hf-graphs|profile-eager|profile-graphs|seeds|lora-tests|
 #                           arms ...
 # Wheels the GPU image lacks travel in .whl/ (trl, liger-kernel, and pydantic/datasets where missing; see
 # benchmarks/RESULTS.md); OUT (optional) collects the logs, and RESULTS-append.md: the entries the scripts appended
@@ -131,7 +131,8 @@ for part in $parts; do
         --note "gpu_suite seeds: batch 1 x 8 micro-batches, merged and not"
       step seeds-vs-hf 320 python3 benchmarks/train_vs_hf.py --gpu-shape r1-distill-qwen-1.5b --steps 6 --warmup 2 \
         --batch_size 1 --grad_accum 8 --orders "${ORDER:-both}" --with-trl --note "gpu_suite seeds: the seeds' batch 1 x 8" ;;
-    profile-eager|profile-compile)  # where a LoRA step's time and host waits go, eager (the default) or compiled
+    profile-eager|profile-compile|profile-graphs)  # where a LoRA step's time and host waits go: eager (the default),
+           # compiled, or compiled and captured as CUDA graphs
            # (135 syncs and 341 copies per compiled step on 2026-11-27: from where?)
       model_folder
       [ "$part" = profile-eager ] && step profile-eager 100 python3 benchmarks/profile_step.py --skip 4 --rows 22 --waits -- \
@@ -143,6 +144,12 @@ for part in $parts; do
         --model_name /tmp/phalanx-bench/r1-distill-qwen-1.5b-random --max_steps 7 --batch_size 4 --max_length 2048 \
         --mixed_precision bf16 --test_size 0 --eval_steps 1000000000 --save_steps 1000000000 --training.compile true \
         --logging.progress_bar false --logging.tensorboard false --output_dir /tmp/phalanx-bench/profile-compile \
+        --overwrite_output_dir true
+      # CUDA graphs over the compiled layers: 12 steps before the profile, so that most shapes are captured.
+      [ "$part" = profile-graphs ] && step profile-graphs 150 python3 benchmarks/profile_step.py --skip 12 --rows 22 --waits -- \
+        --model_name /tmp/phalanx-bench/r1-distill-qwen-1.5b-random --max_steps 15 --batch_size 4 --max_length 2048 \
+        --mixed_precision bf16 --test_size 0 --eval_steps 1000000000 --save_steps 1000000000 --training.cuda_graphs true \
+        --logging.progress_bar false --logging.tensorboard false --output_dir /tmp/phalanx-bench/profile-graphs \
         --overwrite_output_dir true ;;
     generate)  # generation alone, at the seeds' shape, both decoding caches (about 2 minutes with the model build)
       step generate 240 python3 benchmarks/generate_vs_loop.py --device cuda --dtype bfloat16 --gpu-shape r1-distill-qwen-1.5b \

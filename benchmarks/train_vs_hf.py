@@ -464,9 +464,36 @@ def busy_threads(census: dict) -> list[int]:
 OTHERS: dict[str, tuple[float, float]] = {}  # label -> (core-seconds other processes used during the run, run wall)
 
 
+def gpu_state() -> Optional[str]:
+    """The GPU as a run starts: busy, clock, temperature, power, and processes still holding memory (None: no
+    nvidia-smi). The Trainer's step took 2.3x longer after phalanx than after TRL (RESULTS 2026-11-27 05:54): a
+    process left behind, or a hot, clocked-down GPU, shows here."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+
+    def query(*args: str) -> list[str]:
+        try:
+            out = subprocess.run(
+                ["nvidia-smi", *args, "--format=csv,noheader"], capture_output=True, text=True, timeout=20
+            )
+        except (OSError, subprocess.SubprocessError) as exc:
+            return [f"nvidia-smi failed: {exc}"]
+        return [line.strip() for line in out.stdout.splitlines() if line.strip()]
+
+    gpus = query("--query-gpu=utilization.gpu,clocks.sm,clocks_throttle_reasons.active,temperature.gpu,power.draw")
+    apps = query("--query-compute-apps=pid,process_name,used_memory")
+    return (
+        f"GPU (busy, SM clock, throttle reasons, temperature, power): {'; '.join(gpus)}; "
+        f"{len(apps)} process(es) holding GPU memory{': ' + '; '.join(apps) if apps else ''}"
+    )
+
+
 def run_logged(cmd: list[str], env: dict, log: Path, label: str) -> tuple[float, float, float]:
     """Run `cmd` with its output in `log`; return (wall seconds, launch time, exit time). Exit on failure with the log's tail."""
     print(f"\n$ {shlex.join(cmd)}", flush=True)
+    state = gpu_state()
+    if state:
+        print(f"   before {label}: {state}", flush=True)
     import threading
 
     for facts in (
