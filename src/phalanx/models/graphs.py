@@ -28,8 +28,8 @@ from phalanx.data.collate import pad_packed
 
 # Shapes per token bound: the token step is the bound over this (rounded up to TOKEN_ALIGN), so a run captures at
 # most this many token counts for each row count. Fewer shapes capture sooner; more waste less compute on padding
-# (on average half a step per micro-batch: 256 of ~3,800 tokens at the seeds' batch 4, where the device is idle half
-# of the step anyway).
+# (on average half a step per micro-batch: about 290 of ~3,800 tokens at the seeds' batch 4, a step of 576, where the
+# device is idle half of the step anyway).
 SHAPES_PER_BOUND = 16
 TOKEN_ALIGN = 64
 
