@@ -3,8 +3,8 @@
 #   benchmarks/gpu_suite.sh                 # `arms`: every arm of issue 15 in one call of at most 600 s
 #   SUITE_SECONDS=300 ORDER=hf-first ARMS=lora-plain PROFILE=1 benchmarks/gpu_suite.sh   # one order, a profile
 #   benchmarks/gpu_suite.sh versions|smoke|speed|speed-hf-first|profile|profile-compile|qlora|strategies|strategies-full|
-#                           generate|compile|compile-lora|compile-full|vs-hf|vs-hf-graphs|profile-eager|profile-graphs|seeds|lora-tests|
-#                           arms ...
+#                           generate|compile|compile-lora|compile-full|vs-hf|vs-hf-graphs|graphs|profile-eager|
+#                           profile-graphs|seeds|lora-tests|arms ...
 # Wheels the GPU image lacks travel in .whl/ (trl, liger-kernel, and pydantic/datasets where missing; see
 # benchmarks/RESULTS.md); OUT (optional) collects the logs, and RESULTS-append.md: the entries the scripts appended
 # to benchmarks/RESULTS.md there, to append here (the device's copy of the tree does not come back).
@@ -104,6 +104,17 @@ for part in $parts; do
     vs-hf)  # the LoRA default against Trainer+PEFT and TRL (padding-free + Liger, no checkpointing), ORDER's orders
       step vs-hf 250 python3 benchmarks/train_vs_hf.py --gpu-shape r1-distill-qwen-1.5b --steps 14 --warmup 4 \
         --orders "${ORDER:-both}" --with-trl --note "gpu_suite vs-hf" ;;
+    graphs)  # training.cuda_graphs in one call (about 6 minutes): the graphed layers against compiled and eager ones
+           # (40 steps, 20 of warm-up, as compile-lora), then against Trainer+PEFT in the order that missed 2.0x
+           # (hf-first; ORDER changes it), then what the runs said about their graphs and every error.
+      step phalanx-arms-graphs 240 env TORCH_LOGS=recompiles,graph_breaks python3 benchmarks/phalanx_arms.py \
+        --gpu-shape r1-distill-qwen-1.5b --arms "${ARMS:-lora-graphs,lora-compile,lora}" --steps 40 --warmup 20 \
+        --arm-timeout 120 --work_dir /tmp/phalanx-bench --note "gpu_suite graphs: CUDA graphs against compiled and eager"
+      step vs-hf-graphs 280 python3 benchmarks/train_vs_hf.py --gpu-shape r1-distill-qwen-1.5b --steps 30 --warmup 15 \
+        --orders "${ORDER:-hf-first}" --phalanx-flags "--training.cuda_graphs true" \
+        --note "gpu_suite graphs: phalanx with --training.cuda_graphs true"
+      find /tmp/phalanx-bench -maxdepth 2 -name "*.log" -print0 | xargs -0 -r grep -H -E "📐|⚠️|cudagraph|CUDAGraph|Error|Traceback" \
+        | cut -c1-300 | head -n 40 ;;
     vs-hf-graphs)  # phalanx with CUDA graphs over compiled layers (training.cuda_graphs, not the default) against
            # Trainer+PEFT, both orders: 30 steps, 15 of warm-up (compiling and capturing the first shapes)
       step vs-hf-graphs 420 python3 benchmarks/train_vs_hf.py --gpu-shape r1-distill-qwen-1.5b --steps 30 --warmup 15 \
