@@ -248,13 +248,16 @@ def test_eval_loss_is_the_same_packed_and_padded():
     assert abs(a["loss"] - b["loss"]) < 1e-6
 
 
-def test_a_training_step_reads_the_device_once_and_the_grad_norm_only_when_logged(monkeypatch):
+@pytest.mark.parametrize("graphs", [False, True], ids=["plain", "cuda-graph-shapes"])
+def test_a_training_step_reads_the_device_once_and_the_grad_norm_only_when_logged(monkeypatch, graphs):
     """phalanx's own code reads one value set from the device per step (the global loss the NaN decision needs, with
     the token counts); counts come from the collator, the normalisation stays a device tensor, and the gradient
-    norm is returned unread. (On CPU nothing waits; the count is what a GPU would wait for.)"""
+    norm is returned unread. (On CPU nothing waits; the count is what a GPU would wait for.) The same with
+    training.cuda_graphs' padding and gradients kept in place: both are host work."""
     import sys
     from types import SimpleNamespace
 
+    from phalanx.models.graphs import GraphShapes, allocate_gradients
     from phalanx.parallel.base import Precision, Strategy
     from phalanx.runtime.dist import RankInfo
     from phalanx.train.loop import train_step
@@ -277,7 +280,11 @@ def test_a_training_step_reads_the_device_once_and_the_grad_norm_only_when_logge
         cfg=SimpleNamespace(training=SimpleNamespace(max_grad_norm=1.0)),
         scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
         merge_tokens=None,
+        graph_shapes=GraphShapes.for_run(512, 2, 0) if graphs else None,
     )
+    if graphs:
+        allocate_gradients(p for p in model.parameters() if p.requires_grad)
+        strategy.keep_gradients = True
     examples = rows(256, lengths=(50, 17, 90, 33))
     micro_batches = [collate(examples[:2], 0, packing=True), collate(examples[2:], 0, packing=True)]
     reads = []
