@@ -508,3 +508,24 @@ def test_a_bf16_lora_run_on_one_gpu_counts_its_kept_adapter_casts(llama_7b):
     assert single.detail["working_params"] == 2 * m.trainable_params
     assert single.params == single.detail["resident_params"] + 2 * m.trainable_params
     assert single.peak >= single.params + single.optimizer + single.activations
+
+
+def test_cuda_graphs_price_the_padded_pass_on_a_gpu(llama_7b):
+    """training.cuda_graphs pads each packed pass to a fixed shape (models/graphs.py): on a GPU the plan prices the
+    largest padded pass, with its padding rows (batch 4 x 2,048: 8,192 tokens and a padding row, up to a multiple of
+    576 = 8,640), and more activation memory than the unpadded pass. A CPU run pads (and compiles) too, capturing
+    nothing: its plan prices the same pass."""
+    flags = {"model.model_name": llama_7b, "training.batch_size": 4, "data.max_length": 2048}
+    plain, graphs = load_config(None, flags), load_config(None, {**flags, "training.cuda_graphs": True})
+    facts = model_facts(plain)
+    rows = {}
+    for name, cfg in (("plain", plain), ("graphs", graphs)):
+        setup = setup_from_config(cfg, "cuda")
+        rows[name] = next(
+            r for r in strategy_rows(facts, setup, device_memory=80 * GiB) if r.strategy == "single process"
+        )
+        rows[name + "-tokens"] = setup.packed_tokens
+    assert rows["plain-tokens"] == 8192 and rows["graphs-tokens"] == 8640
+    assert rows["graphs"].activations > rows["plain"].activations
+    assert setup_from_config(graphs, "cuda").compiled  # graphs are the compiled layers'
+    assert setup_from_config(graphs, "cpu").packed_tokens == 8640

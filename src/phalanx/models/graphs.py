@@ -24,7 +24,8 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from phalanx.data.collate import pad_packed
+from phalanx.config.schema import RunConfig
+from phalanx.data.collate import micro_batch_bound, pad_packed
 
 # Shapes per token bound: the token step is the bound over this (rounded up to TOKEN_ALIGN), so a run captures at
 # most this many token counts for each row count. Fewer shapes capture sooner; more waste less compute on padding
@@ -50,6 +51,19 @@ class GraphShapes:
         step = -(-(token_bound + slots) // SHAPES_PER_BOUND)  # a full micro-batch and its padding rows fit 16 steps
         step = -(-step // TOKEN_ALIGN) * TOKEN_ALIGN
         return cls(token_step=step, row_slots=slots, pad_token_id=pad_token_id)
+
+    @classmethod
+    def for_config(cls, cfg: RunConfig, merge_tokens: Optional[int], pad_token_id: int) -> "GraphShapes":
+        """The shapes of a run's passes: its token bound (a merged pass's, else a micro-batch's), and its rows where
+        batch_size bounds them (training and evaluation batches), not where a token budget or a merge packs any
+        number."""
+        t = cfg.training
+        rows = None if (t.batch_tokens or merge_tokens) else max(t.batch_size, cfg.eval.eval_batch_size or 0)
+        return cls.for_run(merge_tokens or micro_batch_bound(cfg), rows, pad_token_id)
+
+    def largest(self, tokens: int) -> int:
+        """Tokens of the largest padded pass over passes of at most `tokens` tokens in fewer than row_slots rows."""
+        return self.shape(tokens, self.row_slots - 1)[0]
 
     def shape(self, tokens: int, rows: int) -> tuple[int, int]:
         """(tokens, rows) a micro-batch of `tokens` tokens in `rows` rows is padded to: at least one padding row, and

@@ -17,6 +17,7 @@ from phalanx.config.schema import UNMERGED_STRATEGIES, RunConfig
 from phalanx.data.collate import merge_budget, passes_per_step
 from phalanx.errors import ConfigError
 from phalanx.models.compile import compile_wanted
+from phalanx.models.graphs import GraphShapes
 from phalanx.models.lora_fused import REDRAW_MASK_ON
 from phalanx.parallel.deepspeed import reduce_bucket_elements
 from phalanx.plan.model import ModelFacts
@@ -120,6 +121,7 @@ class Setup:
     token_budget: Optional[int] = None  # training.batch_tokens: packed micro-batches of at most this many tokens
     compiled: bool = False  # training.compile applies on this device (models/compile.py)
     merge_tokens: Optional[int] = None  # a step's micro-batches run as passes of at most this many tokens (merged)
+    graph_shapes: Optional[GraphShapes] = None  # training.cuda_graphs: passes padded to fixed shapes
 
     @property
     def tokens(self) -> int:
@@ -134,8 +136,8 @@ class Setup:
         if one is None:
             one = min(self.data_tokens, self.tokens) if self.data_tokens is not None else self.tokens
         if self.merge_tokens is not None:  # merged passes (training.merge_micro_batches): up to a step's rows
-            return max(one, min(self.merge_tokens, one * self.accumulation))
-        return one
+            one = max(one, min(self.merge_tokens, one * self.accumulation))
+        return self.graph_shapes.largest(one) if self.graph_shapes else one  # with its padding rows (models/graphs.py)
 
     def targets(self, tokens: int) -> int:
         """Positions that reach the output head: the data's count, else every position (an upper bound)."""
@@ -156,6 +158,7 @@ def setup_from_config(cfg: RunConfig, device: str) -> Setup:
         # with an fp32 scale per 256 of them.
         four_bit = 0.5 + (1 / 64 + 4 / (64 * 256) if cfg.model.bnb_4bit_use_double_quant else 4 / 64)
     merge = merge_budget(cfg, torch.device(device), cfg.data.packing)
+    graphs = cfg.training.cuda_graphs and cfg.data.packing  # padded and compiled on any device, captured on CUDA
     return Setup(
         device=device,
         compute_bytes=compute,
@@ -169,8 +172,10 @@ def setup_from_config(cfg: RunConfig, device: str) -> Setup:
         packing=cfg.data.packing,
         token_budget=getattr(cfg.training, "batch_tokens", None),
         merge_tokens=merge,
+        graph_shapes=GraphShapes.for_config(cfg, merge, pad_token_id=0) if graphs else None,
         # 'auto' compiles long runs (models/compile.py); the plan knows a run's length only from max_steps.
-        compiled=compile_wanted(
+        compiled=graphs
+        or compile_wanted(
             cfg.training.compile,
             torch.device(device),
             plain_lora=cfg.model.finetune == "lora" and not four_bit,

@@ -34,7 +34,7 @@ from phalanx.checkpoint.resume import (
 )
 from phalanx.config.schema import ModelConfig, RunConfig
 from phalanx.data.collate import collate as collate_rows
-from phalanx.data.collate import merge_budget, micro_batch_bound, passes_per_step
+from phalanx.data.collate import merge_budget, passes_per_step
 from phalanx.data.prepare import PreparedData, describe_report, prepare_data
 from phalanx.data.sampler import (
     StatefulDistributedSampler,
@@ -493,12 +493,7 @@ def choose_graph_shapes(
         if rank.is_main:
             print(f"📐 training.cuda_graphs off: {reason}; the layers are compiled without graphs.", flush=True)
         return None
-    t = cfg.training
-    shapes = GraphShapes.for_run(
-        merge_tokens or micro_batch_bound(cfg),
-        None if (t.batch_tokens or merge_tokens) else max(t.batch_size, cfg.eval.eval_batch_size or 0),
-        pad_token_id,
-    )
+    shapes = GraphShapes.for_config(cfg, merge_tokens, pad_token_id)
     if rank.is_main:
         print(f"📐 training.cuda_graphs: {shapes.describe()}.", flush=True)
     return shapes
