@@ -105,6 +105,7 @@ def test_gradients_summed_over_passes_stay_in_the_buffers_allocated_up_front():
     assert model[0].weight.grad is None  # frozen: nothing allocated
 
 
+@pytest.mark.system
 def test_a_cli_run_with_cuda_graphs_trains_and_evaluates_as_a_compiled_run_without_them(tmp_path):
     """Two micro-batches per step (gradients kept in place), evaluation at a larger batch (other row counts), no
     dropout: every logged loss, gradient norm and eval loss equals the run without graphs. On CPU no graph is
