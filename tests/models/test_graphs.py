@@ -3,7 +3,7 @@
 The graphs themselves exist on CUDA only (benchmarks/gpu_suite.sh compile-lora measures them). Here: every packed
 micro-batch is padded to one of a few shapes; the padding changes no loss, no gradient and no count, through the
 eager per-row attention and through compiled layers; gradients summed over several passes stay in the buffers
-allocated before the first step; and a real CLI run with graphs asked for trains and evaluates exactly as a
+allocated before the first step; and a real 2-rank DDP CLI run with graphs asked for trains and evaluates exactly as a
 compiled run without them.
 """
 
@@ -106,10 +106,11 @@ def test_gradients_summed_over_passes_stay_in_the_buffers_allocated_up_front():
 
 
 @pytest.mark.system
+@pytest.mark.distributed
 def test_a_cli_run_with_cuda_graphs_trains_and_evaluates_as_a_compiled_run_without_them(tmp_path):
-    """Two micro-batches per step (gradients kept in place), evaluation at a larger batch (other row counts), no
-    dropout: every logged loss, gradient norm and eval loss equals the run without graphs. On CPU no graph is
-    captured; the run says so."""
+    """2 DDP ranks, two micro-batches per step (gradients kept in place, then re-pointed into DDP's buckets),
+    evaluation at a larger batch (other row counts), no dropout: every logged loss, gradient norm and eval loss
+    equals the run without graphs. On CPU no graph is captured; the run says so."""
     data = write_chat_jsonl(tmp_path / "rows.jsonl", 16)
     logs = {}
     for name, graphs in (("graphs", "true"), ("plain", "false")):
@@ -119,7 +120,7 @@ def test_a_cli_run_with_cuda_graphs_trains_and_evaluates_as_a_compiled_run_witho
             *("--batch_size", "2", "--gradient_accumulation_steps", "2", "--eval.eval_batch_size", "3"),
             *("--test_size", "0.25", "--eval_steps", "2", "--save_steps", "1000", "--lora_dropout", "0"),
             *("--logging.tensorboard", "false", "--logging.progress_bar", "false", "--log_steps", "1"),
-            *("--training.compile", "true", "--training.cuda_graphs", graphs),
+            *("--training.compile", "true", "--training.cuda_graphs", graphs, "--world_size", "2"),
             env={"PHALANX_COMPILE_BACKEND": "aot_eager"},
             timeout=600,
         )
