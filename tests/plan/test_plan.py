@@ -528,4 +528,6 @@ def test_cuda_graphs_price_the_padded_pass_on_a_gpu(llama_7b):
     assert rows["plain-tokens"] == 8192 and rows["graphs-tokens"] == 8640
     assert rows["graphs"].activations > rows["plain"].activations
     assert setup_from_config(graphs, "cuda").compiled  # graphs are the compiled layers'
+    plan = make_plan(graphs, "cuda", 80 * GiB, read_data=False)
+    assert "8,640 tokens" in render(plan) and "padding rows included (training.cuda_graphs'" in render(plan)
     assert setup_from_config(graphs, "cpu").packed_tokens == 8640

@@ -244,6 +244,10 @@ def render(plan: Plan) -> str:
     else:
         why = "" if not s.packing else f" (packing off: {m.model_type or 'this model'} is not checked for packing)"
         batch = f"a padded micro-batch of {s.batch} x {s.seq} tokens{why}"
+    if s.graph_shapes and s.packing and m.packable:
+        batch += (
+            ", padding rows included (training.cuda_graphs' fixed shapes; a run takes them under one process or ddp)"
+        )
     head = (
         "output head and loss at target positions only, in chunks"
         if m.target_head
