@@ -1,4 +1,5 @@
-"""Merging a step's packed micro-batches (data/collate.py:merge_packed): a join is exactly the packing of its rows."""
+"""Merging a step's packed micro-batches (data/collate.py:merge_packed): a join is exactly the packing of its rows.
+Moving a pass to the device: pageable tensors are pinned before their asynchronous copy (to_device)."""
 
 import torch
 
@@ -62,3 +63,40 @@ def test_a_step_makes_as_many_passes_as_its_micro_batches_fill_at_their_bound():
     assert passes_per_step(cfg, 4096) == 4
     assert passes_per_step(cfg, 16384) == 1  # a whole step in one pass
     assert passes_per_step(cfg, 32768) == 1
+
+
+def test_a_pass_built_after_the_loader_is_pinned_before_its_asynchronous_copy_to_a_gpu(monkeypatch):
+    """The loader pins what it collates; a merged or graph-padded pass is built afterwards in pageable memory, and a
+    copy from there may wait for the GPU's stream. to_device pins such tensors first (and only those), and every copy
+    is non-blocking. No GPU here: the copies are recorded, not run."""
+    from phalanx.data.collate import to_device
+    from phalanx.models.graphs import GraphShapes
+
+    pinned, copies = set(), []
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a: id(self) in pinned)
+
+    def pin_memory(self):
+        out = self.clone()
+        pinned.add(id(out))
+        return out
+
+    def to(self, device, non_blocking=False):
+        copies.append((id(self) in pinned, non_blocking, torch.device(device).type))
+        return self
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    loaded = [collate(rows([n], seed=n), pad_token_id=0, packing=True) for n in (9, 14)]
+    for batch in loaded:  # as the DataLoader hands them over on CUDA
+        pinned.update(id(v) for v in batch.values() if torch.is_tensor(v))
+    to_device(loaded[0], torch.device("cuda"))
+    tensors = sum(torch.is_tensor(v) for v in loaded[0].values())
+    assert copies == [(True, True, "cuda")] * tensors and len(pinned) == 2 * tensors  # nothing pinned twice
+    copies.clear()
+    (merged,) = merge_packed(loaded, 64)
+    padded = GraphShapes.for_run(64, 2, 0).pad(merged)
+    to_device(padded, torch.device("cuda"))
+    assert copies == [(True, True, "cuda")] * tensors  # pinned here first
+    copies.clear()
+    to_device(padded, torch.device("cpu"))
+    assert copies == [(False, True, "cpu")] * tensors  # nothing to pin for a CPU run

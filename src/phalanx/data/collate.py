@@ -115,7 +115,17 @@ def batch_counts(batch: dict) -> tuple[int, int]:
 
 def to_device(batch: dict, device: torch.device) -> dict:
     """The batch with its tensors on `device`; host-side counts and row lengths stay as they are."""
-    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+    return {k: host_to_device(v, device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`, without making the host wait for a GPU. The loader pins what it collates, but a merged or
+    graph-padded pass and the row ends are built afterwards, in pageable memory, and a copy from pageable memory may
+    wait for the device's stream to drain first: the host would then stop launching the next pass's kernels until
+    the last pass has run. Pinned first (a host copy into the pinned cache), the copy is queued like any kernel."""
+    if device.type == "cuda" and tensor.device.type == "cpu" and not tensor.is_pinned():
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
 
 
 # What collate() puts in a packed micro-batch: merge_packed joins exactly these.

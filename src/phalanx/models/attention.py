@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from phalanx.data.collate import host_to_device
+
 VARLEN = "phalanx_varlen"
 ROW_LENGTHS = "phalanx_row_lengths"  # forward kwarg: host tuple of the packed rows' lengths
 CU_SEQ_LENS = "phalanx_cu_seq_lens"  # forward kwarg: int32 tensor [0, end of row 1, end of row 2, ...] on the device
@@ -143,7 +145,7 @@ def packed_attention_kwargs(row_lengths: tuple[int, ...], device: torch.device) 
 
 def _cu_seq_lens(row_lengths, device: torch.device) -> torch.Tensor:
     """[0, end of row 1, end of row 2, ...] as int32 on `device`: the form varlen kernels take row boundaries in."""
-    return torch.tensor([0, *_cumsum(row_lengths)], dtype=torch.int32).to(device, non_blocking=True)
+    return host_to_device(torch.tensor([0, *_cumsum(row_lengths)], dtype=torch.int32), device)
 
 
 def _cumsum(values) -> list[int]:

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from phalanx.data.collate import batch_counts, merge_packed, to_device
+from phalanx.data.collate import batch_counts, host_to_device, merge_packed, to_device
 from phalanx.errors import PhalanxError
 from phalanx.models.graphs import say_graph_skips
 from phalanx.runtime.dist import all_reduce_sum
@@ -55,9 +55,13 @@ def train_step(run: Run, micro_batches: list[dict], after_a_save: bool = False) 
         micro_batches = [run.graph_shapes.pad(mb) for mb in micro_batches]
     local = [batch_counts(mb) for mb in micro_batches]
     counts = all_reduce_sum(
-        torch.tensor(
-            [sum(t for t, _ in local), sum(i for _, i in local), float(run.preemption.requested)], dtype=torch.float64
-        ).to(device, non_blocking=True)
+        host_to_device(
+            torch.tensor(
+                [sum(t for t, _ in local), sum(i for _, i in local), float(run.preemption.requested)],
+                dtype=torch.float64,
+            ),
+            device,
+        )
     )
     if after_a_save and counts[2].item() > 0:  # a host read only on the step after a save
         return None
@@ -75,7 +79,7 @@ def train_step(run: Run, micro_batches: list[dict], after_a_save: bool = False) 
         loss_total += loss_sum.detach().double()
     # Reduced before the optimizer step, so a NaN on any rank is seen, and decided on, by all of them; with a stop
     # request that came during the forward and backward passes.
-    late = torch.tensor(float(run.preemption.requested), dtype=torch.float64).to(device, non_blocking=True)
+    late = host_to_device(torch.tensor(float(run.preemption.requested), dtype=torch.float64), device)
     global_loss, preempted_during, target_tokens, input_tokens, preempted_before = torch.cat(
         [all_reduce_sum(torch.stack([loss_total, late])), counts]
     ).tolist()
