@@ -17,7 +17,7 @@ from phalanx.config.loader import load_config, overrides_from_flags
 from phalanx.data.collate import pad_packed
 from phalanx.errors import ConfigError
 from phalanx.models.compile import compile_decoder_layers
-from phalanx.models.graphs import GraphShapes, allocate_gradients
+from phalanx.models.graphs import GraphShapes
 from phalanx.parallel import Precision, Strategy
 from phalanx.runtime.dist import RankInfo
 
@@ -92,8 +92,7 @@ def test_gradients_summed_over_passes_stay_in_the_buffers_allocated_up_front():
         model, lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=0.1)
     )
     trained = [p for group in optimizer.param_groups for p in group["params"]]
-    assert allocate_gradients(trained) == len(trained) == 3
-    strategy.keep_gradients = True
+    assert strategy.keep_gradient_buffers() == len(trained) == 3
     buffers = [p.grad for p in trained]
     assert all(g is not None and not g.any() for g in buffers)
     for _ in range(2):

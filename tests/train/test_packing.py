@@ -257,7 +257,7 @@ def test_a_training_step_reads_the_device_once_and_the_grad_norm_only_when_logge
     import sys
     from types import SimpleNamespace
 
-    from phalanx.models.graphs import GraphShapes, allocate_gradients
+    from phalanx.models.graphs import GraphShapes
     from phalanx.parallel.base import Precision, Strategy
     from phalanx.runtime.dist import RankInfo
     from phalanx.train.loop import train_step
@@ -283,8 +283,7 @@ def test_a_training_step_reads_the_device_once_and_the_grad_norm_only_when_logge
         graph_shapes=GraphShapes.for_run(512, 2, 0) if graphs else None,
     )
     if graphs:
-        allocate_gradients(p for p in model.parameters() if p.requires_grad)
-        strategy.keep_gradients = True
+        strategy.keep_gradient_buffers()
     examples = rows(256, lengths=(50, 17, 90, 33))
     micro_batches = [collate(examples[:2], 0, packing=True), collate(examples[2:], 0, packing=True)]
     reads = []

@@ -14,13 +14,13 @@ reads, are attended to by no real row. The loss, its normalisation and the gradi
 Two rules come with captured graphs. A pass's outputs live in the graphs' memory until the next pass replays over
 it, so each pass starts with `begin_pass` (torch.compiler.cudagraph_mark_step_begin). And a gradient summed over
 several passes of one step must not live there, so with more than one pass per step the trained parameters' .grad
-are allocated once (`allocate_gradients`) and zeroed in place after each step, not freed (Strategy.keep_gradients).
+are allocated once and zeroed in place after each step, not freed (Strategy.keep_gradient_buffers).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -89,17 +89,6 @@ class GraphShapes:
     def begin_pass() -> None:
         """A forward/backward pass starts: the last pass's outputs in the graphs' memory may be replayed over."""
         torch.compiler.cudagraph_mark_step_begin()
-
-
-def allocate_gradients(parameters: Iterable[torch.Tensor]) -> int:
-    """Give every trained parameter without one a zero .grad, outside the graphs' memory (see the module doc);
-    returns how many were allocated."""
-    allocated = 0
-    for p in parameters:
-        if p.requires_grad and p.grad is None:
-            p.grad = torch.zeros_like(p)
-            allocated += 1
-    return allocated
 
 
 def graph_skips() -> int:

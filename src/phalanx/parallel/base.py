@@ -58,9 +58,7 @@ class Strategy:
         self.scaler = torch.amp.GradScaler("cuda") if precision.needs_scaler else None
         self.model: Optional[nn.Module] = None
         self.optimizer: Optional[torch.optim.Optimizer] = None
-        # Zero gradients in place after a step instead of freeing them: CUDA-graphed layers with several passes per
-        # step need .grad outside the graphs' memory (models/graphs.py).
-        self.keep_gradients = False
+        self.keep_gradients = False  # zero .grad in place after a step instead of freeing it (keep_gradient_buffers)
 
     @classmethod
     def from_config(cls, rank: RankInfo, precision: Precision, cfg: RunConfig) -> "Strategy":
@@ -121,6 +119,19 @@ class Strategy:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=not self.keep_gradients)
         return norm.detach()
+
+    def keep_gradient_buffers(self) -> int:
+        """Give every trained parameter a zero .grad now and zero it in place after each step from now on, instead
+        of freeing it: gradients summed over several CUDA-graphed passes must live outside the graphs' memory
+        (models/graphs.py). Returns how many were allocated."""
+        assert self.optimizer is not None, "prepare() first"
+        allocated = 0
+        for p in (p for group in self.optimizer.param_groups for p in group["params"]):
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+                allocated += 1
+        self.keep_gradients = True
+        return allocated
 
     def clip_gradients(self, max_grad_norm: float) -> torch.Tensor:
         """Clip to max_grad_norm (0 = off) and return the pre-clip global norm; sharded strategies override it."""

@@ -47,7 +47,7 @@ from phalanx.errors import ConfigError
 from phalanx.models.adapters import apply_finetuning, trainable_parameter_count
 from phalanx.models.attention import enable_varlen_attention, graph_unsafe_reason, packing_unsupported_reason
 from phalanx.models.compile import compile_wanted, fuse_elementwise
-from phalanx.models.graphs import GraphShapes, allocate_gradients
+from phalanx.models.graphs import GraphShapes
 from phalanx.models.load import cache_root, four_bit_compute_dtype, load_model, load_tokenizer, quantization_config
 from phalanx.models.lora_fused import keep_casts
 from phalanx.observe.memory import peak_memory_mb
@@ -396,8 +396,7 @@ def build_run(
     keep_casts(model, optimizer, precision.dtype, strategy.name, compiled=compile_layers)
     if graph_shapes is not None and cfg.training.gradient_accumulation_steps > 1:
         # Gradients summed over a step's passes live outside the graphs' memory (models/graphs.py).
-        allocate_gradients(p for group in optimizer.param_groups for p in group["params"])
-        strategy.keep_gradients = True
+        strategy.keep_gradient_buffers()
 
     eval_batches = None
     if data.eval is not None and len(data.eval) > 0:
