@@ -125,6 +125,53 @@ def test_changed_config_is_shown_and_refused_unless_forced(dataset, killed, forc
     assert info["config"]["training"]["learning_rate"] == 3e-2, "the resumed run trained with the new value"
 
 
+def test_speed_and_cadence_change_on_resume_without_force(dataset, uninterrupted, killed, tmp_path):
+    """The killed run resumed with PEFT's own LoRA forward, a loader worker per rank, merged micro-batches off, and
+    saves and evaluations at another cadence: no --force, a line that names each change, the same losses (to
+    rounding) and checkpoints at the new cadence from the resumed step on."""
+    out = tmp_path / "run"
+    shutil.copytree(killed, out)
+    changes = ("--lora.kernel", "peft", "--training.loader_workers", "1", "--save_steps", "3", "--eval_steps", "2")
+    proc = train(dataset, out, *changes, "--training.merge_micro_batches", "false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "checkpoint-4 at step 4" in proc.stdout
+    line = next(s for s in proc.stdout.splitlines() if "speed or save/eval cadence only" in s)
+    for change in (
+        "lora.kernel: 'fused' -> 'peft'",
+        "training.loader_workers: None -> 1",
+        "checkpoint.save_steps: 2 -> 3",
+        "eval.eval_steps: 4 -> 2",
+        "training.merge_micro_batches: 'auto' -> 'false'",
+    ):
+        assert change in line, line
+    assert "from step 4 on" in line
+    reference = [r["loss"] for r in read_metrics(uninterrupted)]
+    resumed = [r["loss"] for r in read_metrics(out)]
+    # PEFT's forward draws the same masks, and an evaluation (now at step 6 too) draws nothing from the training RNG
+    # (its loader has its own generator; with the global one, step 7's loss moved by 0.07). Each change alone leaves
+    # the losses bit-identical; together they differ in the last bits (4e-7).
+    assert len(resumed) == 8 and max(abs(a - b) for a, b in zip(resumed, reference)) < 1e-5, (resumed, reference)
+    assert [r["step"] for r in read_metrics(out, "eval")] == [4, 6, 8]
+    assert sorted(p.name for p in out.glob("checkpoint-[0-9]*")) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    info = json.loads((out / "final_training_info.json").read_text())
+    assert info["config"]["checkpoint"]["save_steps"] == 3 and info["config"]["lora"]["kernel"] == "peft"
+
+
+def test_only_speed_and_cadence_fields_are_free_on_resume():
+    from phalanx.checkpoint.resume import config_diff, speed_and_cadence_changes
+
+    saved = {"training": {"compile": "auto", "learning_rate": 1e-4}, "checkpoint": {"save_steps": 50}}
+    faster = {"training": {"compile": "true", "learning_rate": 1e-4}, "checkpoint": {"save_steps": 10}}
+    assert config_diff(saved, faster) == []
+    assert speed_and_cadence_changes(saved, faster) == [
+        "checkpoint.save_steps: 50 -> 10",
+        "training.compile: 'auto' -> 'true'",
+    ]
+    other = {"training": {"compile": "true", "learning_rate": 2e-4}, "checkpoint": {"save_steps": 50}}
+    assert config_diff(saved, other) == ["training.learning_rate: 0.0001 -> 0.0002"]
+    assert speed_and_cadence_changes(saved, other) == ["training.compile: 'auto' -> 'true'"]
+
+
 def test_named_checkpoint_and_finished_run(dataset, uninterrupted, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(uninterrupted, out)

@@ -37,6 +37,24 @@ from phalanx.errors import ConfigError
 from phalanx.runtime.durable import check_can_create
 from phalanx.runtime.output_lock import check_free, training_lock
 
+# Fields that decide how fast a run goes, or when it saves and evaluates, and not what it trains: a resume may change
+# them without --force (a slow first run, a faster kernel found since, checkpoints wanted more often) and says which
+# it changed (speed_and_cadence_changes). The run goes on the same course, up to the rounding another kernel or
+# summation order gives, as with another world size.
+SPEED_AND_CADENCE = (
+    "training.compile",
+    "training.liger_kernels",
+    "training.cuda_graphs",
+    "training.loader_workers",
+    "training.merge_micro_batches",
+    "training.merge_tokens",
+    "lora.kernel",
+    "eval.eval_steps",
+    "eval.eval_batch_size",
+    "checkpoint.save_steps",
+    "checkpoint.save_total_limit",
+    "checkpoint.save_best",
+)
 # Fields that may change between the run that saved and the run that resumes.
 RESUME_FREE = (
     "output_dir",
@@ -51,6 +69,7 @@ RESUME_FREE = (
     "distributed.backend",
     "distributed.timeout_minutes",
     "distributed.init_timeout_minutes",
+    *SPEED_AND_CADENCE,
 )
 RUN_ARTIFACTS = ("training_info.json", "final_training_info.json", "metrics.jsonl", BEST)
 # What a run that stopped before its first checkpoint leaves besides RUN_ARTIFACTS; moved aside with them.
@@ -101,11 +120,21 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def config_diff(saved: dict, current: dict) -> list[str]:
+    """`field: old -> new` for each field that differs and must not change on a resume without --force."""
+    return _changes(saved, current, lambda key: not (key.startswith(RESUME_FREE) or key in RESUME_FREE))
+
+
+def speed_and_cadence_changes(saved: dict, current: dict) -> list[str]:
+    """`field: old -> new` for each SPEED_AND_CADENCE field that differs: what a resume changes without --force."""
+    return _changes(saved, current, lambda key: key in SPEED_AND_CADENCE)
+
+
+def _changes(saved: dict, current: dict, compared) -> list[str]:
     old, new = flatten(saved), flatten(current)
     defaults = flatten(RunConfig().model_dump())
     lines = []
     for key in sorted(set(old) | set(new)):
-        if key.startswith(RESUME_FREE) or key in RESUME_FREE:
+        if not compared(key):
             continue
         if key not in old and new.get(key) == defaults.get(key):
             continue  # a field added after the checkpoint was written, left at its default

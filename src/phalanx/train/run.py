@@ -29,8 +29,10 @@ from phalanx.checkpoint.resume import (
     RUN_RECORD,
     existing_run_artifacts,
     resume_point,
+    saved_config,
     set_aside_ahead,
     set_aside_crashed_run,
+    speed_and_cadence_changes,
 )
 from phalanx.config.schema import ModelConfig, RunConfig
 from phalanx.data.collate import collate as collate_rows
@@ -401,8 +403,13 @@ def build_run(
     eval_batches = None
     if data.eval is not None and len(data.eval) > 0:
         shard = Subset(data.eval, eval_shard(len(data.eval), rank.rank, rank.world_size))
+        # Its own generator too (as make_train_loader's): each evaluation starts an iterator, which would otherwise
+        # draw from the global RNG and shift every later dropout mask with how often the run evaluates.
         eval_batches = DataLoader(
-            shard, batch_size=cfg.eval.eval_batch_size or cfg.training.batch_size, collate_fn=collate
+            shard,
+            batch_size=cfg.eval.eval_batch_size or cfg.training.batch_size,
+            collate_fn=collate,
+            generator=torch.Generator().manual_seed(cfg.training.seed),
         )
     scheduler = make_scheduler(optimizer, cfg.training, total_steps)
 
@@ -423,6 +430,13 @@ def build_run(
             set_aside_future(output_dir, state)
             if changed:
                 print(f"↩️  {', '.join(changed)} from step {state.global_step} on (--force)", flush=True)
+            retuned = speed_and_cadence_changes(saved_config(resume_from), cfg.model_dump())
+            if retuned:
+                print(
+                    f"↩️  {'; '.join(retuned)} from step {state.global_step} on (speed or save/eval cadence only: the "
+                    "same training, up to rounding)",
+                    flush=True,
+                )
     elif rank.is_main:
         start_over(cfg, output_dir)  # a fresh start: overwriting was allowed, nothing was there, or a crashed run
     if rank.is_main:
