@@ -739,6 +739,22 @@ def test_an_end_of_sequence_token_inside_a_turn_is_refused(make_tokenizer, tool_
         tokenize_conversation(make_tokenizer(template), to_conversation(tool_row, WHERE), WHERE)
 
 
+def test_an_end_of_sequence_token_in_the_rows_own_text_is_refused_as_the_rows_fault(make_tokenizer, chat_row):
+    """The token's text in the message itself (a reply that quotes '</s>'): the row is at fault, not the template, and
+    the message says what to edit."""
+    template = (
+        "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    row = chat_row(1)
+    row["messages"][-1]["content"] = "Every reply ends with </s> here. Fine."
+    with pytest.raises(DataError) as err:
+        tokenize_conversation(make_tokenizer(template), to_conversation(row, WHERE), WHERE)
+    message = str(err.value)
+    assert "its content holds the text of the end-of-sequence token '</s>'" in message, message
+    assert "Edit the row" in message and "--on_bad_row skip" in message and "chat template writes" not in message
+
+
 def test_consecutive_assistant_messages(make_tokenizer, chat_row):
     """After an assistant message a generation prompt may rewrite it (gpt-oss) or be missing (Apriel writes the
     header with the turn): each message still trains exactly its own output."""

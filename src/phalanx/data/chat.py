@@ -541,11 +541,28 @@ def _check_no_end_of_sequence_inside(r: _Renderer, i: int, view: str, start: int
     eos = getattr(r.tokenizer, "eos_token", None)
     at = view.find(eos, start, end) if eos else -1
     if at >= 0 and view[at + len(eos) : end].strip():
+        written = _texts_holding(r.messages[i], eos)
+        if written:  # the row's own text holds the token, not the template's markup
+            raise DataError(
+                f"{r.where}: messages[{i}] (assistant): its {' and '.join(written)} holds the text of the "
+                f"end-of-sequence token {eos!r}, which the tokenizer reads as that token: a model stops there and could "
+                "never generate what follows it. Edit the row (remove or reword that text), or skip such rows "
+                "(--on_bad_row skip)."
+            )
         raise DataError(
             f"{r.where}: messages[{i}] (assistant): the chat template writes the end-of-sequence token {eos!r} inside "
             f"this turn ({_short(view[start:end])}), so a model could never generate what follows it. Split the "
             "message (content and tool calls as separate assistant messages) or use another template (--chat_template)."
         )
+
+
+def _texts_holding(message: dict, token: str) -> list[str]:
+    """Which of an assistant message's own texts (content, reasoning, tool-call names and arguments) hold `token`."""
+    found = [key for key in ("content", "reasoning_content") if token in str(message.get(key) or "")]
+    calls = message.get("tool_calls") or []
+    if any(token in json.dumps(call, ensure_ascii=False) for call in calls):
+        found.append("tool calls")
+    return found
 
 
 def _output_start(r: _Renderer, i: int, prompt: str, context: str, view: str, own: int, words: int) -> int:
