@@ -302,15 +302,34 @@ def test_a_variable_the_template_writes_and_nothing_sets_is_named():
     tok = ByT5Tokenizer()
     chatml = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     tok.chat_template = "Date: {{ current_date }}\n" + chatml
-    assert variables_written_empty(tok) == ["current_date"]
-    assert variables_written_empty(tok, {"current_date": "2026-11-27"}) == []
+    assert variables_written_empty(tok) == {"current_date": "every"}
+    assert variables_written_empty(tok, {"current_date": "2026-11-27"}) == {}
     tok.chat_template = (
         "{% if extra %}Extra: {{ extra }}\n{% endif %}"  # a switch: unset, the part is not there at all
         "{% if today is defined %}{{ today }}{% endif %}"  # read with a fallback
         "{% set mine = 'x' %}{{ mine }}"  # set by the template itself
         "{{ bos_token }}" + chatml
     )
-    assert variables_written_empty(tok) == []
+    assert variables_written_empty(tok) == {}
     tok.chat_template = "{{ messages | nosuchfilter }}"  # does not render: nothing to say here (refused elsewhere)
-    assert variables_written_empty(tok) == []
+    assert variables_written_empty(tok) == {}
     assert template_variables("{{ messages | nosuchfilter }}{% if x is defined %}{% endif %}") == []
+
+
+def test_a_default_system_prompts_variable_is_written_only_into_rows_without_a_system_message():
+    """Jamba 1.6 fills in `default_system_message` only where the conversation brings no system message: said of
+    those rows, not of every row."""
+    from transformers import ByT5Tokenizer
+
+    from phalanx.config.chat_templates import variables_written_empty
+
+    tok = ByT5Tokenizer()
+    tok.chat_template = (
+        "{% set default_system_message = default_system_message or '' %}"
+        "{% if messages[0].role == 'system' %}{% set system = messages[0].content %}{% set rest = messages[1:] %}"
+        "{% else %}{% set system = default_system_message %}{% set rest = messages %}{% endif %}"
+        "<|system|>{{ system }}\n{% for m in rest %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+    )
+    assert variables_written_empty(tok) == {"default_system_message": "without_system"}
+    tok.chat_template = "{% if messages[0].role == 'system' %}Today: {{ today_text }}\n{% endif %}"
+    assert variables_written_empty(tok) == {"today_text": "with_system"}

@@ -58,6 +58,27 @@ def test_preview_marks_trained_tokens_and_lists_every_refused_row(tmp_path):
         "(if the model is served with a value, train with it too: --chat_template_kwargs '{current_date: ...}'"
     ) in dated.stdout, dated.stdout[-3000:] + dated.stderr[-3000:]
 
+    # A default system prompt's variable (Jamba 1.6's default_system_message) is written only into rows that bring no
+    # system message: said of those, with their count, and not at all where every row brings one.
+    template.write_text(
+        "{% if messages[0].role == 'system' %}{% set system = messages[0].content %}{% set rest = messages[1:] %}"
+        "{% else %}{% set system = default_system_message %}{% set rest = messages %}{% endif %}"
+        "<|im_start|>system\n{{ system }}<|im_end|>\n{% for m in rest %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    flags = ("--rows", "0", "--chat_template", str(template), "--test_size", "0")
+    defaulted = run_phalanx("data", "preview", "--dataset_path", str(plain), *flags)
+    assert (
+        "   the chat template writes default_system_message into rows without a system message (1 here), and nothing "
+        "sets it" in defaulted.stdout
+    ), defaulted.stdout[-3000:] + defaulted.stderr[-3000:]
+    with_system = tmp_path / "with_system.jsonl"
+    system = {"role": "system", "content": "Be brief."}
+    with_system.write_text(json.dumps({"messages": [system, *json.loads(plain.read_text())["messages"]]}) + "\n")
+    own = run_phalanx("data", "preview", "--dataset_path", str(with_system), *flags)
+    assert own.returncode == 0 and "Data: 1 rows read" in own.stdout, own.stdout[-3000:] + own.stderr[-3000:]
+    assert "default_system_message" not in own.stdout
+
     listed = run_phalanx("data", "templates")
     assert listed.returncode == 0 and listed.stdout.startswith("deepseek-r1-distill ")
     typo = run_phalanx("data", "previw")

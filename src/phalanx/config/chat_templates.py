@@ -226,34 +226,66 @@ def _template_names(text: str) -> Optional[_TemplateNames]:
     )
 
 
-def variables_written_empty(tokenizer: Any, template_kwargs: Optional[dict[str, Any]] = None) -> list[str]:
-    """The variables the tokenizer's chat template writes into its text although nothing sets them: jinja writes them
-    as empty text, silently (GigaChat 3.5's default system prompt ends "Текущая дата: " + current_date). A name is
-    reported only when a plain exchange rendered with it set is the exchange rendered without it plus its value, so a
-    name the template sets itself, tests, or uses to switch a part on, is not."""
+# Which conversations a variable is written into (variables_written_empty): templates that fill in a default system
+# prompt write it only where the conversation brings none (Jamba's default_system_message).
+EVERY, WITHOUT_SYSTEM, WITH_SYSTEM = "every", "without_system", "with_system"
+
+
+def variables_written_empty(tokenizer: Any, template_kwargs: Optional[dict[str, Any]] = None) -> dict[str, str]:
+    """The variables the tokenizer's chat template writes into its text although nothing sets them, each with the
+    conversations it writes it into (EVERY, WITHOUT_SYSTEM, WITH_SYSTEM): jinja writes them as empty text, silently
+    (GigaChat 3.5's default system prompt ends "Текущая дата: " + current_date). A name is reported only when an
+    exchange rendered with it set is the exchange rendered without it plus its value, so a name the template sets
+    itself, tests, or uses to switch a part on, is not. The exchange is tried without and with a system message."""
     template = getattr(tokenizer, "chat_template", None)
-    names = _template_names(template) if isinstance(template, str) and template else None
+    names = _template_names(template_text(template)) if template else None
     if names is None:
-        return []
+        return {}
     kwargs = dict(template_kwargs or {})
     plain = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]
-    try:
-        unset = tokenizer.apply_chat_template(plain, tokenize=False, **kwargs)
-    except Exception:  # noqa: BLE001 - a template that does not render a plain exchange is reported elsewhere
-        return []
-    written = []
+    exchanges = {WITHOUT_SYSTEM: plain, WITH_SYSTEM: [{"role": "system", "content": "be brief"}, *plain]}
+    unset = {}
+    for scope, messages in exchanges.items():
+        try:
+            unset[scope] = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+        except Exception:  # noqa: BLE001 - a template that does not render it is reported elsewhere
+            continue
+    written: dict[str, str] = {}
     for name in sorted(names.free - names.called - names.tested - set(kwargs)):
         value = f"<phalanx-probe-{name}>"
-        try:
-            rendered = tokenizer.apply_chat_template(plain, tokenize=False, **{**kwargs, name: value})
-        except Exception:  # noqa: BLE001 - it takes no such value: not a text it writes
-            continue
-        # Written in place and nothing else: unset, the same text with a hole. A name that switches a part on
-        # (SmolLM3's custom_instructions, Granite's available_tools) changes more than that and is the template's
-        # own option, not a hole.
-        if value in rendered and rendered.replace(value, "") == unset:
-            written.append(name)
+        into = []
+        for scope, messages in exchanges.items():
+            if scope not in unset:
+                continue
+            try:
+                rendered = tokenizer.apply_chat_template(messages, tokenize=False, **{**kwargs, name: value})
+            except Exception:  # noqa: BLE001 - it takes no such value: not a text it writes
+                continue
+            # Written in place and nothing else: unset, the same text with a hole. A name that switches a part on
+            # (SmolLM3's custom_instructions, Granite's available_tools) changes more than that and is the
+            # template's own option, not a hole.
+            if value in rendered and rendered.replace(value, "") == unset[scope]:
+                into.append(scope)
+        if into:
+            written[name] = into[0] if len(into) == 1 and len(unset) == 2 else EVERY
     return written
+
+
+def written_into(scope: str, rows: str = "row") -> str:
+    """Words for a variables_written_empty scope: 'every row', 'rows without a system message', ..."""
+    return {
+        EVERY: f"every {rows}",
+        WITHOUT_SYSTEM: f"{rows}s without a system message",
+        WITH_SYSTEM: f"{rows}s with a system message",
+    }[scope]
+
+
+def template_text(template: Any) -> str:
+    """A tokenizer's chat template as one text, for reading names and markers out of it: the template, or a set of
+    named ones (transformers' dict form: 'default', 'tool_use', ...) joined; '' for none."""
+    if isinstance(template, dict):
+        return "\n".join(str(text) for text in template.values())
+    return template or ""
 
 
 def _environment() -> Any:

@@ -64,7 +64,13 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
-from phalanx.config.chat_templates import SANDBOX, sandbox_gap, unset_special_token, unset_template_variable
+from phalanx.config.chat_templates import (
+    SANDBOX,
+    sandbox_gap,
+    template_text,
+    unset_special_token,
+    unset_template_variable,
+)
 from phalanx.data.formats import REASONING_KEYS, Conversation
 from phalanx.errors import DataError
 
@@ -274,7 +280,7 @@ class _Renderer:
         try:
             return self._apply(messages, generation_prompt)
         except Exception as e:  # noqa: BLE001 - template errors (raise_exception, jinja) are the row's problem
-            template = getattr(self.tokenizer, "chat_template", "") or ""
+            template = template_text(getattr(self.tokenizer, "chat_template", None))
             gap = None if unset_template_variable(e, template) else sandbox_gap(e)
             if gap:
                 raise self._sandbox_refusal(messages, gap) from None
@@ -784,7 +790,7 @@ def _check_rendered(r: _Renderer, turn: _Turn, where: str) -> bool:
                 None,
             )
         if missing is not None:
-            template = r.tokenizer.chat_template or ""
+            template = template_text(r.tokenizer.chat_template)
             hint = (
                 " DeepSeek-R1-Distill's own template renders tool calls only when content is None (phalanx "
                 'passes ""); its corrected copy ships as --chat_template deepseek-r1-distill.'

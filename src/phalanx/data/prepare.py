@@ -34,7 +34,15 @@ from typing import Any, Callable, Optional
 
 from filelock import FileLock
 
-from phalanx.config.chat_templates import template_variables, variables_written_empty
+from phalanx.config.chat_templates import (
+    EVERY,
+    WITH_SYSTEM,
+    WITHOUT_SYSTEM,
+    template_text,
+    template_variables,
+    variables_written_empty,
+    written_into,
+)
 from phalanx.config.schema import BUNDLED_DATASET, DataConfig
 from phalanx.data.chat import IGNORE_INDEX, Tokenized, tokenize_conversation
 from phalanx.data.formats import detect_format, to_conversation
@@ -86,9 +94,11 @@ class DataReport:
     # the chat template's own switches (config.chat_templates.template_variables), named when turns are unterminated:
     # some templates write the end-of-turn marker only when one is set (Apriel's training_prompt)
     template_variables: list[str] = field(default_factory=list)
-    # variables the chat template writes into its text that nothing set, so each row has them as empty text
-    # (config.chat_templates.variables_written_empty)
-    variables_written_empty: list[str] = field(default_factory=list)
+    # variables the chat template writes into its text that nothing set, so the rows have them as empty text, each
+    # with the rows it writes it into (config.chat_templates.variables_written_empty), where there are such rows
+    variables_written_empty: dict[str, str] = field(default_factory=dict)
+    # chat rows whose first message is not a system message (None: a cache written before this was counted)
+    conversations_without_system: Optional[int] = None
 
 
 @dataclass
@@ -140,7 +150,14 @@ def add_template_notes(report: DataReport, cfg: DataConfig, tokenizer: Any) -> N
     """What the report says of the chat template itself, found again on every run (a few renderings): so a cache made
     before phalanx looked for it says it too."""
     if report.conversations_full or report.conversations_per_turn:  # chat rows went through the template
-        report.variables_written_empty = variables_written_empty(tokenizer, cfg.chat_template_kwargs)
+        chats = report.conversations_full + report.conversations_per_turn
+        without = report.conversations_without_system
+        rows_in = {EVERY: chats, WITHOUT_SYSTEM: without, WITH_SYSTEM: None if without is None else chats - without}
+        report.variables_written_empty = {
+            name: scope
+            for name, scope in variables_written_empty(tokenizer, cfg.chat_template_kwargs).items()
+            if rows_in[scope] != 0  # a default system prompt's variable, where every row brings its own: unused
+        }
 
 
 # ---------------------------------------------------------------------------- sources
@@ -272,6 +289,7 @@ class RowCounts:
         self.policies = {"full": 0, "per_turn": 0, "text": 0}
         self.per_turn_reason: Optional[str] = None
         self.reasoning_dropped = self.system_dropped = self.tools_dropped = self.unterminated = 0
+        self.without_system = 0  # chat rows whose first message is not a system message
         self.shortened = 0  # rows that fit after their oldest exchanges were left out (truncation keep_recent)
         self.on_refusal: Optional[Callable[[DataError], None]] = None  # `phalanx data preview` prints each one
 
@@ -317,6 +335,7 @@ class RowCounts:
             "system_dropped": self.system_dropped,
             "tools_dropped": self.tools_dropped,
             "unterminated_turns": self.unterminated,
+            "conversations_without_system": self.without_system,
             "train_rows": len(train),
             "eval_rows": len(eval_) if eval_ else 0,
             "train_target_tokens": sum(sum(1 for t in ex["labels"] if t != IGNORE_INDEX) for ex in train),
@@ -347,7 +366,7 @@ def _build(cfg: DataConfig, tokenizer: Any, seed: int, train_source: DataSource,
         )
     report = counts.report(train, eval_)
     if counts.unterminated:
-        report["template_variables"] = template_variables(getattr(tokenizer, "chat_template", None) or "")
+        report["template_variables"] = template_variables(template_text(getattr(tokenizer, "chat_template", None)))
     if counts.skipped:
         log.warning("skipped %d bad rows; first: %s", counts.skipped, counts.reasons[0])
     return train, eval_, report
@@ -396,6 +415,8 @@ def iter_outcomes(source: DataSource, cfg: DataConfig, tokenizer: Any, counts: R
             yield RowOutcome(index, where, None, [], e)
             continue
         counts.tokenized(result, where)
+        if result.policy != "text":
+            counts.without_system += not conv.get("messages") or conv["messages"][0].get("role") != "system"
         fitted = (_fit(example, cfg, where, counts) for example in result.examples)
         yield RowOutcome(index, where, result, [ex for ex in fitted if ex is not None])
 
@@ -505,10 +526,17 @@ def describe_report(report: DataReport, cfg: DataConfig) -> list[str]:
             )
             + ")"
         )
-    if r.variables_written_empty:
-        names = r.variables_written_empty
+    for scope in dict.fromkeys(r.variables_written_empty.values()):
+        names = [name for name, into in r.variables_written_empty.items() if into == scope]
+        count = {
+            WITHOUT_SYSTEM: r.conversations_without_system,
+            WITH_SYSTEM: None
+            if r.conversations_without_system is None
+            else r.conversations_full + r.conversations_per_turn - r.conversations_without_system,
+        }.get(scope)
         lines.append(
-            f"   the chat template writes {', '.join(names)} into every row, and nothing sets "
+            f"   the chat template writes {', '.join(names)} into {written_into(scope)}"
+            f"{f' ({count:,} here)' if count is not None else ''}, and nothing sets "
             f"{'them' if len(names) > 1 else 'it'}: written as empty text (if the model is served with a value, train "
             f"with it too: --chat_template_kwargs '{{{names[0]}: ...}}'; the model's card says what it holds)"
         )

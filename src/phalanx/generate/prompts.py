@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from phalanx.config.chat_templates import template_text
 from phalanx.data.chat import template_refused
 from phalanx.data.formats import to_conversation
 from phalanx.data.sources import ACCEPTED_PATHS, bundled_dataset_path, iter_rows
@@ -207,7 +208,7 @@ def render_prompt(
                 messages, tools=tools, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
             )
         except Exception as e:  # noqa: BLE001 - template errors (raise_exception, jinja) are the row's problem
-            raise template_refused(where, "this prompt", messages, e, tokenizer.chat_template or "") from None
+            raise template_refused(where, "this prompt", messages, e, template_text(tokenizer.chat_template)) from None
         if not isinstance(rendered, str):
             rendered = rendered[0]
     else:
