@@ -1,6 +1,8 @@
 """data.chat_template: phalanx's DeepSeek-R1-Distill template against the models' own, resolving the value, and a
 real run that saves the template it trained with."""
 
+import re
+
 import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -188,6 +190,77 @@ def test_the_tokenizer_records_which_template_it_was_given(tmp_path):
     assert template_name(load_tokenizer("embedded:tiny-qwen3")).startswith("the chat template of ")
     tok = load_tokenizer("embedded:tiny-qwen3", chat_template="deepseek-r1-distill")
     assert template_name(tok) == "the chat template 'deepseek-r1-distill' (data.chat_template)"
+
+
+def test_a_models_json_file_or_folder_gives_its_chat_template_field(tmp_path):
+    """What model repositories ship: chat_template.json ({"chat_template": text}), tokenizer_config.json (the text, or
+    a list of named templates), or a folder holding either (or chat_template.jinja). The template comes out of the
+    field, never the JSON text itself rendered as a template (which wrapped every row in `{"chat_template": "`)."""
+    import json
+
+    text = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>\n{% endfor %}"
+    tools = "TOOLS\n" + text
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": text}))
+    assert resolve_chat_template(str(tmp_path / "chat_template.json")) == text
+    (tmp_path / "wrapped.jinja").write_text(json.dumps({"chat_template": text}, indent=2))  # JSON under another name
+    assert resolve_chat_template(str(tmp_path / "wrapped.jinja")) == text
+    config = {"model_max_length": 4096, "chat_template": [{"name": "default", "template": text}]}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert resolve_chat_template(str(tmp_path / "tokenizer_config.json")) == text  # one name: that text
+    config["chat_template"].append({"name": "tool_use", "template": tools})
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert resolve_chat_template(str(tmp_path / "tokenizer_config.json")) == {"default": text, "tool_use": tools}
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "tokenizer_config.json").write_text(json.dumps({"chat_template": text}))
+    assert resolve_chat_template(str(model)) == text
+    (model / "chat_template.jinja").write_text(tools)  # written by save_pretrained; read before the JSON files
+    assert resolve_chat_template(str(model)) == tools
+    (model / "additional_chat_templates").mkdir()
+    (model / "additional_chat_templates" / "rag.jinja").write_text(text)
+    assert resolve_chat_template(str(model)) == {"default": tools, "rag": text}
+
+    refusals = {
+        "no_field.json": (json.dumps({"model_max_length": 8}), "no_field.json has no chat_template field"),
+        "broken.json": ('{"chat_template": ', "broken.json is not valid JSON"),
+        "odd.json": (json.dumps({"chat_template": 3}), "chat_template is neither a template's text nor a list"),
+        "no_default.json": (
+            json.dumps({"chat_template": [{"name": "a", "template": text}, {"name": "b", "template": text}]}),
+            "holds named templates (a, b) and none is named 'default'",
+        ),
+        "bad_jinja.json": (json.dumps({"chat_template": "{% if %}"}), "bad_jinja.json line 1 is not valid jinja"),
+    }
+    for name, (content, message) in refusals.items():
+        (tmp_path / name).write_text(content)
+        with pytest.raises(ConfigError, match=r"^data\.chat_template = .*" + re.escape(message)):
+            resolve_chat_template(str(tmp_path / name))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match="is a folder with no chat template in it"):
+        resolve_chat_template(str(empty))
+
+
+def test_named_templates_from_a_file_render_rows_with_tools_with_tool_use(tmp_path):
+    """tokenizer_config.json's list: as transformers does with a model that ships one, a row with tools renders with
+    'tool_use' and a row without with 'default'; the trained text is each one's own."""
+    import json
+
+    from helpers import chat_row
+    from phalanx.models.load import load_tokenizer
+
+    tool_row = chat_row(0)
+    own = load_tokenizer("embedded:tiny-qwen3").chat_template
+    named = [{"name": "default", "template": own}, {"name": "tool_use", "template": "TOOL-USE-TEMPLATE\n" + own}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": named}))
+    tok = load_tokenizer("embedded:tiny-qwen3", chat_template=str(tmp_path / "tokenizer_config.json"))
+    with_tools = tokenize_conversation(tok, to_conversation(tool_row, "row 1"), "row 1").examples[0]
+    plain = {"messages": [m for m in tool_row["messages"] if m["role"] in ("system", "user")][:2]}
+    plain["messages"].append({"role": "assistant", "content": "Hello."})
+    without = tokenize_conversation(tok, to_conversation(plain, "row 2"), "row 2").examples[0]
+    assert tok.decode(with_tools["input_ids"]).startswith("TOOL-USE-TEMPLATE")
+    assert "TOOL-USE-TEMPLATE" not in tok.decode(without["input_ids"])
+    assert any(label != -100 for label in with_tools["labels"]) and any(label != -100 for label in without["labels"])
 
 
 def test_checked_when_the_config_is_read_and_before_launch():

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from phalanx.errors import ConfigError
 
@@ -58,34 +58,126 @@ def _description(text: str) -> str:
     return ""
 
 
-def resolve_chat_template(value: str) -> str:
-    """The template text `value` names: a readable file, else a shipped template's name. ChatTemplateError (a
-    ConfigError naming the field, the value, and what is accepted) when neither, or when it is not valid jinja."""
+def resolve_chat_template(value: str) -> Union[str, dict[str, str]]:
+    """The template `value` names: a jinja file; a JSON file with a `chat_template` field (a model's
+    chat_template.json or tokenizer_config.json); a model or tokenizer folder holding either, or chat_template.jinja;
+    else a shipped template's name. A set of named templates (tokenizer_config.json's list, or additional_chat_templates/
+    beside chat_template.jinja) comes back as transformers keeps it on a tokenizer, name -> text, with a 'default':
+    rows without tools render with that one, rows with tools with 'tool_use' where there is one. ChatTemplateError (a
+    ConfigError naming the field, the value, and what is accepted) when it is none of these, or not valid jinja."""
     if not value.strip():
         raise ChatTemplateError(value, f"empty; give the path of a jinja file, or {_accepted()}")
     path = Path(value).expanduser()
     shipped = _shipped_dir() / f"{value}{SUFFIX}"
     if path.is_file():
-        try:
-            text = path.read_text(encoding="utf-8-sig")  # a leading byte-order mark is not template text
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ChatTemplateError(value, f"cannot read the file: {exc}") from None
-        where = str(path)
+        text = _read(value, path)
+        found = _from_json(value, path, text) if _is_json(path, text) else text
     elif path.is_dir():
-        raise ChatTemplateError(value, f"is a folder; give a jinja file or {_accepted()}")
+        found = _from_folder(value, path)
     elif "/" not in value and shipped.is_file():
-        text = shipped.read_text(encoding="utf-8")
-        where = f"phalanx's {value}{SUFFIX}"
+        found = _checked(value, shipped.read_text(encoding="utf-8"), f"phalanx's {value}{SUFFIX}")
     else:
         raise ChatTemplateError(
             value,
             f"no such file, and no template phalanx ships has that name. Give the path "
             f"of a jinja file, or {_accepted()}",
         )
+    if isinstance(found, dict):
+        return {name: _checked(value, text, f"{path} ({name!r})") for name, text in found.items()}
+    return _checked(value, found, str(path))
+
+
+def _read(value: str, path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8-sig")  # a leading byte-order mark is not template text
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ChatTemplateError(value, f"cannot read {path}: {exc}") from None
+
+
+def _checked(value: str, text: str, where: str) -> str:
     if not text.strip():
         raise ChatTemplateError(value, f"{where} is empty")
     _check_syntax(value, text, where)
     return text
+
+
+def _is_json(path: Path, text: str) -> bool:
+    """A .json file, or a JSON object under another name: a jinja template never parses as one (it opens with text,
+    `{{`, `{%` or `{#`)."""
+    if path.suffix.lower() == ".json":
+        return True
+    if not text.lstrip().startswith("{"):
+        return False
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
+JSON_FORMS = "a chat_template.json or tokenizer_config.json, whose chat_template field holds the template"
+
+
+def _from_json(value: str, path: Path, text: str) -> Union[str, dict[str, str]]:
+    """The chat_template field of a JSON file: the text, or transformers' list of {name, template} as a dict."""
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ChatTemplateError(
+            value, f"{path} is not valid JSON ({exc}); a JSON template file is {JSON_FORMS}"
+        ) from None
+    template = data.get("chat_template") if isinstance(data, dict) else None
+    if template is None:
+        raise ChatTemplateError(
+            value, f"{path} has no chat_template field; give a jinja file or {JSON_FORMS} (or {_accepted()})"
+        )
+    if isinstance(template, str):
+        return template
+    named = (
+        {entry["name"]: entry["template"] for entry in template}
+        if isinstance(template, list)
+        and template
+        and all(
+            isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("template"), str)
+            for e in template
+        )
+        else None
+    )
+    if named is None:
+        raise ChatTemplateError(
+            value, f"{path}: chat_template is neither a template's text nor a list of {{name, template}} objects"
+        )
+    return _named(value, path, named)
+
+
+def _named(value: str, where: Path, named: dict[str, str]) -> Union[str, dict[str, str]]:
+    if len(named) == 1:
+        return next(iter(named.values()))
+    if "default" not in named:
+        raise ChatTemplateError(
+            value,
+            f"{where} holds named templates ({', '.join(named)}) and none is named 'default', the one transformers renders "
+            "a row without tools with; save the one to train with as a .jinja file and give that",
+        )
+    return named
+
+
+def _from_folder(value: str, folder: Path) -> Union[str, dict[str, str]]:
+    """A model or tokenizer folder's template, where save_pretrained writes it: chat_template.jinja (with the named
+    others in additional_chat_templates/), else chat_template.json, else tokenizer_config.json's field."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        others = sorted((folder / "additional_chat_templates").glob(f"*{SUFFIX}"))
+        if not others:
+            return _read(value, jinja)
+        return _named(value, folder, {"default": _read(value, jinja), **{p.stem: _read(value, p) for p in others}})
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        if (folder / name).is_file():
+            return _from_json(value, folder / name, _read(value, folder / name))
+    raise ChatTemplateError(
+        value,
+        f"is a folder with no chat template in it (chat_template.jinja, chat_template.json or tokenizer_config.json); "
+        f"give a model or tokenizer folder that has one, a jinja file, or {_accepted()}",
+    )
 
 
 def sandbox_gap(error: Exception) -> Optional[str]:

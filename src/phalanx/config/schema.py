@@ -110,8 +110,9 @@ class DataConfig(Section):
     )
     chat_template: Optional[str] = Field(
         None,
-        description="Replace the tokenizer's chat template: a jinja file, or the name of a template phalanx ships "
-        "(`phalanx data templates` lists them). The template used is saved with the tokenizer in every checkpoint.",
+        description="Replace the tokenizer's chat template: a jinja file, a chat_template.json or tokenizer_config.json "
+        "(its chat_template field), a model folder holding one, or the name of a template phalanx ships (`phalanx data "
+        "templates` lists them). The template used is saved with the tokenizer in every checkpoint.",
     )
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict,

@@ -93,6 +93,8 @@ def adapter_chat_template(adapter: Optional[str]) -> Optional[str]:
     if not adapter:
         return None
     saved = Path(adapter) / "chat_template.jinja"
+    if (Path(adapter) / "additional_chat_templates").is_dir():
+        return adapter  # a set of named templates: the folder gives them all (config.chat_templates)
     return str(saved) if saved.is_file() else None
 
 

@@ -68,7 +68,7 @@ def load_tokenizer(
     chat_template: Optional[str] = None,
     field: str = "model.model_name",
 ) -> PreTrainedTokenizerBase:
-    """The model's tokenizer; `chat_template` (a jinja file or a shipped name, see config.chat_templates) replaces
+    """The model's tokenizer; `chat_template` (a jinja or JSON file, a folder or a shipped name: config.chat_templates) replaces
     its chat template, and save_pretrained then writes that one (chat_template.jinja) with the tokenizer."""
     path = resolve_model_path(model_name, field)
     try:
