@@ -381,7 +381,7 @@ def test_a_variable_the_template_writes_and_nothing_sets_is_named():
         "{% if extra %}Extra: {{ extra }}\n{% endif %}"  # a switch: unset, the part is not there at all
         "{% if today is defined %}{{ today }}{% endif %}"  # read with a fallback
         "{% set mine = 'x' %}{{ mine }}"  # set by the template itself
-        "{{ bos_token }}" + chatml
+        "{{ eos_token }}" + chatml  # a special token the tokenizer has
     )
     assert variables_written_empty(tok) == {}
     tok.chat_template = "{{ messages | nosuchfilter }}"  # does not render: nothing to say here (refused elsewhere)
@@ -406,3 +406,22 @@ def test_a_default_system_prompts_variable_is_written_only_into_rows_without_a_s
     assert variables_written_empty(tok) == {"default_system_message": "without_system"}
     tok.chat_template = "{% if messages[0].role == 'system' %}Today: {{ today_text }}\n{% endif %}"
     assert variables_written_empty(tok) == {"today_text": "with_system"}
+
+
+def test_a_special_token_the_tokenizer_lacks_is_said_to_be_written_empty():
+    """`{{ bos_token }}` in a template written for a tokenizer with one (Mistral's, given to a tokenizer without a bos)
+    writes nothing, silently; named, with what to do (a template variable cannot give a token the tokenizer lacks)."""
+    from transformers import ByT5Tokenizer
+
+    from phalanx.config.chat_templates import variables_written_empty, written_empty_notes
+
+    tok = ByT5Tokenizer()  # eos, pad and unk; no bos
+    chatml = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    tok.chat_template = "{{ bos_token }}{{ eos_token }}" + chatml
+    written = variables_written_empty(tok)
+    assert written == {"bos_token": "every"}
+    (note,) = written_empty_notes(written, "advice for {name}")
+    assert note.startswith("the chat template writes bos_token into every row, which this tokenizer does not have")
+    assert "advice for" not in note and "--chat_template FILE|NAME" in note
+    tok.chat_template = "{% if bos_token is defined %}{{ bos_token }}{% endif %}" + chatml  # its own fallback
+    assert variables_written_empty(tok) == {}

@@ -343,7 +343,13 @@ def variables_written_empty(tokenizer: Any, template_kwargs: Optional[dict[str, 
         except Exception:  # noqa: BLE001 - a template that does not render it is reported elsewhere
             continue
     written: dict[str, str] = {}
-    for name in sorted(names.free - names.called - names.tested - set(kwargs)):
+    # A special token the tokenizer lacks is undefined to the template too: `{{ bos_token }}` writes nothing (where
+    # `bos_token + ...` fails, which is refused elsewhere). The template was written for another tokenizer.
+    lacking = {
+        n for n in SPECIAL_TOKEN_NAMES if n.endswith("_token") and n in names.read and not getattr(tokenizer, n, None)
+    }
+    lacking -= names.tested
+    for name in sorted((names.free - names.called - names.tested | lacking) - set(kwargs)):
         value = f"<phalanx-probe-{name}>"
         into = []
         for scope, messages in exchanges.items():
@@ -363,13 +369,35 @@ def variables_written_empty(tokenizer: Any, template_kwargs: Optional[dict[str, 
     return written
 
 
-def written_into(scope: str, rows: str = "row") -> str:
-    """Words for a variables_written_empty scope: 'every row', 'rows without a system message', ..."""
-    return {
-        EVERY: f"every {rows}",
-        WITHOUT_SYSTEM: f"{rows}s without a system message",
-        WITH_SYSTEM: f"{rows}s with a system message",
-    }[scope]
+def written_empty_notes(
+    written: dict[str, str], advice: str, rows: str = "row", counts: Optional[dict] = None
+) -> list[str]:
+    """One sentence per scope for variables_written_empty's result: which names are written as empty text into which
+    rows (`counts`: scope -> how many rows here, where known), what to do (`advice`, with {name} for the first name);
+    a special token the tokenizer lacks gets its own sentence: only another tokenizer or template gives it."""
+    notes = []
+    for scope in dict.fromkeys(written.values()):
+        into = {
+            EVERY: f"every {rows}",
+            WITHOUT_SYSTEM: f"{rows}s without a system message",
+            WITH_SYSTEM: f"{rows}s with a system message",
+        }[scope]
+        count = (counts or {}).get(scope)
+        into += f" ({count:,} here)" if count is not None and scope != EVERY else ""
+        names = [n for n, s in written.items() if s == scope and n not in SPECIAL_TOKEN_NAMES]
+        tokens = [n for n, s in written.items() if s == scope and n in SPECIAL_TOKEN_NAMES]
+        if names:
+            notes.append(
+                f"the chat template writes {', '.join(names)} into {into}, and nothing sets "
+                f"{'them' if len(names) > 1 else 'it'}: written as empty text ({advice.format(name=names[0])})"
+            )
+        if tokens:
+            notes.append(
+                f"the chat template writes {', '.join(tokens)} into {into}, which this tokenizer does not have: written "
+                "as empty text (the template was written for a tokenizer with one: use the tokenizer of the model it "
+                "belongs to, or a template written for this one, --chat_template FILE|NAME)"
+            )
+    return notes
 
 
 def template_text(template: Any) -> str:

@@ -41,7 +41,7 @@ from phalanx.config.chat_templates import (
     template_text,
     template_variables,
     variables_written_empty,
-    written_into,
+    written_empty_notes,
 )
 from phalanx.config.schema import BUNDLED_DATASET, DataConfig
 from phalanx.data.chat import IGNORE_INDEX, Tokenized, tokenize_conversation
@@ -526,20 +526,14 @@ def describe_report(report: DataReport, cfg: DataConfig) -> list[str]:
             )
             + ")"
         )
-    for scope in dict.fromkeys(r.variables_written_empty.values()):
-        names = [name for name, into in r.variables_written_empty.items() if into == scope]
-        count = {
-            WITHOUT_SYSTEM: r.conversations_without_system,
-            WITH_SYSTEM: None
-            if r.conversations_without_system is None
-            else r.conversations_full + r.conversations_per_turn - r.conversations_without_system,
-        }.get(scope)
-        lines.append(
-            f"   the chat template writes {', '.join(names)} into {written_into(scope)}"
-            f"{f' ({count:,} here)' if count is not None else ''}, and nothing sets "
-            f"{'them' if len(names) > 1 else 'it'}: written as empty text (if the model is served with a value, train "
-            f"with it too: --chat_template_kwargs '{{{names[0]}: ...}}'; the model's card says what it holds)"
-        )
+    without = r.conversations_without_system
+    counts = {
+        WITHOUT_SYSTEM: without,
+        WITH_SYSTEM: None if without is None else r.conversations_full + r.conversations_per_turn - without,
+    }
+    advice = "if the model is served with a value, train with it too: --chat_template_kwargs '{{{name}: ...}}'; the "
+    advice += "model's card says what it holds"
+    lines += [f"   {note}" for note in written_empty_notes(r.variables_written_empty, advice, counts=counts)]
     lines += [f"   refused: {reason}" for reason in r.skip_reasons]
     if r.rows_skipped > len(r.skip_reasons):
         lines.append(f"   refused: ... and {r.rows_skipped - len(r.skip_reasons):,} more")

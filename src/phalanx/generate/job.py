@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from phalanx.config.chat_templates import variables_written_empty, written_into
+from phalanx.config.chat_templates import variables_written_empty, written_empty_notes
 from phalanx.errors import ConfigError, DataError
 from phalanx.generate.engine import Finished, stop_token_ids
 from phalanx.generate.prompts import Prompt, has_chat_template, prompts_digest, read_prompts
@@ -191,13 +191,9 @@ def plan_job(args, warn: Callable[[str], None]) -> Job:
         args.chat_template_kwargs if args.chat_template_kwargs is not None else adapter_template_kwargs(args.adapter)
     )
     empty = variables_written_empty(tokenizer, template_kwargs) if has_chat_template(tokenizer) else {}
-    for scope in dict.fromkeys(empty.values()):
-        names = [name for name, into in empty.items() if into == scope]
-        warn(
-            f"note: the chat template writes {', '.join(names)} into {written_into(scope, 'prompt')}, and nothing sets "
-            f"{'them' if len(names) > 1 else 'it'}: written as empty text (give it as the model was trained with: "
-            f"--chat_template_kwargs '{{{names[0]}: ...}}')"
-        )
+    advice = "give it as the model was trained with: --chat_template_kwargs '{{{name}: ...}}'"
+    for note in written_empty_notes(empty, advice, rows="prompt"):
+        warn(f"note: {note}")
     prompts = read_prompts(args.prompts, tokenizer, args.num_questions, warn, template_kwargs)
     check_model_fit(prompts, model_name, args.max_new_tokens, args.kv_cache)
     params = SamplingParams(
