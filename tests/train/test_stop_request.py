@@ -17,8 +17,8 @@ from phalanx.train import loop
 from phalanx.train.command import train_worker
 
 
-def run(out: Path, data: Path, flag: PreemptionFlag) -> int:
-    flags = tiny_run({"max_steps": 4, "save_steps": 2, "test_size": 0})
+def run(out: Path, data: Path, flag: PreemptionFlag, eval_steps: int = 50) -> int:
+    flags = tiny_run({"max_steps": 4, "save_steps": 2, "test_size": 0, "eval_steps": eval_steps})
     flags += ["--dataset_path", str(data), "--output_dir", str(out), "--batch_size", "2"]
     return train_worker(load_config(None, overrides_from_flags(split_flags(flags)[1])), flag)
 
@@ -77,3 +77,24 @@ def test_a_request_during_a_step_stops_after_that_step(reference, tmp_path, monk
     assert run(out, data, flag) == PREEMPTED_EXIT_CODE
     assert [s for s, _ in committed_step_checkpoints(out)] == [2, 3] and list(losses(out)) == [1, 2, 3]
     assert losses(out) == pytest.approx({s: expected[s] for s in (1, 2, 3)}, rel=1e-6)
+
+
+def test_a_request_during_an_evaluation_stops_at_that_step(reference, tmp_path, monkeypatch):
+    """Ctrl-C while step 3's evaluation ran: the run saves checkpoint-3 and stops, step 4 untrained (it trained step 4
+    first, and stopped there: a step after the one the request came in)."""
+    data, expected = reference
+    flag, evaluate = PreemptionFlag(), loop.run_eval
+
+    def evaluate_and_press(run_):
+        result = evaluate(run_)
+        if run_.state.global_step == 3:
+            press(flag)
+        return result
+
+    monkeypatch.setattr(loop, "run_eval", evaluate_and_press)
+    out = tmp_path / "o"
+    assert run(out, data, flag, eval_steps=3) == PREEMPTED_EXIT_CODE
+    assert [s for s, _ in committed_step_checkpoints(out)] == [2, 3] and list(losses(out)) == [1, 2, 3]
+    monkeypatch.setattr(loop, "run_eval", evaluate)
+    assert run(out, data, PreemptionFlag(), eval_steps=3) == 0
+    assert losses(out) == pytest.approx(expected, rel=1e-6)

@@ -47,7 +47,7 @@ def train_step(run: Run, micro_batches: list[dict], after_a_save: bool = False) 
     came before the step (while the last one was saved) is seen first; `after_a_save` (the last step is committed)
     then reads it at once and returns None, this step untrained, as the checkpoint the run stops at is there. One
     that comes during the step is seen at its end, with the loss: the step finishes and the run stops after it,
-    never a step later."""
+    never a step later. (One that comes during an evaluation is read after it, by the loop.)"""
     device, strategy, step = run.rank.device, run.strategy, run.state.global_step + 1
     if run.merge_tokens:  # fewer, larger passes over the same rows (training.merge_micro_batches)
         micro_batches = merge_packed(micro_batches, run.merge_tokens)
@@ -139,6 +139,13 @@ def handle_non_finite(run: Run, metrics: dict) -> None:
         )
 
 
+def stop_requested_anywhere(run: Run) -> bool:
+    """Whether any rank was asked to stop: one collective and one host read, so every rank decides the same (called
+    where all ranks are, after an evaluation, not in every step)."""
+    asked = host_to_device(torch.tensor(float(run.preemption.requested), dtype=torch.float64), run.rank.device)
+    return all_reduce_sum(asked).item() > 0
+
+
 def preempted(run: Run, step: int) -> Preempted:
     return Preempted(
         f"preempted ({run.preemption.signal_name or 'signal on another rank'}) at step {step}; checkpoint-{step} saved"
@@ -194,11 +201,15 @@ def train(run: Run) -> None:
                     kind="train",
                 )
                 window = {"tokens": 0, "start": time.perf_counter()}
-            if step % cfg.eval.eval_steps == 0 or last:
+            evaluated = step % cfg.eval.eval_steps == 0 or last
+            if evaluated:
                 run_eval(run)
-            if run.checkpointer.maybe_save(step, stopping=metrics["preempt"]) is not None:  # preempted: committed
+            # A stop asked for during the evaluation (seconds to minutes on a large eval set) stops at this step, not
+            # after one more: the step under way when it came is this one, already trained.
+            stop = metrics["preempt"] or (evaluated and not last and stop_requested_anywhere(run))
+            if run.checkpointer.maybe_save(step, stopping=stop) is not None:  # preempted: committed
                 saved_at = step
-            if metrics["preempt"]:
+            if stop:
                 raise preempted(run, step)
             if last:
                 break
