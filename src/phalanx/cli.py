@@ -110,12 +110,12 @@ def run_command(argv: list[str]) -> int:
             hint = f" The command comes first: phalanx train {' '.join(argv)}"
         print(f"{usage()}\nerror: unknown command {argv[0]!r}.{hint}", file=sys.stderr)
         return 2
-    quiet_import_notes()
     import os
 
     rank = os.environ.get("RANK")
     prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
     try:
+        quiet_import_notes()  # imports logging: a Ctrl-C may come in it too
         return resolve_command(argv[0])(argv[1:])
     except PhalanxError as exc:
         print(f"{prefix}error: {exc}", file=sys.stderr, flush=True)

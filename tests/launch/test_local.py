@@ -115,6 +115,48 @@ def test_status_after_a_stop_signal_follows_the_ranks_exit_records(capsys):
         after_stop_signal("SIGTERM", {"rank 0": 1, "rank 1": -9})
 
 
+def test_ranks_a_stop_signal_killed_while_they_started_had_nothing_to_save(tmp_path, capsys):
+    """A rank that never came to handle stop signals (no listening marker, no exit record) was killed while it
+    started: 75 for SIGTERM (a requeue starts the run), 130 for Ctrl-C, not a failure. One that was listening and
+    left no record lost what it was doing: still a failure."""
+    from phalanx.launch.local import still_starting
+    from phalanx.runtime.exit import exit_record, listening_marker
+
+    listening_marker(exit_record(tmp_path, 1)).touch()  # local rank 1 had installed its handlers
+    codes = {"local rank 0": None, "local rank 1": None}
+    assert still_starting(tmp_path, 2, codes) == {"local rank 0"}
+    with pytest.raises(PhalanxError, match="without saving their progress for it: local rank 0"):
+        after_stop_signal("SIGTERM", codes, still_starting(tmp_path, 2, codes))
+    listening_marker(exit_record(tmp_path, 1)).unlink()
+    starting = still_starting(tmp_path, 2, codes)
+    assert starting == {"local rank 0", "local rank 1"}
+    assert after_stop_signal("SIGTERM", codes, starting) == 75
+    assert "SIGTERM came while the ranks were starting: nothing was trained" in capsys.readouterr().err
+    assert after_stop_signal("SIGINT", codes, starting) == 130
+    assert after_stop_signal("SIGTERM", {"rank 0": 75, "local rank 1": None}, frozenset({"local rank 1"})) == 75
+
+
+def test_a_stop_signal_before_the_launch_starts_no_rank(monkeypatch, tmp_path, capsys):
+    """`--world_size 2`: the launcher handles stop signals from its first line; one that came before the ranks would
+    start (its imports and checks take a second or two) starts none and exits 75 (130 for Ctrl-C)."""
+    import phalanx.launch.local as local
+    from phalanx.config.loader import load_config
+    from phalanx.runtime.signals import PreemptionFlag
+    from phalanx.train.command import launch_train_ranks
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("no rank may start")
+
+    monkeypatch.setattr(local, "launch_local", no_launch)
+    cfg = load_config(None, {"distributed.world_size": 2, "output_dir": str(tmp_path / "out")})
+    for signal_name, code in (("SIGTERM", 75), ("SIGINT", 130)):
+        flag = PreemptionFlag()
+        flag.requested, flag.signal_name = True, signal_name
+        assert launch_train_ranks(cfg, [], flag) == code
+        assert f"{signal_name} came before the ranks started: nothing was trained" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_status_after_a_rank_failure_names_it_and_tells_bad_input_apart():
     assert after_rank_failure({"rank 1": 75}, None) == 75  # signalled directly (SLURM): it saved for everyone
     with pytest.raises(

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
 from phalanx.errors import PhalanxError, RanksFailed
-from phalanx.runtime.exit import EXIT_RECORDS, exit_record, rank_exit_record
+from phalanx.runtime.exit import EXIT_RECORDS, exit_record, listening_marker, rank_exit_record
+from phalanx.runtime.signals import stop_signal_received
 
 # Set for the ranks `launch_local` starts: they leave printing bad input to it.
 PARENT_REPORTS = "PHALANX_LAUNCHER_REPORTS_ERRORS"
@@ -105,15 +106,20 @@ def supervise_ranks(start: Callable[[Path], None], local_ranks: int, quiet_agent
 
     with rank_records() as (scratch, rank_env):
         stop = StopSignals()
-        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGUSR1, signal.SIGINT)}
+        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGUSR1, signal.SIGINT, signal.SIGTERM)}
         os.environ.update(rank_env)  # the agent copies this process's environment into each rank's
         restore_levels = quiet_agent_logs() if quiet_agent else lambda: None
         try:
+            caught = stop_signal_received()  # by this process's PreemptionFlag, while it started: start no rank
+            if caught:
+                raise SignalException(f"Process {os.getpid()} got signal: {caught}", sigval=signal.Signals[caught])
             start(scratch)
         except SignalException as exc:
             # SIGTERM, or Ctrl-C: the agent passed it to the ranks and waited for them (killing those still running
             # after its shutdown timeout). What each rank did is in its exit record.
-            return after_stop_signal(exc.sigval.name, read_exit_records(Path(rank_env[EXIT_RECORDS]), local_ranks))
+            records = Path(rank_env[EXIT_RECORDS])
+            codes = read_exit_records(records, local_ranks)
+            return after_stop_signal(exc.sigval.name, codes, still_starting(records, local_ranks, codes))
         except ChildFailedError as exc:
             error_files = {rank: f.error_file_data for rank, f in exc.failures.items()}
             stopped = stopped_for_lost_peer(error_files)
@@ -143,8 +149,10 @@ def rank_records() -> Iterator[tuple[Path, dict[str, str]]]:
 
 
 class StopSignals:
-    """The launcher's handler for SIGUSR1 and Ctrl-C (SIGINT). The agent starts each rank in a session of its own,
-    so a signal to the launcher's process group (a terminal's Ctrl-C) reaches no rank: the launcher passes it on.
+    """The launcher's handler for SIGUSR1 and Ctrl-C (SIGINT), and for SIGTERM until the agent installs its own (a
+    SIGTERM before any rank starts is raised as the agent's handler raises it). The agent starts each rank in a
+    session of its own, so a signal to the launcher's process group (a terminal's Ctrl-C) reaches no rank: the
+    launcher passes it on.
 
     SIGUSR1 (SLURM's usual warning) goes straight to the ranks, which save and stop. The first Ctrl-C is raised as
     torch's own handler would raise it: the agent passes SIGINT to the ranks, which save and stop, and waits for
@@ -163,6 +171,9 @@ class StopSignals:
             self.interrupts += 1
             if self.interrupts == 1:
                 raise SignalException(f"Process {os.getpid()} got signal: SIGINT", sigval=signal.SIGINT)
+        if signum == signal.SIGTERM:
+            # Only until the agent starts the ranks and installs its own SIGTERM handler, which raises the same.
+            raise SignalException(f"Process {os.getpid()} got signal: SIGTERM", sigval=signal.SIGTERM)
         forward_to_children(signum)
 
 
@@ -195,9 +206,10 @@ def fields_of(launch_config: type) -> set[str]:
     return {f.name for f in dataclasses.fields(launch_config)}
 
 
-def after_stop_signal(signal_name: str, codes: dict[str, Optional[int]]) -> int:
+def after_stop_signal(signal_name: str, codes: dict[str, Optional[int]], starting: frozenset = frozenset()) -> int:
     """The launcher's status after a SIGTERM or Ctrl-C, from each rank's exit code ({"rank 1": 75}; None: no record,
-    the rank was killed).
+    the rank was killed) and the ranks the signal killed while they were still starting (`starting`, still_starting):
+    those had nothing to save, so when every rank stopped cleanly or so, the status is 75 (a requeue starts the run).
 
     75 only when a rank exited 75: it did so once every rank's work was committed (train: the preemption checkpoint,
     whose save ends in a barrier; generate: each rank's last batch, before the gather they all meet in), so a requeue
@@ -207,6 +219,17 @@ def after_stop_signal(signal_name: str, codes: dict[str, Optional[int]]) -> int:
 
     unclean = {rank: code for rank, code in codes.items() if code not in (0, PREEMPTED_EXIT_CODE)}
     described = describe_rank_exits(unclean)
+    if unclean and set(unclean) <= starting and PREEMPTED_EXIT_CODE not in codes.values():
+        # Ctrl-C is a person stopping the run (the shell's status for it); SIGTERM/SIGUSR1 a scheduler's "later".
+        code = INTERRUPTED_EXIT_CODE if signal_name == "SIGINT" else PREEMPTED_EXIT_CODE
+        print(
+            f"⏸️  {signal_name} came while the ranks were starting: nothing was trained or written for it; rerun the "
+            f"same command{'' if code == INTERRUPTED_EXIT_CODE else ' (or requeue the job)'} to start. Exiting with "
+            f"status {code}.",
+            file=sys.stderr,
+            flush=True,
+        )
+        return code
     if PREEMPTED_EXIT_CODE in codes.values():
         if unclean:
             print(f"note: after the ranks saved their progress, {described}", file=sys.stderr, flush=True)
@@ -247,6 +270,16 @@ def after_rank_failure(failed: dict[str, Optional[int]], reported: Optional[Phal
     raise RanksFailed(f"failed on {describe_rank_exits(failed)}; the other ranks were stopped. {see}")
 
 
+def still_starting(folder: Path, local_ranks: int, codes: dict[str, Optional[int]]) -> frozenset:
+    """The ranks (named as in `codes`) that left no exit record and never came to handle stop signals
+    (runtime.exit.listening_marker): a signal killed them while they were starting."""
+    return frozenset(
+        f"local rank {local}"
+        for local in range(local_ranks)
+        if codes.get(f"local rank {local}", 0) is None and not listening_marker(exit_record(folder, local)).exists()
+    )
+
+
 def describe_rank_exits(codes: dict[str, Optional[int]]) -> str:
     """'rank 1 (exit code 2), local rank 0 (killed: no exit status)'"""
     return ", ".join(
@@ -276,6 +309,7 @@ def start_rank_process() -> None:
     if not launcher or record is None:
         return
     record.unlink(missing_ok=True)
+    listening_marker(record).unlink(missing_ok=True)
     write_rank_pid(record)
     watch_launcher_and_peers(int(launcher), record)
 

@@ -31,6 +31,22 @@ def exit_record(folder: Path, local_rank: int | str) -> Path:
     return folder / f"local-rank-{local_rank}"
 
 
+def listening_marker(record: Path) -> Path:
+    """Beside a rank's exit record: there once the rank handles stop signals (runtime.signals.PreemptionFlag). A rank
+    that a stop signal killed without it was still starting: it had nothing to save."""
+    return record.with_name(f"{record.name}.listening")
+
+
+def mark_listening() -> None:
+    """Called once this process handles stop signals: a rank of phalanx's launcher says so (listening_marker)."""
+    record = rank_exit_record()
+    if record is not None:
+        try:
+            listening_marker(record).touch()
+        except OSError:
+            pass  # the launcher then counts a rank killed while starting as one that lost progress: a worse status
+
+
 def error_file_beside(record: Path) -> Path:
     """The error file of the rank whose exit record is `record`, where no torch launcher gave it one."""
     return record.with_name(f"{record.name}.error")

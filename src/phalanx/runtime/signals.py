@@ -49,8 +49,11 @@ class PreemptionFlag:
         self._published = False
 
     def install(self) -> "PreemptionFlag":
+        from phalanx.runtime.exit import mark_listening
+
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
+        mark_listening()
         return self
 
     def _handle(self, signum, frame) -> None:

@@ -38,6 +38,9 @@ def main(args: Sequence[str]) -> int:
     # tested here without importing torch, so that a bad config is reported at once).
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return train_rank(args, PreemptionFlag().install())
+    # This process too, before its imports: a signal while it starts is kept (one process: it stops at its first
+    # step; `--world_size N`: no rank is started).
+    preemption = PreemptionFlag().install()
     from phalanx.config.loader import config_from_args
     from phalanx.runtime.quiet import quiet_libraries
 
@@ -48,8 +51,8 @@ def main(args: Sequence[str]) -> int:
 
         require_4bit_packages()  # once here, not once per rank
     if cfg.distributed.world_size > 1:
-        return launch_train_ranks(cfg, args)
-    preemption = PreemptionFlag().install()
+        preemption.work = "starting no rank"
+        return launch_train_ranks(cfg, args, preemption)
     load_only_what_the_run_needs(cfg)
     quiet_libraries()
     return train_worker(cfg, preemption)
@@ -63,9 +66,11 @@ def load_only_what_the_run_needs(cfg: RunConfig) -> None:
         leave_out_bitsandbytes()
 
 
-def launch_train_ranks(cfg: RunConfig, args: Sequence[str]) -> int:
+def launch_train_ranks(cfg: RunConfig, args: Sequence[str], preemption: Optional[PreemptionFlag] = None) -> int:
     """`--world_size N`: start N local ranks at once. This process only checks what needs no model or data library
-    (the ranks tokenize, one of them at a time through the cache's lock, before they join the process group)."""
+    (the ranks tokenize, one of them at a time through the cache's lock, before they join the process group).
+    `preemption`: this process's flag until the launcher's own handlers take over; a stop asked for before then
+    starts no rank (status 75, or 130 for Ctrl-C: nothing was trained)."""
     from phalanx.checkpoint.resume import resume_point
     from phalanx.launch.local import launch_local
     from phalanx.parallel import check_before_launch
@@ -74,6 +79,8 @@ def launch_train_ranks(cfg: RunConfig, args: Sequence[str]) -> int:
     check_world_fits(cfg.distributed.world_size, cfg.distributed.backend)
     check_before_launch(cfg, cfg.distributed.world_size, on_gpu=resolve_backend(cfg.distributed.backend) == "nccl")
     resume_point(cfg)  # an output_dir that holds another run, or is in use, is refused here, before any rank starts
+    if preemption is not None and preemption.requested:
+        return stopped_before_start(preemption.signal_name)
     return launch_local(
         ["train", *args],
         cfg.distributed.world_size,
@@ -81,6 +88,19 @@ def launch_train_ranks(cfg: RunConfig, args: Sequence[str]) -> int:
         max_restarts=cfg.distributed.max_restarts,
         shutdown_timeout_s=cfg.distributed.shutdown_timeout_s,
     )
+
+
+def stopped_before_start(signal_name: str) -> int:
+    from phalanx.runtime.signals import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
+
+    code = INTERRUPTED_EXIT_CODE if signal_name == "SIGINT" else PREEMPTED_EXIT_CODE
+    print(
+        f"⏸️  {signal_name} came before the ranks started: nothing was trained or written for it; rerun the same "
+        f"command to start. Exiting with status {code}.",
+        file=sys.stderr,
+        flush=True,
+    )
+    return code
 
 
 def train_rank(args: Sequence[str], preemption: PreemptionFlag) -> int:
