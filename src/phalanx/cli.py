@@ -118,7 +118,7 @@ def run_command(argv: list[str]) -> int:
         quiet_import_notes()  # imports logging: a Ctrl-C may come in it too
         return resolve_command(argv[0])(argv[1:])
     except PhalanxError as exc:
-        print(f"{prefix}error: {exc}", file=sys.stderr, flush=True)
+        print(f"{prefix}{exc.label}: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
     except KeyboardInterrupt:
         # A Ctrl-C that comes before a command installs its own handler (a launcher reading prompts or checking the

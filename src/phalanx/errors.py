@@ -9,9 +9,11 @@ HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
 
 
 class PhalanxError(Exception):
-    """Bad input or an impossible request. The CLI prints the message (no traceback) and exits `exit_code`."""
+    """Bad input or an impossible request. The CLI prints the message (no traceback), after `label`, and exits
+    `exit_code`."""
 
     exit_code = 2
+    label = "error"
 
 
 class ConfigError(PhalanxError):
@@ -20,6 +22,14 @@ class ConfigError(PhalanxError):
 
 class DataError(PhalanxError):
     """A dataset file, row or field is wrong."""
+
+
+class NothingToDo(PhalanxError):
+    """The command has nothing left to do: a finished run started again with its own config. Said, and exit 0, so a
+    requeue that reruns a job whose run had finished (killed before it could exit) ends cleanly, not as bad input."""
+
+    exit_code = 0
+    label = "note"
 
 
 class RanksFailed(PhalanxError):

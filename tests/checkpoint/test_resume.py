@@ -175,8 +175,13 @@ def test_only_speed_and_cadence_fields_are_free_on_resume():
 def test_named_checkpoint_and_finished_run(dataset, uninterrupted, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(uninterrupted, out)
-    proc = train(dataset, out)
-    assert proc.returncode == 2 and "finished run" in proc.stderr
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    proc = train(dataset, out)  # the same command again (a requeue after the run had finished): nothing to do
+    assert proc.returncode == 0 and "holds a finished run with this config" in proc.stderr, proc.stderr[-2000:]
+    assert "note: " in proc.stderr and "nothing to do" in proc.stderr and "error" not in proc.stderr
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before, "nothing was written"
+    proc = train(dataset, out, "--learning_rate", "3e-2")  # another config: still refused
+    assert proc.returncode == 2 and "different config" in proc.stderr
     proc = train(dataset, out, "--resume_from_checkpoint", str(out / "checkpoint-6"), "--max_steps", "7", "--force")
     assert proc.returncode == 0 and "checkpoint-6 at step 6" in proc.stdout
     assert json.loads((out / "final_training_info.json").read_text())["global_step"] == 7
@@ -239,8 +244,10 @@ def test_kill_before_the_first_checkpoint_starts_over_and_keeps_the_crashed_logs
     assert json.loads((aside / "training_info.json").read_text())["config"]["checkpoint"]["save_steps"] == 100
 
     for extra in ([], ["--resume_from_checkpoint", "latest"]):  # a finished run without checkpoint-N
-        assert main([*flags, *extra]) == 2
-        assert "holds a finished run" in capsys.readouterr().err
+        assert main([*flags, *extra]) == 0  # the same command: nothing to do (a requeue ends cleanly)
+        assert "holds a finished run with this config" in capsys.readouterr().err
+    assert main([*flags, "--learning_rate", "3e-2"]) == 2  # another config is refused
+    assert "holds a finished run" in capsys.readouterr().err
 
 
 def test_a_log_line_that_spans_the_resume_averages_every_step_it_covers(dataset, tmp_path, capsys):

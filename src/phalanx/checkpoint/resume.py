@@ -33,7 +33,7 @@ from phalanx.checkpoint.layout import (
     step_dir,
 )
 from phalanx.config.schema import RunConfig
-from phalanx.errors import ConfigError
+from phalanx.errors import ConfigError, NothingToDo
 from phalanx.runtime.durable import check_can_create
 from phalanx.runtime.output_lock import check_free, training_lock
 
@@ -205,10 +205,13 @@ def check_start_over(out: Path, cfg: RunConfig, requested: Optional[str]) -> Non
             )
         return
     if (out / FINISHED).exists():
-        raise ConfigError(
-            f"{flag}output_dir {out} holds a finished run ({FINISHED}) and no committed "
-            "checkpoint-N to continue from. Choose another --output_dir, or pass --overwrite_output_dir "
-            "to train it again."
+        saved = recorded_config(out)
+        kind = NothingToDo if saved is not None and not config_diff(saved, cfg.model_dump()) else ConfigError
+        raise kind(
+            f"{flag}output_dir {out} holds a finished run{' with this config' if kind is NothingToDo else ''} ({FINISHED})"
+            " and no committed checkpoint-N to continue from"
+            f"{': nothing to do' if kind is NothingToDo else ''}. Choose another --output_dir, or pass "
+            "--overwrite_output_dir to train it again."
         )
     if restarted():
         return  # a restart (elastic or SLURM requeue) runs the same command: the crashed run is this job's own
@@ -426,9 +429,10 @@ def resume_point(cfg: RunConfig) -> Optional[Path]:
         folder = checkpoints[-1][1]
     diff = config_diff(saved_config(folder), cfg.model_dump())
     if requested is None and not diff and (out / FINISHED).is_file():
-        raise ConfigError(
-            f"output_dir {out} holds a finished run with this config. Choose another --output_dir, "
-            "pass --overwrite_output_dir to train it again, or change max_steps/num_epochs and --force to extend it."
+        raise NothingToDo(
+            f"output_dir {out} holds a finished run with this config ({FINISHED}): nothing to do. Choose another "
+            "--output_dir, pass --overwrite_output_dir to train it again, or change max_steps/num_epochs and --force "
+            "to extend it."
         )
     if diff and not cfg.force:
         raise ConfigError(

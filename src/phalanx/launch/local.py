@@ -457,9 +457,9 @@ def report_bad_input(exc: PhalanxError, rank: int) -> int:
     if relayed and os.environ.get(PARENT_REPORTS) == "1":
         pass  # phalanx's launcher prints it
     elif rank == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
+        print(f"{exc.label}: {message}", file=sys.stderr, flush=True)
     elif not relayed:
-        print(f"[rank {rank}] error: {message}", file=sys.stderr, flush=True)
+        print(f"[rank {rank}] {exc.label}: {message}", file=sys.stderr, flush=True)
     return exc.exit_code
 
 
