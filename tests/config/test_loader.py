@@ -75,6 +75,20 @@ def test_unknown_yaml_key_names_line_and_nearest(tmp_path: Path):
     assert "training.learnig_rate" in msg and "Did you mean 'learning_rate'" in msg
 
 
+def test_another_tools_flag_is_answered_with_phalanxs_name():
+    """`--lr` (Axolotl), `--num_train_epochs`, `--bf16` (Trainer): named as phalanx spells them, where the nearest
+    spelling would mislead (`--lr` is closest to lr_scheduler)."""
+    from phalanx.config.flags import split_flags
+    from phalanx.config.loader import OTHER_TOOLS_FLAGS, overrides_from_flags
+
+    for flag, ours in (("lr", "--learning_rate"), ("num_train_epochs", "--num_epochs"), ("bf16", "--mixed_precision")):
+        with pytest.raises(ConfigError, match=f"unknown flag --{flag}. phalanx calls it {ours}"):
+            overrides_from_flags(split_flags([f"--{flag}", "1"])[1])
+    for name in OTHER_TOOLS_FLAGS.values():  # every answer is a flag phalanx takes
+        flag, _, value = name.split(" (")[0].removeprefix("--").partition(" ")
+        overrides_from_flags(split_flags([f"--{flag}", value or ("0.1" if "ratio" in flag else "2")])[1])
+
+
 def test_wrong_type_names_field_and_value(tmp_path: Path):
     cfg_file = tmp_path / "run.yaml"
     cfg_file.write_text("training:\n  batch_size: lots\n")

@@ -105,6 +105,27 @@ def _nearest(name: str, choices: list[str]) -> str:
     return f" Did you mean '{close}'?" if close else ""
 
 
+# Flags of Hugging Face Trainer, TRL and Axolotl that people type out of habit: what phalanx names them (the spelling
+# is too far off for a nearest-name guess: `--lr` reads as lr_scheduler).
+OTHER_TOOLS_FLAGS = {
+    "lr": "--learning_rate",
+    "epochs": "--num_epochs",
+    "num_train_epochs": "--num_epochs",
+    "per_device_train_batch_size": "--batch_size",
+    "micro_batch_size": "--batch_size",
+    "per_device_eval_batch_size": "--eval.eval_batch_size",
+    "max_seq_length": "--max_length",
+    "sequence_len": "--max_length",
+    "model_name_or_path": "--model_name",
+    "base_model": "--model_name",
+    "bf16": "--mixed_precision bf16",
+    "fp16": "--mixed_precision fp16",
+    "logging_steps": "--log_steps",
+    "lora_rank": "--lora_r",
+    "warmup_steps": "--warmup_ratio (a fraction of the run's steps)",
+}
+
+
 def _yaml_lines(text: str) -> dict[tuple, int]:
     """Map each key path in a YAML document to its 1-based line, for error messages."""
     lines: dict[tuple, int] = {}
@@ -471,7 +492,11 @@ def overrides_from_flags(pairs: list[tuple[str, str]], own_flags: Collection[str
                 )
             out[dotted] = parse_flag_value(dotted, raw)
         else:
-            hint = _nearest(flag, list(FLAT_FLAGS) + dotted_fields + list(own_flags))
+            hint = (
+                f" phalanx calls it {OTHER_TOOLS_FLAGS[flag]}."
+                if flag in OTHER_TOOLS_FLAGS
+                else _nearest(flag, list(FLAT_FLAGS) + dotted_fields + list(own_flags))
+            )
             raise ConfigError(
                 f"unknown flag --{flag}.{hint} Flags are the seeds' names (--{', --'.join(sorted(FLAT_FLAGS)[:6])} ...) "
                 "or any dotted config field such as --training.learning_rate; `phalanx train --help` lists them."
