@@ -132,7 +132,7 @@ def test_speed_and_cadence_change_on_resume_without_force(dataset, uninterrupted
     out = tmp_path / "run"
     shutil.copytree(killed, out)
     changes = ("--lora.kernel", "peft", "--training.loader_workers", "1", "--save_steps", "3", "--eval_steps", "2")
-    proc = train(dataset, out, *changes, "--training.merge_micro_batches", "false")
+    proc = train(dataset, out, *changes, "--training.merge_micro_batches", "false", "--checkpoint.save_best", "false")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "checkpoint-4 at step 4" in proc.stdout
     line = next(s for s in proc.stdout.splitlines() if "speed or save/eval cadence only" in s)
@@ -142,9 +142,12 @@ def test_speed_and_cadence_change_on_resume_without_force(dataset, uninterrupted
         "checkpoint.save_steps: 2 -> 3",
         "eval.eval_steps: 4 -> 2",
         "training.merge_micro_batches: 'auto' -> 'false'",
+        "checkpoint.save_best: True -> False",
     ):
         assert change in line, line
     assert "from step 4 on" in line
+    assert f"note: {out / 'checkpoint-best'} (step 4) stays as it is" in proc.stdout
+    assert json.loads((out / "checkpoint-best" / "trainer_state.json").read_text())["global_step"] == 4
     reference = [r["loss"] for r in read_metrics(uninterrupted)]
     resumed = [r["loss"] for r in read_metrics(out)]
     # PEFT's forward draws the same masks, and an evaluation (now at step 6 too) draws nothing from the training RNG

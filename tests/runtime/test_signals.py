@@ -3,6 +3,7 @@
 import os
 import signal
 
+import pytest
 import torch.distributed as dist
 
 from phalanx.runtime.signals import PreemptionFlag
@@ -25,3 +26,27 @@ def test_a_signalled_rank_marks_the_store_and_the_others_see_it():
         assert other.requested_anywhere() and not other.requested and other.signal_name == "SIGUSR1"
     finally:
         dist.destroy_process_group()
+
+
+def test_a_second_ctrl_c_after_the_stop_was_committed_keeps_its_status(monkeypatch, capfd):
+    """A second Ctrl-C ends the process at once: with 130 and "without saving" while the save is still to come, with
+    the saved run's 75 and no such line once it is committed (the rank is only tearing down)."""
+    import signal
+
+    import phalanx.runtime.exit as exit_module
+    from phalanx.runtime.signals import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE, PreemptionFlag
+
+    def exit_at_once(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(exit_module, "exit_at_once", exit_at_once)
+    monkeypatch.setenv("RANK", "0")
+    for committed, code in ((False, INTERRUPTED_EXIT_CODE), (True, PREEMPTED_EXIT_CODE)):
+        flag = PreemptionFlag()
+        flag._handle(signal.SIGINT, None)
+        assert flag.requested and "Ctrl-C: finishing this step" in capfd.readouterr().err
+        flag.committed = committed
+        with pytest.raises(SystemExit) as stopped:
+            flag._handle(signal.SIGINT, None)
+        assert stopped.value.code == code
+        assert ("without saving" in capfd.readouterr().err) is not committed

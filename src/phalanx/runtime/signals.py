@@ -46,6 +46,7 @@ class PreemptionFlag:
         self.signal_name = ""
         self.interrupts = 0
         self.work = work
+        self.committed = False  # what this process stops with is committed (set by the caller): nothing left to lose
         self._published = False
 
     def install(self) -> "PreemptionFlag":
@@ -60,9 +61,11 @@ class PreemptionFlag:
         if signum == signal.SIGINT:
             self.interrupts += 1
             if self.interrupts > 1:
-                say_once("⏹️  Ctrl-C again: stopped at once, without saving; what was committed earlier is kept")
                 from phalanx.runtime.exit import exit_at_once
 
+                if self.committed:  # saved already: it only tears down; the status stays the saved one's
+                    exit_at_once(PREEMPTED_EXIT_CODE)
+                say_once("⏹️  Ctrl-C again: stopped at once, without saving; what was committed earlier is kept")
                 exit_at_once(INTERRUPTED_EXIT_CODE)
             say_once(f"⏸️  Ctrl-C: {self.work} before stopping; press Ctrl-C again to stop at once without saving")
         global _stop_signal_received

@@ -147,6 +147,9 @@ def stop_requested_anywhere(run: Run) -> bool:
 
 
 def preempted(run: Run, step: int) -> Preempted:
+    """The stop after checkpoint-{step} is committed (every caller has waited for it): a second Ctrl-C from now on
+    ends the process with the same status, 75, and says nothing of a save it did not skip."""
+    run.preemption.committed = True
     return Preempted(
         f"preempted ({run.preemption.signal_name or 'signal on another rank'}) at step {step}; checkpoint-{step} saved"
     )

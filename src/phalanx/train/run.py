@@ -431,6 +431,12 @@ def build_run(
             if changed:
                 print(f"↩️  {', '.join(changed)} from step {state.global_step} on (--force)", flush=True)
             retuned = speed_and_cadence_changes(saved_config(resume_from), cfg.model_dump())
+            if not cfg.checkpoint.save_best and (output_dir / BEST).is_dir():
+                print(
+                    f"note: {output_dir / BEST} (step {state.best_step}) stays as it is: with save_best false a better "
+                    "evaluation from here on is recorded (best_step in the run's records), not saved",
+                    flush=True,
+                )
             if retuned:
                 print(
                     f"↩️  {'; '.join(retuned)} from step {state.global_step} on (speed or save/eval cadence only: the "
