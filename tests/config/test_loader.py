@@ -367,3 +367,12 @@ def test_a_json_file_saved_with_a_byte_order_mark_is_read(tmp_path):
     ds = tmp_path / "ds.json"
     ds.write_bytes(b'\xef\xbb\xbf{"zero_optimization": {"stage": 2}}')
     assert read_json_mapping(str(ds), "distributed.deepspeed_config") == {"zero_optimization": {"stage": 2}}
+
+
+def test_dashes_in_a_flag_are_underscores_dotted_or_not():
+    """`--max-steps` and `--training.max-steps` both set training.max_steps (argparse's habit, as torchrun's flags)."""
+    from phalanx.config.flags import split_flags
+    from phalanx.config.loader import overrides_from_flags
+
+    for flag in ("--max-steps", "--training.max-steps"):
+        assert overrides_from_flags(split_flags([flag, "7"])[1]) == {"training.max_steps": 7}

@@ -90,7 +90,7 @@ def split_flags(args: Sequence[str]) -> tuple[Optional[str], list[tuple[str, str
                     value, i = args[i + 1], i + 1
                 else:
                     value = BARE  # a bare switch such as --overwrite_output_dir
-            pairs.append((name.replace("-", "_") if "." not in name else name, value))
+            pairs.append((name.replace("-", "_"), value))  # --max-steps, --training.max-steps: the field names
         elif pairs and isinstance(pairs[-1][1], str) and not args[i - 1].startswith("--") and not is_config_name(arg):
             # `--target_modules q_proj v_proj`: a second value for the flag before it, not a config file
             name, value = pairs[-1]
