@@ -195,6 +195,13 @@ def test_batch_size_zero(tmp_path, capsys):
     assert code == 2 and "training.batch_size" in out and "greater than 0" in out
 
 
+def test_a_precision_the_device_lacks_is_refused_before_output_dir_is_made(tmp_path, capsys):
+    out = tmp_path / "new-run"
+    code, said = run_main(["train", "--mixed_precision", "bf16", "--output_dir", str(out), "--max_steps", "1"], capsys)
+    assert code == 2 and "training.mixed_precision = 'bf16' needs a CUDA device" in said
+    assert not out.exists(), "a refused run leaves no folder (it held only the lock file)"
+
+
 def test_a_mistyped_or_missing_command_is_named_with_the_nearest(capsys):
     assert main(["trian", "--max_steps", "3"]) == 2
     assert "error: unknown command 'trian'. Did you mean 'train'?" in capsys.readouterr().err

@@ -339,10 +339,11 @@ def build_run(
     rank = rt.init_runtime(
         cfg.distributed.backend, cfg.distributed.init_timeout_minutes, group_of_one=cfg.distributed.strategy != "ddp"
     )
+    # Before the lock, which creates output_dir: a precision this device lacks (bf16 on CPU) leaves no folder behind.
+    precision = Precision.choose(cfg.training.mixed_precision, rank.device)
     hold_on_main_rank(training_lock(cfg.output_dir), f"--output_dir {cfg.output_dir}", rank.is_main)
     set_phase(rank.rank, "starting")
     seed_everything(cfg.training.seed)
-    precision = Precision.choose(cfg.training.mixed_precision, rank.device)
     # Frozen base weights may live in the compute dtype; weights that train stay fp32 (master copy).
     base_dtype = precision.dtype if (precision.dtype and cfg.model.finetune == "lora") else torch.float32
     # QLoRA's base is quantized while loading, on this rank's device, where it stays.
