@@ -397,10 +397,10 @@ def test_a_run_killed_in_its_final_save_starts_over_with_what_it_wrote_set_aside
     beyond max_steps): adapter_model.safetensors is there, adapter_config.json still in .final.staging, and no
     final_training_info.json, the record written after the model. The run did not finish: the same command, or a
     requeue, starts over with the half-moved model set aside with the logs (it was 'a finished run' and refused, a
-    dead end for a requeue). With final_training_info.json it is finished and refused, as before."""
+    dead end for a requeue). With final_training_info.json it is finished: nothing to do."""
     from phalanx.checkpoint.resume import RUN_RECORD, resume_point, set_aside_crashed_run
     from phalanx.config.loader import load_config
-    from phalanx.errors import ConfigError
+    from phalanx.errors import NothingToDo
 
     out = tmp_path / "run"
     cfg = load_config(None, {"output_dir": str(out), "checkpoint.save_steps": 100})
@@ -420,9 +420,9 @@ def test_a_run_killed_in_its_final_save_starts_over_with_what_it_wrote_set_aside
 
     for name, text in ((RUN_RECORD, json.dumps({"config": cfg.model_dump()})), ("final_training_info.json", "{}")):
         (out / name).write_text(text)
-    with pytest.raises(ConfigError) as err:
+    with pytest.raises(NothingToDo) as err:  # finished, with this config: nothing to do (exit 0, writes nothing)
         resume_point(cfg)
-    assert "holds a finished run (final_training_info.json)" in str(err.value)
+    assert "holds a finished run with this config (final_training_info.json)" in str(err.value)
 
 
 def test_a_best_replacement_cut_short_before_the_first_checkpoint_sets_aside_the_committed_best(tmp_path):
