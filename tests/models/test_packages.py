@@ -16,7 +16,8 @@ code = run_command(["train", "--output_dir", sys.argv[2], *sys.argv[3:]])
 import peft, transformers.utils
 loaded = sys.modules.get("bitsandbytes", "never imported")
 print(code, "hidden" if loaded is None else "loaded" if loaded != "never imported" else loaded,
-      peft.import_utils.is_bnb_available(), transformers.utils.is_bitsandbytes_available())
+      peft.import_utils.is_bnb_available(), transformers.utils.is_bitsandbytes_available(),
+      "deepspeed hidden" if sys.modules.get("deepspeed", "absent") is None else "deepspeed loaded")
 """
 
 
@@ -36,7 +37,7 @@ def probe(tmp_path, mode: str) -> str:
 def test_a_run_without_a_4bit_base_leaves_bitsandbytes_out_of_its_process(tmp_path):
     """About a second per rank: bitsandbytes compiles kernels with torch.compile as it imports, and peft imports it
     whenever it is installed. The run trains as without it installed; peft and transformers both see it absent."""
-    assert probe(tmp_path, "program") == "0 hidden False False"
+    assert probe(tmp_path, "program") == "0 hidden False False deepspeed hidden"  # a DDP run: no DeepSpeed either
 
 
 def test_a_library_caller_keeps_bitsandbytes_for_a_later_qlora_run(monkeypatch):

@@ -31,7 +31,7 @@ WORK = "finishing the batch being generated and committing it"
 def main(argv: Sequence[str]) -> int:
     import os
 
-    from phalanx.models.packages import leave_out_bitsandbytes
+    from phalanx.models.packages import leave_out_bitsandbytes, leave_out_deepspeed
     from phalanx.runtime.quiet import quiet_libraries
     from phalanx.runtime.signals import PreemptionFlag
 
@@ -65,6 +65,7 @@ def main(argv: Sequence[str]) -> int:
             raise error from None
     preemption = preemption or PreemptionFlag(WORK).install()
     leave_out_bitsandbytes()  # generation loads no 4-bit model: a second less per rank
+    leave_out_deepspeed()  # nor uses DeepSpeed
     quiet_libraries()
     try:
         return run(args, preemption)

@@ -31,9 +31,21 @@ def leave_out_bitsandbytes() -> None:
     """In a `phalanx` process that quantizes nothing: make bitsandbytes look absent, as where it is not installed.
 
     peft (and transformers) import it whenever it is installed, and it compiles kernels with torch.compile as it
-    imports: about a second per process, every rank of every run, for QLoRA's library. Its entry in sys.modules set
-    to None makes `importlib.util.find_spec` answer None, which is how they all ask. Called before transformers or
-    peft is imported, so that every one of them asks after it; only where the command owns the process (the CLI),
-    since a caller's later QLoRA in the same process would find it gone."""
-    if _COMMAND_OWNS_PROCESS and not {"bitsandbytes", "peft", "transformers"} & set(sys.modules):
-        sys.modules["bitsandbytes"] = None
+    imports: about a second per process, every rank of every run, for QLoRA's library."""
+    _leave_out("bitsandbytes")
+
+
+def leave_out_deepspeed() -> None:
+    """In a `phalanx` process of another strategy than DeepSpeed: make deepspeed look absent, as where it is not
+    installed. accelerate imports it whenever it is installed (transformers' generation utilities import accelerate),
+    which takes 0.2-0.4 s per process here and prints DeepSpeed's accelerator warning into a DDP or FSDP run."""
+    _leave_out("deepspeed")
+
+
+def _leave_out(package: str) -> None:
+    """Its entry in sys.modules set to None makes `importlib.util.find_spec` answer None, which is how peft,
+    transformers and accelerate ask whether a package is there. Called before any of them is imported, so that every
+    one asks after it; only where the command owns the process (the CLI), since a caller's later use of the package in
+    the same process would find it gone."""
+    if _COMMAND_OWNS_PROCESS and not {package, "peft", "transformers", "accelerate"} & set(sys.modules):
+        sys.modules[package] = None

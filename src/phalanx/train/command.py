@@ -59,11 +59,14 @@ def main(args: Sequence[str]) -> int:
 
 
 def load_only_what_the_run_needs(cfg: RunConfig) -> None:
-    """Before the model stack is imported: a run without a 4-bit base leaves bitsandbytes out (a second per rank)."""
-    if not cfg.model.load_in_4bit:
-        from phalanx.models.packages import leave_out_bitsandbytes
+    """Before the model stack is imported: a run without a 4-bit base leaves bitsandbytes out (about a second per
+    rank), one of another strategy leaves DeepSpeed out (a few tenths, and its warning)."""
+    from phalanx.models.packages import leave_out_bitsandbytes, leave_out_deepspeed
 
+    if not cfg.model.load_in_4bit:
         leave_out_bitsandbytes()
+    if cfg.distributed.strategy != "deepspeed":
+        leave_out_deepspeed()
 
 
 def launch_train_ranks(cfg: RunConfig, args: Sequence[str], preemption: Optional[PreemptionFlag] = None) -> int:
