@@ -313,6 +313,41 @@ def test_launcher_refuses_bad_input_with_a_clear_message(in_project, capsys, tmp
     assert not (tmp_path / "x.sh").exists(), "nothing is written for bad input"
 
 
+def test_slurm_directives_with_blank_space_are_one_value_to_sbatch(project, capsys, tmp_path, monkeypatch):
+    """A project folder "proj a", a job name "my job", a log folder "logs dir": sbatch splits an #SBATCH line at blank
+    space (it refused "Invalid directive found in batch script: a"), so such values are quoted. Read back by sbatch's
+    own parser (-vv prints the options it took; it then fails to reach a controller, which is not run here)."""
+    import shutil
+
+    spaced = tmp_path / "proj a"
+    shutil.copytree(project, spaced)
+    monkeypatch.chdir(spaced)
+    script = spaced / "scripts" / "job.sh"
+    flags = ("--num_gpus_per_node", "0", "--nproc_per_node", "2", "--job_name", "my job")
+    code, _, err = cli(
+        capsys, "slurm", "--config", "train.yaml", *flags, "--log", "logs dir/x-%j.out", "--output", str(script)
+    )
+    assert code == 0, err
+    conf = tmp_path / "slurm.conf"
+    conf.write_text(
+        "ClusterName=t\nSlurmctldHost=localhost\nNodeName=localhost CPUs=2\nPartitionName=p Nodes=localhost\n"
+    )
+    parsed = subprocess.run(
+        ["sbatch", "-vv", str(script)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "SLURM_CONF": str(conf)},
+        timeout=60,
+    ).stderr
+    assert "Invalid directive" not in parsed, parsed
+    said = {
+        k.strip(): v.strip()
+        for k, _, v in (line.removeprefix("sbatch: ").partition(":") for line in parsed.splitlines())
+    }
+    assert said["chdir"] == str(spaced) and said["job-name"] == "my job", parsed
+    assert said["output"] == str(spaced / "logs dir" / "x-%j.out"), parsed
+
+
 def test_slurm_script_like_seed_003(in_project, capsys, tmp_path):
     """The seed's example: 4 nodes x 8 GPUs, DeepSpeed, 48 hours; plus the preemption handling it lacked."""
     script = tmp_path / "slurm_job.sh"

@@ -477,7 +477,11 @@ def slurm_main(argv: Sequence[str]) -> int:
         setup=args.setup,
         output_dir=cfg.output_dir,
     )
-    (outcome,) = write_generated_files({out: scripts.render_slurm(spec, out)}, args.overwrite, f"--output {out}", True)
+    try:
+        text = scripts.render_slurm(spec, out)
+    except ValueError as exc:  # a value sbatch cannot take in a directive
+        raise ConfigError(f"phalanx slurm: {exc}") from None
+    (outcome,) = write_generated_files({out: text}, args.overwrite, f"--output {out}", True)
     kind = f"{gpus} GPU(s)" if gpus else f"{nproc} CPU rank(s)"
     print(
         f"wrote {out}{' (unchanged)' if outcome == 'unchanged' else ''}: {args.num_nodes} node(s) x {kind}, "

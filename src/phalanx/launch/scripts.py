@@ -336,12 +336,22 @@ SLURM_NCCL = [
 ]
 
 
+def directive_value(value: object) -> str:
+    """A value as an `#SBATCH` line takes it: sbatch splits a directive at blank space, so one that holds any (a
+    project folder named "proj a", a job name "my job") goes in double quotes, which sbatch reads as one value."""
+    text = str(value)
+    if '"' in text or "\n" in text:
+        raise ValueError(f"{text!r}: an #SBATCH value cannot hold a double quote or a line break")
+    return f'"{text}"' if any(c.isspace() for c in text) else text
+
+
 def render_slurm(spec: SlurmSpec, script: Path) -> str:
     """An sbatch script like seed 003's, with one launcher per node and preemption handled."""
     job = spec.job
     ranks = job.nproc_per_node
+    q = directive_value
     sbatch = [
-        f"#SBATCH --job-name={spec.job_name}",
+        f"#SBATCH --job-name={q(spec.job_name)}",
         f"#SBATCH --nodes={job.num_nodes}",
         "#SBATCH --ntasks-per-node=1",
     ]
@@ -354,13 +364,13 @@ def render_slurm(spec: SlurmSpec, script: Path) -> str:
         sbatch.append(f"#SBATCH --mem-per-gpu={spec.mem_per_gpu}")
     sbatch.append(f"#SBATCH --time={spec.time_limit}")
     if spec.partition:
-        sbatch.append(f"#SBATCH --partition={spec.partition}")
+        sbatch.append(f"#SBATCH --partition={q(spec.partition)}")
     if spec.account:
-        sbatch.append(f"#SBATCH --account={spec.account}")
+        sbatch.append(f"#SBATCH --account={q(spec.account)}")
     sbatch += [
-        f"#SBATCH --output={spec.log}",
-        f"#SBATCH --error={spec.log}",
-        f"#SBATCH --chdir={job.project_dir}",
+        f"#SBATCH --output={q(spec.log)}",
+        f"#SBATCH --error={q(spec.log)}",
+        f"#SBATCH --chdir={q(job.project_dir)}",
     ]
     if spec.requeue:
         sbatch += [
