@@ -278,3 +278,16 @@ def test_a_rank_watches_its_launcher_through_the_processes_between():
     finally:
         sibling.kill()
         sibling.wait()
+
+
+def test_a_note_from_the_ranks_is_said_by_rank_0_even_under_a_relaying_launcher(monkeypatch, capsys):
+    """A finished run started again ('nothing to do', exit 0) under torchrun from a launcher script: the launcher
+    relays messages of failed ranks only, so rank 0 says it itself (the note was lost); the others say nothing."""
+    from phalanx.errors import NothingToDo
+    from phalanx.launch.local import PARENT_REPORTS, report_bad_input
+
+    monkeypatch.setenv(PARENT_REPORTS, "1")
+    assert report_bad_input(NothingToDo("runs/x holds a finished run: nothing to do"), 0) == 0
+    assert capsys.readouterr().err == "note: runs/x holds a finished run: nothing to do\n"
+    assert report_bad_input(NothingToDo("runs/x holds a finished run: nothing to do"), 1) == 0
+    assert capsys.readouterr().err == ""

@@ -453,6 +453,10 @@ def report_bad_input(exc: PhalanxError, rank: int) -> int:
     print it too only where nothing would relay it (DeepSpeed's own launcher): a message shown twice beats one lost.
     """
     message = str(exc)
+    if exc.exit_code == 0:  # a note (nothing to do): the ranks succeed, and launchers relay messages of failures only
+        if rank == 0:
+            print(f"{exc.label}: {message}", file=sys.stderr, flush=True)
+        return 0
     relayed = write_rank_message(type(exc).__name__, message, rank, exc.exit_code)
     if relayed and os.environ.get(PARENT_REPORTS) == "1":
         pass  # phalanx's launcher prints it
