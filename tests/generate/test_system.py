@@ -455,6 +455,9 @@ def test_bad_flags_and_foreign_or_changed_outputs(runs, tmp_path, capsys):
     assert code == 2 and "--num_sequences_per_question must be at least 1" in out
     code, out = run_in_process(["generate", "--top_p", "0"], capsys)
     assert code == 2 and "--top_p must be in (0, 1]" in out
+    for value in ("inf", "nan", "-1"):  # inf sampled uniformly and wrote "temperature": Infinity, not JSON
+        code, out = run_in_process(["generate", "--temperature", value], capsys)
+        assert code == 2 and "--temperature must be 0 (greedy) or a finite number above it" in out
     code, out = run_in_process(["generate", "--prompts", str(prompts), "--num_questions", "0"], capsys)
     assert code == 2 and "--num_questions must be at least 1" in out
     # Same output, another seed: refused, naming what changed; nothing is touched.

@@ -4,6 +4,7 @@ generation later (`phalanx launcher --generate`) checks them the same way, now."
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Sequence
 
 from phalanx.errors import ConfigError
@@ -79,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "val_output",
         default=None,
-        help="Validation records (default: traj_chat.jsonl -> traj_val.jsonl, else NAME_val.jsonl).",
+        help="Validation records (default: NAME_chat.jsonl -> NAME_val.jsonl, as traj_chat -> traj_val; else NAME_val.jsonl).",
     )
     add(
         "dtype",
@@ -135,7 +136,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         ),
         (args.batch_size >= 1, "--batch_size must be at least 1"),
         (args.max_new_tokens >= 1, "--max_new_tokens must be at least 1"),
-        (args.temperature >= 0, "--temperature must be 0 (greedy) or more"),
+        (0 <= args.temperature < math.inf, "--temperature must be 0 (greedy) or a finite number above it"),
         (0 < args.top_p <= 1, "--top_p must be in (0, 1]"),
         (args.top_k >= 0, "--top_k must be 0 (off) or more"),
         (0 <= args.val_fraction < 1, "--val_fraction must be in [0, 1)"),

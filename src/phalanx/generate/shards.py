@@ -54,7 +54,7 @@ def val_output_of(output: Path, val_output: Optional[str], val_fraction: float) 
 
 
 def default_val_output(output: Path) -> Path:
-    """traj_chat.jsonl -> traj_val.jsonl (seed 001's names); anything else: name_val.jsonl."""
+    """NAME_chat.jsonl -> NAME_val.jsonl (seed 001's traj_chat -> traj_val); anything else: NAME_val.jsonl."""
     stem = output.stem[: -len("_chat")] if output.stem.endswith("_chat") else output.stem
     return output.with_name(f"{stem}_val{output.suffix or '.jsonl'}")
 
