@@ -47,7 +47,7 @@ def test_a_library_caller_keeps_bitsandbytes_for_a_later_qlora_run(monkeypatch):
 
     from phalanx.models import packages
 
-    for name in ("bitsandbytes", "peft", "transformers"):  # as before anything imported them (restored after)
+    for name in ("bitsandbytes", "peft", "transformers", "accelerate"):  # as before anything imported them (restored)
         monkeypatch.delitem(sys.modules, name, raising=False)
     monkeypatch.setattr(packages, "_COMMAND_OWNS_PROCESS", False)
     packages.leave_out_bitsandbytes()
