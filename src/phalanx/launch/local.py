@@ -206,6 +206,21 @@ def fields_of(launch_config: type) -> set[str]:
     return {f.name for f in dataclasses.fields(launch_config)}
 
 
+def stopped_before_training(signal_name: str, when: str) -> int:
+    """The status of a launch a stop signal ended before any rank trained (`when`: 'before the ranks started', ...):
+    nothing was written for it, so 75 (a requeue starts the run), or 130 for Ctrl-C (a person stopping it)."""
+    from phalanx.runtime.signals import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
+
+    code = INTERRUPTED_EXIT_CODE if signal_name == "SIGINT" else PREEMPTED_EXIT_CODE
+    print(
+        f"⏸️  {signal_name} came {when}: nothing was trained or written for it; rerun the same command"
+        f"{'' if code == INTERRUPTED_EXIT_CODE else ' (or requeue the job)'} to start. Exiting with status {code}.",
+        file=sys.stderr,
+        flush=True,
+    )
+    return code
+
+
 def after_stop_signal(signal_name: str, codes: dict[str, Optional[int]], starting: frozenset = frozenset()) -> int:
     """The launcher's status after a SIGTERM or Ctrl-C, from each rank's exit code ({"rank 1": 75}; None: no record,
     the rank was killed) and the ranks the signal killed while they were still starting (`starting`, still_starting):
@@ -220,16 +235,7 @@ def after_stop_signal(signal_name: str, codes: dict[str, Optional[int]], startin
     unclean = {rank: code for rank, code in codes.items() if code not in (0, PREEMPTED_EXIT_CODE)}
     described = describe_rank_exits(unclean)
     if unclean and set(unclean) <= starting and PREEMPTED_EXIT_CODE not in codes.values():
-        # Ctrl-C is a person stopping the run (the shell's status for it); SIGTERM/SIGUSR1 a scheduler's "later".
-        code = INTERRUPTED_EXIT_CODE if signal_name == "SIGINT" else PREEMPTED_EXIT_CODE
-        print(
-            f"⏸️  {signal_name} came while the ranks were starting: nothing was trained or written for it; rerun the "
-            f"same command{'' if code == INTERRUPTED_EXIT_CODE else ' (or requeue the job)'} to start. Exiting with "
-            f"status {code}.",
-            file=sys.stderr,
-            flush=True,
-        )
-        return code
+        return stopped_before_training(signal_name, "while the ranks were starting")
     if PREEMPTED_EXIT_CODE in codes.values():
         if unclean:
             print(f"note: after the ranks saved their progress, {described}", file=sys.stderr, flush=True)

@@ -83,7 +83,9 @@ def launch_train_ranks(cfg: RunConfig, args: Sequence[str], preemption: Optional
     check_before_launch(cfg, cfg.distributed.world_size, on_gpu=resolve_backend(cfg.distributed.backend) == "nccl")
     resume_point(cfg)  # an output_dir that holds another run, or is in use, is refused here, before any rank starts
     if preemption is not None and preemption.requested:
-        return stopped_before_start(preemption.signal_name)
+        from phalanx.launch.local import stopped_before_training
+
+        return stopped_before_training(preemption.signal_name, "before the ranks started")
     return launch_local(
         ["train", *args],
         cfg.distributed.world_size,
@@ -91,19 +93,6 @@ def launch_train_ranks(cfg: RunConfig, args: Sequence[str], preemption: Optional
         max_restarts=cfg.distributed.max_restarts,
         shutdown_timeout_s=cfg.distributed.shutdown_timeout_s,
     )
-
-
-def stopped_before_start(signal_name: str) -> int:
-    from phalanx.runtime.signals import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
-
-    code = INTERRUPTED_EXIT_CODE if signal_name == "SIGINT" else PREEMPTED_EXIT_CODE
-    print(
-        f"⏸️  {signal_name} came before the ranks started: nothing was trained or written for it; rerun the same "
-        f"command to start. Exiting with status {code}.",
-        file=sys.stderr,
-        flush=True,
-    )
-    return code
 
 
 def train_rank(args: Sequence[str], preemption: PreemptionFlag) -> int:
