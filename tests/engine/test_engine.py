@@ -13,6 +13,7 @@ from torch.utils.data.distributed import DistributedSampler
 import phalanx
 from engine import engine_ranks
 from helpers import lock_held_elsewhere
+from phalanx.checkpoint.commit import is_committed
 from phalanx.engine.checkpoint import load_weights
 from phalanx.engine.ema import ModelEMA
 from phalanx.engine.engine import DistributedFallbackWarning, TrainingEngine
@@ -427,16 +428,27 @@ def test_a_resume_path_that_is_missing_or_a_file_and_bad_train_counts_are_named(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"], "nothing trained or written"
 
 
-def test_a_fresh_run_in_a_folder_an_earlier_run_left_says_what_it_replaces(tmp_path, recwarn):
-    """The earlier run's metrics.jsonl was cut and its checkpoint-best replaced (a first epoch is always a new best)
-    without a word."""
+def test_a_fresh_run_in_a_folder_an_earlier_run_left_sets_that_run_aside(tmp_path, capsys):
+    """The earlier run's metrics.jsonl was cut and its checkpoint-best replaced by the new run's first epoch (always a
+    new best): rerunning a seed-004 script lost the earlier best model. It now moves, whole, into earlier-run-<time>/."""
     resumable_run(tmp_path, epochs=1)
-    assert not [w for w in recwarn if "holds an earlier run" in str(w.message)], "the first run replaces nothing"
     folder = tmp_path / "resume"
-    with pytest.warns(
-        RuntimeWarning, match=re.escape(f"{folder} holds an earlier run (checkpoint-last, checkpoint-best")
-    ):
-        resumable_run(tmp_path, epochs=1)
-    recwarn.clear()
-    resumable_run(tmp_path, epochs=2, resume_from=folder / "checkpoint-last")
-    assert not [w for w in recwarn if "holds an earlier run" in str(w.message)], "a resume continues it"
+    assert "held an earlier run" not in capsys.readouterr().out, "the first run sets nothing aside"
+    earlier = {
+        name: (folder / name / "model.safetensors").read_bytes() for name in ("checkpoint-last", "checkpoint-best")
+    }
+    earlier_metrics = (folder / "metrics.jsonl").read_text()
+    resumable_run(tmp_path, epochs=1, max_grad_norm=0.01)  # another run: its best is another model
+    out = capsys.readouterr().out
+    (aside,) = folder.glob("earlier-run-*")
+    assert (
+        f"↩️  {folder} held an earlier run (checkpoint-last, checkpoint-best, metrics.jsonl): moved to {aside}" in out
+    ), out
+    for name, weights in earlier.items():
+        assert is_committed(aside / name) and (aside / name / "model.safetensors").read_bytes() == weights
+        assert (folder / name / "model.safetensors").read_bytes() != weights, "the new run saved its own"
+    assert (aside / "metrics.jsonl").read_text() == earlier_metrics
+    assert len((folder / "metrics.jsonl").read_text().splitlines()) == len(earlier_metrics.splitlines())
+    resumable_run(tmp_path, epochs=2, resume_from=folder / "checkpoint-last", max_grad_norm=0.01)
+    assert "held an earlier run" not in capsys.readouterr().out, "a resume continues it"
+    assert len(list(folder.glob("earlier-run-*"))) == 1

@@ -258,15 +258,15 @@ def set_aside_crashed_run(output_dir: Path) -> Optional[Path]:
     return aside
 
 
-def crashed_folder(output_dir: Path) -> Path:
+def crashed_folder(output_dir: Path, kind: str = "crashed") -> Path:
     """A new output_dir/crashed-<time>/ for what an earlier run left (a crashed one, or one a resume goes back from) that
-    the run starting now will not continue."""
+    the run starting now will not continue; `kind` names another reason (TrainingEngine's "earlier-run")."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    aside = output_dir / f"crashed-{stamp}"
+    aside = output_dir / f"{kind}-{stamp}"
     n = 1
     while aside.exists():
         n += 1
-        aside = output_dir / f"crashed-{stamp}-{n}"
+        aside = output_dir / f"{kind}-{stamp}-{n}"
     aside.mkdir()
     return aside
 

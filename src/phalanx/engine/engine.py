@@ -24,15 +24,15 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx.checkpoint.checkpointer import BestMetric, Checkpointer, CheckpointPolicy
-from phalanx.checkpoint.commit import committed_copy, is_committed
+from phalanx.checkpoint.commit import committed_copy, is_committed, recover_replaced
 from phalanx.checkpoint.io import load_rng_file
 from phalanx.checkpoint.layout import BEST, EMA, LAST, state_file
-from phalanx.checkpoint.resume import set_aside_ahead
+from phalanx.checkpoint.resume import crashed_folder, set_aside_ahead
 from phalanx.engine.ema import ModelEMA
 from phalanx.engine.metrics import MetricTotals, reduce_tensor
 from phalanx.engine.syncbn import convert_sync_batchnorm, has_batchnorm
 from phalanx.errors import ConfigError, PhalanxError
-from phalanx.observe.metrics import Reporter
+from phalanx.observe.metrics import METRICS_FILE, TENSORBOARD_DIR, Reporter
 from phalanx.parallel.base import Precision, Strategy
 from phalanx.runtime import dist as rt
 from phalanx.runtime.faults import Fault, kill_self, planned_fault
@@ -316,7 +316,7 @@ class TrainingEngine:
                     for line in set_aside_ahead(self.output_dir, self.global_step, f"best_metric {self.best_metric}"):
                         print(f"↩️  {line}", flush=True)
             elif self.is_main_process:
-                self._warn_of_an_earlier_run()
+                self._set_aside_an_earlier_run()
             reporter = self._reporter(train_loader, num_epochs, resumed=resume_from is not None)
             self._announce(reporter, train_loader, num_epochs)
             for epoch in range(self.epochs_done, num_epochs):
@@ -570,20 +570,24 @@ class TrainingEngine:
                 stacklevel=3,
             )
 
-    def _warn_of_an_earlier_run(self) -> None:
-        """A fresh train() in a folder an earlier run left: its metrics.jsonl is cut to this run's records at once, and
-        its checkpoints are replaced as this run saves (its first epoch is always a new best). Seed 004's scripts
-        are rerun as they are, so this warns rather than refuses; said before anything is replaced."""
-        earlier = [name for name in (LAST, BEST) if is_committed(self.output_dir / name)]
-        earlier += ["metrics.jsonl"] if (self.output_dir / "metrics.jsonl").is_file() else []
-        if earlier:
-            warnings.warn(
-                f"{self.output_dir} holds an earlier run ({', '.join(earlier)}); this run starts over and replaces "
-                f"them as it saves. To continue that run, pass resume_from='{self.output_dir / LAST}'; to keep it, "
-                "give another experiment_name or output_dir.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+    def _set_aside_an_earlier_run(self) -> None:
+        """A fresh train() in a folder an earlier run left would cut its metrics.jsonl at once and replace its
+        checkpoint-best with this run's first epoch (always a new best): seed 004's scripts are rerun as they are, so a
+        rerun with another learning rate threw away a 99.7% model for a 46% one. The earlier run's files move into
+        output_dir/earlier-run-<time>/ instead (kept, never deleted), said before this run writes anything."""
+        recover_replaced(self.output_dir / BEST)  # a replacement of the best cut short: the committed one is the run's
+        names = [name for name in (LAST, BEST, METRICS_FILE, TENSORBOARD_DIR) if (self.output_dir / name).exists()]
+        if not names:
+            return
+        aside = crashed_folder(self.output_dir, "earlier-run")
+        for name in names:
+            os.replace(self.output_dir / name, aside / name)
+        print(
+            f"↩️  {self.output_dir} held an earlier run ({', '.join(names)}): moved to {aside}, kept for you to compare "
+            f"or delete; this run starts over. To continue that run instead, move its files back and pass "
+            f"resume_from='{self.output_dir / LAST}'.",
+            flush=True,
+        )
 
     def _reporter(self, loader: Iterable, num_epochs: int, resumed: bool) -> Reporter:
         try:

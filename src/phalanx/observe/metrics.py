@@ -18,6 +18,10 @@ from tqdm.auto import tqdm
 
 from phalanx.runtime.durable import write_bytes_atomic
 
+# What a run's reporting writes into its output_dir (names TrainingEngine sets aside with an earlier run).
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+
 
 class Reporter:
     def __init__(
@@ -41,14 +45,14 @@ class Reporter:
         if not is_main:
             return
         output_dir.mkdir(parents=True, exist_ok=True)
-        self.history = keep_until(output_dir / "metrics.jsonl", resume_step)
-        self._jsonl = open(output_dir / "metrics.jsonl", "a", encoding="utf-8")
+        self.history = keep_until(output_dir / METRICS_FILE, resume_step)
+        self._jsonl = open(output_dir / METRICS_FILE, "a", encoding="utf-8")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             # purge_step hides events a crashed run logged after the checkpoint it resumes from
             self._tb = SummaryWriter(
-                log_dir=str(output_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None
+                log_dir=str(output_dir / TENSORBOARD_DIR), purge_step=resume_step + 1 if resume_step else None
             )
         self._plain = progress_bar and not sys.stdout.isatty()
         if progress_bar and not self._plain:
@@ -132,7 +136,7 @@ def read_records(path: Path) -> tuple[list[dict], int]:
 def last_logged_step(output_dir: Path) -> int:
     """The last step output_dir/metrics.jsonl logged (0 when none): what a crashed run got to, said when it starts over."""
     try:
-        return max((record["step"] for record in read_records(output_dir / "metrics.jsonl")[0]), default=0)
+        return max((record["step"] for record in read_records(output_dir / METRICS_FILE)[0]), default=0)
     except OSError:
         return 0
 
