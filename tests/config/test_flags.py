@@ -29,6 +29,26 @@ def test_a_bad_value_or_an_unlike_flag_is_said_without_a_guess():
         parser().parse_args(["--zzz"])
 
 
+def test_dashes_are_read_as_underscores_as_phalanx_train_reads_them(capsys):
+    """`phalanx train --max-steps 2` was taken while `phalanx config deepspeed --zero-stage 2` was refused."""
+    from phalanx.launch.command import launcher_parser, slurm_parser
+    from phalanx.parallel.config_files import config_main
+
+    assert parser().parse_args(["--num-questions", "8", "--num-sequences-per-question=3"]).num_questions == 8
+    assert config_main(["deepspeed", "--zero-stage", "3"]) == 0  # a subcommand's parser reads its own flags
+    assert '"stage": 3' in capsys.readouterr().out
+    launcher = launcher_parser().parse_args(["--num-gpus-per-node", "2", "--master-addr", "h"])
+    assert (launcher.num_gpus_per_node, launcher.master_addr) == (2, "h")
+    assert slurm_parser().parse_args(["--num-gpus-per-node", "4", "--mem-per-gpu", "80G"]).mem_per_gpu == "80G"
+    # A mistyped dashed flag still names the nearest; words after `--` go to another command as they are.
+    with pytest.raises(ConfigError, match="unrecognized arguments: --num-question 8. Did you mean --num_questions?"):
+        parser().parse_args(["--num-question", "8"])
+    tail = CommandParser(prog="phalanx x")
+    tail.add_argument("--max_steps")
+    tail.add_argument("rest", nargs="*")
+    assert tail.parse_args(["--max-steps", "2", "--", "--max-steps"]).rest == ["--max-steps"]
+
+
 def test_phalanx_generate_and_launcher_use_it():
     from phalanx.generate.args import build_parser
     from phalanx.launch.command import launcher_parser

@@ -142,8 +142,8 @@ def test_train_runs_with_generated_files(equivalence_data, tmp_path):
     "argv, said",
     [
         (
-            ["deepspeed", "--zero-stage", "2"],
-            "phalanx config deepspeed: unrecognized arguments: --zero-stage 2. Did you mean --zero_stage?",
+            ["deepspeed", "--zero-stag", "2"],
+            "phalanx config deepspeed: unrecognized arguments: --zero-stag 2. Did you mean --zero_stage?",
         ),
         (["fsdp", "--mixed_precision", "BF16"], "phalanx config fsdp: argument --mixed_precision: invalid choice"),
         ([], "phalanx config: the following arguments are required: deepspeed|fsdp"),

@@ -21,8 +21,24 @@ class CommandParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def parse_known_args(self, args=None, namespace=None):
-        self._given = list(sys.argv[1:] if args is None else args)  # for error(): the words it was given
-        return super().parse_known_args(args, namespace)
+        self._given = self.underscored(sys.argv[1:] if args is None else args)  # for error(): the words it was given
+        return super().parse_known_args(self._given, namespace)
+
+    def underscored(self, words: Sequence[str]) -> list[str]:
+        """`--zero-stage 2` as `--zero_stage 2`, as `phalanx train` reads `--max-steps`: a dashed word whose underscored
+        spelling is one of this parser's flags (a subcommand's parser reads its own); words after `--` are left."""
+        out: list[str] = []
+        for i, word in enumerate(words):
+            if word == "--":
+                return out + list(words[i:])
+            flag, eq, value = word.partition("=")
+            dashed = flag.startswith("--") and "-" in flag[2:]
+            if dashed and flag not in self._option_string_actions:
+                underscored = "--" + flag[2:].replace("-", "_")
+                if underscored in self._option_string_actions:
+                    word = underscored + eq + value
+            out.append(word)
+        return out
 
     def error(self, message: str):
         # "phalanx launcher", or "phalanx config deepspeed" for a subcommand's own parser.

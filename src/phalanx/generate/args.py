@@ -35,8 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     def add(name: str, **kwargs) -> None:
-        dashed = name.replace("_", "-")
-        parser.add_argument(f"--{name}", *([f"--{dashed}"] if dashed != name else []), dest=name, **kwargs)
+        parser.add_argument(f"--{name}", dest=name, **kwargs)  # --model-name too: CommandParser.underscored
 
     add(
         "model_name",
