@@ -176,6 +176,18 @@ def test_a_rerun_without_a_validation_share_points_out_the_earlier_validation_fi
     assert f"⚠️  {val} is left as it was: --val_fraction 0 writes no validation file" in out
 
 
+def test_one_prompt_writes_no_empty_validation_file(tmp_path, capsys):
+    """One prompt cannot be split, yet an empty traj_val.jsonl was written beside the records, and `phalanx train` on
+    that folder refused it ("no rows; the dataset is empty")."""
+    prompts = tmp_path / "one.jsonl"
+    prompts.write_text(json.dumps({"question": "Suggest a stretch for my back."}) + "\n")
+    output = tmp_path / "out" / "traj_chat.jsonl"
+    code, out = run_in_process(generate_args(prompts, output, "--max_new_tokens", "4"), capsys)
+    assert code == 0, out
+    assert len(read_jsonl(output)) == K and not (tmp_path / "out" / "traj_val.jsonl").exists()
+    assert "No validation file written: 1 prompt is too few to hold any back for validation (it takes 2 or more)" in out
+
+
 def committed_pairs(folder: Path) -> int:
     from phalanx.generate.shards import scan_folder
 

@@ -47,6 +47,15 @@ def need_root_and(*tools: str) -> None:
             system_requirement(f"`{tool}` is not installed")
 
 
+@pytest.fixture
+def sbatch() -> str:
+    """SLURM's sbatch, for a test that only parses a script with it (no daemon)."""
+    found = shutil.which("sbatch")
+    if found is None:
+        system_requirement("`sbatch` is not installed")
+    return found
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -313,7 +313,7 @@ def test_launcher_refuses_bad_input_with_a_clear_message(in_project, capsys, tmp
     assert not (tmp_path / "x.sh").exists(), "nothing is written for bad input"
 
 
-def test_slurm_directives_with_blank_space_are_one_value_to_sbatch(project, capsys, tmp_path, monkeypatch):
+def test_slurm_directives_with_blank_space_are_one_value_to_sbatch(sbatch, project, capsys, tmp_path, monkeypatch):
     """A project folder "proj a", a job name "my job", a log folder "logs dir": sbatch splits an #SBATCH line at blank
     space (it refused "Invalid directive found in batch script: a"), so such values are quoted. Read back by sbatch's
     own parser (-vv prints the options it took; it then fails to reach a controller, which is not run here)."""
@@ -333,7 +333,7 @@ def test_slurm_directives_with_blank_space_are_one_value_to_sbatch(project, caps
         "ClusterName=t\nSlurmctldHost=localhost\nNodeName=localhost CPUs=2\nPartitionName=p Nodes=localhost\n"
     )
     parsed = subprocess.run(
-        ["sbatch", "-vv", str(script)],
+        [sbatch, "-vv", str(script)],
         capture_output=True,
         text=True,
         env={**os.environ, "SLURM_CONF": str(conf)},
@@ -517,6 +517,12 @@ def test_slurm_cpu_nodes_request_no_gpus(in_project, capsys, tmp_path):
         (["--num_gpus_per_node", "8", "--mem_per_gpu", "32"], "--mem_per_gpu 32: SLURM reads a number without a unit"),
         (["--num_gpus_per_node", "0", "--mem", "64"], "write 64G for gigabytes, or 64M if megabytes are meant"),
         (["--num_gpus_per_node", "0", "--mem", "64GB"], "--mem '64GB' is not a SLURM memory size; accepted:"),
+        # sbatch takes one of them (and a CPU job has no GPU to size): the other was dropped without a word.
+        (
+            ["--num_gpus_per_node", "8", "--mem", "512G", "--mem_per_gpu", "64G"],
+            "--mem 512G and --mem_per_gpu 64G: SLURM takes one of them",
+        ),
+        (["--num_gpus_per_node", "0", "--mem_per_gpu", "64G"], "--mem_per_gpu 64G: this job runs CPU ranks"),
     ],
 )
 def test_slurm_refuses_bad_input(in_project, capsys, tmp_path, args, message):

@@ -273,14 +273,22 @@ def _finish(job, world_size: int, everyone: list[dict], resumed: int, say) -> No
         if s["shrunk"]:
             say(f"⚠️  rank {s['rank']}: out of memory; batch size reduced from {job.batch_size} to {s['batch_size']}")
     val_ids = val_prompt_ids(len(job.prompts), job.val_fraction, job.params.seed)
-    n_train, n_val = merge(job.folder, job.pairs(), val_ids, job.output, job.val_output)
-    where = f" and {n_val} ({len(val_ids)} prompts) to {job.val_output}" if job.val_output is not None else ""
+    # One prompt cannot be split: an empty validation file would be refused by `phalanx train` ("no rows"), so none
+    # is written and the run says why.
+    val_output = job.val_output if val_ids else None
+    n_train, n_val = merge(job.folder, job.pairs(), val_ids, job.output, val_output)
+    where = f" and {n_val} ({len(val_ids)} prompts) to {val_output}" if val_output is not None else ""
     say(f"💾 Wrote {n_train} records to {job.output}{where}; shards kept in {job.folder}")
-    stale = default_val_output(job.output)
-    if job.val_output is None and stale.is_file():
+    if job.val_output is not None and val_output is None:
+        why = f"{len(job.prompts)} prompt is too few to hold any back for validation (it takes 2 or more)"
+        say(f"⚠️  No validation file written: {why}; every record is in {job.output}")
+    else:
+        why = "--val_fraction 0 writes no validation file"
+    stale = job.val_output or default_val_output(job.output)
+    if val_output is None and stale.is_file():
         # An earlier merge with a validation share wrote it; it is not deleted (it may be yours), but evaluating on
         # it now would score prompts the training file holds as well.
         say(
-            f"⚠️  {stale} is left as it was: --val_fraction 0 writes no validation file, and every prompt is now in "
-            f"{job.output}. If an earlier run wrote {stale}, its prompts are training rows too: do not evaluate on it."
+            f"⚠️  {stale} is left as it was: {why}, and every prompt is now in {job.output}. If an earlier run "
+            f"wrote {stale}, its prompts are training rows too: do not evaluate on it."
         )

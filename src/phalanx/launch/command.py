@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 from phalanx.config.flags import CommandParser
 from phalanx.errors import ConfigError
 from phalanx.launch import scripts
-from phalanx.launch.scripts import DEFAULT_PORT, DEFAULT_RDZV_TIMEOUT, Job, LaunchSpec, SlurmSpec
+from phalanx.launch.scripts import DEFAULT_PORT, DEFAULT_RDZV_TIMEOUT, MEM_PER_GPU, Job, LaunchSpec, SlurmSpec
 from phalanx.runtime.durable import write_generated_files
 
 if TYPE_CHECKING:
@@ -404,7 +404,7 @@ def slurm_parser() -> argparse.ArgumentParser:
     p.add_argument("--account")
     p.add_argument("--cpus_per_task", type=int, help="CPUs per rank (default 8 on GPU nodes, 1 for CPU ranks)")
     p.add_argument(
-        "--mem_per_gpu", default="32G", type=slurm_memory("--mem_per_gpu"), help="memory per GPU (GPU nodes)"
+        "--mem_per_gpu", type=slurm_memory("--mem_per_gpu"), help=f"memory per GPU (GPU nodes; default {MEM_PER_GPU})"
     )
     p.add_argument(
         "--mem", type=slurm_memory("--mem"), help="memory per node, e.g. 64G (instead of --mem_per_gpu; CPU nodes)"
@@ -439,6 +439,17 @@ def slurm_main(argv: Sequence[str]) -> int:
     cpus = args.cpus_per_task if args.cpus_per_task is not None else (8 if gpus else 1)
     if cpus < 1:
         raise ConfigError(f"--cpus_per_task {cpus}: at least 1")
+    # sbatch refuses both (they are exclusive), and a CPU job has no GPU to size: each was dropped without a word.
+    if args.mem and args.mem_per_gpu:
+        raise ConfigError(
+            f"--mem {args.mem} and --mem_per_gpu {args.mem_per_gpu}: SLURM takes one of them; give --mem (memory per "
+            "node) or --mem_per_gpu (memory per GPU)"
+        )
+    if args.mem_per_gpu and not gpus:
+        raise ConfigError(
+            f"--mem_per_gpu {args.mem_per_gpu}: this job runs CPU ranks, with no GPU to size; give --mem, the "
+            "memory per node"
+        )
     requeue = not args.no_requeue
     job, cfg = checked_job(flags, Path(args.chdir or Path.cwd()).resolve(), restarts=requeue or args.max_restarts > 0)
     out = Path(args.output)
@@ -469,7 +480,7 @@ def slurm_main(argv: Sequence[str]) -> int:
         partition=args.partition,
         account=args.account,
         cpus_per_rank=cpus,
-        mem_per_gpu=args.mem_per_gpu,
+        mem_per_gpu=args.mem_per_gpu or (MEM_PER_GPU if gpus else None),
         mem=args.mem,
         log=args.log,
         signal_time=signal_time,

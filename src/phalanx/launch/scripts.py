@@ -18,6 +18,7 @@ from typing import Optional
 
 DEFAULT_PORT = 29500
 DEFAULT_RDZV_TIMEOUT = 600  # seconds a node waits for the others before it gives up, with a message
+MEM_PER_GPU = "32G"  # `phalanx slurm --mem_per_gpu` on GPU nodes when neither it nor --mem is given
 SIGNAL_MARGIN_S = 60  # SLURM's warning comes this long before the ranks' shutdown grace would run out at the time limit
 
 
@@ -71,7 +72,7 @@ class SlurmSpec:
     partition: Optional[str] = None
     account: Optional[str] = None
     cpus_per_rank: int = 8
-    mem_per_gpu: Optional[str] = "32G"
+    mem_per_gpu: Optional[str] = MEM_PER_GPU
     mem: Optional[str] = None
     log: str = "slurm-%j.out"
     signal_time: int = 300 + SIGNAL_MARGIN_S
