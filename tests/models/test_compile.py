@@ -4,8 +4,9 @@ On CPU with the inductor backend (gcc is on this machine; without a C++ compiler
 and the test would have to use "aot_eager"): the embedded tiny model with LoRA (phalanx's fused forward) and
 activation checkpointing, a packed micro-batch through the target-only loss, one step: loss and every LoRA
 gradient equal the uncompiled ones to 1e-5, also with the layers' kernels launched from inductor's C++ wrapper
-(PHALANX_COMPILE_CPP_WRAPPER=1). 'auto' leaves a CPU model alone. The flag reaches a real CLI run
-(there with the aot_eager backend, to keep it short).
+(PHALANX_COMPILE_CPP_WRAPPER=1). 'auto' leaves a CPU model alone. The flag reaches a real CLI run in
+tests/models/test_graphs.py (2 ranks, with the aot_eager backend: inductor's kernels for a packed run take minutes on
+2 shared cores, and their numerics are the tests here).
 """
 
 import copy
@@ -15,7 +16,6 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from helpers import read_metrics, run_phalanx, write_chat_jsonl
 from models.tiny_lora import packed_batch, step, tiny_lora_model
 from phalanx.models.blocks import decoder_layers
 from phalanx.models.compile import (
@@ -128,41 +128,3 @@ def test_auto_compiles_only_where_measured_and_never_patches_liger_on_cpu():
     assert fuse_elementwise(model, False, "auto", CPU) is model
     assert all(getattr(layer, "_compiled_call_impl", None) is None for layer in decoder_layers(model))
     assert [layer.mlp.forward for layer in decoder_layers(model)] == forwards  # Liger is CUDA-only
-
-
-@pytest.mark.system
-def test_compile_flag_reaches_a_cli_run(tmp_path):
-    """A 2-step CLI run with --training.compile true compiles its layers. aot_eager (PHALANX_COMPILE_BACKEND) keeps it
-    short: inductor's kernels for a packed run (a static then a dynamic-length graph, forward and backward) take
-    minutes on 2 shared cores, and their numerics are the test above."""
-    data = write_chat_jsonl(tmp_path / "rows.jsonl", 8)
-    out = tmp_path / "run"
-    proc = run_phalanx(
-        "train",
-        "--dataset_path",
-        str(data),
-        "--output_dir",
-        str(out),
-        "--max_steps",
-        "2",
-        "--batch_size",
-        "2",
-        "--test_size",
-        "0",
-        "--save_steps",
-        "1000",
-        "--eval_steps",
-        "1000",
-        "--logging.tensorboard",
-        "false",
-        "--logging.progress_bar",
-        "false",
-        "--training.compile",
-        "true",
-        env={"PHALANX_COMPILE_BACKEND": "aot_eager"},
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "Compiled 4 Qwen3DecoderLayer layers one by one (torch.compile, aot_eager)" in proc.stdout
-    losses = [m["loss"] for m in read_metrics(out) if "loss" in m]
-    assert losses and all(torch.isfinite(torch.tensor(losses)))

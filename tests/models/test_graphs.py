@@ -131,6 +131,9 @@ def test_a_cli_run_with_cuda_graphs_trains_and_evaluates_as_a_compiled_run_witho
                 in proc.stdout
             )
             assert "no CUDA graphs on the aot_eager backend" in proc.stdout
+        # The compile flag reaches a CLI run (PHALANX_COMPILE_BACKEND chose the backend; test_compile.py checks
+        # inductor's numerics in process).
+        assert "Compiled 4 Qwen3DecoderLayer layers one by one (torch.compile, aot_eager)" in proc.stdout
     runs = {name: read_metrics(tmp_path / name) + read_metrics(tmp_path / name, "eval") for name in logs}
     assert len(runs["graphs"]) == len(runs["plain"]) == 5  # 3 train logs, 2 evals
     for got, want in zip(runs["graphs"], runs["plain"]):
