@@ -78,6 +78,10 @@ def adapter_base(adapter: str) -> str:
         raise ConfigError(f"{config}: not valid JSON ({e})") from None
     if not base:
         raise ConfigError(f"{config}: no base_model_name_or_path; pass --model_name")
+    if not Path(base).exists():
+        from phalanx.models.presets import embedded_name_of
+
+        base = embedded_name_of(base) or base  # trained on an embedded model whose cached folder is not here
     weights = [name for name in ADAPTER_WEIGHTS if (Path(adapter) / name).is_file()]
     if not weights:
         # PEFT would take the folder's name for a Hub id and try to download the weights from there.

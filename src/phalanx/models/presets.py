@@ -164,6 +164,16 @@ def preset_hash(name: str) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:10]
 
 
+def embedded_name_of(folder: str) -> str | None:
+    """'embedded:NAME' when `folder` is named as materialize_embedded_model names the folder of that preset as it is
+    built today (NAME-HASH), else None: an adapter's base_model_name_or_path records the cache folder, which another
+    machine, or a cleared cache, does not have; the same preset and hash rebuild the same model."""
+    name, _, digest = Path(folder).name.rpartition("-")
+    if name in EMBEDDED_PRESETS and digest == preset_hash(name):
+        return f"{EMBEDDED_PREFIX}{name}"
+    return None
+
+
 def materialize_embedded_model(name: str, root: Path) -> Path:
     """Write the embedded model `name` under `root` once and return its folder.
 
