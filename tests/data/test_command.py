@@ -6,7 +6,7 @@ import json
 
 from helpers import chat_row, run_phalanx
 from phalanx.config.loader import load_config, overrides_from_flags
-from phalanx.data.command import GREEN, RESET, preview
+from phalanx.data.command import GREEN, MAX_REFUSALS_SHOWN, RESET, RefusalList, preview
 
 
 def test_preview_marks_trained_tokens_and_lists_every_refused_row(tmp_path):
@@ -144,3 +144,29 @@ def test_preview_colours_on_a_terminal_and_fails_when_nothing_trains(tmp_path, t
         "1 no assistant token left within max_length (cut at max_length 20 before its first assistant token"
         in lines[-1]
     )
+
+
+def test_rows_refused_one_after_another_for_the_same_reason_are_said_once():
+    """A template that reads a token the tokenizer lacks refused all 300 bundled rows: the preview printed the same
+    sentence 50 times, each with its line, then "... and 250 more rows"."""
+    said: list[str] = []
+    refusals = RefusalList(said.append)
+    template = "the tokenizer's chat template reads bos_token, which this tokenizer does not have"
+    for line in range(1, 301):
+        refusals.add(ValueError(f"data.jsonl line {line}: {template}"))
+    refusals.add(ValueError("data.jsonl line 301: messages[1].content: missing"))
+    refusals.add(ValueError("data.jsonl line 302: messages[1].content: missing"))
+    refusals.finish()
+    assert said == [
+        f"refused: data.jsonl line 1: {template}",
+        "refused: 299 more rows for the same reason, line 2 to line 300 of data.jsonl",
+        "refused: data.jsonl line 301: messages[1].content: missing",
+        "refused: 1 more row for the same reason, line 302 of data.jsonl",
+    ]
+    # Distinct reasons are each shown, up to the cap; the rest are counted.
+    said.clear()
+    refusals = RefusalList(said.append)
+    for line in range(MAX_REFUSALS_SHOWN + 7):
+        refusals.add(ValueError(f"data.jsonl line {line}: messages[{line}].role: missing"))
+    refusals.finish()
+    assert len(said) == MAX_REFUSALS_SHOWN + 1 and said[-1] == "refused: ... and 7 more rows"

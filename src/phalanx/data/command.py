@@ -71,7 +71,7 @@ def _preview(args: list[str]) -> int:
 
 
 def preview(cfg: Any, tokenizer: Any, rows: int, color: bool, say: Callable[[str], None]) -> int:
-    """Print the first ``rows`` rows marked, every refusal, and the summary; 1 when no row would train."""
+    """Print the first ``rows`` rows marked, the refusals (RefusalList), and the summary; 1 when no row would train."""
     from phalanx.data.prepare import (
         DataReport,
         DataSource,
@@ -82,15 +82,8 @@ def preview(cfg: Any, tokenizer: Any, rows: int, color: bool, say: Callable[[str
     )
 
     counts, shown = RowCounts(), [0]
-    refusals = 0
-
-    def refused(error: Exception) -> None:
-        nonlocal refusals
-        refusals += 1
-        if refusals <= MAX_REFUSALS_SHOWN:
-            say(f"refused: {error}")
-
-    counts.on_refusal = refused
+    refusals = RefusalList(say)
+    counts.on_refusal = refusals.add
     # Every row is read, whatever on_bad_row says: a preview lists all refusals instead of stopping at the first.
     data_cfg = cfg.data.model_copy(update={"on_bad_row": "skip"})
     sources = [DataSource.for_training(data_cfg)]
@@ -103,8 +96,7 @@ def preview(cfg: Any, tokenizer: Any, rows: int, color: bool, say: Callable[[str
             if outcome.tokenized is not None and shown[0] < rows:
                 shown[0] += 1
                 _show(outcome, tokenizer, color, say)
-    if refusals > MAX_REFUSALS_SHOWN:
-        say(f"refused: ... and {refusals - MAX_REFUSALS_SHOWN} more rows")
+    refusals.finish()
     # No train/eval split here: every row that would train is counted as a train row.
     report = DataReport(**counts.report(trained, None), cache_hit=False, cache_dir="")
     add_template_notes(report, data_cfg, tokenizer)
@@ -114,6 +106,56 @@ def preview(cfg: Any, tokenizer: Any, rows: int, color: bool, say: Callable[[str
         if not line.lstrip().startswith("refused:"):  # printed above, each one
             say(line)
     return 0 if trained else 1
+
+
+class RefusalList:
+    """Prints refused rows as they come, up to MAX_REFUSALS_SHOWN. Rows refused one after another for the same reason
+    (a template that reads a token this tokenizer lacks refuses all 300 bundled rows) are said once, then as one line
+    naming the rows: the reason is what a reader needs, not 50 copies of it."""
+
+    def __init__(self, say: Callable[[str], None]):
+        self.say = say
+        self.shown = self.hidden = 0
+        self.last_reason: str | None = None
+        self.repeats: list[str] = []  # where the rows refused again for last_reason are
+
+    def add(self, error: Exception) -> None:
+        where, reason = _where_and_reason(str(error))
+        if reason == self.last_reason:
+            self.repeats.append(where)
+            return
+        self._say_repeats()
+        if self.shown == MAX_REFUSALS_SHOWN:
+            self.hidden += 1
+            self.last_reason = None
+            return
+        self.shown += 1
+        self.last_reason = reason
+        self.say(f"refused: {error}")
+
+    def finish(self) -> None:
+        self._say_repeats()
+        if self.hidden:
+            self.say(f"refused: ... and {self.hidden} more rows")
+
+    def _say_repeats(self) -> None:
+        if not self.repeats:
+            return
+        rows = self.repeats
+        files = {where.rpartition(" line ")[0] for where in rows}
+        if len(files) == 1 and all(" line " in where for where in rows):
+            numbers = [where.rpartition(" line ")[2] for where in rows]
+            named = f"line {numbers[0]}" + (f" to line {numbers[-1]}" if len(rows) > 1 else "") + f" of {files.pop()}"
+        else:
+            named = rows[0] + (f" to {rows[-1]}" if len(rows) > 1 else "")
+        self.say(f"refused: {len(rows)} more row{'s' if len(rows) > 1 else ''} for the same reason, {named}")
+        self.repeats = []
+
+
+def _where_and_reason(message: str) -> tuple[str, str]:
+    """'data.jsonl line 28: the template ...' -> ('data.jsonl line 28', 'the template ...')."""
+    where, colon, reason = message.partition(": ")
+    return (where, reason) if colon and " line " in where else ("", message)
 
 
 def _show(outcome: Any, tokenizer: Any, color: bool, say: Callable[[str], None]) -> None:
