@@ -428,6 +428,23 @@ def test_conversation_trailer_is_not_trained(make_tokenizer, chat_row):
     assert example["input_ids"][-1] == tok.eos_token_id and example["labels"][-1] == IGNORE_INDEX
 
 
+# Cohere2's habit: the generation prompt opens a thinking block, a finished turn without reasoning opens its text
+# instead; the two part inside a marker this (byte-level) tokenizer does not have as a token.
+OPENS_ANOTHER_MARKER = (
+    "{% for m in messages %}<|TURN|>{% if m.role == 'user' %}<|USER|>{{ m.content }}{% else %}<|BOT|>"
+    "{% if m.reasoning_content %}<|START_THINKING|>{{ m.reasoning_content }}<|END_THINKING|>{% endif %}"
+    "<|START_TEXT|>{{ m.content }}<|END_TEXT|>{% endif %}<|END_OF_TURN|>{% endfor %}"
+    "{% if add_generation_prompt %}<|TURN|><|BOT|><|START_THINKING|>{% endif %}"
+)
+
+
+def test_a_turn_that_parts_from_the_prompt_inside_a_marker_trains_the_whole_marker(make_tokenizer):
+    """The output started where the two renderings part, `<|START_T` | `EXT|>`: the model was taught to finish a
+    marker it never saw begin. It starts at the marker, whether or not the tokenizer has it as one token."""
+    _, runs = masked(make_tokenizer(OPENS_ANOTHER_MARKER), exchange("Q1", "A1", "Q2", "A2"))
+    assert runs == ["<|START_TEXT|>A1<|END_TEXT|><|END_OF_TURN|>", "<|START_TEXT|>A2<|END_TEXT|><|END_OF_TURN|>"]
+
+
 # Mistral's habit: no assistant header, the system prompt written only into a last user message (so never in a
 # conversation that ends with an answer).
 SYSTEM_IN_LAST_USER = (
@@ -542,7 +559,7 @@ def test_a_template_that_always_writes_the_next_header_is_refused(make_tokenizer
         DataError,
         match=r"messages\[1\] \(assistant\): where this turn ends is ambiguous: the template "
         r"writes '<EOT><SOT><assistant>' after the message's text when it ends the conversation, and a "
-        r"following message's rendering keeps only '<EOT><SOT><' of that .*: the template writes text after whatever "
+        r"following message's rendering keeps only '<EOT><SOT>' of that .*: the template writes text after whatever "
         r"message ends a conversation even without add_generation_prompt",
     ):
         tokenize_conversation(make_tokenizer(ALWAYS_WRITES_HEADER), to_conversation(chat_row(1), WHERE), WHERE)

@@ -28,7 +28,8 @@ rendered reasoning, content, tool calls, end-of-turn marker) is located as:
   before text written only after a final assistant message (gpt-oss's ``<|return|>``, trained;
   Gemma 4's ``<|tool_response>`` after a last tool call, which opens the result the caller writes);
   parting anywhere else means the end is ambiguous (Command R writes the next header even without a
-  generation prompt) and the row is refused. A part inside a special token snaps to its start.
+  generation prompt) and the row is refused. A part inside a special token or a marker (`<|START_TEXT|>`, `[TOOL_CALLS]`, whether or not the
+  tokenizer has it as a token) snaps to its start.
   A turn the template ends with nothing of its own may be closed by the next message: when that
   message's rendering opens with the end-of-sequence token (Apertus writes ``<|assistant_end|>`` as a
   following user message's first text), the token is the turn's stop and is trained with it (in a
@@ -61,6 +62,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
@@ -957,14 +959,25 @@ def _common_suffix(a: str, b: str, limit: int) -> int:
     return n
 
 
+# A template's markup, whether or not the tokenizer has it as one token: <|START_TEXT|>, <｜Assistant｜>, </think>,
+# [TOOL_CALLS], [/INST]. Angle brackets hold no blank space or bracket; square ones hold capitals, `_` and a leading `/`.
+MARKER = re.compile(r"<[^<>\s]{1,64}>|\[/?[A-Z][A-Z_]{1,31}\]")
+
+
 def _snap_back(text: str, pos: int, specials: list[str]) -> int:
-    """``pos``, or the start of a special token that ``pos`` falls inside."""
+    """``pos``, or the start of a special token or marker that ``pos`` falls inside. Markers count with a tokenizer
+    that lacks them too: Cohere's generation prompt ends `<|START_THINKING|>` where a finished turn writes
+    `<|START_TEXT|>`, and without the marker snap the turn's output started at `EXT|>` (the model was taught to end a
+    marker it never saw begin)."""
     best = pos
     for token in specials:
         for start in range(max(0, pos - len(token) + 1), pos):
             if text.startswith(token, start):
                 best = min(best, start)
                 break
+    for marker in MARKER.finditer(text, max(0, pos - 65), pos + 65):
+        if marker.start() < pos < marker.end():
+            best = min(best, marker.start())
     return best
 
 
