@@ -428,6 +428,18 @@ def test_conversation_trailer_is_not_trained(make_tokenizer, chat_row):
     assert example["input_ids"][-1] == tok.eos_token_id and example["labels"][-1] == IGNORE_INDEX
 
 
+def test_an_end_of_turn_marker_the_tokenizer_lacks_is_counted_unless_a_stop_is_trained(make_tokenizer):
+    """Llama 3's <|eot_id|> through a byte-level tokenizer is ten ordinary tokens, and the tokenizer's end-of-sequence
+    token is trained nowhere: generation never stops. Counted per marker (the data summary says so); not when the turn
+    trains the end-of-sequence token ([INST]'s eos_token) or the tokenizer has the marker as a token."""
+    row = exchange("Q1", "A1", "Q2", "A2")
+    assert masked(make_tokenizer(LLAMA3), row)[0].foreign_end_markers == {"<|eot_id|>": 2}
+    assert masked(make_tokenizer(INST), row)[0].foreign_end_markers == {}
+    own = make_tokenizer(LLAMA3)
+    own.add_special_tokens({"additional_special_tokens": ["<|eot_id|>"]})
+    assert masked(own, row)[0].foreign_end_markers == {}
+
+
 # Cohere2's habit: the generation prompt opens a thinking block, a finished turn without reasoning opens its text
 # instead; the two part inside a marker this (byte-level) tokenizer does not have as a token.
 OPENS_ANOTHER_MARKER = (

@@ -94,6 +94,9 @@ class Tokenized:
     tools_dropped: bool = False  # tool schemas given with the row that the template does not render (R1-Distill's)
     unterminated: int = 0  # trained turns the template ends with no marker after the text (nothing teaches a stop)
     notes: list[str] = field(default_factory=list)  # why auto chose per_turn
+    # the marker that ends a trained turn when it is no token of this tokenizer and the turn trains no end-of-sequence
+    # token (Llama 3's <|eot_id|> with a ChatML tokenizer): marker -> turns; the model learns no stop it can take
+    foreign_end_markers: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -185,6 +188,7 @@ def _tokenize_chat(
                 _system_dropped(conv["messages"], [full]),
                 _tools_dropped(conv.get("tools"), [full]),
                 unterminated,
+                foreign_end_markers=_foreign_end_markers(renderer, turns),
             ), [full]
         if multi_turn == "full":
             raise DataError(
@@ -203,7 +207,24 @@ def _tokenize_chat(
         _tools_dropped(conv.get("tools"), views),
         sum(turn.unmarked and not turn.close for turn in turns),
         notes,
+        _foreign_end_markers(renderer, turns),
     ), views
+
+
+def _foreign_end_markers(r: _Renderer, turns: list[_Turn]) -> dict[str, int]:
+    """The marker that ends each trained turn, where it is no token of this tokenizer and the turn trains no
+    end-of-sequence token either: the template was written for another tokenizer, and the model is taught to end its
+    answers with text that generation does not stop on. Marker -> turns."""
+    eos = getattr(r.tokenizer, "eos_token", None)
+    tokens = set(r.specials())
+    found: dict[str, int] = {}
+    for turn in turns:
+        if turn.close or (eos and eos in turn.output):
+            continue
+        markers = MARKER.findall(turn.view[turn.own_end : turn.end])
+        if markers and markers[-1] not in tokens:
+            found[markers[-1]] = found.get(markers[-1], 0) + 1
+    return found
 
 
 def _with_text_arguments(conv: Conversation) -> Optional[Conversation]:

@@ -99,6 +99,9 @@ class DataReport:
     variables_written_empty: dict[str, str] = field(default_factory=dict)
     # chat rows whose first message is not a system message (None: a cache written before this was counted)
     conversations_without_system: Optional[int] = None
+    # markers that end trained turns but are no token of this tokenizer, in turns that train no end-of-sequence token
+    # (data.chat.Tokenized.foreign_end_markers): marker -> turns
+    foreign_end_markers: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -289,6 +292,7 @@ class RowCounts:
         self.policies = {"full": 0, "per_turn": 0, "text": 0}
         self.per_turn_reason: Optional[str] = None
         self.reasoning_dropped = self.system_dropped = self.tools_dropped = self.unterminated = 0
+        self.foreign_end_markers: dict[str, int] = {}
         self.without_system = 0  # chat rows whose first message is not a system message
         self.shortened = 0  # rows that fit after their oldest exchanges were left out (truncation keep_recent)
         self.on_refusal: Optional[Callable[[DataError], None]] = None  # `phalanx data preview` prints each one
@@ -301,6 +305,8 @@ class RowCounts:
         self.system_dropped += int(result.system_dropped)
         self.tools_dropped += int(result.tools_dropped)
         self.unterminated += result.unterminated
+        for marker, turns in result.foreign_end_markers.items():
+            self.foreign_end_markers[marker] = self.foreign_end_markers.get(marker, 0) + turns
 
     def drop(self, reason: str) -> None:
         self.dropped += 1
@@ -335,6 +341,7 @@ class RowCounts:
             "system_dropped": self.system_dropped,
             "tools_dropped": self.tools_dropped,
             "unterminated_turns": self.unterminated,
+            "foreign_end_markers": self.foreign_end_markers,
             "conversations_without_system": self.without_system,
             "train_rows": len(train),
             "eval_rows": len(eval_) if eval_ else 0,
@@ -525,6 +532,13 @@ def describe_report(report: DataReport, cfg: DataConfig) -> list[str]:
                 else ""
             )
             + ")"
+        )
+    for marker, turns in sorted(r.foreign_end_markers.items(), key=lambda item: -item[1])[:3]:
+        lines.append(
+            f"   end of turn {marker!r} is no token of this tokenizer: {turns:,} turns train it as ordinary text, and none "
+            "of them trains the tokenizer's end-of-sequence token, so generation will not stop after an answer. The "
+            "template was written for another tokenizer: use the model it belongs to (--model_name), or a template "
+            "written for this one (--chat_template FILE|NAME)"
         )
     without = r.conversations_without_system
     counts = {
