@@ -248,6 +248,20 @@ def test_a_template_that_needs_what_transformers_lacks_is_named_with_what_it_lac
         tokenize_conversation(tok, to_conversation(chat_row(1), WHERE), WHERE)
 
 
+def test_a_template_that_needs_what_transformers_lacks_only_for_tools_blames_the_tools(
+    make_tokenizer, chatml, tool_row
+):
+    """llama.cpp's DeepSeek-R1 template writes `tools | map(...) | tojson` only when a row has tools: the refusal blamed
+    messages[0], which renders without them."""
+    tok = make_tokenizer("{% if tools %}{{ tools | map(attribute='function') | tojson }}{% endif %}" + chatml)
+    with pytest.raises(DataError) as info:
+        tokenize_conversation(tok, to_conversation(tool_row, WHERE), WHERE)
+    assert str(info.value).startswith(
+        f"{WHERE}: the chat template of ByT5Tokenizer fails on the row's tools: it hands tojson a generator"
+    )
+    assert "renders the same messages without them" in str(info.value) and "messages[0]" not in str(info.value)
+
+
 def test_a_template_that_needs_what_transformers_lacks_only_on_some_rows_refuses_the_row_not_the_template(
     make_tokenizer, chatml, chat_row
 ):
@@ -319,6 +333,11 @@ def test_a_template_that_reads_a_special_token_the_tokenizer_lacks_is_refused_na
     assert message.startswith(f"{WHERE}: the tokenizer's chat template reads bos_token, which this tokenizer does not")
     assert "use the tokenizer of the model it belongs to (--model_name)" in message
     assert "transformers' apply_chat_template does not define" not in message
+    # Given as a template variable, as the refusal says, the rows render (the text is then ordinary tokens).
+    assert "--chat_template_kwargs '{bos_token: \"...\"}'" in message
+    kwargs = {"bos_token": "<s>"}
+    given = tokenize_conversation(tok, to_conversation(chat_row(1), WHERE), WHERE, template_kwargs=kwargs)
+    assert given.policy == "full" and tok.decode(given.examples[0]["input_ids"]).startswith("<s>")
     tok.add_special_tokens({"bos_token": "<s>"})  # the same template renders once the tokenizer has one
     assert tokenize_conversation(tok, to_conversation(chat_row(1), WHERE), WHERE).policy == "full"
 

@@ -264,8 +264,10 @@ def template_refused(where: str, subject: str, messages: list[dict], error: Exce
         return DataError(
             f"{where}: the tokenizer's chat template reads {token}, which this tokenizer does not have (transformers "
             f"hands a template the tokenizer's special tokens; its error: {error}), so no row renders. The template was "
-            f"written for a tokenizer with a {token}: use the tokenizer of the model it belongs to (--model_name), or a "
-            "template written for this one (--chat_template FILE|NAME)"
+            f"written for a tokenizer with a {token}: use the tokenizer of the model it belongs to (--model_name), a "
+            "template written for this one (--chat_template FILE|NAME), or give its text with data.chat_template_kwargs "
+            f"(--chat_template_kwargs '{{{token}: \"...\"}}', as the model's card writes it; this tokenizer then "
+            "writes it as ordinary text)"
         )
     return DataError(
         f"{where}: the tokenizer's chat template failed on {subject} "
@@ -352,6 +354,14 @@ class _Renderer:
             return DataError(
                 f"{self.where}: {template} cannot be rendered by transformers: {gap} ({SANDBOX}). Use a template "
                 "written for transformers (--chat_template FILE)."
+            )
+        if self.tools and self._renders_with_empty_tools(messages, False):
+            # llama.cpp's DeepSeek-R1 template writes `tools | map(...) | tojson` only when there are tools: the messages
+            # were blamed, though each renders without the tools.
+            return DataError(
+                f"{self.where}: {template} fails on the row's tools: {gap} ({SANDBOX}). It renders the same messages "
+                "without them, so the step it cannot take is on the path it takes for tools: use a template that "
+                "renders tools in transformers (--chat_template FILE), or leave the tools out of these rows."
             )
         # The first message whose rendering fails is the one that takes that path.
         k = next((n for n in range(1, len(messages)) if self.try_render(messages[:n], False) is None), len(messages))

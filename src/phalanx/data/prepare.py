@@ -479,7 +479,8 @@ def describe_drops(reasons: dict[str, int], cfg: DataConfig) -> str:
         DROP_TOO_LONG: f"truncation 'drop' with max_length {cfg.max_length}: raise max_length, or set truncation 'truncate'",
         DROP_TRUNCATED_AWAY: f"cut at max_length {cfg.max_length} before its first assistant token: raise max_length"
         + (
-            ", or set truncation 'keep_recent' to leave out the oldest exchanges of long conversations instead"
+            ", or set truncation 'keep_recent' to leave out the oldest exchanges of long conversations instead (it"
+            " cannot shorten a first exchange, nor a long system prompt the template writes)"
             if cfg.truncation != "keep_recent"
             else ""
         ),
