@@ -269,9 +269,10 @@ def template_refused(where: str, subject: str, messages: list[dict], error: Exce
             f"(--chat_template_kwargs '{{{token}: \"...\"}}', as the model's card writes it; this tokenizer then "
             "writes it as ordinary text)"
         )
+    said = str(error).rstrip(".")  # the sentence goes on: "...message.." read as a typo
     return DataError(
         f"{where}: the tokenizer's chat template failed on {subject} "
-        f"(roles: {', '.join(m['role'] for m in messages) or 'none'}): {type(error).__name__}: {error}. The template "
+        f"(roles: {', '.join(m['role'] for m in messages) or 'none'}): {type(error).__name__}: {said}. The template "
         "does not take the row as it is: change the row to what it accepts (its error says what: a role it "
         "lacks, the order of roles, a missing field) or use a template that takes it (--chat_template FILE|NAME)"
     )
