@@ -174,3 +174,10 @@ def test_rows_refused_one_after_another_for_the_same_reason_are_said_once():
         refusals.add(ValueError(f"data.jsonl line {line}: messages[{line}].role: missing"))
     refusals.finish()
     assert len(said) == MAX_REFUSALS_SHOWN + 1 and said[-1] == "refused: ... and 7 more rows"
+    # A refusal that names no line is repeated as a count alone.
+    said.clear()
+    refusals = RefusalList(said.append)
+    for _ in range(3):
+        refusals.add(ValueError("no chat template"))
+    refusals.finish()
+    assert said == ["refused: no chat template", "refused: 2 more rows for the same reason"]

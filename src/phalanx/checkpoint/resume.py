@@ -34,6 +34,7 @@ from phalanx.checkpoint.layout import (
 )
 from phalanx.config.schema import RunConfig
 from phalanx.errors import ConfigError, NothingToDo
+from phalanx.observe.metrics import METRICS_FILE, TENSORBOARD_DIR
 from phalanx.runtime.durable import check_can_create
 from phalanx.runtime.output_lock import check_free, training_lock
 
@@ -71,9 +72,9 @@ RESUME_FREE = (
     "distributed.init_timeout_minutes",
     *SPEED_AND_CADENCE,
 )
-RUN_ARTIFACTS = ("training_info.json", "final_training_info.json", "metrics.jsonl", BEST)
+RUN_ARTIFACTS = ("training_info.json", "final_training_info.json", METRICS_FILE, BEST)
 # What a run that stopped before its first checkpoint leaves besides RUN_ARTIFACTS; moved aside with them.
-CRASH_LEFTOVERS = ("tensorboard", "loss_curve.png")
+CRASH_LEFTOVERS = (TENSORBOARD_DIR, "loss_curve.png")
 # The final model written into output_dir itself, and the record written after it: the run has finished only when
 # that record (FINISHED) exists; model files without it are a final save cut short (set aside, never trusted).
 FINISHED = "final_training_info.json"

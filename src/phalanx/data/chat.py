@@ -28,8 +28,8 @@ rendered reasoning, content, tool calls, end-of-turn marker) is located as:
   before text written only after a final assistant message (gpt-oss's ``<|return|>``, trained;
   Gemma 4's ``<|tool_response>`` after a last tool call, which opens the result the caller writes);
   parting anywhere else means the end is ambiguous (Command R writes the next header even without a
-  generation prompt) and the row is refused. A part inside a special token or a marker (`<|START_TEXT|>`, `[TOOL_CALLS]`, whether or not the
-  tokenizer has it as a token) snaps to its start.
+  generation prompt) and the row is refused. A part inside a special token or a marker
+  (`<|START_TEXT|>`, `[TOOL_CALLS]`, whether or not the tokenizer has it as a token) snaps to its start.
   A turn the template ends with nothing of its own may be closed by the next message: when that
   message's rendering opens with the end-of-sequence token (Apertus writes ``<|assistant_end|>`` as a
   following user message's first text), the token is the turn's stop and is trained with it (in a

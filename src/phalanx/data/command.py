@@ -146,9 +146,12 @@ class RefusalList:
         if len(files) == 1 and all(" line " in where for where in rows):
             numbers = [where.rpartition(" line ")[2] for where in rows]
             named = f"line {numbers[0]}" + (f" to line {numbers[-1]}" if len(rows) > 1 else "") + f" of {files.pop()}"
-        else:
+        elif all(rows):
             named = rows[0] + (f" to {rows[-1]}" if len(rows) > 1 else "")
-        self.say(f"refused: {len(rows)} more row{'s' if len(rows) > 1 else ''} for the same reason, {named}")
+        else:
+            named = ""  # a refusal that names no place (said as it came)
+        plural = "s" if len(rows) > 1 else ""
+        self.say(f"refused: {len(rows)} more row{plural} for the same reason" + (f", {named}" if named else ""))
         self.repeats = []
 
 
