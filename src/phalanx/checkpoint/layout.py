@@ -7,6 +7,7 @@ and loaded by the next, so a name changes only with a way to read the old one.
   output_dir/.{name}.staging/         a save being written; never read (staging_dir)
   output_dir/.{name}.retired/         the committed copy a new save of the same name is replacing (retired_dir)
   {name}/phalanx_checkpoint.json      the commit marker, written last (MARKER)
+  output_dir/metrics.jsonl, tensorboard/   the run's records (METRICS_FILE, TENSORBOARD_DIR)
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"  # a PEFT adapter
 SHARDED_DIR = "sharded_state"  # FSDP2: every rank's shards of weights and optimizer (DCP)
 DS_DIR, DS_TAG = "deepspeed", "state"  # DeepSpeed's own checkpoint: DS_DIR/DS_TAG/
 EMA = "ema"  # the engine's EMA weights, saved like any stateful object: ema.pt
+
+# A run's records beside its checkpoints in output_dir: written by observe.metrics, set aside with a run's
+# checkpoints when a fresh run starts in the same folder (checkpoint.resume), so both read the names from here.
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
 
 
 def step_dir(step: int) -> str:

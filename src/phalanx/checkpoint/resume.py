@@ -27,6 +27,8 @@ from phalanx.checkpoint.layout import (
     ADAPTER_WEIGHTS,
     BEST,
     MARKER,
+    METRICS_FILE,
+    TENSORBOARD_DIR,
     TRAINER_STATE,
     WEIGHTS,
     final_model_staging,
@@ -34,7 +36,6 @@ from phalanx.checkpoint.layout import (
 )
 from phalanx.config.schema import RunConfig
 from phalanx.errors import ConfigError, NothingToDo
-from phalanx.observe.metrics import METRICS_FILE, TENSORBOARD_DIR
 from phalanx.runtime.durable import check_can_create
 from phalanx.runtime.output_lock import check_free, training_lock
 

@@ -26,13 +26,13 @@ from torch import nn
 from phalanx.checkpoint.checkpointer import BestMetric, Checkpointer, CheckpointPolicy
 from phalanx.checkpoint.commit import committed_copy, is_committed, recover_replaced
 from phalanx.checkpoint.io import load_rng_file
-from phalanx.checkpoint.layout import BEST, EMA, LAST, state_file
+from phalanx.checkpoint.layout import BEST, EMA, LAST, METRICS_FILE, TENSORBOARD_DIR, state_file
 from phalanx.checkpoint.resume import crashed_folder, set_aside_ahead
 from phalanx.engine.ema import ModelEMA
 from phalanx.engine.metrics import MetricTotals, reduce_tensor
 from phalanx.engine.syncbn import convert_sync_batchnorm, has_batchnorm
 from phalanx.errors import ConfigError, PhalanxError
-from phalanx.observe.metrics import METRICS_FILE, TENSORBOARD_DIR, Reporter
+from phalanx.observe.metrics import Reporter
 from phalanx.parallel.base import Precision, Strategy
 from phalanx.runtime import dist as rt
 from phalanx.runtime.faults import Fault, kill_self, planned_fault

@@ -16,11 +16,8 @@ from typing import Optional
 
 from tqdm.auto import tqdm
 
+from phalanx.checkpoint.layout import METRICS_FILE, TENSORBOARD_DIR
 from phalanx.runtime.durable import write_bytes_atomic
-
-# What a run's reporting writes into its output_dir (names TrainingEngine sets aside with an earlier run).
-METRICS_FILE = "metrics.jsonl"
-TENSORBOARD_DIR = "tensorboard"
 
 
 class Reporter:
