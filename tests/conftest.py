@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from equivalence import train
-from helpers import write_chat_jsonl
+from helpers import built_once, read_metrics, write_chat_jsonl
 
 
 def pytest_collection_modifyitems(items):
@@ -69,22 +69,25 @@ def hub_not_looked_up():
 
 @pytest.fixture(scope="session")
 def equivalence_data(tmp_path_factory) -> Path:
-    """48 tool-call chats: 5 steps of a global batch of 4 with rows to spare."""
-    return write_chat_jsonl(tmp_path_factory.mktemp("equivalence") / "train.jsonl", 48)
+    """48 tool-call chats: 5 steps of a global batch of 4 with rows to spare (one file for every worker)."""
+    folder = built_once(tmp_path_factory, "equivalence", lambda out: write_chat_jsonl(out / "train.jsonl", 48))
+    return folder / "train.jsonl"
 
 
 @pytest.fixture(scope="session")
 def single(equivalence_data, tmp_path_factory):
-    """get(finetune) -> (output folder, per-step losses) of one process with batch 4, trained once per session.
+    """get(finetune) -> (output folder, per-step losses) of one process with batch 4, trained once per session
+    (helpers.built_once: by the first worker that asks).
 
     It pads its micro-batches (--packing false) while the runs compared with it pack theirs (the default): every
     equivalence check under DDP, FSDP2 and ZeRO is also a check that packed training equals padded training."""
-    cache = {}
 
     def get(finetune: str) -> tuple[Path, list[float]]:
-        if finetune not in cache:
-            out = tmp_path_factory.mktemp(f"single-{finetune}")
-            cache[finetune] = out, train(equivalence_data, out, 1, 4, finetune, "--packing", "false")
-        return cache[finetune]
+        out = built_once(
+            tmp_path_factory,
+            f"single-{finetune}",
+            lambda out: train(equivalence_data, out, 1, 4, finetune, "--packing", "false"),
+        )
+        return out, [r["loss"] for r in read_metrics(out)]
 
     return get

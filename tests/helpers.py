@@ -5,6 +5,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +59,31 @@ def run_phalanx(
         text=True,
         timeout=timeout,
     )
+
+
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], object]) -> Path:
+    """A folder `build(folder)` fills once per test session, whichever xdist worker asks first; the others wait for
+    it and reuse it (a 2-rank reference run costs each worker ~15 s of the suite's two cores). Read-only to its
+    users: a test that changes it copies it first. A build that fails leaves no folder, so the next asker retries
+    (and fails with its own message)."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # pytest-xdist: each worker's basetemp is a folder of the session's
+    folder, done = root / "built-once" / name, root / "built-once" / f"{name}.done"
+    folder.parent.mkdir(exist_ok=True)
+    with FileLock(f"{folder}.lock"):
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            try:
+                build(folder)
+            except BaseException:
+                shutil.rmtree(folder, ignore_errors=True)
+                raise
+            done.touch()
+    return folder
 
 
 # A short training run on the embedded model: few steps, small rows, nothing logged but metrics.jsonl, no eval or save

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from helpers import descendants, write_chat_jsonl
+from helpers import built_once, descendants, write_chat_jsonl
 
 # One config for every run of the tier, so each can be compared with the same uninterrupted run.
 # Checkpoints every 3 steps give the elastic and preemption tests something to resume from.
@@ -159,32 +159,44 @@ def run_bounded(cmd: list[str], cwd: Path, env: dict, timeout: float) -> subproc
 
 
 @pytest.fixture(scope="session")
-def reference_run(project, generate) -> dict[int, float]:
-    """The uninterrupted single-node run every other run is compared with: the generated script, executed.
+def reference_run_dir(project, generate, tmp_path_factory) -> Path:
+    """The uninterrupted single-node run every other run is compared with: the generated script, executed once per
+    session by the first worker that asks (helpers.built_once). The folder holds the script and its .bat twin
+    (scripts/) and the run's output_dir (run/).
 
     Generated for 1 rank and started as `bash run_training.sh 2` (seed 000's launch_distributed.sh N),
     so the run also proves the process-count argument and the extra train flags reach torchrun.
     """
-    generate(
-        "launcher",
-        "--config",
-        "train.yaml",
-        "--num_gpus_per_node",
-        "0",
-        "--nproc_per_node",
-        "1",
-        "--master_port",
-        str(free_port()),
-        "--output",
-        "scripts/run_training.sh",
-    )
-    proc = run_bounded(
-        ["bash", "scripts/run_training.sh", "2", "--output_dir", "runs/reference"], project, local_env(), 240
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    info = read_info(project / "runs" / "reference")
+
+    def run(folder: Path) -> None:
+        generate(
+            "launcher",
+            "--config",
+            "train.yaml",
+            "--num_gpus_per_node",
+            "0",
+            "--nproc_per_node",
+            "1",
+            "--master_port",
+            str(free_port()),
+            "--output",
+            "scripts/run_training.sh",
+        )
+        shutil.copytree(project / "scripts", folder / "scripts")
+        proc = run_bounded(
+            ["bash", "scripts/run_training.sh", "2", "--output_dir", str(folder / "run")], project, local_env(), 240
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    return built_once(tmp_path_factory, "launch-reference-run", run)
+
+
+@pytest.fixture(scope="session")
+def reference_run(reference_run_dir) -> dict[int, float]:
+    """The reference run's loss of each step."""
+    info = read_info(reference_run_dir / "run")
     assert info["world_size"] == 2 and info["global_step"] == MAX_STEPS
-    losses = losses_by_step(project / "runs" / "reference")
+    losses = losses_by_step(reference_run_dir / "run")
     assert sorted(losses) == list(range(1, MAX_STEPS + 1))
     return losses
 

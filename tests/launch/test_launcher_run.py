@@ -29,15 +29,15 @@ def run_script(
     return proc, time.monotonic() - start
 
 
-def test_single_node_script_trains_on_two_ranks(reference_run, project, support):
-    """The reference run is `bash scripts/run_training.sh 2 --output_dir runs/reference` (see conftest)."""
-    info = support.read_info(project / "runs" / "reference")
+def test_single_node_script_trains_on_two_ranks(reference_run, reference_run_dir, support):
+    """The reference run is `bash scripts/run_training.sh 2 --output_dir REFERENCE/run` (see conftest)."""
+    info = support.read_info(reference_run_dir / "run")
     assert info["world_size"] == 2 and info["global_step"] == support.MAX_STEPS and info["effective_batch_size"] == 4
     losses = [reference_run[s] for s in sorted(reference_run)]
     assert all(loss == loss and loss < 20 for loss in losses) and losses[-1] < losses[0], losses
-    assert (project / "runs" / "reference" / "adapter_model.safetensors").is_file()
+    assert (reference_run_dir / "run" / "adapter_model.safetensors").is_file()
     # The Windows twin was written next to it (it cannot run here; test_generate.py checks its lines).
-    assert (project / "scripts" / "run_training.bat").is_file()
+    assert (reference_run_dir / "scripts" / "run_training.bat").is_file()
 
 
 def test_a_script_with_generate_writes_the_data_then_trains_on_it(project, generate, support):
