@@ -100,6 +100,7 @@ TINY_RUN: dict[str, object] = {
     "lora_r": 4,
     "logging.progress_bar": False,
     "logging.tensorboard": False,
+    "logging.loss_curve": False,  # matplotlib's import and a plot: ~1 s of every run (tests/test_cli.py draws one)
 }
 
 

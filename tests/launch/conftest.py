@@ -79,7 +79,7 @@ def project(tmp_path_factory) -> Path:
         "training": {"max_steps": MAX_STEPS, "batch_size": 2, "learning_rate": 1.0e-2, "mixed_precision": "no"},
         "eval": {"eval_steps": 100},
         "checkpoint": {"save_steps": SAVE_STEPS},
-        "logging": {"log_steps": 1, "progress_bar": False, "tensorboard": False},
+        "logging": {"log_steps": 1, "progress_bar": False, "tensorboard": False, "loss_curve": False},
     }
     (root / "train.yaml").write_text(yaml.safe_dump(config))
     return root

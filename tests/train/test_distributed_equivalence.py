@@ -22,6 +22,8 @@ def test_two_ranks_match_one_process_with_double_batch(equivalence_data, tmp_pat
     assert ddp == pytest.approx(reference, abs=1e-5)
     assert reference[-1] < reference[0], "the loss moves: the comparison is not between two untrained models"
     assert_saved_weights_match(single_dir, tmp_path, finetune)
+    # --logging.loss_curve false (the tests' tiny runs): the run finished without drawing its plot.
+    assert (tmp_path / "final_training_info.json").is_file() and not (tmp_path / "loss_curve.png").exists()
 
 
 def test_accumulation_and_activation_checkpointing_change_no_loss(equivalence_data, tmp_path, single):

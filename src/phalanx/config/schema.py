@@ -289,6 +289,9 @@ class CheckpointConfig(Section):
 class LoggingConfig(Section):
     log_steps: int = Field(10, gt=0, description="Log metrics every this many optimizer steps.")
     tensorboard: bool = Field(True, description="Write TensorBoard events under output_dir/tensorboard.")
+    loss_curve: bool = Field(
+        True, description="Draw the run's losses into output_dir/loss_curve.png at the end (matplotlib, about 1 s)."
+    )
     progress_bar: bool = Field(
         True,
         description="Show a progress bar on rank 0 (on a terminal; where stdout is a file or pipe, one plain line per logged step).",

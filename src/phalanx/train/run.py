@@ -614,7 +614,8 @@ def finish_run(run: Run) -> dict:
     if run.rank.is_main:
         save_final_model(run, model_state)
         write_info(run, run.output_dir / "training_info.json")
-        plot_loss_curve(run.reporter.history, run.output_dir / "loss_curve.png")
+        if run.cfg.logging.loss_curve:
+            plot_loss_curve(run.reporter.history, run.output_dir / "loss_curve.png")
         # Last: its presence is what says the run finished (checkpoint.resume, the requeue scripts), so a run killed
         # before it is rerun, never taken as finished with a plot or a model missing.
         write_info(run, run.output_dir / FINISHED, summary)
