@@ -26,7 +26,10 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(scope="session", autouse=True)
 def phalanx_cache(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("phalanx-cache")
+    """One PHALANX_CACHE for the session, shared by the xdist workers like the reference runs (helpers.built_once):
+    the runs they compare were built from the same embedded model folder (adapter_config.json names it), and the
+    cache is safe to fill from several processes at once (tests/models/test_presets.py, tests/data/test_prepare.py)."""
+    cache = built_once(tmp_path_factory, "phalanx-cache", lambda folder: None)
     old = os.environ.get("PHALANX_CACHE")
     os.environ["PHALANX_CACHE"] = str(cache)
     yield cache

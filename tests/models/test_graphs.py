@@ -4,7 +4,7 @@ The graphs themselves exist on CUDA only (benchmarks/gpu_suite.sh compile-lora m
 micro-batch is padded to one of a few shapes; the padding changes no loss, no gradient and no count, through the
 eager per-row attention and through compiled layers; gradients summed over several passes stay in the buffers
 allocated before the first step; and a real 2-rank DDP CLI run with graphs asked for trains and evaluates exactly as a
-compiled run without them.
+run without them.
 """
 
 import pytest
