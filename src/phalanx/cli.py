@@ -79,6 +79,9 @@ def resolve_command(name: str) -> Callable[[Sequence[str]], int]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv is not None:
         return run_command(list(argv))
+    from phalanx.runtime.collector import defer_full_collections
+
+    defer_full_collections()  # first: the imports ahead are seconds, a fifth of them in full collections
     from phalanx.launch.local import start_rank_process
     from phalanx.models.packages import command_owns_process
     from phalanx.runtime.exit import drop_closed_stdout, exit_without_teardown, record_exit

@@ -83,9 +83,11 @@ def run(args: argparse.Namespace, preemption) -> int:
     """One rank's part (or the whole job in one process); returns 0, or 75 when a signal stopped it."""
     from phalanx.generate.job import plan_job
     from phalanx.runtime import dist as rt
+    from phalanx.runtime.collector import startup_done
     from phalanx.runtime.output_lock import output_file_lock, release_lock
     from phalanx.runtime.signals import PREEMPTED_EXIT_CODE
 
+    startup_done()  # torch and transformers are imported (generate.job): collect as usual from here
     rank_id = rt.env_rank_info()[0]
     say = (lambda message: print(message, flush=True)) if rank_id == 0 else (lambda message: None)
     job = plan_job(args, warn=say)  # every rank reads the prompts: the batches are computed, not sent

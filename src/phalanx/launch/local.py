@@ -63,6 +63,10 @@ def launch_local(
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from phalanx.runtime.collector import startup_done
+
+    startup_done()  # this process watches the ranks for the whole run: it collects as usual from here
+
     if master_port:
         from phalanx.launch.preflight import check_port_free
 

@@ -144,6 +144,7 @@ def merge_tokens_for_this_device(cfg: RunConfig) -> Optional[int]:
 def train_worker(cfg: RunConfig, preemption: PreemptionFlag) -> int:
     """One rank's whole run. A failure is reported with what every rank was doing, so the stuck one is named."""
     from phalanx.launch.local import STOPPED_FOR_LOST_PEER, write_rank_message
+    from phalanx.runtime.collector import startup_done
     from phalanx.runtime.dist import env_rank_info, shutdown
     from phalanx.runtime.output_lock import release_lock, training_lock
     from phalanx.runtime.signals import PREEMPTED_EXIT_CODE, Preempted
@@ -151,6 +152,7 @@ def train_worker(cfg: RunConfig, preemption: PreemptionFlag) -> int:
     from phalanx.train.loop import train
     from phalanx.train.run import build_run, finish_run, stop_loader_workers
 
+    startup_done()  # before build_run: the DDP reducer's cycles stay collectable (runtime.collector)
     rank, world = env_rank_info()[:2]
     run = None
     try:
