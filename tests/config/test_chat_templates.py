@@ -155,6 +155,13 @@ def test_a_file_path_wins_and_bad_values_name_the_field(tmp_path):
         resolve_chat_template("nosuch")
     assert str(e.value).startswith("data.chat_template = 'nosuch': no such file")
     assert "path of a jinja file" in str(e.value) and "deepseek-r1-distill (" in str(e.value)
+    # A typo: the nearest file in that folder, or shipped name, is named; a folder that is not there is said.
+    with pytest.raises(ConfigError, match=rf"no template phalanx ships has that name\. Did you mean {own}\? Give"):
+        resolve_chat_template(str(tmp_path / "own.jinj"))
+    with pytest.raises(ConfigError, match=r"that name\. Did you mean deepseek-r1-distill\? Give"):
+        resolve_chat_template("deepseek-r1-distil")
+    with pytest.raises(ConfigError, match=rf"that name\. There is no folder {tmp_path}/templtes\. Give"):
+        resolve_chat_template(str(tmp_path / "templtes" / "own.jinja"))
     broken = tmp_path / "broken.jinja"
     broken.write_text("{% for m in messages %}\n{{ m.content }\n{% endfor %}")
     with pytest.raises(ConfigError, match=r"broken.jinja line 2 is not valid jinja: unexpected '}'"):

@@ -155,7 +155,7 @@ def test_rows_refused_one_after_another_for_the_same_reason_are_said_once():
     sentence 50 times, each with its line, then "... and 250 more rows"."""
     said: list[str] = []
     refusals = RefusalList(said.append)
-    template = "the tokenizer's chat template reads bos_token, which this tokenizer does not have"
+    template = "the chat template reads bos_token, which this tokenizer does not have"
     for line in range(1, 301):
         refusals.add(ValueError(f"data.jsonl line {line}: {template}"))
     refusals.add(ValueError("data.jsonl line 301: messages[1].content: missing"))

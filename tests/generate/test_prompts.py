@@ -170,7 +170,7 @@ def test_a_prompt_the_template_raises_on_names_the_prompt_and_what_to_do():
     with pytest.raises(DataError) as err:
         render_prompt(strict, messages, None, None, "prompts.jsonl line 4")
     message = str(err.value)
-    assert message.startswith("prompts.jsonl line 4: the tokenizer's chat template failed on this prompt "), message
+    assert message.startswith("prompts.jsonl line 4: the chat template failed on this prompt "), message
     assert "(roles: system, user): TemplateError: System role not supported" in message, message
     assert "or use a template that takes it (--chat_template FILE|NAME)" in message, message
 

@@ -79,12 +79,27 @@ def resolve_chat_template(value: str) -> Union[str, dict[str, str]]:
     else:
         raise ChatTemplateError(
             value,
-            f"no such file, and no template phalanx ships has that name. Give the path "
+            f"no such file, and no template phalanx ships has that name.{_nearest(value, path)} Give the path "
             f"of a jinja file, or {_accepted()}",
         )
     if isinstance(found, dict):
         return {name: _checked(value, text, f"{path} ({name!r})") for name, text in found.items()}
     return _checked(value, found, str(path))
+
+
+def _nearest(value: str, path: Path) -> str:
+    """' Did you mean X?' for a mistyped file name or shipped name, or the missing folder; '' when nothing is near."""
+    import difflib
+
+    folder = path.parent
+    if not folder.is_dir():
+        return f" There is no folder {folder}."
+    files = {entry.name: str(folder / entry.name) for entry in folder.iterdir() if entry.is_file()}
+    if "/" in value:
+        near = difflib.get_close_matches(path.name, list(files), n=1)
+        return f" Did you mean {files[near[0]]}?" if near else ""
+    near = difflib.get_close_matches(value, [*shipped_templates(), *files], n=1)
+    return f" Did you mean {files.get(near[0], near[0])}?" if near else ""
 
 
 def _read(value: str, path: Path) -> str:

@@ -262,7 +262,7 @@ def template_refused(where: str, subject: str, messages: list[dict], error: Exce
     token = unset_special_token(error)
     if token:  # not the row's fault: no row renders with this tokenizer
         return DataError(
-            f"{where}: the tokenizer's chat template reads {token}, which this tokenizer does not have (transformers "
+            f"{where}: the chat template reads {token}, which this tokenizer does not have (transformers "
             f"hands a template the tokenizer's special tokens; its error: {error}), so no row renders. The template was "
             f"written for a tokenizer with a {token}: use the tokenizer of the model it belongs to (--model_name), a "
             "template written for this one (--chat_template FILE|NAME), or give its text with data.chat_template_kwargs "
@@ -271,7 +271,7 @@ def template_refused(where: str, subject: str, messages: list[dict], error: Exce
         )
     said = str(error).rstrip(".")  # the sentence goes on: "...message.." read as a typo
     return DataError(
-        f"{where}: the tokenizer's chat template failed on {subject} "
+        f"{where}: the chat template failed on {subject} "
         f"(roles: {', '.join(m['role'] for m in messages) or 'none'}): {type(error).__name__}: {said}. The template "
         "does not take the row as it is: change the row to what it accepts (its error says what: a role it "
         "lacks, the order of roles, a missing field) or use a template that takes it (--chat_template FILE|NAME)"
