@@ -827,8 +827,9 @@ def _check_rendered(r: _Renderer, turn: _Turn, where: str) -> bool:
             template = template_text(r.tokenizer.chat_template)
             hint = (
                 " DeepSeek's templates of this family (R1-Distill's, V2.5's, V3's) render tool calls only when "
-                'content is None (phalanx passes ""); for the R1-Distill models a corrected copy ships as '
-                "--chat_template deepseek-r1-distill (for another model, correct its template the same way)."
+                'content is None (phalanx passes ""); for the R1-Distill models (Qwen 1.5B-32B, Llama-8B) a '
+                "corrected copy ships as --chat_template deepseek-r1-distill (for another model, correct its template "
+                "the same way)."
                 if "<｜tool▁calls▁begin｜>" in template
                 else ""
             )
