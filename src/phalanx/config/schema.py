@@ -214,9 +214,9 @@ class TrainingConfig(Section):
         "auto",
         description="Regional torch.compile: each decoder layer compiled on its own (after activation checkpointing, "
         "before the strategy wraps the model), fusing the elementwise work between matmuls; the first steps include "
-        "compiling (about 35 s for a 1.5B model on an H100). 'auto' is on where it was measured to pay: LoRA over an "
-        "unquantized base, packed micro-batches, on CUDA, one process or DDP, in runs of at least 1,000 "
-        "micro-batches per rank (1.21x per step on an H100: benchmarks/RESULTS.md); off elsewhere.",
+        "compiling (about 30 s for a 1.5B model on an H200). 'auto' is on where it was measured to pay: LoRA over an "
+        "unquantized base, packed micro-batches, on CUDA, one process or DDP, in runs of at least 400 "
+        "micro-batches per rank (a batch-4 step 1.9x faster on an H200: benchmarks/RESULTS.md); off elsewhere.",
     )
     liger_kernels: Literal["auto", "false"] = Field(
         "auto",
@@ -229,7 +229,8 @@ class TrainingConfig(Section):
         "kernels launch as one graph: for steps bound by the host launching kernels (small micro-batches on a fast "
         "GPU). Compiles the layers (training.compile must not be false); packed micro-batches are padded with rows "
         "that hold no targets to 16 token counts per bound, each captured at its first use. One process or DDP, "
-        "packed rows, no activation checkpointing, no 4-bit base. Off until a GPU measurement shows it pays.",
+        "packed rows, no activation checkpointing, no 4-bit base. Measured slower than compiled layers without graphs "
+        "(an H200, batch 4: 9,966 tokens/s against ~25,000, and minutes to capture): an experiment, not a speed-up.",
     )
     loader_workers: Optional[int] = Field(
         None,

@@ -14,14 +14,15 @@ inside a compiled layer and the run died at its first step.
 Packed rows' ends reach the compiled layers as a device tensor only (models/attention.py: `layers_compiled`), so
 the graphs compiled at the first step serve micro-batches with any number of rows.
 
-'auto' compile is on only where a side-by-side GPU measurement showed it pays (benchmarks/RESULTS.md, 2026-11-27
-05:47, the lora-compile and lora arms of benchmarks/phalanx_arms.py on an H100, the R1-Distill-Qwen-1.5B shape):
-LoRA on CUDA over packed micro-batches with DDP or one process, and a run long enough to pay the warm-up back. There
-compiled layers took 0.226 s a step against eager's 0.273 s (1.21x), after about 35 s more start-up: paid back
-after ~750 micro-batches, so 'auto' asks for AUTO_COMPILE_MIN_MICRO_BATCHES. Not measured on a GPU, so eager under
-'auto': full fine-tuning, QLoRA, padded micro-batches (whose shapes recompile more), FSDP and DeepSpeed. On CPU
-compilation takes minutes to warm up and is not faster for small models. 'auto' Liger is on for CUDA when
-liger-kernel imports and the layers are not compiled.
+'auto' compile is on only where a side-by-side GPU measurement showed it pays: LoRA on CUDA over packed micro-batches
+with DDP or one process, and a run long enough to pay the warm-up back. On an H200 at e61b8e0 (benchmarks/RESULTS.md,
+2026-11-28 03:14) compiled layers took 0.143-0.154 s a batch-4 step against eager's 0.294 s (the lora arm of the
+session's call before, 03:03), after about 29 s more start-up (55 s from launch to the first step with a cold compile
+cache, eager ~26 s): paid back after ~200 micro-batches. (On an H100 at c956c65, 2026-11-27 05:47: 0.226 s against
+0.273 s, ~750 micro-batches.) So 'auto' asks for AUTO_COMPILE_MIN_MICRO_BATCHES, twice the newer break-even. Not
+measured on a GPU, so eager under 'auto': full fine-tuning, QLoRA, padded micro-batches (whose shapes recompile more),
+FSDP and DeepSpeed. On CPU compilation takes minutes to warm up and is not faster for small models. 'auto' Liger is on
+for CUDA when liger-kernel imports and the layers are not compiled.
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ LIGER_PATCHES = {
 }
 
 
-# 'auto' compiles a run of at least this many micro-batches per rank (the measured break-even, ~750, with a margin).
-AUTO_COMPILE_MIN_MICRO_BATCHES = 1000
+# 'auto' compiles a run of at least this many micro-batches per rank (the measured break-even, ~200, with a margin).
+AUTO_COMPILE_MIN_MICRO_BATCHES = 400
 
 
 def compile_wanted(
