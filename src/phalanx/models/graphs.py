@@ -5,6 +5,11 @@ busy 44% of a compiled step, ~3,900 launches; benchmarks/RESULTS.md 2026-11-27 0
 layer's kernels with one launch. Inductor captures them (its CUDA-graph trees, what torch.compile's
 'reduce-overhead' turns on): one graph per compiled layer, forward and backward, for each micro-batch shape.
 
+Measured (benchmarks/RESULTS.md, 2026-11-28 03:16, an H200, batch 4): slower than what it was to speed up. The first
+logged step came 112 s after launch and the run then made 9,966 tokens/s, against 13,378 eager and 24,522-26,301 for
+compiled layers without graphs. Inductor split each layer's forward at a small tensor built on the CPU and copied to
+the GPU (not diagnosed further). So the flag stays off by default and is an experiment (gpu_suite.sh graphs).
+
 Packed micro-batches change length every step, and a graph is captured for every new shape, so `GraphShapes` pads
 each one to a few shapes: its tokens up to a multiple of `token_step` and its rows up to `row_slots`, with rows of
 padding (data/collate.py:pad_packed) that hold no target and, being rows of their own in the row ends the attention
