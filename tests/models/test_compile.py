@@ -21,6 +21,7 @@ from phalanx.models.blocks import decoder_layers
 from phalanx.models.compile import (
     AUTO_COMPILE_MIN_MICRO_BATCHES,
     CPP_WRAPPER_ENV,
+    auto_compile_line,
     compile_decoder_layers,
     compile_wanted,
     fuse_elementwise,
@@ -128,3 +129,20 @@ def test_auto_compiles_only_where_measured_and_never_patches_liger_on_cpu():
     assert fuse_elementwise(model, False, "auto", CPU) is model
     assert all(getattr(layer, "_compiled_call_impl", None) is None for layer in decoder_layers(model))
     assert [layer.mlp.forward for layer in decoder_layers(model)] == forwards  # Liger is CUDA-only
+
+
+def test_the_log_says_what_auto_chose_where_the_runs_length_decided_it():
+    """A LoRA run on CUDA long enough is told it compiles; a shorter one that a longer run would compile is told it
+    stays eager, from how many passes 'auto' compiles, and how to compile anyway; where length does not matter (CPU,
+    full fine-tuning, FSDP) or the user chose, nothing is said."""
+    cuda, lora = torch.device("cuda"), dict(plain_lora=True, packed=True, strategy="ddp")
+    long_run = auto_compile_line("auto", cuda, **lora, micro_batches=AUTO_COMPILE_MIN_MICRO_BATCHES, steps=100)
+    assert long_run.startswith("🧩 training.compile auto: compiling") and "100 optimizer steps" in long_run
+    short = auto_compile_line("auto", cuda, **lora, micro_batches=120, steps=30)
+    assert short.startswith("🧩 training.compile auto: eager, as this LoRA run is 120 passes long")
+    assert f"from {AUTO_COMPILE_MIN_MICRO_BATCHES:,}" in short and "--training.compile true" in short
+    for device, kind in ((CPU, lora), (cuda, {**lora, "plain_lora": False}), (cuda, {**lora, "strategy": "fsdp"})):
+        assert auto_compile_line("auto", device, **kind, micro_batches=120, steps=30) is None
+        assert auto_compile_line("auto", device, **kind, micro_batches=10**6, steps=10**5) is None
+    assert auto_compile_line("false", cuda, **lora, micro_batches=120, steps=30) is None
+    assert auto_compile_line("true", cuda, **lora, micro_batches=10**6, steps=10**5) is None

@@ -48,7 +48,7 @@ from phalanx.data.sampler import (
 from phalanx.errors import ConfigError
 from phalanx.models.adapters import apply_finetuning, trainable_parameter_count
 from phalanx.models.attention import enable_varlen_attention, graph_unsafe_reason, packing_unsupported_reason
-from phalanx.models.compile import compile_wanted, fuse_elementwise
+from phalanx.models.compile import auto_compile_line, compile_wanted, fuse_elementwise
 from phalanx.models.graphs import GraphShapes
 from phalanx.models.load import cache_root, four_bit_compute_dtype, load_model, load_tokenizer, quantization_config
 from phalanx.models.lora_fused import keep_casts
@@ -370,20 +370,16 @@ def build_run(
             flush=True,
         )
     graph_shapes = choose_graph_shapes(cfg, rank, packing, merge_tokens, tokenizer.pad_token_id)
-    compile_layers = cfg.training.cuda_graphs or compile_wanted(
-        cfg.training.compile,
-        rank.device,
+    run_kind = dict(
         plain_lora=cfg.model.finetune == "lora" and quantization is None,
         packed=packing,
         strategy=cfg.distributed.strategy,
         micro_batches=total_steps * passes_per_step(cfg, merge_tokens),  # the passes compiled layers run
     )
-    if compile_layers and cfg.training.compile == "auto" and not cfg.training.cuda_graphs and rank.is_main:
-        print(
-            f"🧩 training.compile auto: compiling, as this LoRA run on CUDA is {total_steps:,} optimizer steps long, "
-            "enough to pay back the warm-up (--training.compile false keeps the layers eager).",
-            flush=True,
-        )
+    compile_layers = cfg.training.cuda_graphs or compile_wanted(cfg.training.compile, rank.device, **run_kind)
+    said = auto_compile_line(cfg.training.compile, rank.device, **run_kind, steps=total_steps)
+    if said and not cfg.training.cuda_graphs and rank.is_main:
+        print(said, flush=True)
     # After activation checkpointing, before the strategy wraps the model.
     model = fuse_elementwise(
         model,
