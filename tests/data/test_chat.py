@@ -213,6 +213,22 @@ def test_template_errors_become_data_errors(make_tokenizer, tool_row):
     )
 
 
+def test_a_template_that_does_not_compile_is_blamed_not_the_row(make_tokenizer, chatml, chat_row):
+    """A tokenizer's own template with a block closed by the wrong end tag (a copy of MiroThinker-v1's leaves an `if`
+    open inside a `for`) fails on every row before it renders anything: the refusal told the user to change the row."""
+    broken = "{% for m in messages %}{% if m.role == 'user' %}{{ m.content }}\n{% endfor %}" + chatml
+    with pytest.raises(DataError) as info:
+        tokenize_conversation(make_tokenizer(broken), to_conversation(chat_row(1), WHERE), WHERE)
+    message = str(info.value)
+    assert message.startswith(
+        f"{WHERE}: the chat template is not valid jinja (line 2: Encountered unknown tag 'endfor'. You probably made "
+        "a nesting mistake."
+    )
+    assert "innermost block that needs to be closed is 'if'" in message
+    assert "the fault is in the template's text, not in the row" in message and "change the row" not in message
+    assert message.endswith("or use one that compiles (--chat_template FILE|NAME)")
+
+
 @pytest.mark.parametrize(
     "needs,missing",
     [

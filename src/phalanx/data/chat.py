@@ -269,7 +269,16 @@ def template_refused(where: str, subject: str, messages: list[dict], error: Exce
             f"(--chat_template_kwargs '{{{token}: \"...\"}}', as the model's card writes it; this tokenizer then "
             "writes it as ordinary text)"
         )
+    import jinja2
+
     said = str(error).rstrip(".")  # the sentence goes on: "...message.." read as a typo
+    if isinstance(error, jinja2.TemplateSyntaxError):  # it does not compile: no row renders, whatever it holds
+        line = f"line {error.lineno}: " if error.lineno else ""
+        return DataError(
+            f"{where}: the chat template is not valid jinja ({line}{said}), so no row "
+            "renders: the fault is in the template's text, not in the row. Fix the template (the tokenizer's "
+            "chat_template, or the file given), or use one that compiles (--chat_template FILE|NAME)"
+        )
     return DataError(
         f"{where}: the chat template failed on {subject} "
         f"(roles: {', '.join(m['role'] for m in messages) or 'none'}): {type(error).__name__}: {said}. The template "
