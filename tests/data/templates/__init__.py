@@ -970,6 +970,53 @@ CASES = [
             **{k: VANISHED_CALL for k in ("tool", "reasoning_tool", "think_tool")},
         },
     ),
+    # GigaChat3 10B-A1.8B (llama.cpp's copy): roles are plain text before `<|role_sep|>\n` (no role token), every
+    # message ends `<|message_sep|>\n\n`; a long default "developer system" message; tools as a TypeScript namespace. A
+    # tool call is a message of its own, `function call<|role_sep|>\n{"name": ..., "arguments": ...}`, right after the
+    # calling assistant message (empty when it has no content): the model writes that role's header itself, so its
+    # output spans two messages (llama.cpp parses it so). Reasoning dropped; a <think> block in content kept.
+    TemplateCase(
+        "GigaChat3-10B-A1.8B",
+        False,
+        "<s>",
+        "</s>",
+        None,
+        {k: FULL for k in ALL_ROWS},
+    ),
+    # Kimi K3 (llama.cpp's copy): XML-like tags built from generic special tokens, the tag and its attributes as text
+    # between them (`<|open|>message role="assistant"<|sep|>`, `<|close|>message<|sep|>`, then `<|end_of_msg|>`); the
+    # generation prompt also opens the think block (`thinking`, true unless given), which every assistant message
+    # writes, reasoning or not, in every turn (so "full"); content in a response block; tool calls as `<|open|>call
+    # tool="get_weather" index="1"<|sep|>` with one typed argument tag each; tool results named from the call's id; a
+    # thinking-effort system message by default. eos: `<|end_of_msg|>` assumed (it ends every message).
+    TemplateCase(
+        "Kimi-K3",
+        False,
+        None,
+        "<|end_of_msg|>",
+        None,
+        {k: FULL for k in ALL_ROWS},
+    ),
+    # MiroThinker-v1 (llama.cpp's copy, as the stored ggml-org/llama.cpp has it): a block closed by the wrong end tag
+    # (an `if` left open inside a `for`, line 177), so it does not compile and no row renders. As the tokenizer's
+    # template, every row was refused as the row's fault ("change the row to what it accepts"); the refusal now says
+    # the template is not valid jinja, with its line. No marked copy: every row is refused.
+    TemplateCase(
+        "MiroThinker-v1",
+        False,
+        None,
+        "<|im_end|>",
+        "<|endoftext|>",
+        {
+            k: Refuse(
+                r"the chat template is not valid jinja \(line 177: Encountered unknown tag 'endfor'.*the fault is in the "
+                r"template's text, not in the row",
+                "the template does not compile",
+            )
+            for k in ALL_ROWS
+        },
+        marked=False,
+    ),
 ]
 CASE = {c.name: c for c in CASES}
 
