@@ -180,16 +180,22 @@ def compile_decoder_layers(
     return model
 
 
+def liger_covers(device: torch.device, model_type: Optional[str]) -> bool:
+    """Liger's kernels can be patched in here: a CUDA device, liger-kernel installed, a model type it covers (what
+    'auto' needs besides eager layers; `phalanx plan` prices the layers' saved tensors by the same answer)."""
+    return (
+        device.type == "cuda" and model_type in LIGER_PATCHES and importlib.util.find_spec("liger_kernel") is not None
+    )
+
+
 def apply_liger_kernels(model: nn.Module, device: torch.device) -> Optional[str]:
-    """Patch Liger's RMSNorm, SwiGLU and rotary kernels into `model` (CUDA, liger-kernel installed, a model type it
-    covers); returns the model type patched, or None. Any failure leaves the model as it was and is said once."""
-    if device.type != "cuda" or importlib.util.find_spec("liger_kernel") is None:
-        return None
+    """Patch Liger's RMSNorm, SwiGLU and rotary kernels into `model` (liger_covers it); returns the model type
+    patched, or None. Any failure leaves the model as it was and is said once."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     model_type = getattr(getattr(base, "config", None), "model_type", None)
-    name = LIGER_PATCHES.get(model_type)
-    if name is None:
+    if not liger_covers(device, model_type):
         return None
+    name = LIGER_PATCHES[model_type]
     try:
         import liger_kernel.transformers as liger
 

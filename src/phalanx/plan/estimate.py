@@ -16,7 +16,7 @@ import torch
 from phalanx.config.schema import UNMERGED_STRATEGIES, RunConfig
 from phalanx.data.collate import merge_budget, passes_per_step
 from phalanx.errors import ConfigError
-from phalanx.models.compile import compile_wanted
+from phalanx.models.compile import compile_wanted, liger_covers
 from phalanx.models.graphs import GraphShapes
 from phalanx.models.lora_fused import REDRAW_MASK_ON
 from phalanx.parallel.deepspeed import reduce_bucket_elements
@@ -120,6 +120,9 @@ class Setup:
     data_note: str = ""  # where the figures above come from, or why the data was not read
     token_budget: Optional[int] = None  # training.batch_tokens: packed micro-batches of at most this many tokens
     compiled: bool = False  # training.compile applies on this device (models/compile.py)
+    # training.liger_kernels 'auto' with eager layers on CUDA: Liger's RMSNorm/SwiGLU kernels wherever
+    # models/compile.py:liger_covers the model (installed here, a model type it patches)
+    liger_kernels: bool = False
     merge_tokens: Optional[int] = None  # a step's micro-batches run as passes of at most this many tokens (merged)
     graph_shapes: Optional[GraphShapes] = None  # training.cuda_graphs: passes padded to fixed shapes
 
@@ -159,6 +162,15 @@ def setup_from_config(cfg: RunConfig, device: str) -> Setup:
         four_bit = 0.5 + (1 / 64 + 4 / (64 * 256) if cfg.model.bnb_4bit_use_double_quant else 4 / 64)
     merge = merge_budget(cfg, torch.device(device), cfg.data.packing)
     graphs = cfg.training.cuda_graphs and cfg.data.packing  # padded and compiled on any device, captured on CUDA
+    # 'auto' compiles long runs (models/compile.py); the plan knows a run's length only from max_steps.
+    compiled = graphs or compile_wanted(
+        cfg.training.compile,
+        torch.device(device),
+        plain_lora=cfg.model.finetune == "lora" and not four_bit,
+        packed=cfg.data.packing,
+        strategy=cfg.distributed.strategy,
+        micro_batches=(cfg.training.max_steps or 0) * passes_per_step(cfg, merge) or None,
+    )
     return Setup(
         device=device,
         compute_bytes=compute,
@@ -173,16 +185,8 @@ def setup_from_config(cfg: RunConfig, device: str) -> Setup:
         token_budget=getattr(cfg.training, "batch_tokens", None),
         merge_tokens=merge,
         graph_shapes=GraphShapes.for_config(cfg, merge, pad_token_id=0) if graphs else None,
-        # 'auto' compiles long runs (models/compile.py); the plan knows a run's length only from max_steps.
-        compiled=graphs
-        or compile_wanted(
-            cfg.training.compile,
-            torch.device(device),
-            plain_lora=cfg.model.finetune == "lora" and not four_bit,
-            packed=cfg.data.packing,
-            strategy=cfg.distributed.strategy,
-            micro_batches=(cfg.training.max_steps or 0) * passes_per_step(cfg, merge) or None,
-        ),
+        compiled=compiled,
+        liger_kernels=device == "cuda" and cfg.training.liger_kernels == "auto" and not compiled,
     )
 
 
@@ -240,10 +244,18 @@ def activation_bytes(m: ModelFacts, s: Setup, stream: int, compute: int) -> Acti
     # own dtype, and each adapter's r-wide x @ A^T; a dropout mask per adapter as bools on CPU and in compiled
     # layers, none in eager CUDA layers (redrawn in backward).
     fused = m.lora_fused
+    # Liger's kernels (models/compile.py) keep less: its RMSNorm its input as it is (not an fp32 copy) and the rsqrt
+    # per row, its SwiGLU gate and up only (act(gate) is recomputed in backward). Compiled layers on CUDA are priced
+    # as lean, no masks either: their measured peak leaves no room for more (what inductor keeps was not inspected). On
+    # an H200 this took the estimates of two measured LoRA steps from 1.20x (eager, Liger) and 1.43x (compiled) to
+    # 0.97x and 1.02x the measured peaks (docs/plan.md, "Accuracy").
+    liger = s.liger_kernels and liger_covers(torch.device(s.device), m.model_type)
+    lean = liger or (s.compiled and s.device == "cuda")
+    norm_input = stream if lean else FP32
 
     def rms_norm(dim: int, rows: int = 1) -> int:
-        # x in fp32 (kept by pow), rsqrt per row, and x * rsqrt when the norm's weight trains.
-        return FP32 * dim + FP32 * rows + (FP32 * dim if m.trainable_norms else 0)
+        # x in fp32 (kept by pow), rsqrt per row, and x * rsqrt when the norm's weight trains (HF's RMSNorm).
+        return norm_input * dim + FP32 * rows + (FP32 * dim if m.trainable_norms and not lean else 0)
 
     def linear_inputs(dim: int, roles: Sequence[str], kept_anyway: bool = False, x_bytes: int = stream) -> int:
         """The input shared by `roles`: kept if a weight trains or a LoRA A reads it; autocast casts it per linear."""
@@ -252,8 +264,8 @@ def activation_bytes(m: ModelFacts, s: Setup, stream: int, compute: int) -> Acti
             if not kept_anyway:
                 out += dim * x_bytes  # x itself, one tensor for every adapter that reads it
             adapters = [r for r in roles if r in lora]
-            if dropout and (s.device not in REDRAW_MASK_ON or s.compiled):
-                # each adapter's dropout mask, as bools (redrawn in backward on CUDA, unless the layers are compiled)
+            if dropout and s.device not in REDRAW_MASK_ON:
+                # each adapter's dropout mask, as bools (on CUDA redrawn in backward, or from the seed when compiled)
                 out += dim * len(adapters)
             return out + sum(lora[r] for r in adapters) * compute
         readers = [r for r in roles if r in trains or (r in lora and not dropout)]
@@ -276,12 +288,12 @@ def activation_bytes(m: ModelFacts, s: Setup, stream: int, compute: int) -> Acti
     if packed and b > 1 and s.device == "cpu":
         attention += nq * compute  # CPU: one SDPA per row keeps its own output; o_proj reads their concatenation
     attention += linear_inputs(nq, ("o",), kept_anyway=True)
-    mlp = rms_norm(h) + linear_inputs(h, ("gate", "up")) + 3 * i * compute  # gate, up, act(gate)
+    mlp = rms_norm(h) + linear_inputs(h, ("gate", "up")) + (2 if lean else 3) * i * compute  # gate, up, act(gate)
     if "down" in trains or "down" in lora:
         mlp += linear_inputs(i, ("down",), x_bytes=compute)  # act(gate) * up
     per_layer = attention + mlp
     # Under LoRA the first layer's input comes from a frozen embedding: its norms keep no fp32 copy of it.
-    first_layer = per_layer - (2 * FP32 * h if s.finetune == "lora" else 0)
+    first_layer = per_layer - (2 * norm_input * h if s.finetune == "lora" else 0)
     # A trainable plain head keeps its input; the target-only head keeps gradients instead (loss_bytes).
     final_norm = rms_norm(h) + (h * compute if m.head_trainable and not m.target_head else 0)
     # input ids, labels and position ids or a mask (int64), the boolean mask when padded; per target position its
