@@ -320,3 +320,24 @@ def ctrl_c_twice_while_starting(proc: subprocess.Popen, stderr: Path, ranks: Cal
     time.sleep(0.5)  # every rank has answered it too (rank 0 alone prints)
     os.killpg(proc.pid, signal.SIGINT)
     return time.monotonic()
+
+
+# DeepSeek-R1-Distill-Qwen-1.5B's shape, as benchmarks/train_vs_hf.py's GPU_SHAPES builds it for the GPU runs: a
+# config.json is all `phalanx plan`'s memory model reads (tests/plan, tests/train/test_merge.py).
+R1_DISTILL_SHAPE = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "torch_dtype": "bfloat16",
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "max_position_embeddings": 131072,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-06,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "use_sliding_window": False,
+}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run_phalanx
+from helpers import R1_DISTILL_SHAPE, run_phalanx
 from phalanx.cli import main as phalanx_main
 from phalanx.config.loader import load_config
 from phalanx.errors import ConfigError
@@ -341,27 +341,6 @@ def test_packing_false_and_the_bound_without_data(llama_7b):
     cpu = setup_from_config(load_config(None, {"model.model_name": llama_7b, "lora.dropout": 0.05}), "cpu")
     cpu_rows = [strategy_rows(facts, x, device_memory=2**40)[0].activations for x in (cpu, replace(cpu, compiled=True))]
     assert cpu_rows[0] == cpu_rows[1]
-
-
-# DeepSeek-R1-Distill-Qwen-1.5B's shape (benchmarks/train_vs_hf.py GPU_SHAPES), as the H200 runs of
-# benchmarks/RESULTS.md 2026-11-28 built it: all the plan reads.
-R1_DISTILL_SHAPE = {
-    "architectures": ["Qwen2ForCausalLM"],
-    "model_type": "qwen2",
-    "torch_dtype": "bfloat16",
-    "hidden_size": 1536,
-    "intermediate_size": 8960,
-    "num_hidden_layers": 28,
-    "num_attention_heads": 12,
-    "num_key_value_heads": 2,
-    "vocab_size": 151936,
-    "max_position_embeddings": 131072,
-    "rope_theta": 10000.0,
-    "rms_norm_eps": 1e-06,
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-    "use_sliding_window": False,
-}
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ test_distributed_equivalence.py."""
 import pytest
 import torch
 
-from helpers import read_metrics, run_phalanx, tiny_run, write_chat_jsonl
+from helpers import R1_DISTILL_SHAPE, read_metrics, run_phalanx, tiny_run, write_chat_jsonl
 from phalanx.config.flags import split_flags
 from phalanx.config.loader import load_config, overrides_from_flags
 from phalanx.data.collate import merge_budget
@@ -96,22 +96,6 @@ def test_contradictory_merge_settings_are_refused_by_name(flags, named):
     with pytest.raises((ConfigError, ValueError)) as caught:
         config(*flags)
     assert "training.merge" in str(caught.value) and named in str(caught.value)
-
-
-# DeepSeek-R1-Distill-Qwen-1.5B's shape: a config.json is all the memory model reads.
-R1_DISTILL_SHAPE = {
-    "architectures": ["Qwen2ForCausalLM"],
-    "model_type": "qwen2",
-    "hidden_size": 1536,
-    "intermediate_size": 8960,
-    "num_hidden_layers": 28,
-    "num_attention_heads": 12,
-    "num_key_value_heads": 2,
-    "vocab_size": 151936,
-    "max_position_embeddings": 131072,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-}
 
 
 def test_on_a_gpu_the_train_command_sizes_merged_passes_by_the_memory_model(tmp_path, monkeypatch):
