@@ -241,8 +241,8 @@ def activation_bytes(m: ModelFacts, s: Setup, stream: int, compute: int) -> Acti
     mask_bytes = 1 if s.device == "cuda" else stream  # fused CUDA dropout keeps a bool mask, CPU a scaled noise tensor
     trains, lora = m.trainable_linears, m.lora_ranks
     # phalanx's fused LoRA forward (models/lora_fused.py; a 4-bit base too) keeps the shared input once, in its
-    # own dtype, and each adapter's r-wide x @ A^T; a dropout mask per adapter as bools on CPU and in compiled
-    # layers, none in eager CUDA layers (redrawn in backward).
+    # own dtype, and each adapter's r-wide x @ A^T; a dropout mask per adapter as bools on CPU, none on CUDA (eager
+    # layers redraw it in backward; compiled ones are priced with none, below).
     fused = m.lora_fused
     # Liger's kernels (models/compile.py) keep less: its RMSNorm its input as it is (not an fp32 copy) and the rsqrt
     # per row, its SwiGLU gate and up only (act(gate) is recomputed in backward). Compiled layers on CUDA are priced
