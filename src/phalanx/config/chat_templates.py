@@ -277,6 +277,14 @@ def _accepted() -> str:
 def _check_syntax(value: str, text: str, where: str) -> None:
     """Compile `text` in an environment like the one transformers renders chat templates in, so a broken file is
     reported with its line now."""
+    problem = syntax_problem(text)
+    if problem:
+        raise ChatTemplateError(value, f"{where} {problem}")
+
+
+def syntax_problem(text: str) -> Optional[str]:
+    """Why `text` does not compile as transformers compiles chat templates ("line N is not valid jinja: ...", or what
+    its sandbox lacks), None where it compiles."""
     import jinja2
 
     try:
@@ -284,10 +292,29 @@ def _check_syntax(value: str, text: str, where: str) -> None:
     except jinja2.TemplateSyntaxError as exc:
         gap = sandbox_gap(exc)
         if gap:
-            raise ChatTemplateError(
-                value, f"{where} line {exc.lineno} cannot be rendered by transformers: {gap} ({SANDBOX})"
-            ) from None
-        raise ChatTemplateError(value, f"{where} line {exc.lineno} is not valid jinja: {exc.message}") from None
+            return f"line {exc.lineno} cannot be rendered by transformers: {gap} ({SANDBOX})"
+        return f"line {exc.lineno} is not valid jinja: {exc.message}"
+    return None
+
+
+def own_template_problem(tokenizer: Any) -> Optional[tuple[Optional[str], str]]:
+    """(its name, or None for the one template, and why it does not compile) for the first of a tokenizer's own chat
+    templates (every named one, in transformers' dict form) that does not compile; None where all do."""
+    templates = tokenizer.chat_template
+    named = templates.items() if isinstance(templates, dict) else [(None, templates)]
+    for name, text in named:
+        problem = syntax_problem(text) if isinstance(text, str) else None
+        if problem:
+            return name, problem
+    return None
+
+
+def own_template_error(source: str, problem: str) -> ConfigError:
+    """The error for a model's own chat template that does not compile (`source`: the file it came from)."""
+    return ConfigError(
+        f"{source} {problem.rstrip('.')}. No row renders with it: fix the template, or give one that compiles with "
+        f"{FIELD} (--chat_template FILE|NAME: a jinja or JSON file, a folder, or {_accepted()})"
+    )
 
 
 def template_variables(text: str) -> list[str]:

@@ -80,12 +80,31 @@ def load_tokenizer(
     if tokenizer.pad_token_id is None:
         # Padding positions never reach the loss (labels -100, attention mask 0), so eos is a safe pad.
         tokenizer.pad_token = tokenizer.eos_token
-    if chat_template is not None:
-        from phalanx.config.chat_templates import resolve_chat_template
+    from phalanx.config.chat_templates import own_template_error, own_template_problem, resolve_chat_template
 
-        tokenizer.chat_template = resolve_chat_template(chat_template)
+    if chat_template is not None:
+        tokenizer.chat_template = resolve_chat_template(chat_template)  # checked when the config was read
         tokenizer.chat_template_source = chat_template  # messages about the template name it (phalanx.data.chat)
+    elif tokenizer.chat_template is not None:
+        # A model's own template that does not compile renders no row: said now, naming its file and line, not at
+        # the first row as if the row were at fault.
+        broken = own_template_problem(tokenizer)
+        if broken:
+            name, problem = broken
+            where = f"{model_label(model_name, field)}: its chat template {_template_file(path, name)}"
+            raise own_template_error(where, problem)
     return tokenizer
+
+
+def _template_file(path: str, name: Optional[str]) -> str:
+    """Where transformers read a model folder's chat template (`name`: one of several named ones) from."""
+    folder = Path(path)
+    if name and name != "default" and (folder / "additional_chat_templates" / f"{name}.jinja").is_file():
+        return str(folder / "additional_chat_templates" / f"{name}.jinja")
+    if (name is None or name == "default") and (folder / "chat_template.jinja").is_file():
+        return str(folder / "chat_template.jinja")
+    named = f", {name!r}" if name else ""
+    return f'{folder / "tokenizer_config.json"} ("chat_template"{named})'
 
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
