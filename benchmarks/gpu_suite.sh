@@ -3,7 +3,7 @@
 #   benchmarks/gpu_suite.sh                 # `arms`: every arm of issue 15 in one call of at most 600 s
 #   SUITE_SECONDS=300 ORDER=hf-first ARMS=lora-plain PROFILE=1 benchmarks/gpu_suite.sh   # one order, a profile
 #   benchmarks/gpu_suite.sh versions|smoke|speed|speed-hf-first|profile|profile-compile|qlora|strategies|strategies-full|
-#                           generate|compile|compile-lora|compile-full|vs-hf|vs-hf-compile|vs-hf-graphs|graphs|profile-eager|
+#                           generate|compile|compile-lora|compile-full|vs-hf|vs-hf-compile|vs-hf-graphs|graphs-why|graphs|profile-eager|
 #                           profile-graphs|seeds|lora-tests|arms ...
 # Wheels the GPU image lacks travel in .whl/ (trl, liger-kernel, and pydantic/datasets where missing; see
 # benchmarks/RESULTS.md); OUT (optional) collects the logs, and RESULTS-append.md: the entries the scripts appended
@@ -110,6 +110,14 @@ for part in $parts; do
       step vs-hf-compile 300 python3 benchmarks/train_vs_hf.py --gpu-shape r1-distill-qwen-1.5b --steps 24 --warmup 12 \
         --orders "${ORDER:-both}" --phalanx-flags "--training.compile true" \
         --note "gpu_suite vs-hf-compile: compiled layers, the long-run default" ;;
+    graphs-why)  # why inductor would not graph a whole layer (2026-11-28: "cpu ops", a 2-element tensor): with graph
+           # partitioning off, cudagraph trees skip a graph that holds a CPU node and log the node's name and the
+           # stack trace of its first use (torch/_inductor/cudagraph_utils.py); 8 steps are enough to compile it.
+      step graphs-why 150 env TORCHINDUCTOR_GRAPH_PARTITION=0 TORCH_LOGS=cudagraphs python3 benchmarks/phalanx_arms.py \
+        --gpu-shape r1-distill-qwen-1.5b --arms lora-graphs --steps 8 --warmup 4 --arm-timeout 140 \
+        --work_dir /tmp/phalanx-why --note "gpu_suite graphs-why: graph partitioning off, to name the CPU node"
+      find /tmp/phalanx-why -maxdepth 2 -name "*.log" -print0 | xargs -0 -r grep -h -A 14 -E "skipping cudagraphs|cpu device" \
+        | cut -c1-240 | head -n 60 ;;
     graphs)  # training.cuda_graphs, which ran slower than compiled layers without graphs on an H200 (2026-11-28: 9,966
            # against ~25,000 tokens/s, 112 s to the first step). Inductor split each layer's forward at a 2-element
            # CPU tensor copied to the GPU (perhaps the seed and offset of the LoRA dropout drawn inside the layer: not
