@@ -796,9 +796,24 @@ def test_an_end_of_sequence_token_inside_a_turn_is_refused(make_tokenizer, tool_
     with pytest.raises(
         DataError,
         match=r"messages\[2\] \(assistant\): the chat template writes the end-of-sequence "
-        r"token '</s>' inside this turn",
+        r"token '</s>' inside this turn.*the message's content and tool calls as blocks of their own",
     ):
         tokenize_conversation(make_tokenizer(template), to_conversation(tool_row, WHERE), WHERE)
+
+
+def test_an_end_of_sequence_token_after_the_reasoning_is_refused_naming_the_reasoning(make_tokenizer):
+    """Solar Open writes reasoning as an assistant message of its own, closed by the token that closes every message:
+    the refusal names reasoning and content as the blocks (it named content and tool calls, which this row lacks)."""
+    template = (
+        "{% for m in messages %}{% if m.role == 'assistant' and m.reasoning %}<|assistant|><|think|>{{ m.reasoning }}"
+        "</s>{% endif %}<|{{ m.role }}|>{{ m.content }}</s>{% endfor %}{% if add_generation_prompt %}<|assistant|>"
+        "{% endif %}"
+    )
+    with pytest.raises(DataError) as info:
+        tokenize_conversation(make_tokenizer(template), to_conversation(REASONING_ROW, WHERE), WHERE)
+    message = str(info.value)
+    assert "writes the message's reasoning and content as blocks of their own" in message
+    assert "content and tool calls" not in message
 
 
 def test_an_end_of_sequence_token_in_the_rows_own_text_is_refused_as_the_rows_fault(make_tokenizer, chat_row):

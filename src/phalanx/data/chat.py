@@ -598,10 +598,25 @@ def _check_no_end_of_sequence_inside(r: _Renderer, i: int, view: str, start: int
                 "never generate what follows it. Edit the row (remove or reword that text), or skip such rows "
                 "(--on_bad_row skip)."
             )
+        # Name the parts the message has: the template writes some of them as blocks of their own, each closed by the
+        # token (Nemotron: content, then tool calls; Solar Open: reasoning, then the answer). "Split content and tool
+        # calls" alone misled where the first block is the reasoning.
+        message = r.messages[i]
+        parts = [
+            name
+            for name, present in (
+                ("reasoning", any(message.get(key) for key in REASONING_KEYS)),
+                ("content", bool(message.get("content"))),
+                ("tool calls", bool(message.get("tool_calls"))),
+            )
+            if present
+        ]
         raise DataError(
             f"{r.where}: messages[{i}] (assistant): the chat template writes the end-of-sequence token {eos!r} inside "
-            f"this turn ({_short(view[start:end])}), so a model could never generate what follows it. Split the "
-            "message (content and tool calls as separate assistant messages) or use another template (--chat_template)."
+            f"this turn ({_short(view[start:end])}), so a model could never generate what follows it: it writes the "
+            f"message's {' and '.join(parts)} as blocks of their own, each closed by that token. Give each part its own "
+            "assistant message (or leave out the reasoning), use another template (--chat_template), or, if the model "
+            f"does not stop at {eos!r}, give its tokenizer the end-of-sequence token it stops at."
         )
 
 
