@@ -1017,6 +1017,68 @@ CASES = [
         },
         marked=False,
     ),
+    # ---- the eleventh trial
+    # Ministral 3 14B Reasoning (2512): no generation prompt (the block is all a turn writes, through </s>); reasoning only
+    # as `thinking` chunks of a list content (reasoning_content is dropped: reported; a <think> block in content is kept as
+    # text); raises on two assistant messages in a row (its alternation check skips tool-calling messages only).
+    TemplateCase(
+        "mistralai-Ministral-3-14B-Reasoning-2512",
+        False,
+        "<s>",
+        "</s>",
+        None,
+        {**{k: FULL for k in ALL_ROWS if k != "two_assistants"}, "two_assistants": ALTERNATION},
+    ),
+    # Solar Open 100B: `<|begin|>ROLE<|content|>...<|end|>`; the generation prompt `<|begin|>assistant`; a tool call turn
+    # `<|tool_calls|>...<|calls|>` (its content dropped); reasoning (`reasoning`) written after the last user message as a
+    # message of its own, `<|begin|>assistant<|think|>...<|end|>`, before the answer's: with `<|end|>` as end-of-sequence
+    # token that turn holds it, so reasoning rows are refused, naming reasoning as the first block. Markers with a colon
+    # (`<|tool_call:begin|>`) are missed by MARKER_PATTERNS.
+    TemplateCase(
+        "upstage-Solar-Open-100B",
+        False,
+        None,
+        "<|end|>",
+        None,
+        {
+            **{k: FULL for k in ("plain", "nosys", "tool", "think", "think_tool", "two_assistants")},
+            **{
+                k: Refuse(
+                    r"messages\[2\] \(assistant\): the chat template writes the end-of-sequence token '<\|end\|>' inside "
+                    r"this turn.*writes the message's reasoning and (content|tool calls) as blocks of their own",
+                    "reasoning is written as a message of its own, closed by <|end|>",
+                )
+                for k in ("reasoning", "reasoning_tool")
+            },
+        },
+        specials=(
+            "<|tools:begin|>",
+            "<|tools:end|>",
+            "<|tool:begin|>",
+            "<|tool:end|>",
+            "<|tool_call:begin|>",
+            "<|tool_call:name|>",
+            "<|tool_call:args|>",
+            "<|tool_call:end|>",
+            "<|tool_response:begin|>",
+            "<|tool_response:id|>",
+            "<|tool_response:name|>",
+            "<|tool_response:result|>",
+            "<|tool_response:end|>",
+        ),
+    ),
+    # Reka Edge: roles as plain text (`human: `, `assistant: `), every message closed by `<sep>` (its end-of-sequence
+    # token); the generation prompt `assistant:` has no space, a turn writes `assistant: ` + text + `\n\n<sep>`, so the
+    # space is output (as DeepSeek-Coder-V2); reasoning (reasoning_content, or a <think> block split off content) written
+    # only with `enable_thinking`: dropped by default (reported); Hermes-style <tool_call> JSON.
+    TemplateCase(
+        "Reka-Edge",
+        False,
+        None,
+        "<sep>",
+        None,
+        {k: FULL for k in ALL_ROWS},
+    ),
 ]
 CASE = {c.name: c for c in CASES}
 
