@@ -816,6 +816,22 @@ def test_an_end_of_sequence_token_after_the_reasoning_is_refused_naming_the_reas
     assert "content and tool calls" not in message
 
 
+def test_an_end_of_sequence_token_inside_a_one_part_turn_names_no_blocks(make_tokenizer, chat_row):
+    """A turn of content alone that the template closes with the token and then writes more: there are no parts to
+    give messages of their own, so the refusal offers only another template or another eos."""
+    template = (
+        "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% if m.role == 'assistant' %}</s>[done]{% endif %}"
+        "</s>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    with pytest.raises(DataError) as info:
+        tokenize_conversation(make_tokenizer(template), to_conversation(chat_row(1), WHERE), WHERE)
+    message = str(info.value)
+    assert "so a model could never generate what follows it: use another template (--chat_template), or, if the " in (
+        message
+    )
+    assert "blocks of their own" not in message and "Give each part" not in message
+
+
 def test_an_end_of_sequence_token_in_the_rows_own_text_is_refused_as_the_rows_fault(make_tokenizer, chat_row):
     """The token's text in the message itself (a reply that quotes '</s>'): the row is at fault, not the template, and
     the message says what to edit."""
