@@ -473,6 +473,22 @@ def test_an_end_of_turn_marker_the_tokenizer_lacks_is_counted_unless_a_stop_is_t
     assert masked(own, row)[0].foreign_end_markers == {}
 
 
+def test_an_end_of_turn_token_that_is_not_the_end_of_sequence_token_is_counted(make_tokenizer, chatml):
+    """A base model's tokenizer (Qwen2.5's: eos <|endoftext|>) under ChatML: every answer ends with <|im_end|>, a token
+    of its own. Counted per token (whether the model stops at it is its generation config's to say); not where it is
+    the end-of-sequence token, and never as a marker the tokenizer lacks."""
+    row = exchange("Q1", "A1", "Q2", "A2")
+    base = make_tokenizer(chatml)
+    base.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
+    result = masked(base, row)[0]
+    assert result.end_tokens == {"<|im_end|>": 2} and result.foreign_end_markers == {}
+    per_turn = tokenize_conversation(base, to_conversation(row, WHERE), WHERE, "per_turn")
+    assert per_turn.policy == "per_turn" and per_turn.end_tokens == {"<|im_end|>": 2}
+    instruct = make_tokenizer(chatml)
+    instruct.add_special_tokens({"eos_token": "<|im_end|>"})
+    assert masked(instruct, row)[0].end_tokens == {}
+
+
 # Cohere2's habit: the generation prompt opens a thinking block, a finished turn without reasoning opens its text
 # instead; the two part inside a marker this (byte-level) tokenizer does not have as a token.
 OPENS_ANOTHER_MARKER = (

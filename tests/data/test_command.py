@@ -181,3 +181,37 @@ def test_rows_refused_one_after_another_for_the_same_reason_are_said_once():
         refusals.add(ValueError("no chat template"))
     refusals.finish()
     assert said == ["refused: no chat template", "refused: 2 more rows for the same reason"]
+
+
+def test_an_end_of_turn_token_the_model_does_not_stop_at_is_named_with_what_it_stops_at(tmp_path, write_jsonl):
+    """A base model's tokenizer (eos <|endoftext|>) under ChatML: answers are trained to end with <|im_end|>, but the
+    model's generation config stops at <|endoftext|> only, so the trained model writes <|im_end|> and goes on. The
+    summary says so, with both ids; not once the generation config lists the token too (as Llama 3.1's lists
+    <|eom_id|> beside <|eot_id|>)."""
+    from phalanx.models.load import load_tokenizer
+
+    tokenizer = load_tokenizer("embedded:tiny-qwen3")  # ChatML, eos <|im_end|> (1)
+    tokenizer.add_special_tokens({"eos_token": "<|endoftext|>"})
+    endoftext = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    model = tmp_path / "base-model"  # what generation_stop_ids reads: config.json, generation_config.json
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    rows = write_jsonl(tmp_path / "rows.jsonl", [chat_row(i) for i in range(2)])
+
+    def summary(stop_ids: list[int]) -> list[str]:
+        (model / "generation_config.json").write_text(json.dumps({"eos_token_id": stop_ids}))
+        flags = [("dataset_path", str(rows)), ("test_size", "0"), ("model_name", str(model))]
+        lines: list[str] = []
+        assert preview(load_config(None, overrides_from_flags(flags)), tokenizer, 0, False, lines.append) == 0
+        return lines
+
+    note = (
+        f"   end of turn '<|im_end|>' (1) is not a token this model stops at: 4 turns are trained to end with it, and "
+        f"generation stops at '<|endoftext|>' ({endoftext}) (the tokenizer's end-of-sequence token and the model's "
+        "generation_config.json eos_token_id), so the trained model will write it and go on. Serve it with 1 among "
+        "generation_config.json's eos_token_id (a LoRA adapter runs with its base model's), or train with a template "
+        "whose turns end with a token it stops at (--chat_template FILE|NAME)"
+    )
+    got = summary([endoftext])
+    assert note in got, got
+    assert not any("stops at" in line for line in summary([endoftext, 1]))

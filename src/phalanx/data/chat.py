@@ -97,6 +97,10 @@ class Tokenized:
     # the marker that ends a trained turn when it is no token of this tokenizer and the turn trains no end-of-sequence
     # token (Llama 3's <|eot_id|> with a ChatML tokenizer): marker -> turns; the model learns no stop it can take
     foreign_end_markers: dict[str, int] = field(default_factory=dict)
+    # the token that ends a trained turn when it is a token of this tokenizer but not its end-of-sequence token (ChatML's
+    # <|im_end|> under a base model's <|endoftext|>, Llama 3.1's <|eom_id|> after a tool call): token -> turns. Whether
+    # generation stops at it is the model's generation config's to say (data.prepare.add_template_notes).
+    end_tokens: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -188,7 +192,7 @@ def _tokenize_chat(
                 _system_dropped(conv["messages"], [full]),
                 _tools_dropped(conv.get("tools"), [full]),
                 unterminated,
-                foreign_end_markers=_foreign_end_markers(renderer, turns),
+                **_end_markers(renderer, turns),
             ), [full]
         if multi_turn == "full":
             raise DataError(
@@ -207,24 +211,27 @@ def _tokenize_chat(
         _tools_dropped(conv.get("tools"), views),
         sum(turn.unmarked and not turn.close for turn in turns),
         notes,
-        _foreign_end_markers(renderer, turns),
+        **_end_markers(renderer, turns),
     ), views
 
 
-def _foreign_end_markers(r: _Renderer, turns: list[_Turn]) -> dict[str, int]:
-    """The marker that ends each trained turn, where it is no token of this tokenizer and the turn trains no
-    end-of-sequence token either: the template was written for another tokenizer, and the model is taught to end its
-    answers with text that generation does not stop on. Marker -> turns."""
+def _end_markers(r: _Renderer, turns: list[_Turn]) -> dict[str, dict[str, int]]:
+    """The marker that ends each trained turn that trains no end-of-sequence token, counted (marker -> turns) in one of
+    two: where it is no token of this tokenizer (the template was written for another tokenizer, and the model is
+    taught to end its answers with text that generation does not stop on: Tokenized.foreign_end_markers), and where it
+    is a token (Tokenized.end_tokens: a stop only if the model's generation config lists it). As Tokenized's keywords."""
     eos = getattr(r.tokenizer, "eos_token", None)
     tokens = set(r.specials())
-    found: dict[str, int] = {}
+    foreign: dict[str, int] = {}
+    ended_by: dict[str, int] = {}
     for turn in turns:
         if turn.close or (eos and eos in turn.output):
             continue
         markers = MARKER.findall(turn.view[turn.own_end : turn.end])
-        if markers and markers[-1] not in tokens:
-            found[markers[-1]] = found.get(markers[-1], 0) + 1
-    return found
+        if markers:
+            counts = ended_by if markers[-1] in tokens else foreign
+            counts[markers[-1]] = counts.get(markers[-1], 0) + 1
+    return {"foreign_end_markers": foreign, "end_tokens": ended_by}
 
 
 def _with_text_arguments(conv: Conversation) -> Optional[Conversation]:

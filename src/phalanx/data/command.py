@@ -80,6 +80,7 @@ def preview(cfg: Any, tokenizer: Any, rows: int, color: bool, say: Callable[[str
         describe_report,
         iter_outcomes,
     )
+    from phalanx.models.load import generation_config_eos_ids
 
     counts, shown = RowCounts(), [0]
     refusals = RefusalList(say)
@@ -99,7 +100,7 @@ def preview(cfg: Any, tokenizer: Any, rows: int, color: bool, say: Callable[[str
     refusals.finish()
     # No train/eval split here: every row that would train is counted as a train row.
     report = DataReport(**counts.report(trained, None), cache_hit=False, cache_dir="")
-    add_template_notes(report, data_cfg, tokenizer)
+    add_template_notes(report, data_cfg, tokenizer, generation_config_eos_ids(cfg.model.model_name))
     lines = describe_report(report, cfg.data)
     say("Data: " + lines[0])
     for line in lines[1:]:

@@ -30,7 +30,7 @@ import shutil
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Collection, Optional
 
 from filelock import FileLock
 
@@ -102,6 +102,12 @@ class DataReport:
     # markers that end trained turns but are no token of this tokenizer, in turns that train no end-of-sequence token
     # (data.chat.Tokenized.foreign_end_markers): marker -> turns
     foreign_end_markers: dict[str, int] = field(default_factory=dict)
+    # tokens that end trained turns other than the tokenizer's end-of-sequence token (data.chat.Tokenized.end_tokens):
+    # token -> turns
+    turn_end_tokens: dict[str, int] = field(default_factory=dict)
+    # those the model does not stop at (add_template_notes, each run): token -> (turns, its id), and what it stops at
+    unstopped_end_tokens: dict[str, list[int]] = field(default_factory=dict)
+    stop_tokens: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -111,10 +117,13 @@ class PreparedData:
     report: DataReport
 
 
-def prepare_data(cfg: DataConfig, tokenizer: Any, *, seed: int, cache_root: Path) -> PreparedData:
-    """Tokenized train (and eval) sets for ``cfg``, from the cache when an identical run made them before."""
+def prepare_data(
+    cfg: DataConfig, tokenizer: Any, *, seed: int, cache_root: Path, stop_token_ids: Collection[int] = ()
+) -> PreparedData:
+    """Tokenized train (and eval) sets for ``cfg``, from the cache when an identical run made them before.
+    `stop_token_ids`: what the model's generation config stops at, besides the tokenizer's end-of-sequence token."""
     data = _cached_or_built(cfg, tokenizer, seed, Path(cache_root))
-    add_template_notes(data.report, cfg, tokenizer)
+    add_template_notes(data.report, cfg, tokenizer, stop_token_ids)
     return data
 
 
@@ -149,9 +158,19 @@ def _cached_or_built(cfg: DataConfig, tokenizer: Any, seed: int, cache_root: Pat
     return _load(final, cache_hit=False)
 
 
-def add_template_notes(report: DataReport, cfg: DataConfig, tokenizer: Any) -> None:
+def add_template_notes(
+    report: DataReport, cfg: DataConfig, tokenizer: Any, stop_token_ids: Collection[int] = ()
+) -> None:
     """What the report says of the chat template itself, found again on every run (a few renderings): so a cache made
-    before phalanx looked for it says it too."""
+    before phalanx looked for it says it too. And which tokens that end trained turns the model does not stop at
+    (`stop_token_ids`: its generation config's end-of-sequence ids; the tokenizer's own counts too)."""
+    stops = {i for i in (getattr(tokenizer, "eos_token_id", None), *stop_token_ids) if isinstance(i, int)}
+    report.stop_tokens = [f"{tokenizer.convert_ids_to_tokens(i)!r} ({i})" for i in sorted(stops)]
+    report.unstopped_end_tokens = {}
+    for token, turns in report.turn_end_tokens.items():
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(token_id, int) and token_id not in stops:
+            report.unstopped_end_tokens[token] = [turns, token_id]
     if report.conversations_full or report.conversations_per_turn:  # chat rows went through the template
         chats = report.conversations_full + report.conversations_per_turn
         without = report.conversations_without_system
@@ -293,6 +312,7 @@ class RowCounts:
         self.per_turn_reason: Optional[str] = None
         self.reasoning_dropped = self.system_dropped = self.tools_dropped = self.unterminated = 0
         self.foreign_end_markers: dict[str, int] = {}
+        self.end_tokens: dict[str, int] = {}
         self.without_system = 0  # chat rows whose first message is not a system message
         self.shortened = 0  # rows that fit after their oldest exchanges were left out (truncation keep_recent)
         self.on_refusal: Optional[Callable[[DataError], None]] = None  # `phalanx data preview` prints each one
@@ -307,6 +327,8 @@ class RowCounts:
         self.unterminated += result.unterminated
         for marker, turns in result.foreign_end_markers.items():
             self.foreign_end_markers[marker] = self.foreign_end_markers.get(marker, 0) + turns
+        for token, turns in result.end_tokens.items():
+            self.end_tokens[token] = self.end_tokens.get(token, 0) + turns
 
     def drop(self, reason: str) -> None:
         self.dropped += 1
@@ -342,6 +364,7 @@ class RowCounts:
             "tools_dropped": self.tools_dropped,
             "unterminated_turns": self.unterminated,
             "foreign_end_markers": self.foreign_end_markers,
+            "turn_end_tokens": self.end_tokens,
             "conversations_without_system": self.without_system,
             "train_rows": len(train),
             "eval_rows": len(eval_) if eval_ else 0,
@@ -540,6 +563,15 @@ def describe_report(report: DataReport, cfg: DataConfig) -> list[str]:
             "of them trains the tokenizer's end-of-sequence token, so generation will not stop after an answer. The "
             "template was written for another tokenizer: use the model it belongs to (--model_name), or a template "
             "written for this one (--chat_template FILE|NAME)"
+        )
+    for token, (turns, token_id) in sorted(r.unstopped_end_tokens.items(), key=lambda item: -item[1][0])[:3]:
+        lines.append(
+            f"   end of turn {token!r} ({token_id}) is not a token this model stops at: {turns:,} turns are trained to "
+            f"end with it, and generation stops at {', '.join(r.stop_tokens) or 'no token'} (the tokenizer's "
+            "end-of-sequence token and the model's generation_config.json eos_token_id), so the trained model will "
+            f"write it and go on. Serve it with {token_id} among generation_config.json's eos_token_id (a LoRA adapter "
+            "runs with its base model's), or train with a template whose turns end with a token it stops at "
+            "(--chat_template FILE|NAME)"
         )
     without = r.conversations_without_system
     counts = {

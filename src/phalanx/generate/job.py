@@ -24,7 +24,7 @@ from phalanx.generate.engine import Finished, stop_token_ids
 from phalanx.generate.prompts import Prompt, has_chat_template, prompts_digest, read_prompts
 from phalanx.generate.sampling import SamplingParams
 from phalanx.generate.shards import shard_dir, val_output_of
-from phalanx.models.load import load_model, load_tokenizer, resolve_model_path
+from phalanx.models.load import generation_config_eos_ids, load_model, load_tokenizer, resolve_model_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -127,14 +127,9 @@ def adapter_digest(adapter: str) -> str:
 
 
 def generation_stop_ids(tokenizer: Any, model_name: str) -> list[int]:
-    """Stop ids from the tokenizer and the model folder's generation_config.json (no weights needed)."""
-    from transformers import GenerationConfig
-
-    try:
-        config = GenerationConfig.from_pretrained(resolve_model_path(model_name))
-    except (OSError, ValueError):
-        config = None  # no generation_config.json: the tokenizer's EOS and end-of-turn tokens
-    return stop_token_ids(tokenizer, config)
+    """Stop ids from the tokenizer (its end-of-sequence and end-of-turn tokens) and the model folder's
+    generation_config.json (no weights needed)."""
+    return sorted(set(stop_token_ids(tokenizer)) | set(generation_config_eos_ids(model_name)))
 
 
 def check_model_fit(prompts: list[Prompt], model_name: str, max_new_tokens: int, kv_cache: str) -> None:

@@ -107,6 +107,19 @@ def _template_file(path: str, name: Optional[str]) -> str:
     return f'{folder / "tokenizer_config.json"} ("chat_template"{named})'
 
 
+def generation_config_eos_ids(model_name: str, field: str = "model.model_name") -> list[int]:
+    """The token ids the model's generation config stops at (generation_config.json's eos_token_id: one id or a list;
+    Llama 3.1 lists <|eom_id|> beside <|eot_id|>); [] where the model ships none."""
+    from transformers import GenerationConfig
+
+    try:
+        config = GenerationConfig.from_pretrained(resolve_model_path(model_name, field))
+    except (OSError, ValueError):  # no generation_config.json: the tokenizer's end-of-sequence token is the stop
+        return []
+    ids = config.eos_token_id
+    return [ids] if isinstance(ids, int) else [i for i in ids or [] if isinstance(i, int)]
+
+
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

@@ -50,7 +50,14 @@ from phalanx.models.adapters import apply_finetuning, trainable_parameter_count
 from phalanx.models.attention import enable_varlen_attention, graph_unsafe_reason, packing_unsupported_reason
 from phalanx.models.compile import auto_compile_line, compile_wanted, fuse_elementwise
 from phalanx.models.graphs import GraphShapes
-from phalanx.models.load import cache_root, four_bit_compute_dtype, load_model, load_tokenizer, quantization_config
+from phalanx.models.load import (
+    cache_root,
+    four_bit_compute_dtype,
+    generation_config_eos_ids,
+    load_model,
+    load_tokenizer,
+    quantization_config,
+)
 from phalanx.models.lora_fused import keep_casts
 from phalanx.observe.memory import peak_memory_mb
 from phalanx.observe.metrics import Reporter, last_logged_step
@@ -203,7 +210,13 @@ def set_aside_future(output_dir: Path, state: TrainerState) -> None:
 def load_data(cfg: RunConfig) -> tuple[Any, PreparedData]:
     """Tokenizer and tokenized data; cached on disk and safe to call from several processes at once."""
     tokenizer = load_tokenizer(cfg.model.model_name, cfg.model.trust_remote_code, cfg.data.chat_template)
-    data = prepare_data(cfg.data, tokenizer, seed=cfg.training.seed, cache_root=cache_root() / "data")
+    data = prepare_data(
+        cfg.data,
+        tokenizer,
+        seed=cfg.training.seed,
+        cache_root=cache_root() / "data",
+        stop_token_ids=generation_config_eos_ids(cfg.model.model_name),
+    )
     return tokenizer, data
 
 
