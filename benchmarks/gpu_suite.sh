@@ -117,7 +117,8 @@ for part in $parts; do
         --gpu-shape r1-distill-qwen-1.5b --arms lora-graphs --steps 8 --warmup 4 --arm-timeout 140 \
         --work_dir /tmp/phalanx-why --note "gpu_suite graphs-why: graph partitioning off, to name the CPU node"
       find /tmp/phalanx-why -maxdepth 2 -name "*.log" -print0 | xargs -0 -r grep -h -A 14 -E "skipping cudagraphs|cpu device" \
-        | cut -c1-240 | head -n 60 ;;
+        | cut -c1-240 | head -n 60
+      find /tmp/phalanx-why -maxdepth 2 -name "*.log" -exec cp {} "$OUT/" \; ;;  # the whole account comes back
     graphs)  # training.cuda_graphs, which ran slower than compiled layers without graphs on an H200 (2026-11-28: 9,966
            # against ~25,000 tokens/s, 112 s to the first step). Inductor split each layer's forward at a 2-element
            # CPU tensor copied to the GPU (perhaps the seed and offset of the LoRA dropout drawn inside the layer: not
