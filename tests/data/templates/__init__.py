@@ -1079,6 +1079,64 @@ CASES = [
         None,
         {k: FULL for k in ALL_ROWS},
     ),
+    # ---- the twelfth trial (the templates in Ollama's GGUFs, as huggingface.js keeps them)
+    # GLM-4-9B-chat: `[gMASK]<sop>`, then `<|ROLE|>` + metadata + `\n` + content per message, and no end-of-turn marker (the
+    # model stops by writing the next role's token, as GLM-4.6): every turn unterminated, and the output starts with the
+    # `\n` after the (empty) metadata. Tools only from a message's own `tools` key (the row's are not written); a message
+    # with no content is skipped whole, so a tool-calling message vanishes (refused, naming the call); reasoning dropped.
+    TemplateCase(
+        "THUDM-glm-4-9b-chat",
+        False,
+        None,
+        "<|endoftext|>",
+        "<|endoftext|>",
+        {
+            **{k: Match("full", unterminated=3) for k in ("plain", "nosys", "reasoning", "think", "two_assistants")},
+            **{k: VANISHED_CALL for k in ("tool", "reasoning_tool", "think_tool")},
+        },
+        specials=("[gMASK]", "<sop>", "<|user|>", "<|observation|>"),
+    ),
+    # EXAONE Deep 2.4B: `[|ROLE|]` + content, `[|endofturn|]` after every message but a user's, a newline between messages;
+    # the generation prompt `\n[|assistant|]<thought>\n` pre-fills a thought no finished turn writes (it cuts everything
+    # up to `</thought>` from content), so the output starts after `[|assistant|]`; an empty system turn when the row has
+    # none; tool calls dropped.
+    TemplateCase(
+        "LGAI-EXAONE-EXAONE-Deep-2.4B",
+        False,
+        "[BOS]",
+        "[|endofturn|]",
+        "[PAD]",
+        {
+            **{k: FULL for k in ("plain", "nosys", "reasoning", "think", "two_assistants")},
+            **{k: VANISHED_CALL for k in ("tool", "reasoning_tool", "think_tool")},
+        },
+        specials=("[|system|]", "[|user|]", "[|assistant|]", "<thought>", "</thought>"),
+    ),
+    # Aya Expanse 8B: Cohere's turn tokens, content stripped; raises on a role out of the user/assistant alternation, so
+    # a tool message (it has no tool role) or two assistant messages in a row are refused with its message.
+    TemplateCase(
+        "CohereForAI-aya-expanse-8b",
+        False,
+        "<BOS_TOKEN>",
+        "<|END_OF_TURN_TOKEN|>",
+        "<PAD>",
+        {
+            **{k: FULL for k in ("plain", "nosys", "reasoning", "think")},
+            **{k: ALTERNATION for k in ("tool", "reasoning_tool", "think_tool", "two_assistants")},
+        },
+    ),
+    # Nemotron-Mini-4B-Instruct: writes `<extra_id_1>Assistant\n` after every conversation, add_generation_prompt or not,
+    # so where a turn ends cannot be told (as Command R7B): every row refused.
+    TemplateCase(
+        "nvidia-Nemotron-Mini-4B-Instruct",
+        False,
+        "<s>",
+        "</s>",
+        None,
+        {k: AMBIGUOUS_END for k in ALL_ROWS},
+        specials=("<extra_id_0>", "<extra_id_1>"),
+        marked=False,
+    ),
 ]
 CASE = {c.name: c for c in CASES}
 
