@@ -3,7 +3,7 @@
 #   benchmarks/gpu_suite.sh                 # `arms`: every arm of issue 15 in one call of at most 600 s
 #   SUITE_SECONDS=300 ORDER=hf-first ARMS=lora-plain PROFILE=1 benchmarks/gpu_suite.sh   # one order, a profile
 #   benchmarks/gpu_suite.sh versions|smoke|speed|speed-hf-first|profile|profile-compile|qlora|strategies|strategies-full|
-#                           generate|compile|compile-lora|compile-full|vs-hf|vs-hf-compile|vs-hf-graphs|graphs-why|graphs|profile-eager|
+#                           generate|compile|compile-lora|compile-full|vs-hf|vs-hf-compile|vs-hf-graphs|graphs-why|graphs|head|profile-eager|
 #                           profile-graphs|seeds|lora-tests|arms ...
 # Wheels the GPU image lacks travel in .whl/ (trl, liger-kernel, and pydantic/datasets where missing; see
 # benchmarks/RESULTS.md); OUT (optional) collects the logs, and RESULTS-append.md: the entries the scripts appended
@@ -110,6 +110,11 @@ for part in $parts; do
       step vs-hf-compile 300 python3 benchmarks/train_vs_hf.py --gpu-shape r1-distill-qwen-1.5b --steps 24 --warmup 12 \
         --orders "${ORDER:-both}" --phalanx-flags "--training.compile true" \
         --note "gpu_suite vs-hf-compile: compiled layers, the long-run default" ;;
+    head)  # compiled layers with Liger's fused linear cross-entropy (the default where liger-kernel is installed) against
+           # phalanx's chunked head (training.liger_kernels false), which takes no host sync: 40 steps, 20 of warm-up
+      step phalanx-arms-head 400 env TORCH_LOGS=recompiles,graph_breaks python3 benchmarks/phalanx_arms.py \
+        --gpu-shape r1-distill-qwen-1.5b --arms "${ARMS:-lora-compile,lora-compile-chunked-head}" --steps 40 \
+        --warmup 20 --arm-timeout 190 --work_dir /tmp/phalanx-bench --note "gpu_suite head: Liger's head or the chunked one" ;;
     graphs-why)  # why inductor would not graph a whole layer (2026-11-28: "cpu ops", a 2-element tensor): with graph
            # partitioning off, cudagraph trees skip a graph that holds a CPU node and log the node's name and the
            # stack trace of its first use (torch/_inductor/cudagraph_utils.py); 8 steps are enough to compile it.

@@ -53,6 +53,9 @@ ARMS = {  # flags on top of the shared ones; FLOPs factor per token (4N frozen b
     # without Liger's kernels.
     "lora-compile": (["--training.compile", "true"], 4),
     "lora-plain": (["--training.compile", "false", "--training.liger_kernels", "false"], 4),
+    # Compiled layers with phalanx's chunked head instead of Liger's fused linear cross-entropy (which reads its target
+    # count and output gradient back to the host: three waits a step, profiled on an H200 on 2026-11-28).
+    "lora-compile-chunked-head": (["--training.compile", "true", "--training.liger_kernels", "false"], 4),
     "full-compile": (["--finetune", "full", "--training.compile", "true"], 6),
     # Micro-batches of 16,384 tokens (about 4x the default's at batch 4 on the bundled rows): a step at batch 4 is bound
     # by the host launching kernels, so more tokens per launch show in MFU (RESULTS 2026-11-27: 9.4% -> 26.8% eager).

@@ -87,3 +87,25 @@ def test_no_fused_kernel_is_looked_for_off_cuda():
     assert torch.allclose(
         linear_cross_entropy_sum(hidden, weight, None, targets), _plain_sum(hidden, weight, None, targets)
     )
+
+
+def test_liger_kernels_false_keeps_the_fused_kernel_out_of_the_head(monkeypatch):
+    """training.liger_kernels false: the output head never asks for a fused kernel (as if one were there: the lookup
+    is replaced by one that hands a marked kernel back), and the loss is the chunked path's; 'auto' uses it."""
+    import phalanx.train.loss as L
+    from phalanx.models.load import load_model
+
+    def marked(hidden, weight, bias, targets):
+        return torch.tensor(-1.0)
+
+    monkeypatch.setattr(L, "fused_kernel_for", lambda hidden, weight, bias: marked)
+    torch.manual_seed(0)
+    model = load_model("embedded:tiny-qwen3", torch.float32, False, device=torch.device("cpu"))
+    ids = torch.randint(3, 250, (1, 12))
+    batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+    with torch.no_grad():
+        plain = L.token_loss_sum(model, batch)  # no head installed: logits, cut and reduced here
+        assert L.install_target_head(model, fused=False)
+        assert torch.allclose(L.token_loss_sum(model, batch), plain)
+        assert L.install_target_head(model, fused=True)
+        assert L.token_loss_sum(model, batch).item() == -1.0

@@ -106,3 +106,22 @@ def test_a_bf16_lora_run_keeps_adapter_casts_that_stay_equal_to_its_weights(tmp_
     finally:
         del run
         shutdown()
+
+
+def test_liger_kernels_false_reaches_the_output_head(tmp_path):
+    """`--training.liger_kernels false` keeps Liger's fused linear cross-entropy out of the run's output head too
+    (train/loss.py: the head's chunks then always run phalanx's own path)."""
+    import phalanx.train.run as run_module
+    from phalanx.config.flags import split_flags
+    from phalanx.config.loader import load_config, overrides_from_flags
+    from phalanx.runtime.dist import shutdown
+
+    flags = ["--max_steps", "1", "--test_size", "0", "--logging.tensorboard", "false", "--max_length", "512"]
+    flags += ["--training.liger_kernels", "false", "--output_dir", str(tmp_path / "out")]
+    run = run_module.build_run(load_config(None, overrides_from_flags(split_flags(flags)[1])))
+    try:
+        head = run.model.get_base_model().get_output_embeddings()
+        assert head.phalanx_fused_head is False
+    finally:
+        del run
+        shutdown()

@@ -220,8 +220,10 @@ class TrainingConfig(Section):
     )
     liger_kernels: Literal["auto", "false"] = Field(
         "auto",
-        description="Liger's RMSNorm/SwiGLU/RoPE kernels in Qwen2/Qwen3/Llama layers: 'auto' patches them in on CUDA "
-        "when liger-kernel is installed and the layers are not compiled (compiled layers fuse that work themselves).",
+        description="Liger's kernels, on CUDA where liger-kernel is installed: 'auto' patches its RMSNorm/SwiGLU/RoPE "
+        "into Qwen2/Qwen3/Llama layers that are not compiled (compiled layers fuse that work themselves), and runs the "
+        "output head's target-only loss in its fused linear cross-entropy (checked once against phalanx's chunked "
+        "head); 'false' keeps Liger out of both.",
     )
     cuda_graphs: bool = Field(
         False,

@@ -17,7 +17,9 @@ positions and reduced in chunks (each chunk's fp32 softmax recomputed in backwar
 On CUDA with liger-kernel installed the head's chunks run in Liger's fused (Triton) linear cross-entropy
 instead: the same sum, with the softmax and its gradient fused into one kernel per chunk. It is compared
 once per (device, dtypes, vocabulary) against the chunked path here on a small problem and used only if it
-agrees; otherwise (or on any error) the chunked path runs, and the run says so once.
+agrees; otherwise (or on any error) the chunked path runs, and the run says so once. `training.liger_kernels
+false` keeps it out (the chunked path takes no host sync; Liger's reads its target count and its output
+gradient back to the host: three waits a step, profiled on an H200).
 """
 
 from __future__ import annotations
@@ -62,9 +64,10 @@ class _HeadRequest:
 _request: Optional[_HeadRequest] = None  # set by token_loss_sum for the duration of one forward
 
 
-def install_target_head(model: nn.Module) -> bool:
+def install_target_head(model: nn.Module, fused: bool = True) -> bool:
     """Let `model`'s output head compute the target-only loss when token_loss_sum asks it to (otherwise it is the
-    plain linear layer it was: generation, export and saving see no difference). True if installed."""
+    plain linear layer it was: generation, export and saving see no difference). True if installed. `fused`: False
+    keeps Liger's fused kernel out (training.liger_kernels false), so the head's chunks always run the path here."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if getattr(getattr(base, "config", None), "model_type", None) not in TARGET_HEAD_MODEL_TYPES:
         return False
@@ -72,6 +75,7 @@ def install_target_head(model: nn.Module) -> bool:
     if type(head) is not nn.Linear:  # an adapted (LoRA) or quantized head keeps the logits path
         return False
     head.forward = types.MethodType(_target_head_forward, head)
+    head.phalanx_fused_head = fused
     return True
 
 
@@ -85,7 +89,9 @@ def _target_head_forward(self: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
         )
     request.used = True
     selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, request.positions)
-    return linear_cross_entropy_sum(selected, self.weight, self.bias, request.targets, request.chunk_logits)
+    return linear_cross_entropy_sum(
+        selected, self.weight, self.bias, request.targets, request.chunk_logits, fused=self.phalanx_fused_head
+    )
 
 
 def linear_cross_entropy_sum(
@@ -94,17 +100,19 @@ def linear_cross_entropy_sum(
     bias: Optional[torch.Tensor],
     targets: torch.Tensor,
     chunk_logits: Optional[int] = None,
+    fused: bool = True,
 ) -> torch.Tensor:
     """sum_i CE(hidden[i] @ weight.T + bias, targets[i]) in fp32, computed in chunks of positions.
 
     The matmuls run in the ambient (autocast) dtype, the log-sum-exp in fp32. With gradients enabled each
     chunk's gradient with respect to `hidden` (and to `weight`/`bias` when they train) is computed in the
-    forward, so only chunk-sized logits ever exist; backward scales the stored gradients."""
+    forward, so only chunk-sized logits ever exist; backward scales the stored gradients. `fused`: whether a fused
+    kernel may run it instead (fused_kernel_for)."""
     if hidden.shape[0] == 0:
         return F.linear(hidden, weight, bias).float().sum()  # 0, still connected to the graph (DDP waits on it)
-    fused = fused_kernel_for(hidden, weight, bias)
-    if fused is not None:
-        return fused(hidden, weight, bias, targets)
+    kernel = fused_kernel_for(hidden, weight, bias) if fused else None
+    if kernel is not None:
+        return kernel(hidden, weight, bias, targets)
     if torch.is_grad_enabled() and (
         hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     ):

@@ -366,7 +366,9 @@ def build_run(
     )
     packing = choose_packing(cfg.data.packing, model, rank, precision.dtype)
     model = apply_finetuning(model, cfg.model, cfg.lora)
-    install_target_head(model)  # the output head runs at target positions only, in chunks (train/loss.py)
+    # The output head runs at target positions only, in chunks (train/loss.py); Liger's fused kernel may run them
+    # unless training.liger_kernels keeps Liger out.
+    install_target_head(model, fused=cfg.training.liger_kernels == "auto")
     collate = partial(collate_rows, pad_token_id=tokenizer.pad_token_id, packing=packing)
     sampler, train_loader = make_train_loader(cfg, data.train, rank, collate)
     total_steps = count_total_steps(cfg, sampler.sampler)
