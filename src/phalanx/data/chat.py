@@ -618,17 +618,18 @@ def _check_no_end_of_sequence_inside(r: _Renderer, i: int, view: str, start: int
             )
             if present
         ]
-        how = (
-            f"it writes the message's {' and '.join(parts)} as blocks of their own, each closed by that token. Give "
-            "each part its own assistant message (or leave out the reasoning), use"
-            if len(parts) > 1
-            else "use"
+        advice = (
+            f"use another template (--chat_template), or, if the model does not stop at {eos!r}, give its tokenizer "
+            "the end-of-sequence token it stops at."
         )
+        if len(parts) > 1:  # only then are there blocks to give messages of their own
+            advice = (
+                f"it writes the message's {' and '.join(parts)} as blocks of their own, each closed by that token. "
+                f"Give each part its own assistant message (or leave out the reasoning), {advice}"
+            )
         raise DataError(
             f"{r.where}: messages[{i}] (assistant): the chat template writes the end-of-sequence token {eos!r} inside "
-            f"this turn ({_short(view[start:end])}), so a model could never generate what follows it: {how} another "
-            f"template (--chat_template), or, if the model does not stop at {eos!r}, give its tokenizer the "
-            "end-of-sequence token it stops at."
+            f"this turn ({_short(view[start:end])}), so a model could never generate what follows it: {advice}"
         )
 
 
