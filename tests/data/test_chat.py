@@ -489,6 +489,24 @@ def test_an_end_of_turn_token_that_is_not_the_end_of_sequence_token_is_counted(m
     assert masked(instruct, row)[0].end_tokens == {}
 
 
+# Llama 3.1's (and functionary v3.1's) habit: a tool call ends with <|eom_id|>, an answer with <|eot_id|>.
+LLAMA3_EOM = LLAMA3.replace(
+    "{% else %}{{ m.content | trim }}{% endif %}<|eot_id|>",
+    "<|eom_id|>{% else %}{{ m.content | trim }}<|eot_id|>{% endif %}",
+)
+
+
+def test_a_tool_call_ended_by_another_token_than_an_answer_counts_that_token(make_tokenizer, tool_row):
+    """functionary v3.1 ends a tool call with <|eom_id|>, a plain message with <|eot_id|> (the end-of-sequence token):
+    the turn's own text was taken to end where the two renderings part, inside the marker (`_id|>` is common to both),
+    so no marker was found after it and <|eom_id|> went uncounted (nothing said the model might never stop there)."""
+    tok = make_tokenizer(LLAMA3_EOM)
+    tok.add_special_tokens({"eos_token": "<|eot_id|>", "additional_special_tokens": ["<|eom_id|>"]})
+    result, runs = masked(tok, tool_row)
+    assert runs[0].endswith("<|eom_id|>") and runs[-1].endswith("<|eot_id|>")
+    assert result.end_tokens == {"<|eom_id|>": 1} and result.unterminated == 0
+
+
 # Cohere2's habit: the generation prompt opens a thinking block, a finished turn without reasoning opens its text
 # instead; the two part inside a marker this (byte-level) tokenizer does not have as a token.
 OPENS_ANOTHER_MARKER = (

@@ -478,6 +478,9 @@ def _locate_turn(r: _Renderer, i: int) -> _Turn:
         )
     own = _common_prefix(view, probe)  # first character the message decides
     own_end = len(view) - _common_suffix(view, probe, len(view) - own)  # and its last
+    # Where the turn's end marker shares its tail with a plain message's (functionary v3.1 ends a tool call with
+    # <|eom_id|>, an answer with <|eot_id|>), the renderings part inside it: the marker is the template's, not text.
+    own_end = max(own, _snap_back(view, own_end, r.specials()))
     # The same message with only its text replaced keeps what the template writes around reasoning and tool calls
     # (reasoning given in content as a <think> block too): where that probe parts from the view is where the
     # message's own words start.
