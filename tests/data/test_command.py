@@ -187,7 +187,7 @@ def test_an_end_of_turn_token_the_model_does_not_stop_at_is_named_with_what_it_s
     """A base model's tokenizer (eos <|endoftext|>) under ChatML: answers are trained to end with <|im_end|>, but the
     model's generation config stops at <|endoftext|> only, so the trained model writes <|im_end|> and goes on. The
     summary says so, with both ids; not once the generation config lists the token too (as Llama 3.1's lists
-    <|eom_id|> beside <|eot_id|>)."""
+    <|eom_id|> beside <|eot_id|>). Under full fine-tuning it says that the saved model lists the token."""
     from phalanx.models.load import load_tokenizer
 
     tokenizer = load_tokenizer("embedded:tiny-qwen3")  # ChatML, eos <|im_end|> (1)
@@ -198,9 +198,9 @@ def test_an_end_of_turn_token_the_model_does_not_stop_at_is_named_with_what_it_s
     (model / "config.json").write_text("{}")
     rows = write_jsonl(tmp_path / "rows.jsonl", [chat_row(i) for i in range(2)])
 
-    def summary(stop_ids: list[int]) -> list[str]:
+    def summary(stop_ids: list[int], finetune: str = "lora") -> list[str]:
         (model / "generation_config.json").write_text(json.dumps({"eos_token_id": stop_ids}))
-        flags = [("dataset_path", str(rows)), ("test_size", "0"), ("model_name", str(model))]
+        flags = [("dataset_path", str(rows)), ("test_size", "0"), ("model_name", str(model)), ("finetune", finetune)]
         lines: list[str] = []
         assert preview(load_config(None, overrides_from_flags(flags)), tokenizer, 0, False, lines.append) == 0
         return lines
@@ -215,3 +215,9 @@ def test_an_end_of_turn_token_the_model_does_not_stop_at_is_named_with_what_it_s
     got = summary([endoftext])
     assert note in got, got
     assert not any("stops at" in line for line in summary([endoftext, 1]))
+    # Full fine-tuning saves the model whole, with a generation_config.json that lists the token (train/run.py).
+    saved = note.split(", so the trained model")[0] + (
+        "; the fine-tuned model's generation_config.json lists 1 too, so it stops there (a server that stops at the "
+        "tokenizer's end-of-sequence token alone needs 1 as a stop token)"
+    )
+    assert saved in summary([endoftext], "full")

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from phalanx.errors import ConfigError
-from phalanx.models.load import resolve_model_path
+from phalanx.models.load import resolve_model_path, stop_also_at
 
 
 def test_a_model_name_that_is_a_file_or_a_folder_without_config_is_named_as_such(tmp_path):
@@ -72,3 +72,18 @@ def test_a_broken_named_template_and_a_sandbox_gap_are_named_too(tmp_path):
         in message
     )
     assert load_tokenizer(str(_model_folder(tmp_path / "fine", {"default": good, "tool_use": good}))).chat_template
+
+
+def test_stop_also_at_adds_ids_after_those_the_generation_config_stops_at():
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    model = SimpleNamespace(generation_config=GenerationConfig(eos_token_id=[7, 9]))
+    assert stop_also_at(model, [9, 5], eos_token_id=3) == [7, 9, 5]  # kept order, 9 not twice
+    assert stop_also_at(model, [5], eos_token_id=3) == []  # nothing new: unchanged
+    assert model.generation_config.eos_token_id == [7, 9, 5]
+    # A generation config with no eos: the tokenizer's end-of-sequence token stays the first stop.
+    model = SimpleNamespace(generation_config=GenerationConfig())
+    assert stop_also_at(model, [5], eos_token_id=3) == [3, 5]
+    assert stop_also_at(SimpleNamespace(), [5], eos_token_id=3) == []  # a model without one (TrainingEngine's)

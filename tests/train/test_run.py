@@ -125,3 +125,42 @@ def test_liger_kernels_false_reaches_the_output_head(tmp_path):
     finally:
         del run
         shutdown()
+
+
+def test_full_fine_tuning_saves_a_generation_config_that_stops_where_the_trained_turns_end(tmp_path):
+    """A base model whose tokenizer and generation_config.json stop at <|endoftext|>, fine-tuned whole on ChatML rows
+    that end every answer with <|im_end|>: the model it saves (checkpoints, best, final) lists <|im_end|> among its
+    generation_config.json eos_token_id after <|endoftext|>, so it stops after an answer; the data summary says so."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from helpers import run_phalanx, write_chat_jsonl
+    from phalanx.models.presets import materialize_embedded_model
+
+    base = tmp_path / "base-model"
+    shutil.copytree(materialize_embedded_model("tiny-qwen3", tmp_path / "embedded"), base)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    tokenizer.add_special_tokens({"eos_token": "<|endoftext|>"})  # id 260, inside the model's 264 embeddings
+    tokenizer.save_pretrained(base)
+    endoftext, im_end = tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((base / name).read_text())
+        (base / name).write_text(json.dumps({**config, "eos_token_id": endoftext}))
+
+    out = tmp_path / "out"
+    proc = run_phalanx(
+        "train",
+        *("--model_name", str(base), "--finetune", "full", "--world_size", "1", "--output_dir", str(out)),
+        *("--dataset_path", str(write_chat_jsonl(tmp_path / "rows.jsonl", 6)), "--test_size", "0.34"),
+        *("--max_steps", "1", "--save_steps", "1", "--eval_steps", "1", "--logging.tensorboard", "false"),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (
+        f"end of turn '<|im_end|>' ({im_end}) is not a token this model stops at" in proc.stdout
+        and f"the fine-tuned model's generation_config.json lists {im_end} too, so it stops there" in proc.stdout
+    ), proc.stdout
+    for folder in (out, out / "checkpoint-1", out / "checkpoint-best"):
+        saved = json.loads((folder / "generation_config.json").read_text())
+        assert saved["eos_token_id"] == [endoftext, im_end], (folder, saved)

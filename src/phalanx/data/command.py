@@ -101,7 +101,7 @@ def preview(cfg: Any, tokenizer: Any, rows: int, color: bool, say: Callable[[str
     # No train/eval split here: every row that would train is counted as a train row.
     report = DataReport(**counts.report(trained, None), cache_hit=False, cache_dir="")
     add_template_notes(report, data_cfg, tokenizer, generation_config_eos_ids(cfg.model.model_name))
-    lines = describe_report(report, cfg.data)
+    lines = describe_report(report, cfg.data, saves_stop_tokens=cfg.model.finetune == "full")
     say("Data: " + lines[0])
     for line in lines[1:]:
         if not line.lstrip().startswith("refused:"):  # printed above, each one

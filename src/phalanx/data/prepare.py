@@ -512,8 +512,11 @@ def describe_drops(reasons: dict[str, int], cfg: DataConfig) -> str:
     return "; ".join(f"{n} {reason} ({remedies.get(reason, '')})" for reason, n in reasons.items())
 
 
-def describe_report(report: DataReport, cfg: DataConfig) -> list[str]:
-    """The data summary a run prints: one line of counts, then a line for each thing worth a look."""
+def describe_report(report: DataReport, cfg: DataConfig, saves_stop_tokens: bool = False) -> list[str]:
+    """The data summary a run prints: one line of counts, then a line for each thing worth a look.
+
+    `saves_stop_tokens`: the run writes the model whole (full fine-tuning), and with it a generation_config.json that
+    stops at the end-of-turn tokens its data trains (train/run.py); an adapter runs with its base model's."""
     r = report
     rows = f"{r.train_rows:,} train rows" + (f", {r.eval_rows:,} eval rows" if r.eval_rows else "")
     policy = (
@@ -565,14 +568,23 @@ def describe_report(report: DataReport, cfg: DataConfig) -> list[str]:
             "written for this one (--chat_template FILE|NAME)"
         )
     for token, (turns, token_id) in sorted(r.unstopped_end_tokens.items(), key=lambda item: -item[1][0])[:3]:
-        lines.append(
+        said = (
             f"   end of turn {token!r} ({token_id}) is not a token this model stops at: {turns:,} turns are trained to "
             f"end with it, and generation stops at {', '.join(r.stop_tokens) or 'no token'} (the tokenizer's "
-            "end-of-sequence token and the model's generation_config.json eos_token_id), so the trained model will "
-            f"write it and go on. Serve it with {token_id} among generation_config.json's eos_token_id (a LoRA adapter "
-            "runs with its base model's), or train with a template whose turns end with a token it stops at "
-            "(--chat_template FILE|NAME)"
+            "end-of-sequence token and the model's generation_config.json eos_token_id)"
         )
+        if saves_stop_tokens:
+            said += (
+                f"; the fine-tuned model's generation_config.json lists {token_id} too, so it stops there (a server "
+                f"that stops at the tokenizer's end-of-sequence token alone needs {token_id} as a stop token)"
+            )
+        else:
+            said += (
+                f", so the trained model will write it and go on. Serve it with {token_id} among "
+                "generation_config.json's eos_token_id (a LoRA adapter runs with its base model's), or train with a "
+                "template whose turns end with a token it stops at (--chat_template FILE|NAME)"
+            )
+        lines.append(said)
     without = r.conversations_without_system
     counts = {
         WITHOUT_SYSTEM: without,

@@ -57,6 +57,7 @@ from phalanx.models.load import (
     load_model,
     load_tokenizer,
     quantization_config,
+    stop_also_at,
 )
 from phalanx.models.lora_fused import keep_casts
 from phalanx.observe.memory import peak_memory_mb
@@ -364,6 +365,11 @@ def build_run(
     model = load_model(
         cfg.model.model_name, base_dtype, cfg.model.trust_remote_code, quantization=quantization, device=rank.device
     )
+    if cfg.model.finetune == "full":
+        # Saved whole, the model should stop where the turns it is trained on end (a base model under ChatML stops at
+        # <|endoftext|>, not at the <|im_end|> it learns to write); the data summary says so. An adapter cannot carry it.
+        unstopped = [token_id for _, token_id in data.report.unstopped_end_tokens.values()]
+        stop_also_at(model, unstopped, tokenizer.eos_token_id)
     packing = choose_packing(cfg.data.packing, model, rank, precision.dtype)
     model = apply_finetuning(model, cfg.model, cfg.lora)
     # The output head runs at target positions only, in chunks (train/loss.py); Liger's fused kernel may run them
@@ -557,7 +563,7 @@ def announce(run: Run) -> None:
     say(f"   - Epochs: {describe_epochs(cfg, run.sampler.sampler, run.total_steps)}")
     say(f"   - Gradient Accumulation: {cfg.training.gradient_accumulation_steps}")
     say(f"   - Max Sequence Length: {cfg.data.max_length}")
-    summary, *details = describe_report(r, cfg.data)
+    summary, *details = describe_report(r, cfg.data, saves_stop_tokens=cfg.model.finetune == "full")
     say(f"📊 Data: {summary}; tokenization {'cached' if r.cache_hit else 'done'} ({r.cache_dir})")
     for line in details:
         say(line)
