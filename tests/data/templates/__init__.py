@@ -169,7 +169,7 @@ class Match:
 
     ``arguments``: how the template takes tool-call arguments, so how the oracle renders them: "mapping" (as
     to_conversation gives them) or "text" (JSON text: a template that concatenates them as strings fails on a
-    mapping, DeepSeek-V3.1). ``unterminated``: the assistant turns the template ends with no marker after the
+    mapping, DeepSeek-V3.1; one that writes them `| string` writes a mapping as Python's repr, InternLM2's). ``unterminated``: the assistant turns the template ends with no marker after the
     message's text (GLM-4.6 writes none: its model stops by writing the next role's token), which phalanx counts.
     """
 
@@ -1136,6 +1136,79 @@ CASES = [
         {k: AMBIGUOUS_END for k in ALL_ROWS},
         specials=("<extra_id_0>", "<extra_id_1>"),
         marked=False,
+    ),
+    # ---- the thirteenth trial (llama.cpp's functionary v3.1, Ollama's GGUF templates, vLLM's tool templates)
+    # functionary medium v3.1: Llama 3.1 headers; a tool call is `<function=NAME>{...}</function>` and ends with <|eom_id|>,
+    # an answer with <|eot_id|> (the masker counted no end token for the call: the renderings part inside the marker).
+    TemplateCase(
+        "meetkai-functionary-medium-v3.1",
+        False,
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+        None,
+        {k: FULL for k in ALL_ROWS},
+    ),
+    # Llama 2 chat: `[INST]` turns each opened by bos, the system prompt inside the first one (`<<SYS>>`); no generation
+    # prompt (the output is ' ' + content stripped + ' ' + eos after ` [/INST]`); raises on a role out of the alternation.
+    TemplateCase(
+        "meta-llama-Llama-2-7b-chat",
+        False,
+        "<s>",
+        "</s>",
+        None,
+        {
+            **{k: FULL for k in ("plain", "nosys", "reasoning", "think")},
+            **{k: ALTERNATION for k in ("tool", "reasoning_tool", "think_tool", "two_assistants")},
+        },
+    ),
+    # Phi-4: a user message writes the assistant header `<|im_start|>assistant<|im_sep|>` itself (no generation prompt),
+    # so two assistant messages in a row are written back to back; tool calls and tool messages dropped.
+    TemplateCase(
+        "microsoft-phi-4",
+        False,
+        "<|endoftext|>",
+        "<|im_end|>",
+        None,
+        {
+            **{k: FULL for k in ("plain", "nosys", "reasoning", "think", "two_assistants")},
+            **{k: VANISHED_CALL for k in ("tool", "reasoning_tool", "think_tool")},
+        },
+    ),
+    # xLAM-2 (Llama based), vLLM's template: calls as one JSON array `[{"name": ..., "arguments": ...}]`, a default
+    # system prompt, content trimmed; a tool-calling message's content dropped (a <think> block there: reported).
+    TemplateCase(
+        "vllm-tool_chat_template_xlam_llama",
+        False,
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+        None,
+        {k: FULL for k in ALL_ROWS},
+    ),
+    # InternLM2(.5), vLLM's template: tools in a `system name=<|plugin|>` turn, a call as
+    # `<|action_start|><|plugin|>\n{"name": ..., "arguments": ...}<|action_end|>` with the arguments through `| string`
+    # (a mapping would be written as Python's repr: the masker passes JSON text), results as `environment` turns; its eos
+    # </s> is never written (a turn ends <|im_end|>).
+    TemplateCase(
+        "vllm-tool_chat_template_internlm2_tool",
+        False,
+        "<s>",
+        "</s>",
+        None,
+        {
+            **{k: FULL for k in ("plain", "nosys", "reasoning", "think", "two_assistants")},
+            **{k: Match("full", arguments="text") for k in ("tool", "reasoning_tool", "think_tool")},
+        },
+    ),
+    # MiniCPM3, vLLM's template: tools as Python signatures (macros with `caller()`), a call as a Python code block
+    # between <|tool_call_start|> and <|tool_call_end|>, the content written after the calls; reasoning only as the
+    # message's `thought` (reasoning_content dropped, reported).
+    TemplateCase(
+        "vllm-tool_chat_template_minicpm3",
+        False,
+        "<s>",
+        "<|im_end|>",
+        None,
+        {k: FULL for k in ALL_ROWS},
     ),
 ]
 CASE = {c.name: c for c in CASES}
