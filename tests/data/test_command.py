@@ -113,7 +113,10 @@ def test_preview_colours_on_a_terminal_and_fails_when_nothing_trains(tmp_path, t
     assert preview(cfg, tokenizer, 1, True, lines.append) == 0
     assert f"{GREEN}HELLO<|im_end|>\n{RESET}" in lines[1]
     # ByT5 has no <|im_end|> token: the answer ends with text no generation stops on, and the summary says so.
-    note = "   end of turn '<|im_end|>' is no token of this tokenizer: 1 turns train it as ordinary text, and none"
+    note = (
+        "   end of turn '<|im_end|>' is no token of this tokenizer: 1 turn trains it as ordinary text, and not the "
+        "tokenizer's end-of-sequence token, so generation will not stop after an answer."
+    )
     assert any(line.startswith(note) for line in lines), lines
 
     cfg = load_config(

@@ -550,7 +550,7 @@ def describe_report(report: DataReport, cfg: DataConfig, saves_stop_tokens: bool
         )
     if r.unterminated_turns:
         lines.append(
-            f"   no end-of-turn marker after the assistant's text: {r.unterminated_turns:,} turns (the template "
+            f"   no end-of-turn marker after the assistant's text: {_turns(r.unterminated_turns)} (the template "
             "writes none there, so these rows teach no stop; check the template if the model should learn one"
             + (
                 f"; it reads {', '.join(r.template_variables)}: if one makes it write the marker, set it with "
@@ -561,17 +561,22 @@ def describe_report(report: DataReport, cfg: DataConfig, saves_stop_tokens: bool
             + ")"
         )
     for marker, turns in sorted(r.foreign_end_markers.items(), key=lambda item: -item[1])[:3]:
+        trained = (
+            "1 turn trains it as ordinary text, and not"
+            if turns == 1
+            else f"{turns:,} turns train it as ordinary text, and none of them trains"
+        )
         lines.append(
-            f"   end of turn {marker!r} is no token of this tokenizer: {turns:,} turns train it as ordinary text, and none "
-            "of them trains the tokenizer's end-of-sequence token, so generation will not stop after an answer. The "
-            "template was written for another tokenizer: use the model it belongs to (--model_name), or a template "
-            "written for this one (--chat_template FILE|NAME)"
+            f"   end of turn {marker!r} is no token of this tokenizer: {trained} the tokenizer's end-of-sequence token, "
+            "so generation will not stop after an answer. The template was written for another tokenizer: use the "
+            "model it belongs to (--model_name), or a template written for this one (--chat_template FILE|NAME)"
         )
     for token, (turns, token_id) in sorted(r.unstopped_end_tokens.items(), key=lambda item: -item[1][0])[:3]:
         said = (
-            f"   end of turn {token!r} ({token_id}) is not a token this model stops at: {turns:,} turns are trained to "
-            f"end with it, and generation stops at {', '.join(r.stop_tokens) or 'no token'} (the tokenizer's "
-            "end-of-sequence token and the model's generation_config.json eos_token_id)"
+            f"   end of turn {token!r} ({token_id}) is not a token this model stops at: {_turns(turns)} "
+            f"{'is' if turns == 1 else 'are'} trained to end with it, and generation stops at "
+            f"{', '.join(r.stop_tokens) or 'no token'} (the tokenizer's end-of-sequence token and the model's "
+            "generation_config.json eos_token_id)"
         )
         if saves_stop_tokens:
             said += (
@@ -605,6 +610,10 @@ def _length_stats(lengths: list[int]) -> dict[str, int]:
     ordered = sorted(lengths)
     pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
     return {"min": ordered[0], "median": pick(0.5), "p90": pick(0.9), "max": ordered[-1]}
+
+
+def _turns(count: int) -> str:
+    return f"{count:,} turn" + ("" if count == 1 else "s")
 
 
 def describe_lengths(stats: dict[str, int]) -> str:
