@@ -90,6 +90,8 @@ def test_user_json_auto_values_filled_and_resume_from_engine_checkpoint(tmp_path
     whole = tmp_path / "whole"
     proc = run_phalanx(*base, "--output_dir", str(whole))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # The engine started without building DeepSpeed's shared-memory all-reduce op (C++, a minute on first use).
+    assert "shm_comm" not in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
     assert (whole / "checkpoint-4" / "deepspeed" / "state").is_dir()
     assert not (whole / "checkpoint-4" / "optimizer.pt").exists()
     stopped = stopped_after(whole, 4, tmp_path / "stopped")  # as a run killed in step 5 leaves its folder
@@ -235,3 +237,19 @@ def test_skipped_nan_step_and_uneven_eval_match_one_process(eval_data, single_ev
     ref_eval = [r["loss"] for r in read_metrics(single_eval_nan, "eval")]
     assert len(ref_eval) == 3
     assert [r["loss"] for r in read_metrics(out, "eval")] == pytest.approx(ref_eval, abs=1e-5)
+
+
+def test_the_engine_starts_without_the_shared_memory_all_reduce_op():
+    """Only inference's tensor-parallel all-reduce uses it; building it compiles C++ on a CPU rank's first start."""
+    import importlib
+
+    import deepspeed.ops
+
+    ds_torch_comm = importlib.import_module("deepspeed.comm.torch")  # its package's `torch` attribute is torch itself
+
+    from phalanx.parallel.deepspeed import SHM_ALL_REDUCE_OP, without_inference_all_reduce_op
+
+    before = deepspeed.ops.__compatible_ops__.get(SHM_ALL_REDUCE_OP)
+    with without_inference_all_reduce_op():
+        assert ds_torch_comm.build_shm_op() is None  # what the backend calls as it starts: nothing built
+    assert deepspeed.ops.__compatible_ops__.get(SHM_ALL_REDUCE_OP) == before  # a later caller sees DeepSpeed's own

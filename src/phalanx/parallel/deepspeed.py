@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 from torch import nn
@@ -35,6 +35,31 @@ if TYPE_CHECKING:
 QUIET = {"steps_per_print": 2**31 - 1, "wall_clock_breakdown": False}
 # DeepSpeed's default reduce bucket, in elements (deepspeed.runtime.zero.config).
 DS_REDUCE_BUCKET = 500_000_000
+
+
+# DeepSpeed's shared-memory all-reduce for CPU ranks (deepspeed.comm.torch.build_shm_op).
+SHM_ALL_REDUCE_OP = "deepspeed_shm_comm"
+
+
+@contextlib.contextmanager
+def without_inference_all_reduce_op() -> Iterator[None]:
+    """DeepSpeed's communication backend, as it starts, loads its shared-memory all-reduce op on CPU ranks: C++ that
+    it compiles on first use (a minute of both cores on a 2-core machine, a compiler needed, then again whenever the
+    environment's path changes). Only inference's tensor-parallel all-reduce calls it; ZeRO's collectives go through
+    torch.distributed. So it is marked incompatible while the engine starts (DeepSpeed's own switch: an op marked so
+    is not built, and that all-reduce falls back to torch.distributed's), and restored after."""
+    import deepspeed.ops
+
+    compatible = deepspeed.ops.__compatible_ops__
+    before = compatible.get(SHM_ALL_REDUCE_OP)
+    compatible[SHM_ALL_REDUCE_OP] = False
+    try:
+        yield
+    finally:
+        if before is None:
+            compatible.pop(SHM_ALL_REDUCE_OP, None)
+        else:
+            compatible[SHM_ALL_REDUCE_OP] = before
 
 
 def reduce_bucket_elements(ds_config: dict, trainable: int) -> int:
@@ -211,9 +236,10 @@ class DeepSpeedStrategy(Strategy):
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         zero = self.ds_config.setdefault("zero_optimization", {})
         zero["reduce_bucket_size"] = reduce_bucket_elements(self.ds_config, trainable)
-        self.engine, _, _, _ = deepspeed.initialize(
-            model=model, optimizer=client, config=self.ds_config, dist_init_required=False
-        )
+        with without_inference_all_reduce_op():
+            self.engine, _, _, _ = deepspeed.initialize(
+                model=model, optimizer=client, config=self.ds_config, dist_init_required=False
+            )
         use_safe_loading(self.engine)  # resume never unpickles code (DeepSpeed's own loader would)
         self.model = self.engine
         # The scheduler drives the learning rate of the optimizer we made; the engine's wrapper steps through it.
