@@ -7,6 +7,7 @@ no signal is lost, and a bad config is reported before torch is loaded at all.
 from __future__ import annotations
 
 import errno
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
@@ -60,13 +61,18 @@ def main(args: Sequence[str]) -> int:
 
 def load_only_what_the_run_needs(cfg: RunConfig) -> None:
     """Before the model stack is imported: a run without a 4-bit base leaves bitsandbytes out (about a second per
-    rank), one of another strategy leaves DeepSpeed out (a few tenths, and its warning)."""
+    rank), one of another strategy leaves DeepSpeed out (a few tenths, and its warning). DeepSpeed on CPU ranks (gloo)
+    is told its accelerator, as the generated launcher scripts tell it: left to guess, it warns on every rank that it
+    was "unable to detect" a GPU."""
     from phalanx.models.packages import leave_out_bitsandbytes, leave_out_deepspeed
+    from phalanx.runtime.dist import resolve_backend
 
     if not cfg.model.load_in_4bit:
         leave_out_bitsandbytes()
     if cfg.distributed.strategy != "deepspeed":
         leave_out_deepspeed()
+    elif resolve_backend(cfg.distributed.backend) == "gloo":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def launch_train_ranks(cfg: RunConfig, args: Sequence[str], preemption: Optional[PreemptionFlag] = None) -> int:
