@@ -1,6 +1,7 @@
 """FSDP2 and ZeRO-3 full fine-tuning: checkpoint-{step} holds the weights only in its sharded state (nothing is
 gathered to rank 0), resumes exactly from it, and `phalanx export` turns it into a from_pretrained folder."""
 
+import json
 import shutil
 
 import pytest
@@ -69,7 +70,12 @@ def test_full_finetune_checkpoints_are_sharded_only_and_export(name, resume_data
     killed = tmp_path / f".exported.staging-{gone_pid()}"
     killed.mkdir()
     (killed / "model.safetensors").write_bytes(b"cut short")
+    # The checkpoint's generation settings (as a base model's sampling defaults and end-of-turn ids would be) travel.
+    generation = {"eos_token_id": [1, 7], "pad_token_id": 0, "do_sample": True, "temperature": 0.6, "top_p": 0.95}
+    (whole / "checkpoint-2" / "generation_config.json").write_text(json.dumps(generation))
     assert main(["export", str(whole / "checkpoint-2"), str(exported)]) == 0  # the command, in this process
+    saved = json.loads((exported / "generation_config.json").read_text())
+    assert {k: saved.get(k) for k in generation} == generation, saved
     assert (elsewhere / "model.safetensors").read_bytes() == b"another export's bytes"
     assert not killed.exists()
     assert sorted(p.name for p in tmp_path.glob(".exported.staging*")) == [elsewhere.name]  # its own is gone

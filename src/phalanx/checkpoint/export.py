@@ -29,7 +29,7 @@ from phalanx.runtime.durable import fsync_tree, remove_dead_writers
 
 def export_checkpoint(folder: Path, out: Path) -> Path:
     """Write `out` (a new folder) from the committed checkpoint `folder`; returns `out`."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     folder, out = Path(folder), Path(out)
     if not is_committed(folder):
@@ -53,6 +53,10 @@ def export_checkpoint(folder: Path, out: Path) -> Path:
     state = read_deepspeed_weights(folder) if deepspeed else read_dcp_weights(folder, model)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
+    if (folder / "generation_config.json").is_file():
+        # The run's generation settings travel with its weights (the base model's sampling defaults, and the
+        # end-of-turn ids its data trains: train/run.py); from_config alone derives them from config.json.
+        model.generation_config = GenerationConfig.from_pretrained(folder)
     still_meta = [n for n, p in model.named_parameters() if p.is_meta]
     if still_meta or unexpected:
         source = folder / (DS_DIR if deepspeed else SHARDED_DIR)
