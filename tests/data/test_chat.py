@@ -644,6 +644,25 @@ def test_a_template_that_always_writes_the_next_header_is_refused(make_tokenizer
         tokenize_conversation(make_tokenizer(ALWAYS_WRITES_HEADER), to_conversation(chat_row(1), WHERE), WHERE)
 
 
+# A guard model's habit (ShieldGemma): the conversation's last messages framed as a question for the model to answer,
+# written after whatever message ends it; a following message rewrites the whole rendering.
+GUARD_QUESTION = (
+    "{% if messages[-1].role == 'user' %}Is <q>{{ messages[-1].content }}</q> safe? Answer:"
+    "{% else %}Is <q>{{ messages[-2].content }}</q><r>{{ messages[-1].content }}</r> a safe reply? Answer:{% endif %}"
+)
+
+
+def test_an_instruction_written_after_the_last_message_is_not_trained(make_tokenizer, chat_row):
+    # The turn's text was taken to run to the end of the rendering: the question after it was trained as its output.
+    with pytest.raises(
+        DataError,
+        match=r"messages\[1\] \(assistant\): where this turn ends is ambiguous: the template writes "
+        r"'</r> a safe reply\? Answer:' after the message's text when it ends the conversation, text that a following "
+        r"message's rendering does not keep after it",
+    ):
+        tokenize_conversation(make_tokenizer(GUARD_QUESTION), to_conversation(chat_row(1), WHERE), WHERE)
+
+
 def test_turns_the_template_ends_with_nothing_are_counted(make_tokenizer, chat_row):
     row = {
         "messages": chat_row(1)["messages"]

@@ -749,6 +749,16 @@ def _output_end(r: _Renderer, i: int, prompt: str, context: str, view: str, own_
     if followed is None:
         return end
     part = _snap_back(view, _common_prefix(view, followed), r.specials())
+    if part < own_end and _instruction_after(r, view, own_end, end, followed):
+        raise DataError(
+            f"{r.where}: messages[{i}] (assistant): where this turn ends is ambiguous: the template writes "
+            f"{_short(view[own_end:end])} after the message's text when it ends the conversation, text that a following "
+            "message's rendering does not keep after it: an instruction written after whatever message ends a "
+            "conversation, even without add_generation_prompt (a guard model's template, ShieldGemma's, frames the "
+            "last messages as a question for the model to answer), so it is no part of the assistant's output and "
+            "the turn cannot be masked with certainty. Use the chat template of a model that writes the assistant's "
+            "turns (--chat_template)."
+        )
     if part < own_end or part == end:
         return end  # the following message rewrites this turn (Qwen3, Mistral): it cannot contradict, nor confirm
     if part < end and not followed.endswith(view[part:end] + trailer):
@@ -761,6 +771,20 @@ def _output_end(r: _Renderer, i: int, prompt: str, context: str, view: str, own_
         "instruction turn as Command R's tool-use templates do), so it cannot be masked with certainty. Use a "
         "template that honours add_generation_prompt (--chat_template)."
     )
+
+
+def _instruction_after(r: _Renderer, view: str, own_end: int, end: int, followed: str) -> bool:
+    """Whether a turn ends with words (not only markers and blank space) that the rendering with a message after it
+    does not write after the message's text. A following message that rewrites the turn (Qwen3 drops reasoning)
+    still closes it as before; ShieldGemma renders only the last two messages, framed by its policy question, so the
+    question after an answer is gone once a message follows: it is the prompt's, not the turn's end."""
+    tail = view[own_end:end]
+    words = tail
+    for token in r.specials():
+        words = words.replace(token, "")
+    if not MARKER.sub("", words).strip():
+        return False
+    return view[max(0, own_end - 1) : end] not in followed
 
 
 def _locate_in_full(r: _Renderer, full: str, turns: list[_Turn]) -> tuple[Optional[list[tuple[int, int]]], str]:
