@@ -663,6 +663,32 @@ def test_an_instruction_written_after_the_last_message_is_not_trained(make_token
         tokenize_conversation(make_tokenizer(GUARD_QUESTION), to_conversation(chat_row(1), WHERE), WHERE)
 
 
+# Muse Glimmer's habit (vLLM's template): a default system message written only with the generation prompt (or tools),
+# before the whole conversation, so the prompt holds the context after text of its own.
+PROMPT_WRITES_SYSTEM_FIRST = (
+    "{% if add_generation_prompt %}<|start|>system<|message|>Default.<|eot|>{% endif %}"
+    "{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|eot|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant<|message|>{% endif %}"
+)
+
+
+def test_a_system_message_only_the_generation_prompt_writes_does_not_hide_its_header(make_tokenizer, chat_row):
+    # The prompt was compared with the turn from its first character: they part at the system message, and the row was
+    # refused as one whose generation prompt is not how the turn starts.
+    tok = make_tokenizer(PROMPT_WRITES_SYSTEM_FIRST)
+    row = {
+        "messages": chat_row(1)["messages"]
+        + [
+            {"role": "assistant", "content": "B"},
+            {"role": "user", "content": "more"},
+            {"role": "assistant", "content": "C"},
+        ]
+    }
+    result, runs = masked(tok, row)
+    assert result.policy == "full"
+    assert runs == ["fine 1<|eot|>", "B<|eot|>", "C<|eot|>"]
+
+
 def test_turns_the_template_ends_with_nothing_are_counted(make_tokenizer, chat_row):
     row = {
         "messages": chat_row(1)["messages"]

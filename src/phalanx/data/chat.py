@@ -467,8 +467,8 @@ def template_name(tokenizer: Any) -> str:
 
 def _locate_turn(r: _Renderer, i: int) -> _Turn:
     """Where assistant message i's output lies in its turn view (see the module docstring)."""
-    prompt = r.prefix(i, True)
     context = r.prefix(i, False)
+    prompt = _from_context(r.prefix(i, True), context)
     view = r.prefix(i + 1, False)
     probe = r.try_render(r.messages[:i] + [{"role": "assistant", "content": SENTINEL}], False)
     if probe is None:
@@ -500,6 +500,17 @@ def _locate_turn(r: _Renderer, i: int) -> _Turn:
     tail = view[own_end:end]
     unmarked = not tail.strip() and not (eos and not eos.strip() and eos in tail)
     return _Turn(i, view, start, end, own_end, _closed_by_next(r, i, view, end) if end == own_end else "", unmarked)
+
+
+def _from_context(prompt: str, context: str) -> str:
+    """The generation prompt from where it writes the context on: Muse Glimmer (vLLM's template) writes a default
+    system message before the whole conversation only with add_generation_prompt (or tools), so the prompt holds the
+    context after text of its own, and what follows the context is its header. Compared from the first character, the
+    two parted at the system message and every row without one was refused."""
+    if not context or prompt.startswith(context):
+        return prompt
+    at = prompt.find(context)
+    return prompt[at:] if at > 0 else prompt
 
 
 def _closed_by_next(r: _Renderer, i: int, view: str, end: int) -> str:
@@ -738,6 +749,7 @@ def _output_end(r: _Renderer, i: int, prompt: str, context: str, view: str, own_
         # A generation prompt after an assistant message may rewrite it (gpt-oss ends a final answer differently):
         # the trailer comes from a conversation that ends with a user message instead.
         context, prompt = r.canonical_contexts()
+        prompt = _from_context(prompt, context)
     trailer = context[_snap_back(context, _common_prefix(context, prompt), r.specials()) :]
     if not view.endswith(trailer) or len(view) - len(trailer) < own_end:
         raise DataError(
