@@ -1210,6 +1210,52 @@ CASES = [
         None,
         {k: FULL for k in ALL_ROWS},
     ),
+    # ---- the fourteenth trial (a guard model's template from Ollama's GGUFs, vLLM's tool templates)
+    # ShieldGemma 27B: renders only the last two messages, framed by its policy question ("Does the Chatbot Response
+    # violate the above principle? ..."), written after whatever message ends the conversation: the question was trained
+    # as the answer's end. Refused: an ambiguous end; its guideline comes from the system message or a variable of its own.
+    TemplateCase(
+        "google-shieldgemma-27b",
+        False,
+        "<bos>",
+        "<eos>",
+        "<pad>",
+        {
+            **{k: AMBIGUOUS_END for k in ("plain", "reasoning", "think", "tool", "reasoning_tool", "think_tool")},
+            **{
+                k: Refuse(r"reads the variable 'guideline', which nothing sets", "its guideline is the system message")
+                for k in ("nosys", "two_assistants")
+            },
+        },
+        marked=False,
+    ),
+    # HyperCLOVA X SEED Think 14B, vLLM's template: the generation prompt `<|im_start|>assistant` stops inside the header,
+    # which the turn completes by what it writes (`/think\n` for reasoning, `\n` for an answer, ` -> tool/function_call\n`
+    # for calls), each part a message of its own; an answer ends `<|im_end|><|endofturn|>`, a call `<|im_end|><|stop|>`
+    # (counted as an end token); reasoning only after the last user or tool message (per_turn).
+    TemplateCase(
+        "vllm-tool_chat_template_hyperclovax_seed_think_14b",
+        False,
+        None,
+        "<|endofturn|>",
+        None,
+        {
+            **{k: FULL for k in ("plain", "nosys", "tool", "think", "think_tool", "two_assistants")},
+            **{k: PER_TURN for k in ("reasoning", "reasoning_tool")},
+        },
+    ),
+    # Muse Glimmer, vLLM's template: harmony-like `<|start|>assistant to=RECIPIENT<|message|>...<|eot|>`; a default system
+    # message written only with add_generation_prompt or tools (the prompt was compared from its first character and
+    # rows without a system message were refused); reasoning a `to=self` message ending `<|eom|>`; calls as
+    # `<atem:function_calls>` XML.
+    TemplateCase(
+        "vllm-tool_chat_template_muse_glimmer",
+        False,
+        None,
+        "<|eot|>",
+        None,
+        {k: FULL for k in ALL_ROWS},
+    ),
 ]
 CASE = {c.name: c for c in CASES}
 
