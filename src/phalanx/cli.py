@@ -42,7 +42,7 @@ COMMANDS: dict[str, tuple[Union[str, Callable[[Sequence[str]], int]], str]] = {
     ),
     "export": (
         "phalanx.checkpoint.export:main",
-        "CHECKPOINT OUT  a from_pretrained folder from a sharded-only checkpoint",
+        "CHECKPOINT OUT  a from_pretrained folder from a sharded-only checkpoint, or a LoRA adapter merged",
     ),
     "data": (
         "phalanx.data.command:main",

@@ -1,11 +1,12 @@
-"""models.load: what a model_name that cannot be loaded is told."""
+"""models.load: what a model_name that cannot be loaded is told; an adapter folder's base; the stops a saved model lists."""
 
+import json
 from pathlib import Path
 
 import pytest
 
 from phalanx.errors import ConfigError
-from phalanx.models.load import resolve_model_path, stop_also_at
+from phalanx.models.load import adapter_base, resolve_model_path, stop_also_at
 
 
 def test_a_model_name_that_is_a_file_or_a_folder_without_config_is_named_as_such(tmp_path):
@@ -87,3 +88,42 @@ def test_stop_also_at_adds_ids_after_those_the_generation_config_stops_at():
     model = SimpleNamespace(generation_config=GenerationConfig())
     assert stop_also_at(model, [5], eos_token_id=3) == [3, 5]
     assert stop_also_at(SimpleNamespace(), [5], eos_token_id=3) == []  # a model without one (TrainingEngine's)
+
+
+def test_an_adapter_folder_needs_its_config_its_weights_and_a_base(tmp_path):
+    """What `generate --adapter` and `export` check of an adapter folder before loading anything."""
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    with pytest.raises(ConfigError, match="--adapter .*: no adapter_config.json there; give the output_dir"):
+        adapter_base(str(folder))
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA"}))
+    # Without weights PEFT took the folder for a Hub id and tried to download them (a network traceback offline).
+    with pytest.raises(ConfigError, match=r"no weights \(adapter_model.safetensors or adapter_model.bin\) there"):
+        adapter_base(str(folder), model_name="org/given")  # a base given does not make the folder an adapter
+    (folder / "adapter_model.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError, match="no base_model_name_or_path; pass --model_name"):
+        adapter_base(str(folder))
+    assert adapter_base(str(folder), model_name="org/given") == "org/given"
+    (folder / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "org/base"}))
+    assert adapter_base(str(folder)) == "org/base"
+    with pytest.raises(ConfigError, match="^phalanx export .*: no adapter_config.json"):
+        adapter_base(str(tmp_path), "phalanx export")  # errors name the folder as the command was given it
+
+
+def test_an_adapter_of_an_embedded_model_finds_its_base_without_the_cached_folder(tmp_path):
+    """adapter_config.json records the cache folder the embedded model was built in (PHALANX_CACHE/models/NAME-HASH):
+    on another machine, or after the cache was cleared, generate --adapter said "no such folder". The same preset and
+    hash rebuild the same model; any other missing folder is left for the model loader to name."""
+    from phalanx.models.presets import preset_hash
+
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    (folder / "adapter_model.safetensors").write_bytes(b"")
+    gone = tmp_path / "cleared-cache" / "models" / f"tiny-qwen3-{preset_hash('tiny-qwen3')}"
+    for base, found in (
+        (gone, "embedded:tiny-qwen3"),
+        (gone.with_name("tiny-qwen3-0000000000"), str(gone.with_name("tiny-qwen3-0000000000"))),  # another build
+        (tmp_path / "my-model", str(tmp_path / "my-model")),
+    ):
+        (folder / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(base)}))
+        assert adapter_base(str(folder)) == found

@@ -1,6 +1,8 @@
-"""Write a from_pretrained folder from a checkpoint whose weights live only in its sharded state.
+"""Write a from_pretrained folder from a checkpoint whose weights live only in its sharded state, or from a LoRA
+adapter merged into its base model.
 
     phalanx export OUTPUT_DIR/checkpoint-400 EXPORTED_DIR
+    phalanx export OUTPUT_DIR MERGED_DIR [--model_name BASE]     # a LoRA run's adapter (or a checkpoint's)
 
 Under FSDP2 and DeepSpeed ZeRO-3, full fine-tuning keeps checkpoint-{step} lean: every rank writes
 its shards of the weights and optimizer state (sharded_state/ through DCP, or deepspeed/ through
@@ -8,20 +10,28 @@ DeepSpeed's own checkpoint) and nothing is gathered to rank 0 (the final model a
 are complete from_pretrained folders). This reads the weights of such a checkpoint in one process,
 whatever number of ranks saved it, builds the model from its config.json, and writes
 model.safetensors, the config and the tokenizer files.
+
+A LoRA run writes an adapter: to serve where adapters cannot be loaded, it is merged into the base
+model it was trained on (adapter_config.json's base_model_name_or_path, or --model_name), in fp32,
+and written in the base's own dtype with the run's tokenizer and chat template.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import shutil
 import sys
 import warnings
 from pathlib import Path
+from typing import Any, Optional
 
 import torch
 
 from phalanx.checkpoint.commit import is_committed, why_not_committed
-from phalanx.checkpoint.layout import ADAPTER_WEIGHTS, DS_DIR, DS_TAG, SHARDED_DIR, WEIGHTS, staging_dir
+from phalanx.checkpoint.layout import BEST, DS_DIR, DS_TAG, SHARDED_DIR, STEP_DIR, WEIGHTS, staging_dir
+from phalanx.checkpoint.resume import FINISHED, RUN_RECORD
 from phalanx.checkpoint.safe_load import check_deepspeed_checkpoint, dcp_reader
 from phalanx.errors import PhalanxError
 from phalanx.runtime.durable import fsync_tree, remove_dead_writers
@@ -37,7 +47,7 @@ def export_checkpoint(folder: Path, out: Path) -> Path:
             f"{folder} is not a committed phalanx checkpoint ({why_not_committed(folder)}): give a checkpoint-* "
             "folder of a run, e.g. OUTPUT_DIR/checkpoint-400"
         )
-    if (folder / WEIGHTS).is_file() or (folder / ADAPTER_WEIGHTS).is_file():
+    if (folder / WEIGHTS).is_file():
         raise PhalanxError(f"{folder} already holds from_pretrained weights; load it directly")
     deepspeed = (folder / DS_DIR / DS_TAG).is_dir()
     if not (folder / SHARDED_DIR).is_dir() and not deepspeed:
@@ -64,6 +74,11 @@ def export_checkpoint(folder: Path, out: Path) -> Path:
             f"{source} does not fit its config.json: {len(still_meta)} weight(s) missing "
             f"{still_meta[:3]}, {len(unexpected)} unknown {unexpected[:3]}"
         )
+    return write_new_folder(out, model, AutoTokenizer.from_pretrained(folder))
+
+
+def write_new_folder(out: Path, model: torch.nn.Module, tokenizer: Any) -> Path:
+    """`model` (safetensors) and `tokenizer` into the new folder `out`, whole or not at all."""
     # This process's own staging folder: two exports into one folder at once must not clear each other's files. Those
     # of exports that were killed (their process is gone) are removed.
     prefix = f"{staging_dir(out).name}-"
@@ -72,7 +87,7 @@ def export_checkpoint(folder: Path, out: Path) -> Path:
     shutil.rmtree(staging, ignore_errors=True)
     try:
         model.save_pretrained(staging, safe_serialization=True)
-        AutoTokenizer.from_pretrained(folder).save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
         fsync_tree(staging)
         if out.exists():  # written meanwhile (another export): it is kept, this one is not moved over it
             raise PhalanxError(f"{out} appeared while this export was writing (another export?); it is left as it is")
@@ -80,6 +95,75 @@ def export_checkpoint(folder: Path, out: Path) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+def holds_adapter(folder: Path) -> bool:
+    return (folder / "adapter_config.json").is_file()
+
+
+def export_merged_adapter(folder: Path, out: Path, model_name: Optional[str] = None) -> tuple[Path, list[str]]:
+    """Write `out` (a new folder): the LoRA adapter in `folder` (a run's output_dir or one of its checkpoints) merged
+    into its base model (`model_name`, else the one adapter_config.json names); returns `out` and the lines that say
+    what was merged."""
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    from phalanx.models.load import adapter_base, load_model, published_dtype
+
+    folder, out = Path(folder), Path(out)
+    check_whole_adapter(folder)
+    field = "--model_name" if model_name else f"{folder / 'adapter_config.json'}: base_model_name_or_path"
+    model_name = adapter_base(str(folder), "phalanx export", model_name)  # checks the adapter's files are there
+    if out.exists():
+        raise PhalanxError(f"{out} exists; choose a new folder to export into")
+    dtype = published_dtype(model_name, field)
+    # Merged in fp32 (W + scale * B @ A, rounded once) and cast to the dtype the base was published in.
+    model = load_model(model_name, torch.float32, field=field)
+    try:
+        model = PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        raise PhalanxError(
+            f"{folder}: the adapter does not fit {model_name} ({field}): {type(exc).__name__}: {exc}"
+        ) from None
+    model = model.to(dtype)
+    # The run's tokenizer files hold the chat template it trained with; a bare PEFT adapter has none: the base's.
+    tokenizer = AutoTokenizer.from_pretrained(folder if (folder / "tokenizer_config.json").is_file() else model_name)
+    write_new_folder(out, model, tokenizer)
+    said = [f"merged the LoRA adapter of {folder} into {model_name} ({str(dtype).removeprefix('torch.')}) -> {out}"]
+    if trained_on_4bit_base(folder):
+        said.append(
+            "note: the adapter was trained on the 4-bit quantized base (QLoRA) and is merged into the unquantized "
+            "weights, which differ from those it trained with by the quantization error"
+        )
+    return out, said
+
+
+def check_whole_adapter(folder: Path) -> None:
+    """A phalanx checkpoint must be committed, and a run's output_dir finished, before its adapter is exported: a
+    save cut short can leave a partial adapter file."""
+    if folder.name == BEST or STEP_DIR.fullmatch(folder.name):
+        if not is_committed(folder):
+            raise PhalanxError(
+                f"{folder} is not a committed phalanx checkpoint ({why_not_committed(folder)}): give a committed "
+                "checkpoint-* folder or the run's output_dir once the run has finished"
+            )
+    elif (folder / RUN_RECORD).is_file() and not (folder / FINISHED).is_file():
+        raise PhalanxError(
+            f"{folder}: the run has not finished (no {FINISHED}), so its adapter files may be a final save cut "
+            "short; export one of its committed checkpoint-* folders instead"
+        )
+
+
+def trained_on_4bit_base(folder: Path) -> bool:
+    """What the run's record says (in its output_dir, beside a checkpoint folder's parent); False where there is none."""
+    for record in (folder / RUN_RECORD, folder.parent / RUN_RECORD):
+        if record.is_file():
+            try:
+                model = json.loads(record.read_text(encoding="utf-8")).get("config", {}).get("model", {})
+            except (ValueError, AttributeError):
+                return False
+            return bool(model.get("load_in_4bit"))
+    return False
 
 
 def read_dcp_weights(folder: Path, model: torch.nn.Module) -> dict:
@@ -110,15 +194,34 @@ def read_deepspeed_weights(folder: Path) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2 or argv[0] in ("-h", "--help"):
-        print(__doc__)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    from phalanx.config.flags import CommandParser
+    from phalanx.models.packages import leave_out_bitsandbytes, leave_out_deepspeed
+
+    parser = CommandParser(
+        prog="phalanx export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("folder", type=Path, help="a checkpoint-* folder, or a LoRA run's output_dir or checkpoint")
+    parser.add_argument("out", type=Path, help="the new folder to write")
+    parser.add_argument(
+        "--model_name",
+        default=None,
+        help="a LoRA adapter's base model: local folder, Hub id or embedded:NAME (default: the one its "
+        "adapter_config.json names)",
+    )
     try:
-        out = export_checkpoint(Path(argv[0]), Path(argv[1]))
+        args = parser.parse_args(argv)
+        if holds_adapter(args.folder):
+            leave_out_bitsandbytes()  # the adapter is merged into the unquantized base
+            leave_out_deepspeed()  # (a ZeRO-3 checkpoint's export reads it with DeepSpeed's converter)
+            print("\n".join(export_merged_adapter(args.folder, args.out, args.model_name)[1]))
+            return 0
+        if args.model_name is not None:
+            raise PhalanxError(f"--model_name is for a LoRA adapter's base; {args.folder} holds no adapter_config.json")
+        out = export_checkpoint(args.folder, args.out)
     except PhalanxError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"exported {argv[0]} -> {out}")
+        return exc.exit_code  # 2 for bad input, 1 for a Hub that cannot be reached (a rerun may succeed)
+    print(f"exported {args.folder} -> {out}")
     return 0
 
 

@@ -24,7 +24,13 @@ from phalanx.generate.engine import Finished, stop_token_ids
 from phalanx.generate.prompts import Prompt, has_chat_template, prompts_digest, read_prompts
 from phalanx.generate.sampling import SamplingParams
 from phalanx.generate.shards import shard_dir, val_output_of
-from phalanx.models.load import generation_config_eos_ids, load_model, load_tokenizer, resolve_model_path
+from phalanx.models.load import (
+    adapter_base,
+    generation_config_eos_ids,
+    load_model,
+    load_tokenizer,
+    resolve_model_path,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -58,38 +64,6 @@ def resolve_dtype(name: str) -> str:
     if torch.cuda.is_available():
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
     return "float32"
-
-
-# What PEFT's save_pretrained writes beside adapter_config.json (safetensors by default; .bin when asked for).
-ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
-
-
-def adapter_base(adapter: str) -> str:
-    """The base model an adapter folder written by `phalanx train` (or PEFT) was trained on."""
-    config = Path(adapter) / "adapter_config.json"
-    if not config.is_file():
-        raise ConfigError(
-            f"--adapter {adapter}: no adapter_config.json there; give the output_dir (or a checkpoint "
-            "folder) of `phalanx train`, which holds adapter_config.json + adapter_model.safetensors"
-        )
-    try:
-        base = json.loads(config.read_text(encoding="utf-8")).get("base_model_name_or_path")
-    except ValueError as e:
-        raise ConfigError(f"{config}: not valid JSON ({e})") from None
-    if not base:
-        raise ConfigError(f"{config}: no base_model_name_or_path; pass --model_name")
-    if not Path(base).exists():
-        from phalanx.models.presets import embedded_name_of
-
-        base = embedded_name_of(base) or base  # trained on an embedded model whose cached folder is not here
-    weights = [name for name in ADAPTER_WEIGHTS if (Path(adapter) / name).is_file()]
-    if not weights:
-        # PEFT would take the folder's name for a Hub id and try to download the weights from there.
-        raise ConfigError(
-            f"--adapter {adapter}: adapter_config.json but no weights ({' or '.join(ADAPTER_WEIGHTS)}) there; "
-            "the folder was not fully written or copied"
-        )
-    return base
 
 
 def adapter_chat_template(adapter: Optional[str]) -> Optional[str]:
@@ -173,9 +147,8 @@ def decodes_over_fixed_cache(kv_cache: str) -> bool:
 
 def plan_job(args, warn: Callable[[str], None]) -> Job:
     """Everything but the model: reads and checks the prompts (errors name the line), writes nothing."""
-    model_name = args.model_name or (adapter_base(args.adapter) if args.adapter else "embedded:tiny-qwen3")
-    if args.adapter:
-        adapter_base(args.adapter)  # the folder must be an adapter even when --model_name is given
+    default = args.model_name or "embedded:tiny-qwen3"
+    model_name = adapter_base(args.adapter, model_name=args.model_name) if args.adapter else default
     model_field = "--model_name" if args.model_name or not args.adapter else "--adapter's base_model_name_or_path"
     tokenizer = load_tokenizer(
         model_name, args.trust_remote_code, args.chat_template or adapter_chat_template(args.adapter), model_field

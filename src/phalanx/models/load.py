@@ -6,6 +6,7 @@ tests exercise is the path users' own models take.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Optional
@@ -105,6 +106,54 @@ def _template_file(path: str, name: Optional[str]) -> str:
         return str(folder / "chat_template.jinja")
     named = f", {name!r}" if name else ""
     return f'{folder / "tokenizer_config.json"} ("chat_template"{named})'
+
+
+# What PEFT's save_pretrained writes beside adapter_config.json (safetensors by default; .bin when asked for).
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+def adapter_base(adapter: str, named: str = "--adapter", model_name: Optional[str] = None) -> str:
+    """The base model an adapter folder written by `phalanx train` (or PEFT) was trained on: `model_name` where one is
+    given (the folder is still checked to hold an adapter), else the one its adapter_config.json names. `named`: how
+    errors name the folder (the flag or command that gave it)."""
+    config = Path(adapter) / "adapter_config.json"
+    if not config.is_file():
+        raise ConfigError(
+            f"{named} {adapter}: no adapter_config.json there; give the output_dir (or a checkpoint "
+            "folder) of `phalanx train`, which holds adapter_config.json + adapter_model.safetensors"
+        )
+    if not any((Path(adapter) / name).is_file() for name in ADAPTER_WEIGHTS):
+        # PEFT would take the folder's name for a Hub id and try to download the weights from there.
+        raise ConfigError(
+            f"{named} {adapter}: adapter_config.json but no weights ({' or '.join(ADAPTER_WEIGHTS)}) there; "
+            "the folder was not fully written or copied"
+        )
+    if model_name:
+        return model_name
+    try:
+        base = json.loads(config.read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except ValueError as e:
+        raise ConfigError(f"{config}: not valid JSON ({e})") from None
+    if not base:
+        raise ConfigError(f"{config}: no base_model_name_or_path; pass --model_name")
+    if not Path(base).exists():
+        from phalanx.models.presets import embedded_name_of
+
+        base = embedded_name_of(base) or base  # trained on an embedded model whose cached folder is not here
+    return base
+
+
+def published_dtype(model_name: str, field: str = "model.model_name") -> torch.dtype:
+    """The dtype the model's config.json says its weights were saved in (fp32 where it names none)."""
+    from transformers import AutoConfig
+
+    try:
+        dtype = AutoConfig.from_pretrained(resolve_model_path(model_name, field)).dtype
+    except (OSError, ValueError) as exc:
+        raise hub_load_failure(
+            exc, f"{model_label(model_name, field)}: could not read its config: {exc}", ConfigError
+        ) from None
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
 def generation_config_eos_ids(model_name: str, field: str = "model.model_name") -> list[int]:

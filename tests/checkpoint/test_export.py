@@ -1,0 +1,112 @@
+"""`phalanx export` of a LoRA adapter: merged into its base model (checkpoint.export). The sharded-checkpoint export is
+tested with real FSDP2 and ZeRO-3 runs in test_sharded_full_checkpoint.py."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from phalanx.checkpoint.export import main
+from phalanx.checkpoint.layout import MARKER
+from phalanx.checkpoint.resume import FINISHED, RUN_RECORD
+from phalanx.models.presets import materialize_embedded_model
+
+TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """A bf16 base model folder and a finished LoRA run on it (adapter with non-zero updates, the run's own chat
+    template, trained on the 4-bit base): what `phalanx train` leaves in output_dir."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = tmp_path_factory.mktemp("export-lora")
+    embedded = materialize_embedded_model("tiny-qwen3", root / "embedded")
+    base = root / "base-bf16"
+    AutoModelForCausalLM.from_pretrained(embedded, dtype=torch.bfloat16).save_pretrained(base)
+    tokenizer = AutoTokenizer.from_pretrained(embedded)
+    tokenizer.save_pretrained(base)
+    torch.manual_seed(0)
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+        LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
+    )
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.05)  # a trained adapter: the merge changes the weights
+    run = root / "run"
+    model.save_pretrained(run)
+    tokenizer.chat_template = TEMPLATE  # the template the run trained with, not the base's
+    tokenizer.save_pretrained(run)
+    (run / RUN_RECORD).write_text(json.dumps({"config": {"model": {"load_in_4bit": True}}}))
+    (run / FINISHED).write_text("{}")
+    return base, run
+
+
+def test_a_lora_run_is_merged_into_its_base_in_the_bases_dtype_with_the_runs_template(lora_run, tmp_path, capsys):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base, run = lora_run
+    out = tmp_path / "merged"
+    assert main([str(run), str(out)]) == 0
+    said = capsys.readouterr().out
+    assert f"merged the LoRA adapter of {run} into {base} (bfloat16) -> {out}" in said
+    assert "trained on the 4-bit quantized base (QLoRA)" in said  # the run's record says so
+    assert (out / "chat_template.jinja").read_text() == TEMPLATE
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    # The weights: base + scale * B @ A computed in fp32 and rounded to bf16 once.
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), run)
+    expected = {k: v.to(torch.bfloat16) for k, v in reference.merge_and_unload().state_dict().items()}
+    merged = load_file(out / "model.safetensors")
+    assert set(merged) <= set(expected) and "model.layers.0.self_attn.q_proj.weight" in merged
+    assert all(torch.equal(merged[k], expected[k]) for k in merged)
+    base_weights = load_file(base / "model.safetensors")
+    assert not torch.equal(
+        merged["model.layers.0.self_attn.q_proj.weight"], base_weights["model.layers.0.self_attn.q_proj.weight"]
+    )
+    # Loads like any model, no PEFT needed.
+    assert AutoModelForCausalLM.from_pretrained(out).dtype == torch.bfloat16
+
+
+def test_a_base_given_by_name_replaces_the_one_adapter_config_names(lora_run, tmp_path, capsys):
+    """A copied run whose adapter_config.json names a folder that is not here: --model_name gives the base."""
+    base, run = lora_run
+    moved = tmp_path / "run"
+    shutil.copytree(run, moved)
+    config = json.loads((moved / "adapter_config.json").read_text())
+    (moved / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "/gone/base"}))
+    assert main([str(moved), str(tmp_path / "a")]) == 2
+    assert "base_model_name_or_path = '/gone/base': no such folder" in capsys.readouterr().err
+    assert main([str(moved), str(tmp_path / "b"), "--model_name", str(base)]) == 0
+    assert (tmp_path / "b" / "model.safetensors").is_file() and not (tmp_path / "a").exists()
+
+
+def test_what_cannot_be_merged_is_refused_and_nothing_is_written(lora_run, tmp_path, capsys):
+    base, run = lora_run
+    unfinished = tmp_path / "unfinished"  # a run whose final save may have been cut short
+    shutil.copytree(run, unfinished)
+    (unfinished / FINISHED).unlink()
+    uncommitted = tmp_path / "out" / "checkpoint-3"  # a checkpoint without its commit record
+    shutil.copytree(run, uncommitted)
+    committed = tmp_path / "out" / "checkpoint-best"
+    shutil.copytree(run, committed)
+    (committed / MARKER).write_text("{}")
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    cases = [
+        ([str(unfinished), str(tmp_path / "x1")], f"the run has not finished (no {FINISHED})"),
+        ([str(uncommitted), str(tmp_path / "x2")], "is not a committed phalanx checkpoint"),
+        ([str(committed), str(existing)], "exists; choose a new folder"),
+        ([str(base), str(tmp_path / "x3"), "--model_name", str(base)], "--model_name is for a LoRA adapter's base"),
+        ([str(committed), str(tmp_path / "x4"), "--model_nam", str(base)], "Did you mean --model_name?"),
+    ]
+    for argv, expected in cases:
+        assert main(argv) == 2, argv
+        assert expected in capsys.readouterr().err, argv
+    assert not any((tmp_path / f"x{i}").exists() for i in range(1, 5)) and not any(existing.iterdir())
+    assert not list(tmp_path.glob(".*staging*"))
+    assert main([str(committed), str(tmp_path / "from-best")]) == 0  # a committed checkpoint's adapter merges
