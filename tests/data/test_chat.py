@@ -959,3 +959,38 @@ def test_template_variables_reach_every_rendering_qwen3_without_thinking():
     )
     assert thinking == ["<think>\n\n</think>\n\nHello, Ann.<|im_end|>\n"]
     assert plain == ["Hello, Ann.<|im_end|>\n"]
+
+
+def test_a_conversation_that_opens_with_the_assistant_trains_that_turn_or_says_why_not(make_tokenizer):
+    """A greeting before the user's first message (support chats open so) trains like any turn: after the empty
+    conversation the template renders before it (DeepSeek-R1-Distill's BOS, with `<｜Assistant｜><think>\n` as the
+    prompt), or, where the template cannot render an empty conversation (Qwen2.5 reads messages[0]), after the header
+    its generation prompt writes. transformers refuses to render an empty conversation, and the row was refused as one
+    the template failed on at messages[:0]. With neither, the row is refused naming the message."""
+    from data.templates import build_tokenizer
+    from helpers import shared_template
+
+    row = {
+        "messages": [
+            {"role": "assistant", "content": "Hi! How can I help?"},
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4"},
+        ]
+    }
+    eos = "<｜end▁of▁sentence｜>"
+    tok = build_tokenizer(shared_template("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B").read_text(encoding="utf-8"))
+    result = tokenize_conversation(tok, to_conversation(row, WHERE), WHERE)
+    assert result.policy == "full" and target_runs(tok, one(result)) == [f"Hi! How can I help?{eos}", f"4{eos}"]
+    assert tok.decode(one(result)["input_ids"]).startswith("<｜begin▁of▁sentence｜><｜Assistant｜>Hi!")
+
+    tok = build_tokenizer(shared_template("Qwen-Qwen2.5-7B-Instruct").read_text(encoding="utf-8"))
+    result = tokenize_conversation(tok, to_conversation(row, WHERE), WHERE, multi_turn="per_turn")
+    assert [target_runs(tok, ex) for ex in result.examples] == [["Hi! How can I help?<|im_end|>\n"], ["4<|im_end|>\n"]]
+    assert tok.decode(result.examples[0]["input_ids"]).startswith("<|im_start|>system\nYou are Qwen")
+
+    reads_first = "{% if messages[0].role == 'system' %}<<SYS>>{% endif %}" + INST  # and has no generation prompt
+    with pytest.raises(DataError) as info:
+        tokenize_conversation(make_tokenizer(reads_first), to_conversation(row, WHERE), WHERE)
+    message = str(info.value)
+    assert message.startswith(f"{WHERE}: messages[0] (assistant): the conversation opens with an assistant message")
+    assert "no element 0" in message and "messages[:0]" not in message, message

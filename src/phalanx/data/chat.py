@@ -20,7 +20,10 @@ rendered reasoning, content, tool calls, end-of-turn marker) is located as:
   ``<｜Assistant｜></think>answer``); the output then starts there. When the
   context before the turn renders differently in the view (Mistral's moved system prompt, an
   earlier turn's dropped reasoning), the output starts after the generation prompt's header,
-  which must lead into the message's text.
+  which must lead into the message's text. An assistant message that opens the conversation (a greeting) has
+  the empty conversation as its context, which transformers will not render: the template renders it directly,
+  and where it cannot (it reads messages[0]), the output starts after the generation prompt's header, which must
+  then lead into the message's text.
 - end: the end of the view, less the trailer the template writes after whatever message ends a
   conversation (Phi-3.5's final ``<|endoftext|>``: the context rendered without and with a
   generation prompt part there). Checked against the view followed by a user message: it may part
@@ -398,10 +401,29 @@ class _Renderer:
             return None
 
     def _apply(self, messages: list[dict], generation_prompt: bool) -> str:
+        if not messages:
+            return self._empty(generation_prompt)
         out = self.tokenizer.apply_chat_template(
             messages, tools=self.tools, add_generation_prompt=generation_prompt, tokenize=False, **self.template_kwargs
         )
         return out if isinstance(out, str) else out[0]  # some versions hand back a list for batched input
+
+    def _empty(self, generation_prompt: bool) -> str:
+        """The empty conversation, the context of an assistant message that opens one (a greeting before the user's
+        first message): transformers' apply_chat_template refuses to render it, so the template renders it here as
+        apply_chat_template would (the tokenizer's special tokens, the tools and data.chat_template_kwargs)."""
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        template = self.tokenizer.get_chat_template(None, self.tools)
+        variables = {**getattr(self.tokenizer, "special_tokens_map", {}), **self.template_kwargs}
+        rendered, _ = render_jinja_template(
+            conversations=[[]],
+            tools=self.tools,
+            chat_template=template,
+            add_generation_prompt=generation_prompt,
+            **variables,
+        )
+        return rendered[0]
 
     def canonical_contexts(self) -> tuple[str, str]:
         """A one-user-message conversation rendered without and with a generation prompt."""
@@ -467,8 +489,13 @@ def template_name(tokenizer: Any) -> str:
 
 def _locate_turn(r: _Renderer, i: int) -> _Turn:
     """Where assistant message i's output lies in its turn view (see the module docstring)."""
-    context = r.prefix(i, False)
-    prompt = _from_context(r.prefix(i, True), context)
+    unrendered = _empty_context_error(r) if i == 0 else None
+    if unrendered is None:
+        context = r.prefix(i, False)
+        prompt = _from_context(r.prefix(i, True), context)
+    else:  # the template's own refusal of the row comes first (Mistral's alternation check, Hermes' tools)
+        r.prefix(len(r.messages), False)
+        context = prompt = ""
     view = r.prefix(i + 1, False)
     probe = r.try_render(r.messages[:i] + [{"role": "assistant", "content": SENTINEL}], False)
     if probe is None:
@@ -487,6 +514,8 @@ def _locate_turn(r: _Renderer, i: int) -> _Turn:
     shaped = r.try_render(r.messages[:i] + [_sentinel_like(r.messages[i], keep_reasoning=True)], False)
     words = _common_prefix(view, shaped) if shaped is not None else own
     start = _output_start(r, i, prompt, context, view, own, words)
+    if unrendered is not None:
+        _check_opening_header(r, view, start, unrendered)
     end = _output_end(r, i, prompt, context, view, own_end)
     _check_no_end_of_sequence_inside(r, i, view, start, end)
     eos = getattr(r.tokenizer, "eos_token", None)
@@ -500,6 +529,35 @@ def _locate_turn(r: _Renderer, i: int) -> _Turn:
     tail = view[own_end:end]
     unmarked = not tail.strip() and not (eos and not eos.strip() and eos in tail)
     return _Turn(i, view, start, end, own_end, _closed_by_next(r, i, view, end) if end == own_end else "", unmarked)
+
+
+def _empty_context_error(r: _Renderer) -> Optional[Exception]:
+    """Why the template cannot render the empty conversation, the context of an assistant message that opens one (a
+    greeting before the user's first message), or None when it can. Many cannot: they read messages[0] to look for a
+    system message (Qwen's, Llama's)."""
+    for generation_prompt in (False, True):
+        try:
+            r._empty(generation_prompt)
+        except Exception as e:  # noqa: BLE001 - whatever it raises, that context is unknown
+            return e
+    return None
+
+
+def _check_opening_header(r: _Renderer, view: str, start: int, error: Exception) -> None:
+    """An opening assistant message whose context the template cannot render starts after the header its generation
+    prompt writes after a user message (Qwen writes its default system prompt, then `<|im_start|>assistant\n`);
+    without that header right before its output, where the turn starts cannot be located, and it is refused naming
+    the message (it was refused as a template failure at messages[:0])."""
+    for header in (r.assistant_header(), r.turn_header()):
+        if header.strip() and view.endswith(header, 0, start):
+            return
+    raise DataError(
+        f"{r.where}: messages[0] (assistant): the conversation opens with an assistant message, and the chat template "
+        f"cannot render the empty conversation before it ({type(error).__name__}: {error}) nor writes the assistant "
+        "header of its generation prompt right before the message's text, so where that turn starts cannot be "
+        "located. Start the row with the user (or system) message the assistant answers, or leave the opening "
+        "assistant message out."
+    )
 
 
 def _from_context(prompt: str, context: str) -> str:
@@ -745,9 +803,10 @@ def _output_end(r: _Renderer, i: int, prompt: str, context: str, view: str, own_
     """The view less the trailer a template writes after whatever message ends a conversation (Phi-3.5's final
     <|endoftext|>: the context rendered without and with a generation prompt part there), checked against the
     view followed by a user message, which must part from it where that trailer starts."""
-    if i > 0 and r.messages[i - 1]["role"] == "assistant":
+    if (i > 0 and r.messages[i - 1]["role"] == "assistant") or (i == 0 and not context and not prompt):
         # A generation prompt after an assistant message may rewrite it (gpt-oss ends a final answer differently):
-        # the trailer comes from a conversation that ends with a user message instead.
+        # the trailer comes from a conversation that ends with a user message instead; so it does for an opening
+        # assistant message whose (empty) context the template cannot render.
         context, prompt = r.canonical_contexts()
         prompt = _from_context(prompt, context)
     trailer = context[_snap_back(context, _common_prefix(context, prompt), r.specials()) :]
