@@ -994,3 +994,26 @@ def test_a_conversation_that_opens_with_the_assistant_trains_that_turn_or_says_w
     message = str(info.value)
     assert message.startswith(f"{WHERE}: messages[0] (assistant): the conversation opens with an assistant message")
     assert "no element 0" in message and "messages[:0]" not in message, message
+
+
+@pytest.mark.parametrize("multi_turn", ["auto", "per_turn"])
+def test_an_empty_turn_the_template_writes_nothing_for_is_refused(make_tokenizer, multi_turn):
+    """An assistant message with empty content trains its stop where the template writes one (ChatML: `<|im_end|>`).
+    A template that writes nothing for it (GLM-4-9B skips an empty message; Seed-OSS writes its header only) left the
+    turn untrained, silently: a row with no trained token under per_turn, the turn left out of the full row."""
+    row = exchange("Say nothing.", "", "Now say hi.", "hi")
+    tok = make_tokenizer()
+    result = tokenize_conversation(tok, to_conversation(row, WHERE), WHERE, multi_turn=multi_turn)
+    assert [target_runs(tok, ex) for ex in result.examples] == (
+        [["<|im_end|>\n", "hi<|im_end|>\n"]] if multi_turn == "auto" else [["<|im_end|>\n"], ["hi<|im_end|>\n"]]
+    )
+    skips_empty = (
+        "{% for m in messages %}{% if m.content %}<|{{ m.role }}|>\n{{ m.content }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
+    tok = make_tokenizer(skips_empty)
+    with pytest.raises(DataError) as info:
+        tokenize_conversation(tok, to_conversation(row, WHERE), WHERE, multi_turn=multi_turn)
+    assert str(info.value).startswith(
+        f"{WHERE}: messages[1] (assistant): the chat template writes nothing for this turn"
+    ), str(info.value)

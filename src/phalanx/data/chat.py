@@ -55,7 +55,8 @@ How a conversation with several assistant turns becomes rows (``data.multi_turn`
 The text the template renders is checked too: an assistant message whose content, tool call name
 or argument does not appear in its located output was dropped by the template (DeepSeek-R1-Distill's
 own template renders tool calls only when content is None) and is refused, never trained as an
-empty turn.
+empty turn; so is a message with empty content for which the template writes nothing, not even an end-of-turn
+marker (GLM-4-9B skips it).
 
 Labels are the input ids on target tokens and -100 elsewhere; the shift by one happens in the
 loss, not here.
@@ -997,10 +998,25 @@ def _check_rendered(r: _Renderer, turn: _Turn, where: str) -> bool:
                 f"the rendered turn reads {_short(out)}. Use a template that renders tool calls "
                 f"(--chat_template FILE|NAME).{hint}"
             )
+    if not out.strip() and not turn.close:
+        # An empty message (content "", no tool calls) trains its stop where the template writes one; GLM-4-9B skips
+        # the message and Seed-OSS writes its header only: the turn was left untrained without a word (a per_turn row
+        # with no trained token, a full row without it).
+        raise DataError(
+            f"{where}: messages[{i}] (assistant): the chat template writes nothing for this turn (not even an "
+            f"end-of-turn marker; its content is {_short(content)}{', with reasoning' if _reasoning(message) else ''}"
+            "), so there is nothing to train it on. Give the message the text the model should write, leave it out "
+            "(with the user message it answers), or use a template that writes an empty turn (--chat_template "
+            "FILE|NAME)."
+        )
     reasoning = message.get("reasoning_content")
     if reasoning is None and "</think>" in content:
         reasoning = content.split("</think>")[0].split("<think>")[-1]
     return bool(reasoning and reasoning.strip() and reasoning.strip() not in out)
+
+
+def _reasoning(message: dict) -> str:
+    return next((message[key] for key in REASONING_KEYS if message.get(key)), "")
 
 
 def _written_once_followed(r: _Renderer, i: int, j: int) -> bool:
