@@ -1017,3 +1017,22 @@ def test_an_empty_turn_the_template_writes_nothing_for_is_refused(make_tokenizer
     assert str(info.value).startswith(
         f"{WHERE}: messages[1] (assistant): the chat template writes nothing for this turn"
     ), str(info.value)
+
+
+def test_reasoning_written_without_its_opening_tag_is_located_like_a_think_block():
+    """DeepSeek-R1-style output saved as generated: the prompt pre-filled `<think>\\n`, so the content is
+    `reasoning</think>answer`. GLM-4.7-Flash reads it as reasoning and writes it after the `<think>` its prompt
+    pre-fills: that `<think>` is prompt, as for the same message with an opening tag or reasoning_content; it was
+    trained as the turn's first token."""
+    from data.templates import REAL, build_tokenizer
+
+    tok = build_tokenizer((REAL / "GLM-4.7-Flash.jinja").read_text(encoding="utf-8"))
+    runs = []
+    for answer in (
+        {"content": "add them\n</think>\n\n4"},
+        {"content": "<think>add them</think>4"},
+        {"content": "4", "reasoning_content": "add them"},
+    ):
+        row = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", **answer}]}
+        runs.append(target_runs(tok, one(tokenize_conversation(tok, to_conversation(row, WHERE), WHERE))))
+    assert runs == [["add them</think>4"]] * 3

@@ -925,8 +925,12 @@ def _sentinel_like(message: dict, keep_reasoning: bool = False) -> dict:
 
 def _think_block(content: str) -> tuple[str, str]:
     """A content that opens with reasoning (`<think>...</think>`) split into that block, with the blank space after
-    it, and the answer; ("", content) when it does not."""
-    if "</think>" not in content or not content.lstrip().startswith("<think>"):
+    it, and the answer; ("", content) when it does not. The opening tag may be missing (DeepSeek-R1-style output
+    saved as generated, after a prompt that pre-filled `<think>\n`: `reasoning</think>answer`), as templates that
+    split content at `</think>` read it (GLM-4.7-Flash, Qwen3)."""
+    if "</think>" not in content:
+        return "", content
+    if not content.lstrip().startswith("<think>") and "<think>" in content:
         return "", content
     cut = content.rindex("</think>") + len("</think>")
     rest = content[cut:]
