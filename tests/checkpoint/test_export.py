@@ -16,19 +16,12 @@ from phalanx.models.presets import materialize_embedded_model
 TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
 
 
-@pytest.fixture(scope="module")
-def lora_run(tmp_path_factory):
-    """A bf16 base model folder and a finished LoRA run on it (adapter with non-zero updates, the run's own chat
-    template, trained on the 4-bit base): what `phalanx train` leaves in output_dir."""
+def finished_lora_run(base, run, tokenizer, record: dict) -> None:
+    """What `phalanx train` leaves in output_dir: an adapter with non-zero updates on `base`, the tokenizer and
+    chat template it trained with, its run record, and the record that it finished."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    root = tmp_path_factory.mktemp("export-lora")
-    embedded = materialize_embedded_model("tiny-qwen3", root / "embedded")
-    base = root / "base-bf16"
-    AutoModelForCausalLM.from_pretrained(embedded, dtype=torch.bfloat16).save_pretrained(base)
-    tokenizer = AutoTokenizer.from_pretrained(embedded)
-    tokenizer.save_pretrained(base)
     torch.manual_seed(0)
     model = get_peft_model(
         AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
@@ -37,13 +30,26 @@ def lora_run(tmp_path_factory):
     for name, param in model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(param, std=0.05)  # a trained adapter: the merge changes the weights
-    run = root / "run"
     model.save_pretrained(run)
-    tokenizer.chat_template = TEMPLATE  # the template the run trained with, not the base's
     tokenizer.save_pretrained(run)
-    (run / RUN_RECORD).write_text(json.dumps({"config": {"model": {"load_in_4bit": True}}}))
+    (run / RUN_RECORD).write_text(json.dumps({"config": record}))
     (run / FINISHED).write_text("{}")
-    return base, run
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """A bf16 base model folder and a finished LoRA run on it, with its own chat template, on the 4-bit base."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = tmp_path_factory.mktemp("export-lora")
+    embedded = materialize_embedded_model("tiny-qwen3", root / "embedded")
+    base = root / "base-bf16"
+    AutoModelForCausalLM.from_pretrained(embedded, dtype=torch.bfloat16).save_pretrained(base)
+    tokenizer = AutoTokenizer.from_pretrained(embedded)
+    tokenizer.save_pretrained(base)
+    tokenizer.chat_template = TEMPLATE  # the template the run trained with, not the base's
+    finished_lora_run(base, root / "run", tokenizer, {"model": {"load_in_4bit": True}})
+    return base, root / "run"
 
 
 def test_a_lora_run_is_merged_into_its_base_in_the_bases_dtype_with_the_runs_template(lora_run, tmp_path, capsys):
@@ -56,6 +62,7 @@ def test_a_lora_run_is_merged_into_its_base_in_the_bases_dtype_with_the_runs_tem
     said = capsys.readouterr().out
     assert f"merged the LoRA adapter of {run} into {base} (bfloat16) -> {out}" in said
     assert "trained on the 4-bit quantized base (QLoRA)" in said  # the run's record says so
+    assert "generation_config.json stops at" not in said  # answers end with <|im_end|>, the base's end of sequence
     assert (out / "chat_template.jinja").read_text() == TEMPLATE
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     # The weights: base + scale * B @ A computed in fp32 and rounded to bf16 once.
@@ -110,3 +117,24 @@ def test_what_cannot_be_merged_is_refused_and_nothing_is_written(lora_run, tmp_p
     assert not any((tmp_path / f"x{i}").exists() for i in range(1, 5)) and not any(existing.iterdir())
     assert not list(tmp_path.glob(".*staging*"))
     assert main([str(committed), str(tmp_path / "from-best")]) == 0  # a committed checkpoint's adapter merges
+
+
+def test_a_merged_base_model_also_stops_where_the_runs_template_ends_an_answer(tmp_path, capsys):
+    """A base model that stops at <|endoftext|> only, LoRA-trained under ChatML (answers end with <|im_end|>): the
+    merged model's generation_config.json lists <|im_end|> after <|endoftext|>, as full fine-tuning's saved model does
+    (train/run.py); the adapter itself carries no generation config."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = tmp_path / "base"
+    embedded = materialize_embedded_model("tiny-qwen3", tmp_path / "embedded")
+    model = AutoModelForCausalLM.from_pretrained(embedded)
+    tokenizer = AutoTokenizer.from_pretrained(embedded)
+    tokenizer.add_special_tokens({"eos_token": "<|endoftext|>"})  # id 260, inside the model's 264 embeddings
+    model.generation_config.eos_token_id = model.config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    finished_lora_run(base, tmp_path / "run", tokenizer, {})
+    assert main([str(tmp_path / "run"), str(tmp_path / "merged")]) == 0
+    assert "generation_config.json stops at '<|im_end|>' (1) too" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "merged" / "generation_config.json").read_text())
+    assert saved["eos_token_id"] == [tokenizer.eos_token_id, 1]

@@ -212,8 +212,9 @@ def test_an_end_of_turn_token_the_model_does_not_stop_at_is_named_with_what_it_s
         f"   end of turn '<|im_end|>' (1) is not a token this model stops at: 4 turns are trained to end with it, and "
         f"generation stops at '<|endoftext|>' ({endoftext}) (the tokenizer's end-of-sequence token and the model's "
         "generation_config.json eos_token_id), so the trained model will write it and go on. Serve it with 1 among "
-        "generation_config.json's eos_token_id (a LoRA adapter runs with its base model's), or train with a template "
-        "whose turns end with a token it stops at (--chat_template FILE|NAME)"
+        "generation_config.json's eos_token_id (a LoRA adapter runs with its base model's; `phalanx export` adds it to "
+        "a merged model's), or train with a template whose turns end with a token it stops at (--chat_template "
+        "FILE|NAME)"
     )
     got = summary([endoftext])
     assert note in got, got

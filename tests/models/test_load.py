@@ -81,12 +81,13 @@ def test_stop_also_at_adds_ids_after_those_the_generation_config_stops_at():
     from transformers import GenerationConfig
 
     model = SimpleNamespace(generation_config=GenerationConfig(eos_token_id=[7, 9]))
-    assert stop_also_at(model, [9, 5], eos_token_id=3) == [7, 9, 5]  # kept order, 9 not twice
+    assert stop_also_at(model, [9, 5, 5], eos_token_id=3) == [5]  # what it added: 9 is there, 5 once
+    assert model.generation_config.eos_token_id == [7, 9, 5]  # kept order
     assert stop_also_at(model, [5], eos_token_id=3) == []  # nothing new: unchanged
     assert model.generation_config.eos_token_id == [7, 9, 5]
     # A generation config with no eos: the tokenizer's end-of-sequence token stays the first stop.
     model = SimpleNamespace(generation_config=GenerationConfig())
-    assert stop_also_at(model, [5], eos_token_id=3) == [3, 5]
+    assert stop_also_at(model, [5], eos_token_id=3) == [5] and model.generation_config.eos_token_id == [3, 5]
     assert stop_also_at(SimpleNamespace(), [5], eos_token_id=3) == []  # a model without one (TrainingEngine's)
 
 

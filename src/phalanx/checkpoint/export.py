@@ -108,7 +108,7 @@ def export_merged_adapter(folder: Path, out: Path, model_name: Optional[str] = N
     from peft import PeftModel
     from transformers import AutoTokenizer
 
-    from phalanx.models.load import adapter_base, load_model, published_dtype
+    from phalanx.models.load import adapter_base, load_model, published_dtype, stop_also_at
 
     folder, out = Path(folder), Path(out)
     check_whole_adapter(folder)
@@ -128,14 +128,42 @@ def export_merged_adapter(folder: Path, out: Path, model_name: Optional[str] = N
     model = model.to(dtype)
     # The run's tokenizer files hold the chat template it trained with; a bare PEFT adapter has none: the base's.
     tokenizer = AutoTokenizer.from_pretrained(folder if (folder / "tokenizer_config.json").is_file() else model_name)
+    record = run_record(folder)
+    ends = answer_end_ids(tokenizer, record.get("data", {}).get("chat_template_kwargs"))
+    added = stop_also_at(model, ends, tokenizer.eos_token_id)  # [] where the base stops there already
     write_new_folder(out, model, tokenizer)
     said = [f"merged the LoRA adapter of {folder} into {model_name} ({str(dtype).removeprefix('torch.')}) -> {out}"]
-    if trained_on_4bit_base(folder):
+    if added:
+        names = ", ".join(f"{tokenizer.convert_ids_to_tokens(i)!r} ({i})" for i in added)
+        said.append(
+            f"generation_config.json stops at {names} too: the run's chat template ends an answer with it, and the "
+            "base model's generation config did not stop there"
+        )
+    if record.get("model", {}).get("load_in_4bit"):
         said.append(
             "note: the adapter was trained on the 4-bit quantized base (QLoRA) and is merged into the unquantized "
             "weights, which differ from those it trained with by the quantization error"
         )
     return out, said
+
+
+def answer_end_ids(tokenizer: Any, template_kwargs: Optional[dict]) -> list[int]:
+    """The tokens the chat template ends an answer with besides the end-of-sequence token (ChatML's <|im_end|> under a
+    base model's <|endoftext|>), found by masking a two-message row as training does: train/run.py adds those a full
+    fine-tune's data trains to the model it saves; an adapter carries no generation config, so its merge adds them.
+    [] where the template ends an answer with the end-of-sequence token, or masks no such row."""
+    from phalanx.data.chat import tokenize_conversation
+    from phalanx.data.formats import to_conversation
+
+    row = {"messages": [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hello."}]}
+    try:
+        masked = tokenize_conversation(
+            tokenizer, to_conversation(row, "a probe row"), "a probe row", "auto", template_kwargs
+        )
+    except (PhalanxError, ValueError):
+        return []
+    ids = (tokenizer.convert_tokens_to_ids(token) for token in masked.end_tokens)
+    return [i for i in ids if isinstance(i, int)]
 
 
 def check_whole_adapter(folder: Path) -> None:
@@ -154,16 +182,16 @@ def check_whole_adapter(folder: Path) -> None:
         )
 
 
-def trained_on_4bit_base(folder: Path) -> bool:
-    """What the run's record says (in its output_dir, beside a checkpoint folder's parent); False where there is none."""
+def run_record(folder: Path) -> dict:
+    """The config a run recorded (in its output_dir: the folder, or a checkpoint folder's parent); {} where none."""
     for record in (folder / RUN_RECORD, folder.parent / RUN_RECORD):
         if record.is_file():
             try:
-                model = json.loads(record.read_text(encoding="utf-8")).get("config", {}).get("model", {})
+                config = json.loads(record.read_text(encoding="utf-8")).get("config")
             except (ValueError, AttributeError):
-                return False
-            return bool(model.get("load_in_4bit"))
-    return False
+                return {}
+            return config if isinstance(config, dict) else {}
+    return {}
 
 
 def read_dcp_weights(folder: Path, model: torch.nn.Module) -> dict:

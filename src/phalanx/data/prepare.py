@@ -586,8 +586,9 @@ def describe_report(report: DataReport, cfg: DataConfig, saves_stop_tokens: bool
         else:
             said += (
                 f", so the trained model will write it and go on. Serve it with {token_id} among "
-                "generation_config.json's eos_token_id (a LoRA adapter runs with its base model's), or train with a "
-                "template whose turns end with a token it stops at (--chat_template FILE|NAME)"
+                "generation_config.json's eos_token_id (a LoRA adapter runs with its base model's; `phalanx export` "
+                "adds it to a merged model's), or train with a template whose turns end with a token it stops at "
+                "(--chat_template FILE|NAME)"
             )
         lines.append(said)
     without = r.conversations_without_system

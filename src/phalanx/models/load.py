@@ -171,18 +171,17 @@ def generation_config_eos_ids(model_name: str, field: str = "model.model_name") 
 
 def stop_also_at(model: torch.nn.Module, token_ids: list[int], eos_token_id: Optional[int]) -> list[int]:
     """Add `token_ids` to the end-of-sequence ids of `model`'s generation config (kept in their order, after the ids
-    it stops at already, else after the tokenizer's `eos_token_id`); returns the list now set, or [] where nothing
-    was added. Saved with the model, it is what `generate` and servers that read generation_config.json stop at."""
+    it stops at already, else after the tokenizer's `eos_token_id`); returns those it added. Saved with the model, it
+    is what `generate` and servers that read generation_config.json stop at."""
     config = getattr(model, "generation_config", None)
     if config is None or not token_ids:
         return []
     current = config.eos_token_id if config.eos_token_id is not None else eos_token_id
     ids = [current] if isinstance(current, int) else [i for i in current or [] if isinstance(i, int)]
-    added = [i for i in token_ids if i not in ids]
-    if not added:
-        return []
-    config.eos_token_id = ids + added
-    return config.eos_token_id
+    added = [i for i in dict.fromkeys(token_ids) if i not in ids]
+    if added:
+        config.eos_token_id = ids + added
+    return added
 
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
