@@ -1256,6 +1256,26 @@ CASES = [
         None,
         {k: FULL for k in ALL_ROWS},
     ),
+    # ---- the fifteenth trial (vLLM's tool template for DeepSeek-R1 and its distills)
+    # DeepSeek-R1, vLLM's template: a user message writes the assistant header `<｜Assistant｜>` (no generation prompt after
+    # it), and the template's indentation is written inside each turn before the message (trained: the turn as rendered);
+    # calls as R1-Distill's corrected template writes them, arguments `| tojson`; `...</think>` cut from content
+    # (reasoning reported dropped). A second assistant message in a row has no header: refused (its generation prompt,
+    # `<｜Assistant｜>` after an assistant message, is not how the turn starts).
+    TemplateCase(
+        "vllm-tool_chat_template_deepseekr1",
+        False,
+        "<｜begin▁of▁sentence｜>",
+        "<｜end▁of▁sentence｜>",
+        None,
+        {
+            **{k: FULL for k in ALL_ROWS if k != "two_assistants"},
+            "two_assistants": Refuse(
+                r"messages\[2\] \(assistant\): the chat template's generation prompt .* is not how it starts",
+                "a second assistant message in a row is written with no header, where the generation prompt writes one",
+            ),
+        },
+    ),
 ]
 CASE = {c.name: c for c in CASES}
 
