@@ -90,6 +90,13 @@ def test_a_base_given_by_name_replaces_the_one_adapter_config_names(lora_run, tm
     assert "base_model_name_or_path = '/gone/base': no such folder" in capsys.readouterr().err
     assert main([str(moved), str(tmp_path / "b"), "--model_name", str(base)]) == 0
     assert (tmp_path / "b" / "model.safetensors").is_file() and not (tmp_path / "a").exists()
+    # A bare PEFT adapter (no tokenizer files, no run record) takes the base's tokenizer, an embedded base's too.
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copy(moved / name, bare / name)
+    assert main([str(bare), str(tmp_path / "c"), "--model_name", "embedded:tiny-qwen3"]) == 0
+    assert (tmp_path / "c" / "tokenizer_config.json").is_file() and (tmp_path / "c" / "chat_template.jinja").is_file()
 
 
 def test_what_cannot_be_merged_is_refused_and_nothing_is_written(lora_run, tmp_path, capsys):

@@ -108,7 +108,7 @@ def export_merged_adapter(folder: Path, out: Path, model_name: Optional[str] = N
     from peft import PeftModel
     from transformers import AutoTokenizer
 
-    from phalanx.models.load import adapter_base, load_model, published_dtype, stop_also_at
+    from phalanx.models.load import adapter_base, load_model, load_tokenizer, published_dtype, stop_also_at
 
     folder, out = Path(folder), Path(out)
     check_whole_adapter(folder)
@@ -127,7 +127,10 @@ def export_merged_adapter(folder: Path, out: Path, model_name: Optional[str] = N
         ) from None
     model = model.to(dtype)
     # The run's tokenizer files hold the chat template it trained with; a bare PEFT adapter has none: the base's.
-    tokenizer = AutoTokenizer.from_pretrained(folder if (folder / "tokenizer_config.json").is_file() else model_name)
+    if (folder / "tokenizer_config.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    else:
+        tokenizer = load_tokenizer(model_name, field=field)
     record = run_record(folder)
     ends = answer_end_ids(tokenizer, record.get("data", {}).get("chat_template_kwargs"))
     added = stop_also_at(model, ends, tokenizer.eos_token_id)  # [] where the base stops there already
