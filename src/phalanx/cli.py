@@ -41,7 +41,7 @@ COMMANDS: dict[str, tuple[Union[str, Callable[[Sequence[str]], int]], str]] = {
         "[CONFIG.yaml] [--world_size N] [--device_memory_gb X]  memory per rank for each strategy",
     ),
     "export": (
-        "phalanx.checkpoint.export:main",
+        "phalanx.checkpoint.command:main",
         "CHECKPOINT OUT  a from_pretrained folder from a sharded-only checkpoint, or a LoRA adapter merged",
     ),
     "data": (

@@ -1,31 +1,24 @@
-"""Write a from_pretrained folder from a checkpoint whose weights live only in its sharded state, or from a LoRA
-adapter merged into its base model.
+"""Write a from_pretrained folder from a checkpoint whose weights live only in its sharded state.
 
     phalanx export OUTPUT_DIR/checkpoint-400 EXPORTED_DIR
-    phalanx export OUTPUT_DIR MERGED_DIR [--model_name BASE]     # a LoRA run's adapter (or a checkpoint's)
 
 Under FSDP2 and DeepSpeed ZeRO-3, full fine-tuning keeps checkpoint-{step} lean: every rank writes
 its shards of the weights and optimizer state (sharded_state/ through DCP, or deepspeed/ through
 DeepSpeed's own checkpoint) and nothing is gathered to rank 0 (the final model and checkpoint-best
 are complete from_pretrained folders). This reads the weights of such a checkpoint in one process,
 whatever number of ranks saved it, builds the model from its config.json, and writes
-model.safetensors, the config and the tokenizer files.
-
-A LoRA run writes an adapter: to serve where adapters cannot be loaded, it is merged into the base
-model it was trained on (adapter_config.json's base_model_name_or_path, or --model_name), in fp32,
-and written in the base's own dtype with the run's tokenizer and chat template.
+model.safetensors, the config and the tokenizer files. What a LoRA adapter's export checks of its folder
+(check_whole_adapter, run_record) is here too; the merge itself is models.merge, the command checkpoint.command.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
-import sys
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -97,78 +90,6 @@ def write_new_folder(out: Path, model: torch.nn.Module, tokenizer: Any) -> Path:
     return out
 
 
-def holds_adapter(folder: Path) -> bool:
-    return (folder / "adapter_config.json").is_file()
-
-
-def export_merged_adapter(folder: Path, out: Path, model_name: Optional[str] = None) -> tuple[Path, list[str]]:
-    """Write `out` (a new folder): the LoRA adapter in `folder` (a run's output_dir or one of its checkpoints) merged
-    into its base model (`model_name`, else the one adapter_config.json names); returns `out` and the lines that say
-    what was merged."""
-    from peft import PeftModel
-    from transformers import AutoTokenizer
-
-    from phalanx.models.load import adapter_base, load_model, load_tokenizer, published_dtype, stop_also_at
-
-    folder, out = Path(folder), Path(out)
-    check_whole_adapter(folder)
-    field = "--model_name" if model_name else f"{folder / 'adapter_config.json'}: base_model_name_or_path"
-    model_name = adapter_base(str(folder), "phalanx export", model_name)  # checks the adapter's files are there
-    if out.exists():
-        raise PhalanxError(f"{out} exists; choose a new folder to export into")
-    dtype = published_dtype(model_name, field)
-    # Merged in fp32 (W + scale * B @ A, rounded once) and cast to the dtype the base was published in.
-    model = load_model(model_name, torch.float32, field=field)
-    try:
-        model = PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
-    except (OSError, ValueError, RuntimeError, KeyError) as exc:
-        raise PhalanxError(
-            f"{folder}: the adapter does not fit {model_name} ({field}): {type(exc).__name__}: {exc}"
-        ) from None
-    model = model.to(dtype)
-    # The run's tokenizer files hold the chat template it trained with; a bare PEFT adapter has none: the base's.
-    if (folder / "tokenizer_config.json").is_file():
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-    else:
-        tokenizer = load_tokenizer(model_name, field=field)
-    record = run_record(folder)
-    ends = answer_end_ids(tokenizer, record.get("data", {}).get("chat_template_kwargs"))
-    added = stop_also_at(model, ends, tokenizer.eos_token_id)  # [] where the base stops there already
-    write_new_folder(out, model, tokenizer)
-    said = [f"merged the LoRA adapter of {folder} into {model_name} ({str(dtype).removeprefix('torch.')}) -> {out}"]
-    if added:
-        names = ", ".join(f"{tokenizer.convert_ids_to_tokens(i)!r} ({i})" for i in added)
-        said.append(
-            f"generation_config.json stops at {names} too: the run's chat template ends an answer with it, and the "
-            "base model's generation config did not stop there"
-        )
-    if record.get("model", {}).get("load_in_4bit"):
-        said.append(
-            "note: the adapter was trained on the 4-bit quantized base (QLoRA) and is merged into the unquantized "
-            "weights, which differ from those it trained with by the quantization error"
-        )
-    return out, said
-
-
-def answer_end_ids(tokenizer: Any, template_kwargs: Optional[dict]) -> list[int]:
-    """The tokens the chat template ends an answer with besides the end-of-sequence token (ChatML's <|im_end|> under a
-    base model's <|endoftext|>), found by masking a two-message row as training does: train/run.py adds those a full
-    fine-tune's data trains to the model it saves; an adapter carries no generation config, so its merge adds them.
-    [] where the template ends an answer with the end-of-sequence token, or masks no such row."""
-    from phalanx.data.chat import tokenize_conversation
-    from phalanx.data.formats import to_conversation
-
-    row = {"messages": [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hello."}]}
-    try:
-        masked = tokenize_conversation(
-            tokenizer, to_conversation(row, "a probe row"), "a probe row", "auto", template_kwargs
-        )
-    except (PhalanxError, ValueError):
-        return []
-    ids = (tokenizer.convert_tokens_to_ids(token) for token in masked.end_tokens)
-    return [i for i in ids if isinstance(i, int)]
-
-
 def check_whole_adapter(folder: Path) -> None:
     """A phalanx checkpoint must be committed, and a run's output_dir finished, before its adapter is exported: a
     save cut short can leave a partial adapter file."""
@@ -222,39 +143,3 @@ def read_deepspeed_weights(folder: Path) -> dict:
 
     check_deepspeed_checkpoint(folder / DS_DIR)  # the converter itself unpickles with weights_only=False
     return get_fp32_state_dict_from_zero_checkpoint(str(folder / DS_DIR), tag=DS_TAG)
-
-
-def main(argv: list[str]) -> int:
-    from phalanx.config.flags import CommandParser
-    from phalanx.models.packages import leave_out_bitsandbytes, leave_out_deepspeed
-
-    parser = CommandParser(
-        prog="phalanx export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("folder", type=Path, help="a checkpoint-* folder, or a LoRA run's output_dir or checkpoint")
-    parser.add_argument("out", type=Path, help="the new folder to write")
-    parser.add_argument(
-        "--model_name",
-        default=None,
-        help="a LoRA adapter's base model: local folder, Hub id or embedded:NAME (default: the one its "
-        "adapter_config.json names)",
-    )
-    try:
-        args = parser.parse_args(argv)
-        if holds_adapter(args.folder):
-            leave_out_bitsandbytes()  # the adapter is merged into the unquantized base
-            leave_out_deepspeed()  # (a ZeRO-3 checkpoint's export reads it with DeepSpeed's converter)
-            print("\n".join(export_merged_adapter(args.folder, args.out, args.model_name)[1]))
-            return 0
-        if args.model_name is not None:
-            raise PhalanxError(f"--model_name is for a LoRA adapter's base; {args.folder} holds no adapter_config.json")
-        out = export_checkpoint(args.folder, args.out)
-    except PhalanxError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code  # 2 for bad input, 1 for a Hub that cannot be reached (a rerun may succeed)
-    print(f"exported {args.folder} -> {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))

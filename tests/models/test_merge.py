@@ -1,5 +1,6 @@
-"""`phalanx export` of a LoRA adapter: merged into its base model (checkpoint.export). The sharded-checkpoint export is
-tested with real FSDP2 and ZeRO-3 runs in test_sharded_full_checkpoint.py."""
+"""`phalanx export` of a LoRA adapter: merged into its base model (models.merge, through the command,
+checkpoint.command). The sharded-checkpoint export is tested with real FSDP2 and ZeRO-3 runs in
+tests/checkpoint/test_sharded_full_checkpoint.py."""
 
 import json
 import shutil
@@ -8,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from phalanx.checkpoint.export import main
+from phalanx.checkpoint.command import main
 from phalanx.checkpoint.layout import MARKER
 from phalanx.checkpoint.resume import FINISHED, RUN_RECORD
 from phalanx.models.presets import materialize_embedded_model
