@@ -147,6 +147,9 @@ def test_template_variables_shape_the_prompt_and_default_to_the_adapters_run(tmp
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "training_info.json").write_text(json.dumps(record))
     assert adapter_template_kwargs(str(tmp_path / "run")) == {"enable_thinking": False}
+    (tmp_path / "run" / "checkpoint-4").mkdir()  # a checkpoint records its config in trainer_state.json
+    (tmp_path / "run" / "checkpoint-4" / "trainer_state.json").write_text(json.dumps(record))
+    assert adapter_template_kwargs(str(tmp_path / "run" / "checkpoint-4")) == {"enable_thinking": False}
     assert adapter_template_kwargs(str(tmp_path)) == {} and adapter_template_kwargs(None) == {}
 
     refused = run_phalanx("generate", "--chat_template_kwargs", "{messages: []}")

@@ -8,12 +8,11 @@ DeepSpeed's own checkpoint) and nothing is gathered to rank 0 (the final model a
 are complete from_pretrained folders). This reads the weights of such a checkpoint in one process,
 whatever number of ranks saved it, builds the model from its config.json, and writes
 model.safetensors, the config and the tokenizer files. What a LoRA adapter's export checks of its folder
-(check_whole_adapter, run_record) is here too; the merge itself is models.merge, the command checkpoint.command.
+(check_whole_adapter) is here too; the merge itself is models.merge, the command checkpoint.command.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import warnings
@@ -104,18 +103,6 @@ def check_whole_adapter(folder: Path) -> None:
             f"{folder}: the run has not finished (no {FINISHED}), so its adapter files may be a final save cut "
             "short; export one of its committed checkpoint-* folders instead"
         )
-
-
-def run_record(folder: Path) -> dict:
-    """The config a run recorded (in its output_dir: the folder, or a checkpoint folder's parent); {} where none."""
-    for record in (folder / RUN_RECORD, folder.parent / RUN_RECORD):
-        if record.is_file():
-            try:
-                config = json.loads(record.read_text(encoding="utf-8")).get("config")
-            except (ValueError, AttributeError):
-                return {}
-            return config if isinstance(config, dict) else {}
-    return {}
 
 
 def read_dcp_weights(folder: Path, model: torch.nn.Module) -> dict:

@@ -182,8 +182,18 @@ def saved_config(folder: Path) -> dict:
 
 def recorded_config(output_dir: Path) -> Optional[dict]:
     """The config the run in output_dir started with (training_info.json), None when there is no readable record."""
+    return _config_in(output_dir / RUN_RECORD)
+
+
+def run_config_of(folder: Path) -> dict:
+    """The config of the run that wrote a model or adapter folder: its output_dir's training_info.json, or a
+    checkpoint's own trainer_state.json; {} where there is no readable record (a bare PEFT adapter)."""
+    return _config_in(folder / RUN_RECORD) or _config_in(folder / TRAINER_STATE) or {}
+
+
+def _config_in(record: Path) -> Optional[dict]:
     try:
-        config = json.loads((output_dir / RUN_RECORD).read_text(encoding="utf-8")).get("config")
+        config = json.loads(record.read_text(encoding="utf-8")).get("config")
     except (OSError, ValueError, AttributeError):
         return None
     return config if isinstance(config, dict) else None

@@ -11,13 +11,13 @@ each sequence independent of its batch-mates as well.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from phalanx.checkpoint.resume import run_config_of
 from phalanx.config.chat_templates import variables_written_empty, written_empty_notes
 from phalanx.errors import ConfigError, DataError
 from phalanx.generate.engine import Finished, stop_token_ids
@@ -78,16 +78,9 @@ def adapter_chat_template(adapter: Optional[str]) -> Optional[str]:
 
 def adapter_template_kwargs(adapter: Optional[str]) -> dict:
     """The template variables the adapter's run rendered its rows with (data.chat_template_kwargs), as recorded in
-    its output_dir (training_info.json) or checkpoint (trainer_state.json); none when there is no record."""
-    for name in ("training_info.json", "trainer_state.json"):
-        path = Path(adapter) / name if adapter else None
-        if path is not None and path.is_file():
-            try:
-                config = json.loads(path.read_text(encoding="utf-8")).get("config") or {}
-            except (OSError, ValueError):
-                continue
-            return dict((config.get("data") or {}).get("chat_template_kwargs") or {})
-    return {}
+    its output_dir or checkpoint; none when there is no record."""
+    config = run_config_of(Path(adapter)) if adapter else {}
+    return dict((config.get("data") or {}).get("chat_template_kwargs") or {})
 
 
 def adapter_digest(adapter: str) -> str:

@@ -13,7 +13,8 @@ from typing import Any, Optional
 
 import torch
 
-from phalanx.checkpoint.export import check_whole_adapter, run_record, write_new_folder
+from phalanx.checkpoint.export import check_whole_adapter, write_new_folder
+from phalanx.checkpoint.resume import run_config_of
 from phalanx.errors import PhalanxError
 
 
@@ -47,8 +48,8 @@ def export_merged_adapter(folder: Path, out: Path, model_name: Optional[str] = N
         tokenizer = AutoTokenizer.from_pretrained(folder)
     else:
         tokenizer = load_tokenizer(model_name, field=field)
-    record = run_record(folder)
-    ends = answer_end_ids(tokenizer, record.get("data", {}).get("chat_template_kwargs"))
+    record = run_config_of(folder)
+    ends = answer_end_ids(tokenizer, (record.get("data") or {}).get("chat_template_kwargs"))
     added = stop_also_at(model, ends, tokenizer.eos_token_id)  # [] where the base stops there already
     write_new_folder(out, model, tokenizer)
     said = [f"merged the LoRA adapter of {folder} into {model_name} ({str(dtype).removeprefix('torch.')}) -> {out}"]
@@ -58,7 +59,7 @@ def export_merged_adapter(folder: Path, out: Path, model_name: Optional[str] = N
             f"generation_config.json stops at {names} too: the run's chat template ends an answer with it, and the "
             "base model's generation config did not stop there"
         )
-    if record.get("model", {}).get("load_in_4bit"):
+    if (record.get("model") or {}).get("load_in_4bit"):
         said.append(
             "note: the adapter was trained on the 4-bit quantized base (QLoRA) and is merged into the unquantized "
             "weights, which differ from those it trained with by the quantization error"
