@@ -240,6 +240,29 @@ def test_keep_recent_leaves_out_the_oldest_exchanges_and_keeps_the_system_prompt
     assert all(len(row) <= 200 for row in data.train["input_ids"])
 
 
+def test_keep_recent_keeps_a_mid_conversation_system_message_in_its_place(tmp_path, tokenizer, write_jsonl):
+    """An instruction given mid-conversation stays after the exchanges it followed; once those are dropped, it comes
+    right after the system prompt, still before the exchanges it governs (it was moved to the front before)."""
+    exchanges = [
+        [{"role": "user", "content": f"QUESTION-{k} " + "x" * 30}, {"role": "assistant", "content": f"ANSWER-{k}"}]
+        for k in range(6)
+    ]
+    switch = {"role": "system", "content": "SWITCH-TEXT"}
+    messages = [{"role": "system", "content": "SYSTEM-TEXT"}]
+    for k, exchange in enumerate(exchanges):
+        messages += ([switch] if k == 4 else []) + exchange
+    f = write_jsonl(tmp_path / "chats.jsonl", [{"messages": messages}])
+    # 350 tokens keep the last two exchanges (the instruction's are dropped); 450 keep three.
+    for max_length, order in (
+        (350, ["SYSTEM-TEXT", "SWITCH-TEXT", "QUESTION-4", "QUESTION-5"]),
+        (450, ["SYSTEM-TEXT", "QUESTION-3", "SWITCH-TEXT", "QUESTION-4", "QUESTION-5"]),
+    ):
+        data = _prepare(_cfg(dataset_path=str(f), max_length=max_length, truncation="keep_recent"), tokenizer, tmp_path)
+        text = tokenizer.decode(data.train[0]["input_ids"])
+        assert sorted((text.find(m), m) for m in order if m in text) == [(text.find(m), m) for m in order], text
+        assert all(f"QUESTION-{k}" not in text for k in range(6) if f"QUESTION-{k}" not in order)
+
+
 def test_error_names_the_row_and_its_length(tmp_path, tokenizer, write_jsonl):
     f = _lengths_file(tmp_path, write_jsonl)
     with pytest.raises(DataError, match=rf"{f} line 2: 262 tokens, longer than max_length=100"):

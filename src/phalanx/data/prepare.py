@@ -632,20 +632,24 @@ def _keep_recent(
 ) -> Tokenized:
     """``result`` with each row that is too long rendered again without its oldest exchanges (system messages and
     tools stay), the fewest dropped that make it fit; a row whose last exchange alone is too long keeps that one
-    exchange, and _fit then cuts its end."""
+    exchange, and _fit then cuts its end.
+
+    A system message stays where it was among what is kept: one from the dropped exchanges moves up only to just
+    before the first kept one, in its order, so an instruction given mid-conversation still comes after the
+    exchanges it followed and before the ones it governs."""
     messages = conv["messages"]
-    system = [m for m in messages if m["role"] == "system"]
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     # per_turn rows are turn views (messages[:i+1]); a full row is the whole conversation.
     ends = turns if result.policy == "per_turn" else [len(messages) - 1]
+    # A cut drops at least one message that is not a system message: the leading system prompt alone is no exchange.
+    first_exchange = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
     examples = []
     for example, end in zip(result.examples, ends):
         if len(example["input_ids"]) > cfg.max_length:
-            starts = [
-                k for k in range(1, end + 1) if messages[k]["role"] == "user" and messages[k - 1]["role"] != "system"
-            ]
+            starts = [k for k in range(first_exchange + 1, end + 1) if messages[k]["role"] == "user"]
             for k in starts:
-                shorter = {**conv, "messages": system + [m for m in messages[k : end + 1] if m["role"] != "system"]}
+                kept_system = [m for m in messages[:k] if m["role"] == "system"]
+                shorter = {**conv, "messages": kept_system + messages[k : end + 1]}
                 rows = tokenize_conversation(
                     tokenizer, shorter, where, result.policy, cfg.chat_template_kwargs
                 ).examples
