@@ -112,6 +112,22 @@ def test_more_gpus_than_the_node_has_fails_fast(project, generate, support):
     assert seconds < 30
 
 
+def test_bad_rank_count_or_port_given_when_the_script_runs_is_named(project, generate, support):
+    """The script's first argument and PHALANX_* variables bypass the launcher's checks: 0 ranks reached torch's
+    launcher as a bare AssertionError traceback (status 1), a port above 65535 an OverflowError in preflight."""
+    generate("launcher", "--config", "train.yaml", "--num_gpus_per_node", "0", "--output", "scripts/counts.sh")
+    proc, _ = run_script(support, project, support.local_env(), "scripts/counts.sh", "0", timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "ranks per node (the script's first argument, PHALANX_NPROC_PER_NODE" in proc.stderr
+    assert "is '0'; accepted: a whole number, at least 1" in proc.stderr
+    env = support.local_env(PHALANX_MASTER_PORT="99999")
+    proc, _ = run_script(support, project, env, "scripts/counts.sh", timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "the master port (PHALANX_MASTER_PORT or --master_port) is '99999'; accepted: 1..65535" in proc.stderr
+    assert not (project / "runs" / "default").exists(), "no rank started"
+
+
 def worker_pids(launcher_pid: int) -> dict[int, int]:
     """{global rank: pid} of the ranks torchrun (the script exec's into it) has started."""
     out = {}

@@ -100,3 +100,21 @@ def test_main_prints_the_interface_or_exits_2(capsys, listener):
         port = s.getsockname()[1]
     assert preflight.main(["--num_gpus_per_node", "0", "--nproc_per_node", "1", "--master_port", str(port)]) == 0
     assert capsys.readouterr().out.strip() == "lo 127.0.0.1"
+
+
+@pytest.mark.parametrize(
+    "flag, value, named",
+    [
+        ("--nproc_per_node", "0", "ranks per node (the script's first argument, PHALANX_NPROC_PER_NODE"),
+        ("--nproc_per_node", "x", "ranks per node"),
+        ("--num_nodes", "0", "the number of nodes (PHALANX_NUM_NODES"),
+        ("--master_port", "70000", "the master port (PHALANX_MASTER_PORT"),
+        ("--timeout", "-5", "the rendezvous timeout in seconds (PHALANX_RDZV_TIMEOUT"),
+    ],
+)
+def test_a_value_the_script_was_given_when_it_ran_is_named_as_it_was_set(capsys, flag, value, named):
+    """The script passes its first argument and PHALANX_* overrides here unchecked by `phalanx launcher`."""
+    args = {"--num_gpus_per_node": "0", "--nproc_per_node": "1", "--master_port": "29500", flag: value}
+    assert preflight.main([word for pair in args.items() for word in pair]) == 2
+    err = capsys.readouterr().err
+    assert named in err and f"is {value!r}; accepted:" in err and "Traceback" not in err

@@ -258,28 +258,52 @@ def preflight(
     return interface_towards(master_addr)
 
 
+# The scripts pass these values as the user can change them when the script runs (its first argument, the
+# PHALANX_* variables), past the checks `phalanx launcher` made when it wrote them: a bad one is named as it was
+# set, not as preflight's flag (a 0 ranks per node otherwise reached torch's launcher as a bare AssertionError).
+SCRIPT_VALUES = {
+    "nproc_per_node": ("ranks per node (the script's first argument, PHALANX_NPROC_PER_NODE or --nproc_per_node)", 1),
+    "num_nodes": ("the number of nodes (PHALANX_NUM_NODES or --num_nodes)", 1),
+    "node_rank": ("the node rank (PHALANX_NODE_RANK or --node_rank)", 0),
+    "master_port": ("the master port (PHALANX_MASTER_PORT or --master_port)", 1),
+    "timeout": ("the rendezvous timeout in seconds (PHALANX_RDZV_TIMEOUT or --rdzv_timeout)", 1),
+}
+
+
+def script_value(name: str, text: str) -> int:
+    """The whole number `text` gives for SCRIPT_VALUES[name]; PhalanxError naming how it is set otherwise."""
+    what, least = SCRIPT_VALUES[name]
+    highest = 65535 if name == "master_port" else None
+    value = int(text) if text.strip().lstrip("-").isdigit() else None
+    if value is None or value < least or (highest is not None and value > highest):
+        accepted = f"{least}..{highest}" if highest is not None else f"a whole number, at least {least}"
+        raise PhalanxError(f"{what} is {text!r}; accepted: {accepted}")
+    return value
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     # allow_abbrev=False: the scripts phalanx writes spell every flag out; a prefix is a typo, as in CommandParser
     parser = argparse.ArgumentParser(
         prog="python -m phalanx.launch.preflight", description=__doc__.split("\n")[0], allow_abbrev=False
     )
     parser.add_argument("--num_gpus_per_node", type=int, required=True)
-    parser.add_argument("--nproc_per_node", type=int, required=True)
-    parser.add_argument("--num_nodes", type=int, default=1)
-    parser.add_argument("--node_rank", type=int, default=0)
+    parser.add_argument("--nproc_per_node", required=True)
+    parser.add_argument("--num_nodes", default="1")
+    parser.add_argument("--node_rank", default="0")
     parser.add_argument("--master_addr", default="127.0.0.1")
-    parser.add_argument("--master_port", type=int, required=True)
-    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--master_port", required=True)
+    parser.add_argument("--timeout", default="600")
     args = parser.parse_args(argv)
     try:
+        values = {name: script_value(name, getattr(args, name)) for name in SCRIPT_VALUES}
         ifname, local = preflight(
             args.num_gpus_per_node,
-            args.nproc_per_node,
-            args.num_nodes,
-            args.node_rank,
+            values["nproc_per_node"],
+            values["num_nodes"],
+            values["node_rank"],
             args.master_addr,
-            args.master_port,
-            args.timeout,
+            values["master_port"],
+            values["timeout"],
         )
     except PhalanxError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
