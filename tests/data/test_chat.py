@@ -834,6 +834,39 @@ def test_arguments_go_as_json_text_to_templates_that_cannot_take_a_mapping(make_
     assert target_runs(make_tokenizer(template), result.examples[0])[0] == CHATML_TARGETS[0]  # {"city": "Paris"}
 
 
+# Gemma 3's first template (Ollama's gemma3:1b GGUF keeps it): the system prompt read as a list of text parts only.
+READS_SYSTEM_PARTS = (
+    "{% if messages[0]['role'] == 'system' %}{% set prefix = messages[0]['content'][0]['text'] + '\\n\\n' %}"
+    "{% set loop_messages = messages[1:] %}{% else %}{% set prefix = '' %}{% set loop_messages = messages %}{% endif %}"
+    "{% for m in loop_messages %}{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "<T>{{ 'model' if m.role == 'assistant' else m.role }}\n{{ prefix if loop.first else '' }}"
+    "{% if m.content is string %}{{ m.content | trim }}{% else %}{% for p in m.content %}{{ p.text | trim }}"
+    "{% endfor %}{% endif %}</T>\n{% endfor %}{% if add_generation_prompt %}<T>model\n{% endif %}"
+)
+
+
+def test_a_template_that_reads_content_as_text_parts_gets_them(make_tokenizer, chat_row, tool_row):
+    """phalanx joins a message's text parts into one string, so a row cannot be changed to give the template the parts
+    it reads (Gemma 3's first template raised "'str object' has no attribute 'text'" on every row with a system
+    message, and the refusal said to change the row): the contents go to it as parts when the string fails."""
+    tok = make_tokenizer(READS_SYSTEM_PARTS)
+    row = chat_row(1)
+    row["messages"].insert(0, {"role": "system", "content": "Be brief."})
+    result = tokenize_conversation(tok, to_conversation(row, WHERE), WHERE)
+    assert tok.decode(result.examples[0]["input_ids"]) == "<T>user\nBe brief.\n\nquestion 1</T>\n<T>model\nfine 1</T>\n"
+    assert target_runs(tok, result.examples[0]) == ["fine 1</T>\n"]
+    # Where the template fails further on too, that error is the one said (Gemma 3 has no tool role).
+    with pytest.raises(
+        DataError, match=r"failed on messages\[:4\] \(roles: system, user, assistant, tool\).*alternate"
+    ):
+        tokenize_conversation(tok, to_conversation(tool_row, WHERE), WHERE)
+    # A template that prints the content as it is did not want parts: the string's own error stands.
+    prints = READS_SYSTEM_PARTS.replace("{% if m.content is string %}", "{{ m.content }}{% if false %}")
+    with pytest.raises(DataError, match=r"failed on messages\[:2\] \(roles: system, user\).*has no attribute 'text'"):
+        tokenize_conversation(make_tokenizer(prints), to_conversation(row, WHERE), WHERE)
+
+
 def test_a_tool_calling_message_whose_content_the_template_ignores_is_located(make_tokenizer, chatml, tool_row):
     """Mistral writes only the calls of a tool-calling message: the sentinel goes into the call's name too."""
     ignores_content = NUMBERED + chatml.replace(

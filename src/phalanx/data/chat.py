@@ -58,6 +58,11 @@ own template renders tool calls only when content is None) and is refused, never
 empty turn; so is a message with empty content for which the template writes nothing, not even an end-of-turn
 marker (GLM-4-9B skips it).
 
+A template that raises on the row may read a message's content as OpenAI's list of parts, which phalanx joins into
+one string (Gemma 3's first template takes the system prompt as ``content[0]['text']``): the row is rendered again with
+each system, user and tool message's content as one text part, and refused with the template's error where that fails
+too.
+
 Labels are the input ids on target tokens and -100 elsewhere; the shift by one happens in the
 loss, not here.
 """
@@ -156,16 +161,27 @@ def tokenize_conversation(
     # Tool call arguments go to the template as a mapping (most write `arguments | tojson`). A template that
     # concatenates them as text (DeepSeek-V3.1) fails on a mapping, and one that prints the value (`| string`)
     # writes Python's repr: both get the JSON text instead, as the data wrote it.
+    # A template that reads a message's content as OpenAI's list of parts (Gemma 3's first template takes the system
+    # prompt as `messages[0]['content'][0]['text']`) fails on the string phalanx makes of it: when the template raised,
+    # the conversation is rendered again with each non-assistant message's content as one text part. Where that fails
+    # too, further on in the row (a tool message Gemma 3 has no role for), its error is the one to fix.
     as_text = _with_text_arguments(conv)
     try:
         result, texts = _tokenize_chat(tokenizer, conv, where, multi_turn, template_kwargs)
     except DataError as error:
-        if as_text is None:
-            raise
-        try:
-            return _tokenize_chat(tokenizer, as_text, where, multi_turn, template_kwargs)[0]
-        except DataError:
-            raise error from None
+        refusal = error
+        for variant, parts in ((as_text, False), (conv, True), (as_text, True)):
+            if variant is None or (parts and not isinstance(error, _TemplateRaised)):
+                continue
+            try:
+                result, texts = _tokenize_chat(tokenizer, variant, where, multi_turn, template_kwargs, parts)
+            except DataError as later:
+                if parts and isinstance(later, _TemplateRaised) and later.messages > error.messages:
+                    refusal = later
+                continue
+            if not (parts and any(PART_REPR in text for text in texts)):  # not the list printed as Python's repr
+                return result
+        raise refusal from None
     if as_text is not None and _writes_python_mappings(conv, texts):
         try:
             return _tokenize_chat(tokenizer, as_text, where, multi_turn, template_kwargs)[0]
@@ -175,9 +191,14 @@ def tokenize_conversation(
 
 
 def _tokenize_chat(
-    tokenizer: Any, conv: Conversation, where: str, multi_turn: str, template_kwargs: Optional[dict[str, Any]]
+    tokenizer: Any,
+    conv: Conversation,
+    where: str,
+    multi_turn: str,
+    template_kwargs: Optional[dict[str, Any]],
+    text_parts: bool = False,
 ) -> tuple[Tokenized, list[str]]:
-    renderer = _Renderer(tokenizer, conv["messages"], conv.get("tools"), where, template_kwargs)
+    renderer = _Renderer(tokenizer, conv["messages"], conv.get("tools"), where, template_kwargs, text_parts)
     turns = [_locate_turn(renderer, i) for i, m in enumerate(conv["messages"]) if m["role"] == "assistant"]
     dropped = sum(_check_rendered(renderer, turn, where) for turn in turns)
     notes: list[str] = []
@@ -249,6 +270,22 @@ def _with_text_arguments(conv: Conversation) -> Optional[Conversation]:
     return {**conv, "messages": messages}
 
 
+def _as_text_parts(messages: list[dict]) -> list[dict]:
+    """The messages with each system, user and tool message's string content as one text part (`[{"type": "text",
+    "text": ...}]`, as OpenAI's API takes it too). Assistant messages keep their string: the turn is located by
+    replacing its text, and a template that reads parts there reads them for the others too."""
+    return [
+        {**m, "content": [{"type": "text", "text": m["content"]}]}
+        if m.get("role") != "assistant" and isinstance(m.get("content"), str)
+        else m
+        for m in messages
+    ]
+
+
+# How a template that prints a message's content as it is writes a list of text parts: then it did not want parts.
+PART_REPR = "{'type': 'text', 'text': "
+
+
 def _writes_python_mappings(conv: Conversation, texts: list[str]) -> bool:
     calls = [c["function"]["arguments"] for m in conv["messages"] for c in m.get("tool_calls") or []]
     return any(args and isinstance(args, dict) and any(repr(args) in text for text in texts) for args in calls)
@@ -298,6 +335,15 @@ def template_refused(where: str, subject: str, messages: list[dict], error: Exce
     )
 
 
+class _TemplateRaised(DataError):
+    """The template raised on a rendering of the row's first `messages` messages (its own error, said as
+    template_refused says it)."""
+
+    def __init__(self, message: str, messages: int) -> None:
+        super().__init__(message)
+        self.messages = messages
+
+
 class _Renderer:
     """Renders variations of one conversation with the tokenizer's template; prefixes are cached."""
 
@@ -308,9 +354,11 @@ class _Renderer:
         tools: Optional[list[dict]],
         where: str,
         template_kwargs: Optional[dict[str, Any]] = None,
+        text_parts: bool = False,
     ) -> None:
         self.tokenizer, self.messages, self.tools, self.where = tokenizer, messages, tools, where
         self.template_kwargs = template_kwargs or {}
+        self.text_parts = text_parts  # every rendering gives the template non-assistant contents as text parts
         self._prefixes: dict[tuple[int, bool], str] = {}
         self._specials: Optional[list[str]] = None
         self._canonical: Optional[tuple[str, str]] = None
@@ -346,7 +394,8 @@ class _Renderer:
                     'tools (a "tool_use" template: Hermes\', Command R+\'s). Give the row its "tools" list, or use the '
                     "model's template for conversations without tools (--chat_template FILE|NAME)."
                 ) from None
-            raise template_refused(self.where, f"messages[:{len(messages)}]", messages, e, template) from None
+            refusal = template_refused(self.where, f"messages[:{len(messages)}]", messages, e, template)
+            raise _TemplateRaised(str(refusal), len(messages)) from None
 
     def _renders_with_empty_tools(self, messages: list[dict], generation_prompt: bool) -> bool:
         """Whether the template renders `messages` given an empty list of tools: then the row's tools are what it fails
@@ -354,7 +403,11 @@ class _Renderer:
         tools passes (Hermes' and Command R+'s tool_use templates)."""
         try:
             self.tokenizer.apply_chat_template(
-                messages, tools=[], add_generation_prompt=generation_prompt, tokenize=False, **self.template_kwargs
+                _as_text_parts(messages) if self.text_parts else messages,
+                tools=[],
+                add_generation_prompt=generation_prompt,
+                tokenize=False,
+                **self.template_kwargs,
             )
         except Exception:  # noqa: BLE001 - then the tools are not what it lacks
             return False
@@ -404,6 +457,8 @@ class _Renderer:
     def _apply(self, messages: list[dict], generation_prompt: bool) -> str:
         if not messages:
             return self._empty(generation_prompt)
+        if self.text_parts:
+            messages = _as_text_parts(messages)
         out = self.tokenizer.apply_chat_template(
             messages, tools=self.tools, add_generation_prompt=generation_prompt, tokenize=False, **self.template_kwargs
         )
