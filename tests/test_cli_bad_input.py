@@ -442,6 +442,20 @@ def test_an_output_that_cannot_be_created_is_refused_by_name(tmp_path, capsys, c
     assert sorted(tmp_path.iterdir()) == before and blocker.read_text() == "keep me"
 
 
+@pytest.mark.parametrize("variable", ["HOME", "PHALANX_CACHE"])
+def test_a_cache_folder_that_cannot_be_made_is_named_with_its_variable(tmp_path, capsys, monkeypatch, variable):
+    """A HOME this user cannot write (a service account's) or a bad PHALANX_CACHE ended in five chained
+    FileNotFoundError tracebacks from the embedded model's builder; now status 2, the folder and the way out."""
+    monkeypatch.delenv("PHALANX_CACHE")
+    monkeypatch.setenv(variable, "/proc/nohome")
+    code, text = run_main(["generate", "--num_questions", "1", "--output", str(tmp_path / "g.jsonl")], capsys)
+    assert code == 2 and "Traceback" not in text, text
+    assert "phalanx's cache folder /proc/nohome" in text and "set PHALANX_CACHE to a folder this user can write" in text
+    code, text = run_main(["train", "--output_dir", str(tmp_path / "out"), "--max_steps", "1"], capsys)
+    assert code == 2 and "Traceback" not in text and f"{variable}=/proc/nohome" in text, text
+    assert sorted(tmp_path.iterdir()) == [], "nothing written"
+
+
 def test_ctrl_c_before_a_command_installs_its_handler_is_one_line_and_status_130(tmp_path):
     """`phalanx generate --world_size 2` reads the prompts (importing transformers, seconds) before it starts the
     ranks, with Python's own Ctrl-C: a KeyboardInterrupt traceback from deep inside a library, status -2."""

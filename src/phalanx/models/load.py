@@ -29,8 +29,24 @@ EMBEDDED_PREFIX = "embedded:"
 
 
 def cache_root() -> Path:
-    """Where phalanx keeps what it builds once per machine (embedded models, tokenized data)."""
-    return Path(os.environ.get("PHALANX_CACHE", Path.home() / ".cache" / "phalanx"))
+    """Where phalanx keeps what it builds once per machine (embedded models, tokenized data), created here: a folder
+    that cannot be (a HOME this user cannot write, a read-only PHALANX_CACHE) is named with the variable that sets it,
+    where it otherwise surfaced as a chain of FileNotFoundError tracebacks from the first writer."""
+    given = os.environ.get("PHALANX_CACHE")
+    root = Path(given).expanduser() if given else Path.home() / ".cache" / "phalanx"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        problem = None if os.access(root, os.W_OK | os.X_OK) else "this user cannot write to it"
+    except OSError as exc:
+        problem = f"it cannot be created ({exc.strerror}: {exc.filename})"
+    if problem is None:
+        return root
+    source = f"PHALANX_CACHE={given}" if given else f"the default ~/.cache/phalanx, with HOME={Path.home()}"
+    raise ConfigError(
+        f"phalanx's cache folder {root} ({source}): {problem}. It holds the embedded models and the tokenized data; "
+        "set PHALANX_CACHE to a folder this user can write, on each machine's local disk (e.g. "
+        "PHALANX_CACHE=/tmp/phalanx-cache)."
+    )
 
 
 def model_label(model_name: str, field: str) -> str:
