@@ -334,6 +334,23 @@ def test_a_template_that_fails_on_the_rows_tools_is_refused_saying_so(make_token
     assert tokenize_conversation(tok, to_conversation(tool_row, WHERE), WHERE).policy == "full"
 
 
+def test_a_template_that_tests_tools_is_defined_is_refused_as_written_for_another_renderer(
+    make_tokenizer, chatml, chat_row
+):
+    """llama.cpp's Phi-4-mini template writes its tools when `tools is defined`, as llama.cpp leaves them undefined
+    for a row without tools; transformers passes tools=None, so every such row fails on the loop. It was refused as a
+    "tool_use" template written for conversations with tools (Hermes'), which it is not."""
+    tok = make_tokenizer(
+        "{% if tools is defined %}{% for t in tools %}{{ t.function.name }}{% endfor %}{% endif %}" + chatml
+    )
+    with pytest.raises(DataError) as info:
+        tokenize_conversation(tok, to_conversation(chat_row(1), WHERE), WHERE)
+    message = str(info.value)
+    assert "fails on a row without tools (TypeError: 'NoneType' object is not iterable)" in message
+    assert "tests `tools is defined`, which transformers makes true for every row (it passes tools=None" in message
+    assert "llama.cpp's" in message and "tool_use" not in message
+
+
 def test_a_template_that_reads_a_special_token_the_tokenizer_lacks_is_refused_naming_the_token(
     make_tokenizer, chatml, chat_row
 ):

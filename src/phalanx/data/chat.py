@@ -335,6 +335,10 @@ def template_refused(where: str, subject: str, messages: list[dict], error: Exce
     )
 
 
+# A template's test for tools that transformers passes whether or not the row has any (tools=None is defined).
+DEFINED_TOOLS = re.compile(r"\btools\s+is\s+defined\b")
+
+
 class _TemplateRaised(DataError):
     """The template raised on a rendering of the row's first `messages` messages (its own error, said as
     template_refused says it)."""
@@ -388,11 +392,19 @@ class _Renderer:
                     "(--chat_template FILE|NAME)."
                 ) from None
             if not self.tools and self._renders_with_empty_tools(messages, generation_prompt):
+                failed = f"{template_name(self.tokenizer)} fails on a row without tools ({type(e).__name__}: {e})"
+                if DEFINED_TOOLS.search(template):  # llama.cpp's Phi-4-mini template: not one for tool rows only
+                    raise DataError(
+                        f"{self.where}: {failed} and renders the same messages once tools are given: it tests `tools is "
+                        "defined`, which transformers makes true for every row (it passes tools=None to a row without "
+                        "them), and then reads the None as a list of tools. It was written for a renderer that leaves "
+                        "tools undefined (llama.cpp's), not for transformers: use a template written for transformers "
+                        '(the model\'s own: --chat_template FILE|NAME), or give every row a "tools" list.'
+                    ) from None
                 raise DataError(
-                    f"{self.where}: {template_name(self.tokenizer)} fails on a row without tools ({type(e).__name__}: "
-                    f"{e}) and renders the same messages once tools are given: it is written for conversations with "
-                    'tools (a "tool_use" template: Hermes\', Command R+\'s). Give the row its "tools" list, or use the '
-                    "model's template for conversations without tools (--chat_template FILE|NAME)."
+                    f"{self.where}: {failed} and renders the same messages once tools are given: it is written for "
+                    'conversations with tools (a "tool_use" template: Hermes\', Command R+\'s). Give the row its "tools" '
+                    "list, or use the model's template for conversations without tools (--chat_template FILE|NAME)."
                 ) from None
             refusal = template_refused(self.where, f"messages[:{len(messages)}]", messages, e, template)
             raise _TemplateRaised(str(refusal), len(messages)) from None
