@@ -178,6 +178,27 @@ def test_a_prompt_the_template_raises_on_names_the_prompt_and_what_to_do():
     assert "or use a template that takes it (--chat_template FILE|NAME)" in message, message
 
 
+def test_a_template_that_reads_content_as_text_parts_renders_the_prompt_as_training_does():
+    """Gemma 3's first template reads the system prompt as `content[0]['text']`: training gives it the contents as text
+    parts when the string fails (data.chat), so the prompt does too; it was refused, naming the system message."""
+    from transformers import AutoTokenizer
+
+    from phalanx.generate.prompts import render_prompt
+    from phalanx.models.load import resolve_model_path
+
+    parts = AutoTokenizer.from_pretrained(resolve_model_path("embedded:tiny-qwen3"))
+    parts.chat_template = (
+        "{% if messages[0].role == 'system' %}{{ '[' + messages[0].content[0].text + ']' }}"
+        "{% set messages = messages[1:] %}{% endif %}{% for m in messages %}{{ m.role }}: "
+        "{% if m.content is string %}{{ m.content }}{% else %}{{ m.content[0].text }}{% endif %}{{ '\n' }}{% endfor %}"
+        "assistant:"
+    )
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    ids = render_prompt(parts, messages, None, None, "prompts.jsonl line 4")
+    assert parts.decode(ids) == "[Be brief.]user: Hi\nassistant:"
+    assert messages[0]["content"] == "Be brief."  # the prompt's own messages are left as they were
+
+
 def test_a_missing_prompts_path_the_model_and_dtype_are_named_by_their_flags(tmp_path, capsys):
     """generate's errors name what the user typed (--prompts, --model_name), not train's config fields; --dtype
     also takes train's spellings (fp32, bf16, fp16)."""

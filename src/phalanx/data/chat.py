@@ -270,7 +270,7 @@ def _with_text_arguments(conv: Conversation) -> Optional[Conversation]:
     return {**conv, "messages": messages}
 
 
-def _as_text_parts(messages: list[dict]) -> list[dict]:
+def as_text_parts(messages: list[dict]) -> list[dict]:
     """The messages with each system, user and tool message's string content as one text part (`[{"type": "text",
     "text": ...}]`, as OpenAI's API takes it too). Assistant messages keep their string: the turn is located by
     replacing its text, and a template that reads parts there reads them for the others too."""
@@ -415,7 +415,7 @@ class _Renderer:
         tools passes (Hermes' and Command R+'s tool_use templates)."""
         try:
             self.tokenizer.apply_chat_template(
-                _as_text_parts(messages) if self.text_parts else messages,
+                as_text_parts(messages) if self.text_parts else messages,
                 tools=[],
                 add_generation_prompt=generation_prompt,
                 tokenize=False,
@@ -470,7 +470,7 @@ class _Renderer:
         if not messages:
             return self._empty(generation_prompt)
         if self.text_parts:
-            messages = _as_text_parts(messages)
+            messages = as_text_parts(messages)
         out = self.tokenizer.apply_chat_template(
             messages, tools=self.tools, add_generation_prompt=generation_prompt, tokenize=False, **self.template_kwargs
         )

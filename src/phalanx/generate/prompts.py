@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from phalanx.config.chat_templates import template_text
-from phalanx.data.chat import template_refused
+from phalanx.data.chat import PART_REPR, as_text_parts, template_refused
 from phalanx.data.formats import to_conversation
 from phalanx.data.sources import ACCEPTED_PATHS, bundled_dataset_path, iter_rows
 from phalanx.errors import DataError
@@ -186,6 +186,19 @@ def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
+def _with_text_parts(tokenizer: Any, messages: list[dict], tools: Optional[list[dict]], template_kwargs) -> Any:
+    """The prompt rendered with each non-assistant message's content as one text part, as training renders a row the
+    string fails on (Gemma 3's first template reads the system prompt as `content[0]['text']`); None where that fails
+    too, or where the template prints the parts as they are (it did not want them)."""
+    try:
+        rendered = tokenizer.apply_chat_template(
+            as_text_parts(messages), tools=tools, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
+        )
+    except Exception:  # noqa: BLE001 - then the string's error is the one to say
+        return None
+    return None if PART_REPR in (rendered if isinstance(rendered, str) else rendered[0]) else rendered
+
+
 def render_prompt(
     tokenizer: Any,
     messages: Optional[list[dict]],
@@ -208,7 +221,11 @@ def render_prompt(
                 messages, tools=tools, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
             )
         except Exception as e:  # noqa: BLE001 - template errors (raise_exception, jinja) are the row's problem
-            raise template_refused(where, "this prompt", messages, e, template_text(tokenizer.chat_template)) from None
+            rendered = _with_text_parts(tokenizer, messages, tools, template_kwargs)
+            if rendered is None:
+                raise template_refused(
+                    where, "this prompt", messages, e, template_text(tokenizer.chat_template)
+                ) from None
         if not isinstance(rendered, str):
             rendered = rendered[0]
     else:
