@@ -38,6 +38,7 @@ from data.templates import (
     trained_texts,
     turns_render_alike,
     with_text_arguments,
+    with_text_parts,
 )
 from helpers import trained_runs
 from phalanx.data.chat import tokenize_conversation
@@ -69,6 +70,8 @@ def oracle_conversation(name: str, kind: str) -> tuple[list, list]:
     expect = CASE[name].rows[kind]
     if isinstance(expect, Match) and expect.arguments == "text":
         messages = with_text_arguments(messages)
+    if isinstance(expect, Match) and expect.content == "parts":
+        messages = with_text_parts(messages)
     return messages, tools
 
 

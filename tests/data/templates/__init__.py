@@ -163,6 +163,17 @@ def with_text_arguments(messages: list[dict]) -> list[dict]:
 # -------------------------------------------------------------------------------- templates
 
 
+def with_text_parts(messages: list[dict]) -> list[dict]:
+    """A copy of normalised messages with each non-assistant message's string content as one text part (see
+    ``Match.content``)."""
+    return [
+        {**m, "content": [{"type": "text", "text": m["content"]}]}
+        if m["role"] != "assistant" and isinstance(m.get("content"), str)
+        else dict(m)
+        for m in messages
+    ]
+
+
 @dataclass(frozen=True)
 class Match:
     """phalanx must produce the oracle's examples; ``auto`` is the policy multi_turn="auto" must choose.
@@ -171,11 +182,15 @@ class Match:
     to_conversation gives them) or "text" (JSON text: a template that concatenates them as strings fails on a
     mapping, DeepSeek-V3.1; one that writes them `| string` writes a mapping as Python's repr, InternLM2's). ``unterminated``: the assistant turns the template ends with no marker after the
     message's text (GLM-4.6 writes none: its model stops by writing the next role's token), which phalanx counts.
+    ``content``: how the template takes the system, user and tool messages' content, so how the oracle renders it:
+    "string" (as to_conversation gives it) or "parts" (a list of one text part: Gemma 3's first template reads the
+    system prompt as ``content[0]['text']``, which a string fails).
     """
 
     auto: str
     arguments: str = "mapping"
     unterminated: int = 0
+    content: str = "string"
 
 
 @dataclass(frozen=True)
@@ -1275,6 +1290,53 @@ CASES = [
                 "a second assistant message in a row is written with no header, where the generation prompt writes one",
             ),
         },
+    ),
+    # ---- the sixteenth trial (Gemma 3's first template, as Ollama's gemma3:1b GGUF keeps it)
+    # Gemma 3 as first published: the system prompt read as `messages[0]['content'][0]['text']` only (a string raised
+    # "'str object' has no attribute 'text'" and every row with a system message was refused, telling the user to change
+    # a row phalanx would flatten again): the masker now gives it the contents as text parts. No tool role.
+    TemplateCase(
+        "google-gemma-3-1b-it-ollama",
+        False,
+        "<bos>",
+        "<eos>",
+        "<pad>",
+        {
+            **{k: Match("full", content="parts") for k in ("plain", "nosys", "reasoning", "think")},
+            **{
+                k: Refuse(
+                    r"failed on messages\[:4\] \(roles: system, user, assistant, tool\).*roles must alternate",
+                    "the template has no tool role: a tool message breaks the alternation (once the system prompt "
+                    "renders as a text part)",
+                )
+                for k in ("tool", "reasoning_tool", "think_tool")
+            },
+            "two_assistants": ALTERNATION,
+        },
+    ),
+    # llama.cpp's Phi-4-mini template: tools as `<|tool|>...<|/tool|>` in the system turn, calls as
+    # `<|tool_call|>{...}<|/tool_call|>` after the content, `<|end|>` ends a turn, the end-of-sequence token after a
+    # conversation without a generation prompt (not trained, as Phi-3.5's). It tests `tools is defined`, which
+    # transformers makes true for a row without tools (tools=None), and loops over the None: those rows were refused as a
+    # Hermes-style tool_use template; now as one written for another renderer.
+    TemplateCase(
+        "llama-cpp-microsoft-Phi-4-mini-instruct",
+        False,
+        "<|endoftext|>",
+        "<|endoftext|>",
+        None,
+        {
+            **{k: FULL for k in ("tool", "reasoning_tool", "think_tool")},
+            **{
+                k: Refuse(
+                    r"fails on a row without tools \(TypeError: 'NoneType' object is not iterable\).*tests `tools is "
+                    r"defined`.*llama\.cpp's",
+                    "it tests `tools is defined`, true in transformers for a row without tools (tools=None)",
+                )
+                for k in ("plain", "nosys", "reasoning", "think", "two_assistants")
+            },
+        },
+        specials=("<|/tool|>", "<|/tool_call|>"),
     ),
 ]
 CASE = {c.name: c for c in CASES}
