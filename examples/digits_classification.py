@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import sys
 import time
 
 import torch
@@ -23,6 +24,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from phalanx import distributed_train_worker, launch_distributed_training
+from phalanx.errors import PhalanxError
 
 
 class DigitsCNN(nn.Module):
@@ -65,20 +67,37 @@ def make_scheduler(optimizer: torch.optim.Optimizer, epochs: int) -> torch.optim
     return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs)
 
 
+def whole_number(least: int):
+    """argparse type: an int of at least `least`, so `--batch-size 0` is named by argparse, not by torch's sampler
+    in a traceback."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < least:
+            raise argparse.ArgumentTypeError(f"{text!r}: give a whole number, at least {least}")
+        return value
+
+    return parse
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--distributed", action="store_true", help="train on --world-size ranks with DDP")
-    p.add_argument("--world-size", type=int, default=None,
+    p.add_argument("--world-size", type=whole_number(0), default=None,
                    help="ranks to start (default: the number of GPUs, or 2 CPU processes without GPUs)")
-    p.add_argument("--epochs", type=int, default=15)
-    p.add_argument("--batch-size", type=int, default=64, help="per rank; the effective batch is this x world size")
+    p.add_argument("--epochs", type=whole_number(0), default=15)
+    p.add_argument("--batch-size", type=whole_number(1), default=64,
+                   help="per rank; the effective batch is this x world size")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--weight-decay", type=float, default=5e-4)
     p.add_argument("--use-amp", action="store_true", help="mixed precision (bf16, or fp16 with a GradScaler); CUDA only")
     p.add_argument("--use-ema", action="store_true", help="keep EMA weights and validate on them")
     p.add_argument("--ema-decay", type=float, default=0.999)
     p.add_argument("--backend", default=None, help="nccl or gloo (default: nccl on CUDA, gloo on CPU)")
-    p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers per rank")
+    p.add_argument("--num-workers", type=whole_number(0), default=0, help="DataLoader workers per rank")
     p.add_argument("--experiment-name", default="digits")
     p.add_argument("--output-dir", default="runs")
     p.add_argument("--seed", type=int, default=0)
@@ -119,4 +138,10 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except PhalanxError as exc:
+        # What the engine refuses (a bad --backend, an output folder in use) is the user's to fix: one line and
+        # status 2, as phalanx's own commands answer, not a traceback (from every rank, under --distributed).
+        print(f"{exc.label}: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)

@@ -343,6 +343,30 @@ def test_the_digits_example_learns_in_one_process(tmp_path):
     assert history["epoch"] == [1]
 
 
+def test_the_digits_example_answers_bad_values_in_one_line(tmp_path):
+    """Run as the README shows it: `--batch-size 0` ended in torch's sampler's ValueError traceback, a backend
+    the engine refuses in its ConfigError's traceback; now one line and status 2, nothing written."""
+    import subprocess
+    import sys
+
+    from helpers import ROOT, phalanx_env
+
+    example = str(ROOT / "examples" / "digits_classification.py")
+    for args, needle in [
+        (["--batch-size", "0"], "argument --batch-size: '0': give a whole number, at least 1"),
+        (["--distributed", "--world-size", "2", "--backend", "foo"], "error: backend = 'foo': not a torch.distributed"),
+    ]:
+        proc = subprocess.run(
+            [sys.executable, example, *args, "--output-dir", str(tmp_path / "runs")],
+            env=phalanx_env(None),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
 class _ReturnsNothing(nn.Linear):
     def forward(self, x):
         super().forward(x)
