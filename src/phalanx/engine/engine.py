@@ -13,6 +13,7 @@ Batches are `(inputs, targets)` pairs; `model(inputs)` gives outputs and
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 import warnings
@@ -43,6 +44,11 @@ from phalanx.runtime.output_lock import output_held, training_lock
 BACKEND_ENV = "PHALANX_ENGINE_BACKEND"
 DEFAULT_PORT = "12355"  # seed 004's rendezvous port when MASTER_PORT is unset
 MONITORS = ("val_loss", "val_acc", "train_loss", "train_acc")  # what checkpoint-best can follow
+NEEDS_ROWS = "give it at least one row (an empty epoch trains nothing and reports a loss of nan)"
+VAL_NEEDS_ROWS = (
+    "give it rows, or pass val_loader=None to validate nothing (val_loss would be nan every epoch and no "
+    "checkpoint-best written; without validation, checkpoint-best follows the train_* metric)"
+)
 
 
 class DistributedFallbackWarning(RuntimeWarning):
@@ -59,6 +65,27 @@ def check_backend(backend: Optional[str]) -> None:
             f"backend = {backend!r}: not a torch.distributed backend; accepted: None or 'auto' (NCCL on CUDA, gloo "
             f"otherwise), {', '.join(repr(b) for b in known)}, or 'device:backend' pairs such as 'cpu:gloo,cuda:nccl'"
         )
+
+
+def engine_device(device: Union[str, torch.device, None], local_rank: int) -> torch.device:
+    """The engine's device: None is cuda:local_rank where there is a GPU, else the CPU. A CUDA device on a machine
+    without one (seed 004 writes torch.device(f'cuda:{rank}')) was torch's "Torch not compiled with CUDA enabled"
+    from deep inside the model's .to(); a misspelt one torch's list of every device type there is."""
+    if device is None:
+        return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        chosen = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(
+            f"device = {device!r} is not a device; use None (a GPU where there is one, else the CPU), 'cpu', "
+            "'cuda' or 'cuda:N'"
+        ) from None
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            f"device = {str(chosen)!r}, but this machine has no CUDA device (torch.cuda.is_available() is False); "
+            "pass device=None (a GPU where there is one, else the CPU) or 'cpu'"
+        )
+    return chosen
 
 
 def warn_fallback(message: str) -> None:
@@ -94,9 +121,7 @@ class TrainingEngine:
         progress_bar: bool = True,
         tensorboard: bool = True,
     ):
-        if device is None:
-            device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-        self.device = torch.device(device)
+        self.device = engine_device(device, local_rank)
         self.backend = backend
         self.fallback_reason: Optional[str] = None
         self.distributed = distributed and self._join_process_group(world_size, backend)
@@ -296,6 +321,13 @@ class TrainingEngine:
             raise ConfigError(f"max_grad_norm = {max_grad_norm!r}; give a positive norm to clip to, or 0 for none")
         if monitor not in MONITORS:
             raise ConfigError(f"monitor = {monitor!r}; choose one of {', '.join(MONITORS)}")
+        for name, loader in (("train_loader", train_loader), ("val_loader", val_loader)):
+            if isinstance(loader, torch.utils.data.Dataset):
+                # Iterating a dataset yields single rows: a shape error from the model's first layer.
+                raise ConfigError(
+                    f"{name} is a {type(loader).__name__}, not a loader: pass DataLoader(dataset, batch_size=..., "
+                    "sampler=DistributedSampler(dataset) when distributed), which yields (inputs, targets) batches"
+                )
         if save_steps is not None and (save_steps < 1 or _epoch_sampler(train_loader) is None):
             raise ConfigError(
                 f"save_steps = {save_steps!r} needs a positive step count and a train_loader whose sampler "
@@ -306,7 +338,7 @@ class TrainingEngine:
         # checkpoints away and resume from its state. Held while train() runs.
         with output_held(training_lock(self.output_dir), f"output_dir {self.output_dir}", self.is_main_process):
             self.attach(optimizer, scheduler)
-            self._check_batches_agree(train_loader)
+            self._check_loaders(train_loader, val_loader)
             self.fault = planned_fault()
             if resume_from is not None:
                 self.load_checkpoint(resume_from)
@@ -335,7 +367,11 @@ class TrainingEngine:
                     save_last=save_last,
                     lr=lr,
                 )
+                if train_metrics["samples"] == 0:  # a loader without len(): found empty only now, on every rank
+                    raise ConfigError(f"train_loader yielded no rows in epoch {epoch + 1}; {NEEDS_ROWS}")
                 val_metrics = self.validate(val_loader, criterion) if val_loader is not None else None
+                if val_metrics is not None and val_metrics["samples"] == 0:
+                    raise ConfigError(f"val_loader yielded no rows on any rank; {VAL_NEEDS_ROWS}")
                 record = self._record(epoch, train_metrics, val_metrics, lr, time.perf_counter() - started)
                 if scheduler is not None and scheduler_interval == "epoch":
                     step_scheduler(scheduler, record.get(self._monitor_key(monitor, record)))
@@ -385,6 +421,8 @@ class TrainingEngine:
             # that saved had drawn it before the step it saved after. The saved state goes back on now.
             load_rng_file(resume["folder"], self.rank)
         last = _length(loader)
+        if self.distributed and last is None:
+            batches = self._in_step(batches)
         for i, batch in enumerate(batches):
             inputs, targets = self._to_device(batch)
             with self.strategy.autocast():
@@ -397,7 +435,7 @@ class TrainingEngine:
             if self.scheduler is not None and scheduler_interval == "step":
                 self.scheduler.step()
             self.global_step += 1
-            totals.add(loss.detach().float(), outputs.detach(), targets)
+            totals.add(loss.detach().float(), outputs, targets)
             progress["rows"] += rows_of(targets)
             if reporter is not None and reporter.is_main:
                 if i % 10 == 0:  # .item() waits for the device: only rank 0 reads it, every few steps
@@ -407,6 +445,29 @@ class TrainingEngine:
             if self.checkpointer.due(self.global_step) and not (save_last and last is not None and i == last - 1):
                 self.save_checkpoint(LAST, epoch_progress={**progress, "totals": totals.sums.tolist()}, sampler=sampler)
         return totals.reduce()
+
+    def _in_step(self, batches: Iterable) -> Iterable:
+        """A train_loader without len() (an IterableDataset) on several ranks: before each step the ranks say whether
+        they have a batch, so that one running out first is refused on every rank at the same step. Without this the
+        others waited in DDP's all-reduce for it until the collective timeout. One tiny all-reduce per step."""
+        for step in itertools.count():
+            batch = next(batches, None)  # type: ignore[call-overload]
+            have = torch.zeros(self.world_size, dtype=torch.int32, device=self.device)
+            have[self.rank.rank] = batch is not None
+            have = rt.all_reduce_sum(have).tolist()
+            if all(have):
+                yield batch
+                continue
+            if any(have):
+                out = [r for r, h in enumerate(have) if not h]
+                more = [r for r, h in enumerate(have) if h]
+                raise ConfigError(
+                    f"train_loader ran out on rank {', '.join(map(str, out))} after {step} batches of this epoch, "
+                    f"while rank {', '.join(map(str, more))} had more; every rank needs the same number of batches. "
+                    "Shard an IterableDataset evenly across ranks (and drop the remainder), or use a map-style "
+                    "dataset with a DistributedSampler"
+                )
+            return
 
     def _inject_fault(self) -> None:
         """PHALANX_FAULT (runtime/faults.py): kill or raise in the middle of a step, after forward, as `phalanx train` does."""
@@ -548,15 +609,21 @@ class TrainingEngine:
             for buffer in model.buffers():
                 dist.broadcast(buffer, src=0)
 
-    def _check_batches_agree(self, loader: Iterable) -> None:
-        """Ranks must run the same number of training steps, or DDP's all-reduce waits forever."""
+    def _check_loaders(self, loader: Iterable, val_loader: Optional[Iterable]) -> None:
+        """Ranks must run the same number of training steps, or DDP's all-reduce waits forever; an empty loader is
+        refused (on every rank alike) before anything trains. Loaders without len() are checked as they run."""
+        mine = (_length(loader), _length(val_loader) if val_loader is not None else None)
+        everyone = rt.gather_objects(mine) if self.distributed else [mine]
+        val_counts = [val for _, val in everyone]
+        if val_loader is not None and None not in val_counts and sum(val_counts) == 0:
+            raise ConfigError(f"val_loader yields no batches on any rank; {VAL_NEEDS_ROWS}")
+        counts = [train for train, _ in everyone]
+        if None in counts:
+            return
+        if set(counts) == {0}:
+            raise ConfigError(f"train_loader yields no batches; {NEEDS_ROWS}")
         if not self.distributed:
             return
-        try:
-            mine = len(loader)  # type: ignore[arg-type]
-        except TypeError:
-            return
-        counts = rt.gather_objects(mine)
         if len(set(counts)) > 1:
             raise ConfigError(
                 f"train_loader yields {counts} batches on ranks 0..{len(counts) - 1}; every rank needs the "
@@ -670,8 +737,25 @@ def forward_loss(model: nn.Module, criterion: Any, inputs: Any, targets: Any, *,
             f"model(inputs) returned None ({type(getattr(model, 'module', model)).__name__}.forward has no return?); TrainingEngine passes "
             "the model's output to criterion(outputs, targets): return the predictions (e.g. class scores)"
         )
-    loss = criterion(outputs, targets)
     name = getattr(criterion, "__name__", type(criterion).__name__)
+    if not isinstance(outputs, torch.Tensor) and isinstance(criterion, nn.modules.loss._Loss):
+        # torch's losses take tensors: its TypeError ("argument 'input' must be Tensor, not dict") names neither.
+        model_name = type(getattr(model, "module", model)).__name__
+        if isinstance(outputs, dict):
+            what, pick = (
+                f"a dict (keys {', '.join(repr(k) for k in outputs)})",
+                f"outputs[{next(iter(outputs), 'KEY')!r}]",
+            )
+        elif isinstance(outputs, (tuple, list)):
+            what, pick = f"a {type(outputs).__name__} of {len(outputs)}", "outputs[0]"
+        else:
+            what, pick = f"a {type(outputs).__name__}", "the scores in outputs"
+        raise ConfigError(
+            f"{model_name}(inputs) returned {what}, but criterion {name} takes a tensor of predictions. Return the "
+            f"tensor from forward, or pass a criterion that picks it, e.g. "
+            f"lambda outputs, targets: nn.functional.cross_entropy({pick}, targets)"
+        )
+    loss = criterion(outputs, targets)
     accepted = "a one-element tensor, the batch mean (a torch loss with its default reduction='mean')"
     if not isinstance(loss, torch.Tensor):
         raise ConfigError(

@@ -17,6 +17,7 @@ builds sharded loaders, the engine, optimizer, criterion and scheduler, and trai
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import pickle
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
 
 from phalanx.engine.engine import BACKEND_ENV, TrainingEngine, check_backend, warn_fallback
 from phalanx.errors import ConfigError, RanksFailed
@@ -68,6 +69,9 @@ def launch_distributed_training(
         if world_size < 1:
             warn_fallback(f"world_size={world_size}: no devices to start ranks on; training in this process")
         return train_fn(0, 1, **_with_backend(train_fn, kwargs, backend))
+    if _is_worker(train_fn):
+        # Refused here, once, before any rank starts: inside the ranks each raised it with its own traceback.
+        check_worker_config({**_bound_keywords(train_fn), **kwargs})
     method = _start_method(start_method, train_fn, kwargs)
     from phalanx.launch.local import free_port
     from phalanx.launch.scratch import launcher_scratch
@@ -207,22 +211,8 @@ def distributed_train_worker(
     num_workers (default 0); optimizer_fn(params); criterion_fn(); scheduler_fn(optimizer) (optional);
     engine_kwargs and train_kwargs (passed to TrainingEngine and engine.train); seed (default 0).
     """
-    unknown = sorted(set(config) - set(CONFIG_KEYS))
-    missing = [k for k in REQUIRED_KEYS if k not in config]
-    if unknown or missing:
-        raise ConfigError(
-            f"distributed_train_worker config: unknown key(s) {unknown}, missing {missing}; "
-            f"accepted keys are {', '.join(CONFIG_KEYS)} (required: {', '.join(REQUIRED_KEYS)})"
-        )
+    check_worker_config(config)
     engine_kwargs = dict(config.get("engine_kwargs") or {})
-    clash = sorted(set(engine_kwargs) & set(SET_BY_WORKER))
-    if clash:
-        raise ConfigError(f"engine_kwargs {clash} are set by distributed_train_worker itself; remove them")
-    # Checked before any rank joins or trains: a misspelt key was a TypeError from deep inside the ranks.
-    _check_keywords("engine_kwargs", engine_kwargs, TrainingEngine.__init__, SET_BY_WORKER)
-    _check_keywords("train_kwargs", config.get("train_kwargs") or {}, TrainingEngine.train, TRAIN_ARGS_BY_WORKER)
-    if len(config["train_dataset"]) == 0:
-        raise ConfigError("train_dataset is empty (0 rows); give a dataset with at least one row")
 
     distributed = world_size > 1
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -252,8 +242,8 @@ def distributed_train_worker(
             config.get("val_dataset"),
             rank,
             world_size,
-            batch_size=int(config.get("batch_size", 32)),
-            num_workers=int(config.get("num_workers", 0)),
+            batch_size=config.get("batch_size", 32),
+            num_workers=config.get("num_workers", 0),
             device=device,
             seed=seed,
         )
@@ -276,6 +266,56 @@ def distributed_train_worker(
     finally:
         if distributed:
             TrainingEngine.cleanup_distributed()
+
+
+def check_worker_config(config: dict) -> None:
+    """distributed_train_worker's config, checked before any rank joins or trains (by launch_distributed_training
+    before it starts them): a misspelt key or an unusable dataset was an error from deep inside every rank."""
+    unknown = sorted(set(config) - set(CONFIG_KEYS))
+    missing = [k for k in REQUIRED_KEYS if k not in config]
+    if unknown or missing:
+        raise ConfigError(
+            f"distributed_train_worker config: unknown key(s) {unknown}, missing {missing}; "
+            f"accepted keys are {', '.join(CONFIG_KEYS)} (required: {', '.join(REQUIRED_KEYS)})"
+        )
+    engine_kwargs = dict(config.get("engine_kwargs") or {})
+    clash = sorted(set(engine_kwargs) & set(SET_BY_WORKER))
+    if clash:
+        raise ConfigError(f"engine_kwargs {clash} are set by distributed_train_worker itself; remove them")
+    _check_keywords("engine_kwargs", engine_kwargs, TrainingEngine.__init__, SET_BY_WORKER)
+    _check_keywords("train_kwargs", config.get("train_kwargs") or {}, TrainingEngine.train, TRAIN_ARGS_BY_WORKER)
+    for key in ("train_dataset", "val_dataset"):
+        dataset = config.get(key)
+        if dataset is not None and (isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__")):
+            # The worker shards rows by index (a sampler over range(len)): a stream has neither.
+            kind = "an IterableDataset" if isinstance(dataset, IterableDataset) else "without len()"
+            raise ConfigError(
+                f"{key} is a {type(dataset).__name__}, {kind}; distributed_train_worker splits rows across ranks by "
+                "index, so it needs a map-style dataset (__len__ and __getitem__). For a stream, build the loaders "
+                "yourself, every rank yielding the same number of batches, and call TrainingEngine.train"
+            )
+    if len(config["train_dataset"]) == 0:
+        raise ConfigError("train_dataset is empty (0 rows); give a dataset with at least one row")
+    for key, default, least in (("batch_size", 32, 1), ("num_workers", 0, 0)):
+        value = config.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ConfigError(f"{key} = {value!r}; give a whole number, {least} or more")
+
+
+def _is_worker(train_fn: Callable) -> bool:
+    """distributed_train_worker itself, or a functools.partial of it."""
+    while isinstance(train_fn, functools.partial):
+        train_fn = train_fn.func
+    return train_fn is distributed_train_worker
+
+
+def _bound_keywords(train_fn: Callable) -> dict:
+    """The keywords functools.partial layers bind (outermost wins, as when called)."""
+    bound: dict = {}
+    while isinstance(train_fn, functools.partial):
+        bound = {**train_fn.keywords, **bound}
+        train_fn = train_fn.func
+    return bound
 
 
 def _check_keywords(label: str, given: dict, function: Callable, supplied: tuple[str, ...]) -> None:

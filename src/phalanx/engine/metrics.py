@@ -7,6 +7,8 @@ uneven last batch, a validation shard that does not divide evenly); summing
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from phalanx.runtime.dist import all_reduce_sum
@@ -61,12 +63,14 @@ class MetricTotals:
         # float64: sums of thousands of fp32 losses must not drift before they are divided
         self.sums = torch.zeros(5, dtype=torch.float64, device=device)
 
-    def add(self, loss: torch.Tensor, outputs: torch.Tensor, targets: torch.Tensor) -> None:
-        """`loss` is the batch's mean loss (the criterion's usual reduction), so it weighs by the batch's samples."""
-        samples = targets.shape[0] if targets.dim() > 0 else outputs.shape[0]
+    def add(self, loss: torch.Tensor, outputs: Any, targets: torch.Tensor) -> None:
+        """`loss` is the batch's mean loss (the criterion's usual reduction), so it weighs by the batch's samples.
+        `outputs` may be anything the model returns (a dict, a tuple): accuracy is counted for class scores only."""
+        scores = isinstance(outputs, torch.Tensor)
+        samples = targets.shape[0] if targets.dim() > 0 else (outputs.shape[0] if scores else 1)
         self.sums[0] += loss.detach().double() * samples
         self.sums[1] += samples
-        if is_classification(outputs, targets):
+        if scores and is_classification(outputs, targets):
             self.sums[4] = 1
             self.sums[2] += (outputs.detach().argmax(dim=1) == targets).sum()
             self.sums[3] += targets.numel()

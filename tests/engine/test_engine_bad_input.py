@@ -1,0 +1,185 @@
+"""TrainingEngine with what a hurried user passes: models that return a dict or a tuple, empty loaders, a dataset
+where a loader goes, a CUDA device on a CPU machine, an IterableDataset. Each trains or is refused by name."""
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+from dist_workers import run_ranks
+from engine import engine_ranks
+from phalanx.engine.engine import TrainingEngine
+from phalanx.engine.launch import distributed_train_worker, launch_distributed_training
+from phalanx.errors import ConfigError
+
+QUIET = {"progress_bar": False, "tensorboard": False}
+
+
+def pairs(rows: int = 8) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(rows, 4, generator=g), torch.randint(0, 3, (rows,), generator=g))
+
+
+class DictOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+
+    def forward(self, x):
+        return {"logits": self.net(x)}
+
+
+class TupleOut(DictOut):
+    def forward(self, x):
+        return self.net(x), x.sum()
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def dict_loss(outputs, targets):
+    return nn.functional.cross_entropy(outputs["logits"], targets)
+
+
+def tuple_loss(outputs, targets):
+    return nn.functional.cross_entropy(outputs[0], targets)
+
+
+def fit(tmp_path, model, criterion, train, val=None, epochs=1, **train_kwargs):
+    engine = TrainingEngine(model, "cpu", output_dir=tmp_path, **QUIET)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return engine.train(train, val, optimizer, criterion, num_epochs=epochs, **train_kwargs)
+
+
+@pytest.mark.parametrize("model, criterion", [(DictOut, dict_loss), (TupleOut, tuple_loss)])
+def test_a_model_that_returns_a_dict_or_a_tuple_trains_with_a_criterion_that_takes_it(tmp_path, model, criterion):
+    """The loss was computed, then the epoch's metrics called outputs.detach(): AttributeError 'dict' object has no
+    attribute 'detach'. Accuracy needs class scores, so such a run reports losses only."""
+    loader = DataLoader(pairs(), batch_size=4)
+    history = fit(tmp_path, model(), criterion, loader, loader, epochs=2)
+    assert history["epoch"] == [1, 2] and "val_loss" in history and "train_acc" not in history
+    assert (tmp_path / "experiment" / "checkpoint-best" / "model.safetensors").is_file()
+
+
+def test_a_dict_or_tuple_output_given_to_a_torch_loss_is_named(tmp_path):
+    """It was torch's TypeError "cross_entropy_loss(): argument 'input' (position 1) must be Tensor, not dict", which
+    names neither the model nor what to do."""
+    loader = DataLoader(pairs(), batch_size=4)
+    with pytest.raises(ConfigError, match=r"DictOut\(inputs\) returned a dict \(keys 'logits'\).*CrossEntropyLoss.*"):
+        fit(tmp_path, DictOut(), nn.CrossEntropyLoss(), loader)
+    with pytest.raises(ConfigError, match=r"TupleOut\(inputs\) returned a tuple of 2.*outputs\[0\]"):
+        fit(tmp_path / "t", TupleOut(), nn.CrossEntropyLoss(), loader)
+
+
+def test_empty_loaders_are_refused_instead_of_a_nan_history(tmp_path):
+    """An empty train_loader gave train_loss nan and committed an untrained checkpoint-last; an empty val_loader gave
+    val_loss nan every epoch and never a checkpoint-best, without a word."""
+    empty = DataLoader(pairs(0), batch_size=4)
+    with pytest.raises(ConfigError, match=r"train_loader yields no batches.*at least one row"):
+        fit(tmp_path, nn.Linear(4, 3), nn.CrossEntropyLoss(), empty)
+    with pytest.raises(ConfigError, match=r"val_loader yields no batches.*val_loader=None"):
+        fit(tmp_path, nn.Linear(4, 3), nn.CrossEntropyLoss(), DataLoader(pairs(), batch_size=4), [])
+    with pytest.raises(ConfigError, match=r"train_loader yielded no rows"):
+        fit(tmp_path, nn.Linear(4, 3), nn.CrossEntropyLoss(), DataLoader(Rows(0), batch_size=4))
+    assert not (tmp_path / "experiment" / "checkpoint-last").exists(), "nothing was committed"
+
+
+def test_a_dataset_where_a_loader_goes_is_named(tmp_path):
+    """Iterating a TensorDataset yields single rows: BatchNorm's "expected 2D or 3D input (got 1D input)"."""
+    with pytest.raises(ConfigError, match=r"train_loader is a TensorDataset, not a loader.*DataLoader\("):
+        fit(tmp_path, nn.Linear(4, 3), nn.CrossEntropyLoss(), pairs())
+    with pytest.raises(ConfigError, match=r"val_loader is a TensorDataset, not a loader"):
+        fit(tmp_path, nn.Linear(4, 3), nn.CrossEntropyLoss(), DataLoader(pairs(), batch_size=4), pairs())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_device_this_machine_lacks_or_misspelt_is_named():
+    """Seed 004's device = torch.device(f'cuda:{rank}') on a CPU machine was "AssertionError: Torch not compiled with
+    CUDA enabled" from deep inside torch; a misspelt one torch's list of every device type."""
+    for device in ("cuda", "cuda:1", torch.device("cuda", 0)):
+        with pytest.raises(ConfigError, match=r"device = .*cuda.* no CUDA device.*device=None"):
+            TrainingEngine(nn.Linear(2, 2), device, **QUIET)
+    with pytest.raises(ConfigError, match=r"device = 'cpuu' is not a device.*'cpu'"):
+        TrainingEngine(nn.Linear(2, 2), "cpuu", **QUIET)
+
+
+class Rows(IterableDataset):
+    """An IterableDataset of `rows` (x, label) pairs; no __len__."""
+
+    def __init__(self, rows: int):
+        self.rows = rows
+
+    def __iter__(self):
+        data = pairs(max(self.rows, 1))
+        return (data[i] for i in range(self.rows))
+
+
+def test_an_iterable_dataset_trains_in_one_process(tmp_path):
+    history = fit(tmp_path, mlp(), nn.CrossEntropyLoss(), DataLoader(Rows(8), batch_size=4), epochs=2)
+    assert history["epoch"] == [1, 2]
+
+
+def uneven_iterable(rank: int, world: int, out_dir: str) -> str:
+    """Rank 0's IterableDataset holds 2 batches, rank 1's 3: the third step's all-reduce had no partner."""
+    torch.set_num_threads(1)
+    model = mlp()
+    engine = TrainingEngine(
+        model, "cpu", distributed=True, local_rank=rank, world_size=world, output_dir=out_dir, **QUIET
+    )
+    loader = DataLoader(Rows(8 if rank == 0 else 12), batch_size=4)
+    try:
+        engine.train(loader, None, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), num_epochs=1)
+    except ConfigError as exc:
+        return str(exc)
+    return "trained"
+
+
+@pytest.mark.distributed
+def test_an_iterable_dataset_that_runs_out_on_one_rank_is_refused_not_a_hang(tmp_path):
+    """Ranks without a len() could not be compared up front: the rank with more batches waited in DDP's all-reduce
+    until the collective timeout (10 minutes)."""
+    results = run_ranks(uneven_iterable, 2, str(tmp_path))
+    for message in results:
+        assert "train_loader ran out on rank 0 after 2 batches" in message and "rank 1 had more" in message, message
+
+
+def worker_config(tmp_path, **changes) -> dict:
+    config = engine_ranks.worker_config(str(tmp_path), 8)
+    config["train_kwargs"] = {"num_epochs": 1}
+    return {**config, **changes}
+
+
+def test_the_worker_refuses_an_iterable_dataset_and_bad_batch_settings_by_name(tmp_path):
+    """An IterableDataset was "TypeError: object of type 'Rows' has no len()"; batch_size 0 DataLoader's ValueError
+    from inside every rank."""
+    with pytest.raises(ConfigError, match=r"train_dataset is a Rows, an IterableDataset.*map-style"):
+        distributed_train_worker(0, 1, **worker_config(tmp_path, train_dataset=Rows(8)))
+    with pytest.raises(ConfigError, match=r"val_dataset is a Rows, an IterableDataset"):
+        distributed_train_worker(0, 1, **worker_config(tmp_path, val_dataset=Rows(8)))
+    for key, bad in (("batch_size", 0), ("batch_size", "8"), ("num_workers", -1)):
+        with pytest.raises(ConfigError, match=f"{key} = {bad!r}"):
+            distributed_train_worker(0, 1, **worker_config(tmp_path, **{key: bad}))
+    assert not (tmp_path / "worker").exists(), "nothing was trained or written"
+
+
+def test_the_launcher_checks_the_worker_config_before_any_rank_starts(tmp_path, monkeypatch):
+    """A misspelt engine_kwargs key was raised inside every rank: RanksFailed with a traceback per rank."""
+    import torch.multiprocessing
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(torch.multiprocessing, "start_processes", no_ranks)
+    config = worker_config(tmp_path)
+    config["engine_kwargs"] = {**config["engine_kwargs"], "use_emma": True}
+    with pytest.raises(ConfigError, match=r"engine_kwargs: unknown key 'use_emma'. Did you mean 'use_ema'\?"):
+        launch_distributed_training(distributed_train_worker, 2, **config)
+    with pytest.raises(ConfigError, match=r"train_dataset is a Rows, an IterableDataset"):
+        launch_distributed_training(distributed_train_worker, 2, **worker_config(tmp_path, train_dataset=Rows(8)))
+    partial_worker = functools.partial(distributed_train_worker, seed=1)
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['batchsize'\]"):
+        launch_distributed_training(partial_worker, 2, **worker_config(tmp_path), batchsize=3)
