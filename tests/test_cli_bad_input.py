@@ -456,6 +456,18 @@ def test_a_cache_folder_that_cannot_be_made_is_named_with_its_variable(tmp_path,
     assert sorted(tmp_path.iterdir()) == [], "nothing written"
 
 
+def test_data_preview_refuses_what_train_refuses_in_a_dataset_folder(tmp_path, capsys):
+    """`phalanx data preview --dataset_path data/` on seed 001's folder (traj_chat.jsonl beside traj_val.jsonl)
+    previewed the held-out rows as training rows, status 0, where `phalanx train` on the same flags refuses it; and
+    `--rows -1` was taken as 'show none'."""
+    write_chat_jsonl(tmp_path / "data" / "traj_chat.jsonl", 4)
+    write_chat_jsonl(tmp_path / "data" / "traj_val.jsonl", 2)
+    code, text = run_main(["data", "preview", "--dataset_path", str(tmp_path / "data")], capsys)
+    assert code == 2 and "traj_val.jsonl too, whose name marks a held-out split ('val')" in text, text
+    code, text = run_main(["data", "preview", "--rows", "-1"], capsys)
+    assert code == 2 and "--rows -1: expected a whole number of rows, 0 or more" in text, text
+
+
 def test_ctrl_c_before_a_command_installs_its_handler_is_one_line_and_status_130(tmp_path):
     """`phalanx generate --world_size 2` reads the prompts (importing transformers, seconds) before it starts the
     ranks, with Python's own Ctrl-C: a KeyboardInterrupt traceback from deep inside a library, status -2."""

@@ -55,6 +55,8 @@ def _templates() -> int:
 
 def _preview(args: list[str]) -> int:
     rows, args = _take(args, "rows", "3", int, "a whole number of rows, e.g. --rows 5")
+    if rows < 0:
+        raise PhalanxError(f"--rows {rows}: expected a whole number of rows, 0 or more, e.g. --rows 5")
     color, args = _take(args, "color", "auto", str, "auto, always or never")
     if color not in ("auto", "always", "never"):
         raise PhalanxError(f"--color {color!r}: accepted values are auto, always, never")
@@ -80,6 +82,7 @@ def preview(cfg: Any, tokenizer: Any, rows: int, color: bool, say: Callable[[str
         describe_report,
         iter_outcomes,
     )
+    from phalanx.data.sources import refuse_held_out_files_among_training_files
     from phalanx.models.load import generation_config_eos_ids
 
     counts, shown = RowCounts(), [0]
@@ -88,6 +91,8 @@ def preview(cfg: Any, tokenizer: Any, rows: int, color: bool, say: Callable[[str
     # Every row is read, whatever on_bad_row says: a preview lists all refusals instead of stopping at the first.
     data_cfg = cfg.data.model_copy(update={"on_bad_row": "skip"})
     sources = [DataSource.for_training(data_cfg)]
+    if sources[0].kind == "path":  # what training refuses before reading a row (a traj_val.jsonl in the folder)
+        refuse_held_out_files_among_training_files(sources[0].target, data_cfg.eval_dataset_path)
     if data_cfg.eval_dataset_path:
         sources.append(DataSource.path(data_cfg.eval_dataset_path))
     trained: list[dict] = []
