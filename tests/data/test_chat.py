@@ -1086,3 +1086,28 @@ def test_reasoning_written_without_its_opening_tag_is_located_like_a_think_block
         row = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", **answer}]}
         runs.append(target_runs(tok, one(tokenize_conversation(tok, to_conversation(row, WHERE), WHERE))))
     assert runs == [["add them</think>4"]] * 3
+
+
+def test_a_greeting_the_template_takes_only_after_a_user_message_is_refused_as_the_greeting():
+    """Qwen3.5's template raises 'No user query found in messages' on a conversation without a user message. A row
+    opening with a greeting renders whole, but the greeting's own turn (messages[:1], how phalanx finds what the model
+    wrote) does not: it was refused as a row the template does not take ("change the row"), quoting an error the row
+    does not have (it has a user message). The refusal says what fails and what to do."""
+    from data.templates import REAL, build_tokenizer
+
+    tok = build_tokenizer((REAL / "Qwen3.5-4B.jinja").read_text(encoding="utf-8"))
+    row = {
+        "messages": [
+            {"role": "assistant", "content": "Hi! How can I help?"},
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4"},
+        ]
+    }
+    assert "No user query" not in tok.apply_chat_template(row["messages"], tokenize=False)  # the whole row renders
+    for multi_turn in ("auto", "per_turn"):
+        with pytest.raises(DataError) as info:
+            tokenize_conversation(tok, to_conversation(row, WHERE), WHERE, multi_turn=multi_turn)
+        message = str(info.value)
+        assert message.startswith(f"{WHERE}: messages[0] (assistant): the conversation opens with an assistant message")
+        assert "No user query found in messages" in message and "renders the whole row" in message, message
+        assert "Start the row with the user (or system) message the assistant answers" in message, message

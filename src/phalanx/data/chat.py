@@ -564,7 +564,7 @@ def _locate_turn(r: _Renderer, i: int) -> _Turn:
     else:  # the template's own refusal of the row comes first (Mistral's alternation check, Hermes' tools)
         r.prefix(len(r.messages), False)
         context = prompt = ""
-    view = r.prefix(i + 1, False)
+    view = _opening_view(r) if i == 0 else r.prefix(i + 1, False)
     probe = r.try_render(r.messages[:i] + [{"role": "assistant", "content": SENTINEL}], False)
     if probe is None:
         raise DataError(
@@ -597,6 +597,31 @@ def _locate_turn(r: _Renderer, i: int) -> _Turn:
     tail = view[own_end:end]
     unmarked = not tail.strip() and not (eos and not eos.strip() and eos in tail)
     return _Turn(i, view, start, end, own_end, _closed_by_next(r, i, view, end) if end == own_end else "", unmarked)
+
+
+def _opening_view(r: _Renderer) -> str:
+    """The turn view of an assistant message that opens the conversation: the message alone. A template may take the
+    whole row but not that (Qwen3.5's raises 'No user query found in messages' on a conversation without a user
+    message); the row was then refused as one the template does not take, quoting an error the row does not have."""
+    try:
+        return r.prefix(1, False)
+    except _TemplateRaised:
+        if len(r.messages) < 2 or r.try_render(r.messages, False) is None:
+            raise
+        try:
+            r._apply(r.messages[:1], False)
+        except Exception as e:  # noqa: BLE001 - the template's own error, said in the refusal
+            error = f"{type(e).__name__}: {str(e).rstrip('.')}"
+        else:  # pragma: no cover - it failed a moment ago
+            raise
+        raise _TemplateRaised(
+            f"{r.where}: messages[0] (assistant): the conversation opens with an assistant message, and the chat "
+            f"template renders the whole row but not that message alone ({error}): the conversation as it stood when "
+            "the message was written, which phalanx renders to find what the model wrote, so where that turn ends "
+            "cannot be located. Start the row with the user (or system) message the assistant answers, or leave the "
+            "opening assistant message out.",
+            1,
+        ) from None
 
 
 def _empty_context_error(r: _Renderer) -> Optional[Exception]:
