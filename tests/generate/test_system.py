@@ -312,6 +312,41 @@ def test_killed_launcher_then_preempted_launch_then_rerun_completes_without_dupl
         assert (out.parent / name).read_bytes() == (root / "w1" / name).read_bytes(), name
 
 
+def rank_of(pid: int) -> int:
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return int(next(v for v in env if v.startswith(b"RANK=")).split(b"=", 1)[1])
+
+
+def test_a_killed_rank_is_named_alone_and_the_other_stops_without_a_traceback(runs, tmp_path):
+    """kill -9 of rank 1 mid-run: rank 0 met it next in a collective, printed gloo's "Connection closed by peer"
+    traceback and was named as failing too (`failed on rank 0 (exit code 1), rank 1 (killed by SIGKILL)`). It stands
+    aside now, as a training rank does, and the launcher names the killed rank only. A rerun completes the files."""
+    root, prompts, _, _ = runs
+    out = tmp_path / "r" / "traj_chat.jsonl"
+    shards = out.with_name("traj_chat.jsonl.shards")
+    command = generate_args(prompts, out, "--world_size", "2")
+    proc = start_phalanx(*command)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None and not committed_pairs(shards):
+            time.sleep(0.01)
+        ranks = children(proc.pid)
+        assert proc.poll() is None and len(ranks) == 2, "the run ended before a rank could be killed"
+        os.kill(next(pid for pid in ranks if rank_of(pid) == 1), signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert "failed on rank 1 (killed by SIGKILL); the other ranks were stopped" in stderr, stderr[-3000:]
+    assert "rank 0 (exit code" not in stderr, stderr[-3000:]
+    rerun = run_phalanx(*command)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    for name in ("traj_chat.jsonl", "traj_val.jsonl"):
+        assert (out.parent / name).read_bytes() == (root / "w1" / name).read_bytes(), name
+
+
 def test_ctrl_c_twice_while_the_ranks_start_stops_them_at_once(tmp_path):
     """Generation ranks answer Ctrl-C as training ranks do (the same flag): the first asks them to commit the batch
     they are generating and stop; a second one, pressed while they still start, stops them at once. The launcher

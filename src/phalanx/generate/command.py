@@ -69,14 +69,22 @@ def main(argv: Sequence[str]) -> int:
     quiet_libraries()
     try:
         return run(args, preemption)
-    except PhalanxError as exc:
-        # As train's ranks do: what a rank refuses is said once for the job, with its status (2 for bad input),
-        # rather than once per rank; a rank's crash (RanksFailed) keeps its status 1.
-        if not is_rank or int(os.environ["WORLD_SIZE"]) == 1 or isinstance(exc, RanksFailed):
-            raise
-        from phalanx.launch.local import report_bad_input
+    except Exception as exc:
+        if isinstance(exc, PhalanxError):
+            # As train's ranks do: what a rank refuses is said once for the job, with its status (2 for bad input),
+            # rather than once per rank; a rank's crash (RanksFailed) keeps its status 1.
+            if not is_rank or int(os.environ["WORLD_SIZE"]) == 1 or isinstance(exc, RanksFailed):
+                raise
+            from phalanx.launch.local import report_bad_input
 
-        return report_bad_input(exc, int(os.environ["RANK"]))
+            return report_bad_input(exc, int(os.environ["RANK"]))
+        from phalanx.launch.local import stand_aside_for_killed_peer
+
+        # A peer killed mid-run (kill -9, the OOM killer) fails this rank's next collective: the launcher names the
+        # killed rank, and this one says why it stopped in one line instead of gloo's traceback.
+        if is_rank and int(os.environ["WORLD_SIZE"]) > 1 and stand_aside_for_killed_peer(exc):
+            return 1
+        raise
 
 
 def run(args: argparse.Namespace, preemption) -> int:

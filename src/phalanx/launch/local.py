@@ -351,14 +351,38 @@ def watch_launcher_and_peers(launcher: int, record: Path) -> None:
                 break
             lost = lost_peers(record) if stop_signal_received() else []
             if lost:
-                say = f"{', '.join(lost)} ended without an exit status (killed), and nothing more can finish without it"
-                write_rank_message(STOPPED_FOR_LOST_PEER, f"stopped: {say}", int(os.environ.get("RANK", "0")))
+                say = stopped_for(lost)
                 break
             time.sleep(ORPHAN_POLL_S)
         print(f"[rank {os.environ.get('RANK')}] {say}; stopping this rank", file=sys.stderr, flush=True)
         exit_at_once(1)
 
     threading.Thread(target=watch, name="phalanx-launcher-watch", daemon=True).start()
+
+
+def stopped_for(lost: list[str]) -> str:
+    """Say that this rank stops because `lost` peers were killed, and leave it for the launcher, which then names
+    them, not this rank (stopped_for_lost_peer)."""
+    say = f"{', '.join(lost)} ended without an exit status (killed), and nothing more can finish without it"
+    write_rank_message(STOPPED_FOR_LOST_PEER, f"stopped: {say}", int(os.environ.get("RANK", "0")))
+    return say
+
+
+def stand_aside_for_killed_peer(exc: BaseException) -> bool:
+    """In a rank of launch_local whose collective failed (gloo: "Connection closed by peer") because a peer on this
+    node was killed: say so in one line, instead of the collective's traceback, and leave the launcher to name the
+    killed rank alone. False (nothing said) when no peer was killed: then `exc` is this rank's own failure."""
+    record = rank_exit_record()
+    lost = lost_peers(record) if record is not None else []
+    if not lost:
+        return False
+    detail = " ".join(str(exc).split())[:200]
+    print(
+        f"[rank {os.environ.get('RANK')}] {stopped_for(lost)}; stopping this rank (here: {type(exc).__name__}: {detail})",
+        file=sys.stderr,
+        flush=True,
+    )
+    return True
 
 
 def rank_pid_file(record: Path) -> Path:
