@@ -207,6 +207,11 @@ def test_a_missing_prompts_path_the_model_and_dtype_are_named_by_their_flags(tmp
 
     with pytest.raises(DataError, match=f"--prompts {tmp_path}/none.jsonl: no such file or folder; accepted: "):
         read_prompts(str(tmp_path / "none.jsonl"), None)
+    # a file of another type: named by the flag, with .txt among what is accepted (training's list, without it, and
+    # without the flag, was given)
+    (tmp_path / "questions.csv").write_text("q\n")
+    with pytest.raises(DataError, match=r"--prompts .*questions.csv: unsupported file type '.csv'; accepted: .*\.txt"):
+        read_prompts(str(tmp_path / "questions.csv"), None)
     args = parse_args(["--model_name", str(tmp_path / "no-model"), "--output", str(tmp_path / "o.jsonl")])
     with pytest.raises(ConfigError, match=f"--model_name '{tmp_path}/no-model': no such folder"):
         plan_job(args, warn=print)

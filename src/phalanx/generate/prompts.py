@@ -89,12 +89,14 @@ def _iter_source(source: str):
     if source == BUNDLED:
         return iter_rows(bundled_dataset_path(), kind="path")
     path = Path(source)
+    accepted = f"{ACCEPTED_PATHS}, or a .txt file of one question per line"
     if not path.exists():
-        raise DataError(
-            f"--prompts {path}: no such file or folder; {ACCEPTED_PATHS}, or a .txt file of one question per line"
-        )
+        raise DataError(f"--prompts {path}: no such file or folder; {accepted}")
     if path.suffix == ".txt" and path.is_file():
         return _iter_txt(path)
+    if path.is_file() and path.suffix not in (".jsonl", ".json"):
+        # training's reader would refuse it listing training's file types, which leave out .txt
+        raise DataError(f"--prompts {path}: unsupported file type '{path.suffix or '(none)'}'; {accepted}")
     return iter_rows(path, kind="path")
 
 
