@@ -1111,3 +1111,32 @@ def test_a_greeting_the_template_takes_only_after_a_user_message_is_refused_as_t
         assert message.startswith(f"{WHERE}: messages[0] (assistant): the conversation opens with an assistant message")
         assert "No user query found in messages" in message and "renders the whole row" in message, message
         assert "Start the row with the user (or system) message the assistant answers" in message, message
+
+
+# Command A Reasoning's way: every assistant message's `content[0].thinking` is read (a string has a first character
+# unless it is empty), and a tool message's content is iterated as a list of results.
+READS_ASSISTANT_PARTS = (
+    "{% for m in messages %}<|{{ m.role }}|>"
+    "{% if m.role == 'assistant' %}{% if m.content[0].thinking %}<T>{{ m.content[0].thinking }}</T>{% endif %}"
+    "{% for tc in m.tool_calls or [] %}<call>{{ tc.function.name }} {{ tc.function.arguments | tojson }}</call>"
+    "{% endfor %}{% if m.content is string %}{{ m.content }}{% endif %}"
+    "{% else %}{% for part in m.content %}{{ part.text if part is mapping else '[' + part + ']' }}{% endfor %}"
+    "{% endif %}<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_an_empty_assistant_content_goes_as_one_empty_text_part_where_the_string_fails(make_tokenizer):
+    """A tool call's empty content: Command A Reasoning's template reads `content[0].thinking` of each assistant
+    message, which an empty string fails ('str object has no element 0'), so every tool-calling row was refused with
+    that error, which no row can avoid (content null is passed as ""). With every content as text parts, it renders."""
+    tok = make_tokenizer(READS_ASSISTANT_PARTS)
+    row = weather_call_row({"city": "Paris"})
+    result = tokenize_conversation(tok, to_conversation(row, WHERE), WHERE)
+    assert tok.decode(result.examples[0]["input_ids"]) == (
+        '<|user|>weather?<|end|><|assistant|><call>get_weather {"city": "Paris"}</call><|end|>'
+        "<|tool|>sunny<|end|><|assistant|>Sunny.<|end|>"
+    )
+    assert target_runs(tok, result.examples[0]) == [
+        '<call>get_weather {"city": "Paris"}</call><|end|>',
+        "Sunny.<|end|>",
+    ]

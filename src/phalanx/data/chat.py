@@ -273,10 +273,12 @@ def _with_text_arguments(conv: Conversation) -> Optional[Conversation]:
 def as_text_parts(messages: list[dict]) -> list[dict]:
     """The messages with each system, user and tool message's string content as one text part (`[{"type": "text",
     "text": ...}]`, as OpenAI's API takes it too). Assistant messages keep their string: the turn is located by
-    replacing its text, and a template that reads parts there reads them for the others too."""
+    replacing its text, and a template that reads parts there reads them for the others too. An empty one (a tool
+    call's) becomes one empty part: Command A Reasoning's template reads `content[0].thinking` of every assistant
+    message, which a string has unless it is empty."""
     return [
         {**m, "content": [{"type": "text", "text": m["content"]}]}
-        if m.get("role") != "assistant" and isinstance(m.get("content"), str)
+        if isinstance(m.get("content"), str) and (m.get("role") != "assistant" or not m["content"])
         else m
         for m in messages
     ]
