@@ -341,7 +341,8 @@ class DistributedConfig(Section):
         None,
         description="FSDP: a JSON config as `phalanx config fsdp` writes it; its fields override sharding_strategy (and "
         "can turn CPU offload on); its fsdp_mixed_precision must be the run's precision (BFLOAT16 for bf16 on CUDA; "
-        "a CPU run is fp32), or NO to take the run's.",
+        "a CPU run is fp32), or NO to take the run's. Its other fields are accelerate's: phalanx shards each of the "
+        "model's decoder layers whatever fsdp_transformer_layer_cls_to_wrap lists.",
     )
     use_deepspeed: bool = Field(False, description="Seed 003's switch: true means strategy 'deepspeed'.")
     use_fsdp: bool = Field(False, description="Seed 003's switch: true means strategy 'fsdp'.")

@@ -104,7 +104,9 @@ def fsdp_config(
 
 
 def read_fsdp_config(path: str) -> dict:
-    """The settings `phalanx train` takes from an FSDP JSON: sharding strategy, mixed precision, CPU offload."""
+    """The settings `phalanx train` takes from an FSDP JSON: sharding strategy, mixed precision, CPU offload. The
+    other fields are accelerate's; fsdp_transformer_layer_cls_to_wrap in particular is not needed, since phalanx
+    shards each decoder layer it finds in the model (models.blocks.decoder_layers)."""
     data = read_json_mapping(path, "distributed.fsdp_config")
     sharding = data.get("fsdp_sharding_strategy", "FULL_SHARD")
     precision = str(data.get("fsdp_mixed_precision", "NO")).upper()
@@ -162,7 +164,13 @@ def config_main(argv: Sequence[str]) -> int:
     fs.add_argument(
         "--cpu_offload", action="store_true", help="parameters, gradients and the optimizer step on the CPU"
     )
-    fs.add_argument("--layer_cls", nargs="+", default=None, help="decoder layer classes to wrap one by one")
+    fs.add_argument(
+        "--layer_cls",
+        nargs="+",
+        default=None,
+        help="fsdp_transformer_layer_cls_to_wrap, for tools that read it (accelerate); phalanx train wraps each of "
+        "the model's own decoder layers whatever the file lists",
+    )
     fs.add_argument("--output", default=None, help="file to write; standard output when unset")
     fs.add_argument("--overwrite", action="store_true", help="replace an existing --output that holds something else")
     try:
