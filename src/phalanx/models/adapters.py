@@ -57,7 +57,8 @@ def apply_finetuning(model: nn.Module, model_cfg: ModelConfig, lora_cfg: LoraCon
     except ValueError as exc:
         names = sorted({name.rsplit(".", 1)[-1] for name, mod in model.named_modules() if isinstance(mod, nn.Linear)})
         raise ConfigError(
-            f"lora.target_modules = {lora_cfg.target_modules!r}: {exc}. Linear modules in this model: {names}"
+            f"lora.target_modules = {lora_cfg.target_modules!r}: {str(exc).rstrip('.')}. Linear modules in this model: "
+            f"{names}"
         ) from None
     if model_cfg.gradient_checkpointing:
         peft_model.enable_input_require_grads()
