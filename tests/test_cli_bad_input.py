@@ -464,6 +464,12 @@ def test_data_preview_refuses_what_train_refuses_in_a_dataset_folder(tmp_path, c
     write_chat_jsonl(tmp_path / "data" / "traj_val.jsonl", 2)
     code, text = run_main(["data", "preview", "--dataset_path", str(tmp_path / "data")], capsys)
     assert code == 2 and "traj_val.jsonl too, whose name marks a held-out split ('val')" in text, text
+    # the training file given again as the eval file: scored on what it trained on, silently, in train and preview
+    train = str(tmp_path / "data" / "traj_chat.jsonl")
+    for command in (["train", "--output_dir", str(tmp_path / "out")], ["data", "preview"]):
+        code, text = run_main([*command, "--dataset_path", train, "--eval_dataset_path", train], capsys)
+        assert code == 2 and f"data.eval_dataset_path {train} is the training file" in text, text
+    assert not (tmp_path / "out").exists()
     code, text = run_main(["data", "preview", "--rows", "-1"], capsys)
     assert code == 2 and "--rows -1: expected a whole number of rows, 0 or more" in text, text
 

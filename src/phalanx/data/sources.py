@@ -182,8 +182,15 @@ def refuse_held_out_files_among_training_files(train_path: str, eval_path: Optio
     """A folder given as data.dataset_path is read whole (every *.jsonl), so a held-out file inside it would be
     trained on: the eval file itself (then scored on rows the run trained on), or a file whose name marks a held-out
     split (seed 001's data/ holds traj_chat.jsonl and traj_val.jsonl). Both are refused, naming the file and the
-    training file(s) to point at instead. A folder of held-out files only is taken as meant."""
+    training file(s) to point at instead. A folder of held-out files only is taken as meant. The training file
+    given again as the eval file is refused too: every eval row would be one the run trained on."""
     folder = Path(train_path)
+    if eval_path and folder.is_file() and folder.resolve() == Path(eval_path).resolve():
+        raise DataError(
+            f"data.eval_dataset_path {eval_path} is the training file data.dataset_path {train_path}: the run would be "
+            "scored on rows it trained on. Give a held-out file (phalanx generate writes one beside its output, e.g. "
+            "data/traj_val.jsonl), or leave eval_dataset_path out to hold out data.test_size of the rows"
+        )
     if not folder.is_dir() or any((folder / marker).is_file() for marker in DISK_MARKERS):
         return
     files = folder_jsonl_files(folder)
