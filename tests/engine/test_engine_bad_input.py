@@ -2,6 +2,7 @@
 where a loader goes, a CUDA device on a CPU machine, an IterableDataset. Each trains or is refused by name."""
 
 import functools
+import json
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from dist_workers import run_ranks
 from engine import engine_ranks
 from phalanx.engine.engine import TrainingEngine
 from phalanx.engine.launch import distributed_train_worker, launch_distributed_training
-from phalanx.errors import ConfigError
+from phalanx.errors import ConfigError, PhalanxError
 
 QUIET = {"progress_bar": False, "tensorboard": False}
 
@@ -183,3 +184,39 @@ def test_the_launcher_checks_the_worker_config_before_any_rank_starts(tmp_path, 
     partial_worker = functools.partial(distributed_train_worker, seed=1)
     with pytest.raises(ConfigError, match=r"unknown key\(s\) \['batchsize'\]"):
         launch_distributed_training(partial_worker, 2, **worker_config(tmp_path), batchsize=3)
+
+
+def test_a_resume_with_another_optimizer_is_named(tmp_path):
+    """An SGD checkpoint resumed with Adam loaded without a word, then the first step raised KeyError: 'betas'."""
+    loader = DataLoader(pairs(), batch_size=4)
+    fit(tmp_path, mlp(), nn.CrossEntropyLoss(), loader)
+    model = mlp()
+    engine = TrainingEngine(model, "cpu", output_dir=tmp_path, experiment_name="other", **QUIET)
+    with pytest.raises(PhalanxError, match=r"optimizer.pt was saved by another optimizer.*lack.*'betas'.*Adam"):
+        engine.train(
+            loader,
+            None,
+            torch.optim.Adam(model.parameters()),
+            nn.CrossEntropyLoss(),
+            num_epochs=2,
+            resume_from=tmp_path / "experiment" / "checkpoint-last",
+        )
+    two_groups = torch.optim.SGD([{"params": model[0].parameters()}, {"params": model[2].parameters()}], lr=0.1)
+    with pytest.raises(PhalanxError, match=r"optimizer.pt does not fit this run's optimizer \(SGD\)"):
+        engine.load_checkpoint(tmp_path / "experiment" / "checkpoint-last", two_groups)
+
+
+def test_a_second_train_call_on_the_same_engine_continues_its_run(tmp_path, capsys):
+    """The second call set the engine's own first epochs aside as "an earlier run" and said "this run starts over",
+    while it went on from epoch 3; its metrics.jsonl then held epochs 3-4 only."""
+    model = mlp()
+    engine = TrainingEngine(model, "cpu", output_dir=tmp_path, **QUIET)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(pairs(), batch_size=4)
+    engine.train(loader, loader, optimizer, nn.CrossEntropyLoss(), num_epochs=2)
+    history = engine.train(loader, loader, optimizer, nn.CrossEntropyLoss(), num_epochs=4)
+    assert history["epoch"] == [1, 2, 3, 4]
+    assert "held an earlier run" not in capsys.readouterr().out
+    assert not list((tmp_path / "experiment").glob("earlier-run-*"))
+    logged = (tmp_path / "experiment" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["epoch"] for line in logged if '"epoch"' in line] == [1, 2, 3, 4]

@@ -297,9 +297,31 @@ def load_checkpoint(
     else:
         load_model_weights(model, folder, finetune)
     for name, obj in stateful.items():
-        obj.load_state_dict(read_or_explain(folder / state_file(name), load_state_file))
+        load_stateful(folder / state_file(name), name, obj)
     load_rng_file(folder, rank)
     return read_or_explain(folder / TRAINER_STATE, lambda path: json.loads(path.read_text(encoding="utf-8")))
+
+
+def load_stateful(path: Path, name: str, obj: Any) -> None:
+    """`obj.load_state_dict` from `path`, refusing by name a state saved by something else: a checkpoint resumed with
+    another optimizer loaded without a word (torch's optimizers take any groups of the right sizes) and failed at the
+    first step with KeyError: 'betas'; groups of other sizes were torch's ValueError, naming no file."""
+    try:
+        obj.load_state_dict(read_or_explain(path, load_state_file))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise PhalanxError(
+            f"{path} does not fit this run's {name} ({type(obj).__name__}): {exc}. Resume with the {name} the run "
+            "was saved with"
+        ) from None
+    if isinstance(obj, torch.optim.Optimizer):
+        # After loading: __setstate__ fills in the options older torch versions did not save; what is still missing
+        # was never this optimizer's.
+        lacking = sorted({key for group in obj.param_groups for key in obj.defaults if key not in group})
+        if lacking:
+            raise PhalanxError(
+                f"{path} was saved by another optimizer: its parameter groups lack {lacking}, which this "
+                f"{type(obj).__name__} needs. Resume with the optimizer the run was trained with"
+            )
 
 
 def read_or_explain(path: Path, read: Callable[[Path], Any]) -> Any:

@@ -347,9 +347,10 @@ class TrainingEngine:
                 if self.is_main_process:
                     for line in set_aside_ahead(self.output_dir, self.global_step, f"best_metric {self.best_metric}"):
                         print(f"↩️  {line}", flush=True)
-            elif self.is_main_process:
+            elif self.is_main_process and self.global_step == 0:
                 self._set_aside_an_earlier_run()
-            reporter = self._reporter(train_loader, num_epochs, resumed=resume_from is not None)
+            # A second train() on this engine continues its own run, as a resume does (num_epochs counts every epoch).
+            reporter = self._reporter(train_loader, num_epochs, resumed=resume_from is not None or self.global_step > 0)
             self._announce(reporter, train_loader, num_epochs)
             for epoch in range(self.epochs_done, num_epochs):
                 started = time.perf_counter()
