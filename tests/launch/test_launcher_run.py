@@ -114,13 +114,19 @@ def test_more_gpus_than_the_node_has_fails_fast(project, generate, support):
 
 def test_bad_rank_count_or_port_given_when_the_script_runs_is_named(project, generate, support):
     """The script's first argument and PHALANX_* variables bypass the launcher's checks: 0 ranks reached torch's
-    launcher as a bare AssertionError traceback (status 1), a port above 65535 an OverflowError in preflight."""
+    launcher as a bare AssertionError traceback (status 1), a port above 65535 an OverflowError in preflight, a
+    first argument that is no count the ranks as a stray argument."""
     generate("launcher", "--config", "train.yaml", "--num_gpus_per_node", "0", "--output", "scripts/counts.sh")
     proc, _ = run_script(support, project, support.local_env(), "scripts/counts.sh", "0", timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     assert "ranks per node (the script's first argument, PHALANX_NPROC_PER_NODE" in proc.stderr
     assert "is '0'; accepted: a whole number, at least 1" in proc.stderr
+    # a word that is no count went on to every rank, which said "unexpected argument 'four' after --backend gloo"
+    proc, _ = run_script(support, project, support.local_env(), "scripts/counts.sh", "four", timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "counts.sh: the first argument is the number of ranks on this node (e.g. 2) or a --flag" in proc.stderr
+    assert "got 'four'" in proc.stderr and "--backend gloo" not in proc.stderr
     env = support.local_env(PHALANX_MASTER_PORT="99999")
     proc, _ = run_script(support, project, env, "scripts/counts.sh", timeout=60)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr

@@ -209,6 +209,12 @@ def render_launcher_sh(spec: LaunchSpec, script: Path) -> str:
             else []
         ),
         'if [[ "${1:-}" =~ ^[0-9]+$ ]]; then NPROC_PER_NODE="$1"; shift; fi',
+        "# Any other bare word first would reach `phalanx train` as a stray argument after the flags written here.",
+        'if [[ -n "${1:-}" && "$1" != -* ]]; then',
+        '    echo "error: $(basename "$0"): the first argument is the number of ranks on this node (e.g. 2) or a'
+        " --flag for phalanx train; got '$1'\" >&2",
+        "    exit 2",
+        "fi",
         "",
     ]
     if job.cpu:
