@@ -53,6 +53,30 @@ def test_jsonl_to_train_and_eval_sets(tmp_path, tokenizer, write_jsonl, chat_row
     assert none.eval is None and len(none.train) == 10
 
 
+def test_a_parquet_dataset_trains_the_rows_its_jsonl_would(tmp_path, tokenizer, write_jsonl, tool_row, chat_row):
+    """Parquet's schema gives every tool every other tool's parameters and every message every other message's keys,
+    as nulls; the rows render and mask as their jsonl lines do (the template writes the tools as JSON: with the
+    nulls each tool's schema was trained on with the others' parameters). A held-out file beside the training file,
+    as a Hub dataset's data/ holds it, is refused by name."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    booking = {"name": "book", "parameters": {"type": "object", "properties": {"clinic": {"type": "string"}}}}
+    other_tool = {**tool_row, "tools": [{"type": "function", "function": booking}]}
+    rows = [tool_row, chat_row(1), other_tool]
+    lines = write_jsonl(tmp_path / "rows.jsonl", rows)
+    table = tmp_path / "data" / "train-00000-of-00001.parquet"
+    table.parent.mkdir()
+    pq.write_table(pa.Table.from_pylist(rows), table)
+    from_lines = _prepare(_cfg(dataset_path=str(lines)), tokenizer, tmp_path).train
+    from_table = _prepare(_cfg(dataset_path=str(table)), tokenizer, tmp_path).train
+    assert from_table["input_ids"] == from_lines["input_ids"] and from_table["labels"] == from_lines["labels"]
+    assert _prepare(_cfg(dataset_path=str(table.parent)), tokenizer, tmp_path).train["labels"] == from_lines["labels"]
+    pq.write_table(pa.Table.from_pylist(rows[:1]), table.parent / "test-00000-of-00001.parquet")
+    with pytest.raises(DataError, match=r"test-00000-of-00001.parquet too, whose name marks a held-out split"):
+        _prepare(_cfg(dataset_path=str(table.parent)), tokenizer, tmp_path)
+
+
 def test_eval_dataset_path_replaces_test_size(tmp_path, tokenizer, write_jsonl, chat_row):
     train = write_jsonl(tmp_path / "train.jsonl", [chat_row(i) for i in range(4)])
     evalf = write_jsonl(tmp_path / "eval.jsonl", [{"text": "held out"}])
@@ -70,7 +94,8 @@ def test_an_eval_file_inside_the_training_folder_is_refused(tmp_path, tokenizer,
     val = write_jsonl(data / "traj_val.jsonl", [chat_row(i) for i in range(4, 6)])
     with pytest.raises(DataError) as err:
         _prepare(_cfg(dataset_path=f"{data}/", eval_dataset_path=str(val)), tokenizer, tmp_path)
-    assert f"data.eval_dataset_path {val} is one of the *.jsonl files that data.dataset_path {data}" in str(err.value)
+    said = str(err.value)
+    assert f"data.eval_dataset_path {val} is one of the *.jsonl / *.parquet files that data.dataset_path {data}" in said
     assert f"e.g. {train}" in str(err.value)
     ok = _prepare(_cfg(dataset_path=str(train), eval_dataset_path=str(val)), tokenizer, tmp_path)
     assert (ok.report.train_rows, ok.report.eval_rows) == (4, 2)
@@ -93,7 +118,7 @@ def test_a_held_out_file_inside_the_training_folder_is_refused(tmp_path, tokeniz
     assert f"Point data.dataset_path at the training files (e.g. {data / 'devices-and-contests.jsonl'})" in message
     assert f"data.eval_dataset_path at {val}" in message
     # Scoring it instead is not enough while the folder is still read whole: the eval-file refusal names it.
-    with pytest.raises(DataError, match="is one of the \\*.jsonl files"):
+    with pytest.raises(DataError, match="is one of the \\*.jsonl / \\*.parquet files"):
         _prepare(_cfg(dataset_path=str(data), eval_dataset_path=str(val)), tokenizer, tmp_path)
     ok = _prepare(_cfg(dataset_path=str(train), eval_dataset_path=str(val)), tokenizer, tmp_path)
     assert (ok.report.train_rows, ok.report.eval_rows) == (4, 2)

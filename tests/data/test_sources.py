@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from phalanx.data.sources import bundled_dataset_path, iter_rows
@@ -65,6 +67,80 @@ def test_save_to_disk_dataset_and_dataset_dict(tmp_path, tool_row):
     assert len(got) == 2 and got[0][0] == f"{tmp_path / 'dict'} (split 'train') row 0"
     with pytest.raises(DataError, match=r"without a 'validation' split \(splits: train, test\)"):
         rows_of(tmp_path / "dict", split="validation")
+
+
+def write_parquet(path, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def rows_unlike_in_shape(tool_row):
+    """Two tool rows whose tools take other parameters and whose calls give other dict arguments, and a plain row:
+    Arrow's one schema per column gives each the others' fields, as nulls."""
+
+    def tool_chat(name, arguments, reply, **extra):
+        properties = {key: {"type": "string"} for key in arguments}
+        call = {"id": f"call_{name}", "type": "function", "function": {"name": name, "arguments": arguments}}
+        return {
+            "messages": [
+                {"role": "user", "content": f"please {name}"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": f"call_{name}", "content": "done"},
+                {"role": "assistant", "content": reply, **extra},
+            ],
+            "tools": [{"type": "function", "function": {"name": name, "parameters": {"properties": properties}}}],
+        }
+
+    return [
+        tool_chat("get_weather", {"city": "Paris"}, "18C."),
+        tool_chat("book", {"clinic": "North", "day": "Mon"}, "Booked.", reasoning_content="North has a slot."),
+        {"messages": tool_row["messages"][:2]},
+    ]
+
+
+def test_parquet_file_and_folder_as_the_hub_stores_datasets(tmp_path, tool_row, write_jsonl):
+    """A Parquet file (a Hub dataset's data/train-00000-of-00001.parquet) is read a row at a time, each row as it was
+    written: without the nulls Arrow's schema adds for what other rows hold (other tools' parameters, other calls'
+    arguments, other messages' keys). A folder is read file by file, jsonl and Parquet alike."""
+    rows = rows_unlike_in_shape(tool_row)
+    f = write_parquet(tmp_path / "data" / "train-00000-of-00001.parquet", rows)
+    stored = pq.read_table(f).to_pylist()  # what Arrow holds: the nulls are real
+    assert stored[1]["tools"][0]["function"]["parameters"]["properties"]["city"] is None
+    assert stored[1]["messages"][1]["tool_calls"][0]["function"]["arguments"]["city"] is None
+    assert stored[0]["messages"][0]["tool_calls"] is None and stored[0]["messages"][3]["reasoning_content"] is None
+    got = rows_of(f)
+    assert [w for w, _ in got] == [f"{f} row {i}" for i in range(3)]
+    assert [r for _, r in got] == rows
+    write_jsonl(tmp_path / "data" / "extra.jsonl", [{"text": "j"}])
+    assert [w for w, _ in rows_of(tmp_path / "data")] == [
+        f"{tmp_path / 'data' / 'extra.jsonl'} line 1",
+        *(f"{f} row {i}" for i in range(3)),
+    ]
+
+
+def test_rows_of_a_save_to_disk_dataset_and_of_load_dataset_come_as_written(tmp_path, tool_row):
+    """The same for the other Arrow sources: a save_to_disk folder, and load_dataset on a Hub-style folder of
+    Parquet files (where the nulls were trained on: each tool listed every other tool's parameters)."""
+    rows = rows_unlike_in_shape(tool_row)
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "disk"))
+    assert [r for _, r in rows_of(tmp_path / "disk")] == rows
+    write_parquet(tmp_path / "repo" / "data" / "train-00000-of-00001.parquet", rows)
+    assert [r for _, r in rows_of(str(tmp_path / "repo"), kind="name")] == rows
+
+
+def test_a_file_that_is_not_parquet_and_a_folder_whose_data_is_a_level_down(tmp_path):
+    (tmp_path / "bad.parquet").write_text('{"text": "a"}\n')
+    with pytest.raises(DataError, match=r"bad.parquet: cannot be read as Parquet: "):
+        rows_of(tmp_path / "bad.parquet")
+    repo = tmp_path / "repo"  # as `hf download --repo-type dataset` leaves it
+    write_parquet(repo / "data" / "train-00000-of-00001.parquet", [{"text": "a"}])
+    (repo / "README.md").write_text("# card")
+    with pytest.raises(
+        DataError,
+        match=rf"folder holds no \*.jsonl or \*.parquet .*give one of {repo / 'data'}, or the folder as --dataset_name",
+    ):
+        rows_of(repo)
 
 
 def test_load_dataset_on_a_local_dataset_repository(tmp_path, write_jsonl, chat_row):
@@ -153,7 +229,7 @@ def test_missing_path_says_what_is_accepted(tmp_path):
     with pytest.raises(DataError, match=r"x.csv: unsupported file type '.csv'; accepted"):
         rows_of(tmp_path / "x.csv")
     (tmp_path / "folder").mkdir()
-    with pytest.raises(DataError, match=r"folder holds no \*.jsonl files"):
+    with pytest.raises(DataError, match=r"folder holds no \*.jsonl or \*.parquet files"):
         rows_of(tmp_path / "folder")
 
 

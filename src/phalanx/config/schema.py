@@ -84,7 +84,8 @@ class LoraConfig(Section):
 
 class DataConfig(Section):
     dataset_path: Optional[str] = Field(
-        None, description="A jsonl file, a folder of jsonl files, or a datasets save_to_disk folder."
+        None,
+        description="A jsonl or Parquet file, a folder of *.jsonl / *.parquet files, or a datasets save_to_disk folder.",
     )
     dataset_name: Optional[str] = Field(
         None,

@@ -3,7 +3,7 @@
 Tokenization runs once per (source content, tokenizer, data settings, seed) and is stored under
 ``cache_root/<key>``. The key hashes:
 
-- the source: jsonl files and save_to_disk folders by the content (blake2b) of every file up to
+- the source: jsonl and Parquet files and save_to_disk folders by the content (blake2b) of every file up to
   64 MiB and by size + mtime for larger files; a ``dataset_name`` by the fingerprint
   ``datasets.load_dataset`` gives the loaded split (it follows the files / Hub revision);
 - the tokenizer: class, vocabulary (size and a hash of token -> id), special tokens, chat template;
@@ -51,7 +51,7 @@ from phalanx.data.sources import (
     ACCEPTED_PATHS,
     DISK_MARKERS,
     bundled_dataset_path,
-    folder_jsonl_files,
+    folder_data_files,
     iter_dataset_rows,
     iter_rows,
     load_named_dataset,
@@ -187,7 +187,8 @@ def add_template_notes(
 
 @dataclass
 class DataSource:
-    """Where rows come from: a path (jsonl file, folder, save_to_disk) or a datasets name; its identity keys the cache."""
+    """Where rows come from: a path (jsonl or Parquet file, folder, save_to_disk) or a datasets name; its identity
+    keys the cache."""
 
     kind: str  # "path" or "name"
     target: str
@@ -228,8 +229,8 @@ class DataSource:
             files = [root]
         elif any((root / marker).is_file() for marker in DISK_MARKERS):  # save_to_disk: every file
             files = sorted(p for p in root.rglob("*") if p.is_file())
-        else:  # a folder of jsonl files: the files that are read
-            files = folder_jsonl_files(root)
+        else:  # a folder of jsonl and Parquet files: the files that are read
+            files = folder_data_files(root)
         return {"path": str(root), "files": [_file_identity(p, root) for p in files]}
 
 
@@ -272,12 +273,12 @@ def _cache_key(cfg: DataConfig, tokenizer: Any, seed: int, train: DataSource, ev
 
 @functools.cache
 def _tokenizing_code_digest() -> str:
-    """A hash of the modules that turn rows into ids and labels: a phalanx whose masking changed (a template handled
+    """A hash of the modules that turn rows into ids and labels: a phalanx whose reading or masking changed (a template handled
     differently) re-tokenizes instead of training on rows an older version masked."""
-    from phalanx.data import chat, formats
+    from phalanx.data import chat, formats, sources
 
     digest = hashlib.blake2b(digest_size=16)
-    for module in (chat, formats):
+    for module in (chat, formats, sources):  # sources: what a row read from Arrow storage holds
         digest.update(Path(module.__file__).read_bytes())
     return digest.hexdigest()
 

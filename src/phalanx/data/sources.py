@@ -1,8 +1,9 @@
-"""Read raw rows, each with its location, from a jsonl file, a folder, a save_to_disk folder or load_dataset.
+"""Read raw rows, each with its location, from a jsonl or Parquet file, a folder of them, a save_to_disk folder or
+load_dataset.
 
 ``iter_rows`` yields ``(where, row)``; ``where`` ("data/train.jsonl line 17",
-"data/disk row 3") starts every error about that row. Lines count from 1 as editors do,
-rows of an Arrow dataset count from 0 as ``dataset[i]`` does.
+"data/disk row 3", "data/train-00000-of-00001.parquet row 5") starts every error about that row. Lines count
+from 1 as editors do, rows of an Arrow dataset or a Parquet file count from 0 as ``dataset[i]`` does.
 """
 
 from __future__ import annotations
@@ -21,9 +22,12 @@ from phalanx.runtime.hub import hub_load_failure, read_hub_from_cache_if_unresol
 log = logging.getLogger(__name__)
 
 ACCEPTED_PATHS = (
-    "accepted: a .jsonl (or .json) file with one JSON object per line, a folder of *.jsonl files, "
-    "or a folder written by datasets' save_to_disk"
+    "accepted: a .jsonl (or .json) file with one JSON object per line, a .parquet file (as the Hub stores datasets), "
+    "a folder of *.jsonl / *.parquet files, or a folder written by datasets' save_to_disk"
 )
+# The files a dataset path may be, and the ones a folder given as a dataset path is read from.
+DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+FOLDER_FILE_SUFFIXES = (".jsonl", ".parquet")
 # save_to_disk writes one of these next to the Arrow files.
 DISK_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 
@@ -153,23 +157,45 @@ def _iter_path(path: Path, split: str):
     if not path.exists():
         raise DataError(f"{path}: no such file or folder; {ACCEPTED_PATHS}")
     if path.is_file():
-        if path.suffix not in (".jsonl", ".json"):
+        if path.suffix not in DATA_FILE_SUFFIXES:
             raise DataError(f"{path}: unsupported file type '{path.suffix or '(none)'}'; {ACCEPTED_PATHS}")
-        yield from _iter_json_file(path)
+        yield from _iter_file(path)
         return
     if any((path / marker).is_file() for marker in DISK_MARKERS):
         yield from _iter_arrow(*_load_disk(path, split))
         return
-    files = folder_jsonl_files(path)
+    files = folder_data_files(path)
     if not files:
-        raise DataError(f"{path}: folder holds no *.jsonl files and is not a save_to_disk folder; {ACCEPTED_PATHS}")
+        raise DataError(
+            f"{path}: folder holds no *.jsonl or *.parquet files and is not a save_to_disk folder"
+            f"{_where_data_files_are(path)}; {ACCEPTED_PATHS}"
+        )
     for file in files:
-        yield from _iter_json_file(file)
+        yield from _iter_file(file)
 
 
-def folder_jsonl_files(folder: Path) -> list[Path]:
-    """The files a folder given as a dataset path is read from: every *.jsonl in it, by name (not its subfolders)."""
-    return sorted(p for p in folder.glob("*.jsonl") if p.is_file())
+def folder_data_files(folder: Path) -> list[Path]:
+    """The files a folder given as a dataset path is read from: every *.jsonl and *.parquet in it, by name (not its
+    subfolders)."""
+    return sorted(p for p in folder.iterdir() if p.suffix in FOLDER_FILE_SUFFIXES and p.is_file())
+
+
+def _where_data_files_are(folder: Path) -> str:
+    """A hint for a folder that holds its data a level down (a dataset repository downloaded from the Hub keeps its
+    Parquet files in data/, one or more per split): the subfolders that hold data files, or ""."""
+    # Two levels down at most: a mistyped path can be a home folder, whose whole tree is no place to search.
+    patterns = [f"{levels}*{suffix}" for levels in ("*/", "*/*/") for suffix in FOLDER_FILE_SUFFIXES]
+    below = sorted({p.parent for pattern in patterns for p in folder.glob(pattern) if p.is_file()})
+    if not below:
+        return ""
+    shown = ", ".join(str(p) for p in below[:3]) + (f" and {len(below) - 3} more" if len(below) > 3 else "")
+    return (
+        f" (its subfolders do: give one of {shown}, or the folder as --dataset_name, which load_dataset reads by split)"
+    )
+
+
+def _iter_file(path: Path):
+    return _iter_parquet(path) if path.suffix == ".parquet" else _iter_json_file(path)
 
 
 def held_out_split_word(file: Path) -> Optional[str]:
@@ -179,7 +205,7 @@ def held_out_split_word(file: Path) -> Optional[str]:
 
 
 def refuse_held_out_files_among_training_files(train_path: str, eval_path: Optional[str]) -> None:
-    """A folder given as data.dataset_path is read whole (every *.jsonl), so a held-out file inside it would be
+    """A folder given as data.dataset_path is read whole (every *.jsonl and *.parquet), so a held-out file inside it would be
     trained on: the eval file itself (then scored on rows the run trained on), or a file whose name marks a held-out
     split (seed 001's data/ holds traj_chat.jsonl and traj_val.jsonl). Both are refused, naming the file and the
     training file(s) to point at instead. A folder of held-out files only is taken as meant. The training file
@@ -193,24 +219,25 @@ def refuse_held_out_files_among_training_files(train_path: str, eval_path: Optio
         )
     if not folder.is_dir() or any((folder / marker).is_file() for marker in DISK_MARKERS):
         return
-    files = folder_jsonl_files(folder)
+    files = folder_data_files(folder)
     eval_file = Path(eval_path).resolve() if eval_path else None
     named = [f for f in files if held_out_split_word(f) and f.resolve() != eval_file]
     training = [f for f in files if f not in named and f.resolve() != eval_file]
     instead = (
         f"Point data.dataset_path at the training file{'s' if len(training) > 1 else ''} (e.g. {training[0]})"
         if training
-        else f"{folder} holds no other *.jsonl to train on"
+        else f"{folder} holds no other data file to train on"
     )
     if any(f.resolve() == eval_file for f in files):
         raise DataError(
-            f"data.eval_dataset_path {eval_path} is one of the *.jsonl files that data.dataset_path {folder} reads "
-            f"for training: its rows would be trained on and then scored. {instead}, or move the eval file out of "
-            f"{folder}"
+            f"data.eval_dataset_path {eval_path} is one of the *.jsonl / *.parquet files that data.dataset_path "
+            f"{folder} reads for training: its rows would be trained on and then scored. {instead}, or move the eval "
+            f"file out of {folder}"
         )
     if named and training:
         raise DataError(
-            f"data.dataset_path {folder} is a folder, and every *.jsonl in it is trained on, {named[0].name} too, "
+            f"data.dataset_path {folder} is a folder, and every *.jsonl and *.parquet in it is trained on, "
+            f"{named[0].name} too, "
             f"whose name marks a held-out split ('{held_out_split_word(named[0])}'): its rows would be trained on. "
             f"{instead} and, to score the held-out rows, data.eval_dataset_path at {named[0]}; or move or rename it "
             "if it is training data"
@@ -271,6 +298,22 @@ def _iter_json_array(path: Path, data: bytes):
             yield DataError(f"{where}: expected a JSON object, found {type(row).__name__}")
 
 
+def _iter_parquet(path: Path, batch_size: int = 1000):
+    """The rows of a Parquet file, a batch at a time (pyarrow, which datasets reads Parquet with too), as_written."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        batches = pq.ParquetFile(path).iter_batches(batch_size=batch_size)
+        index = 0
+        for batch in batches:
+            for row in batch.to_pylist():
+                yield f"{path} row {index}", as_written(row)
+                index += 1
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path}: cannot be read as Parquet: {e}") from None
+
+
 # ---------------------------------------------------------------------------- Arrow datasets
 
 
@@ -295,5 +338,39 @@ def _iter_arrow(ds, label: str, batch_size: int = 1000):
     for batch in ds.iter(batch_size=batch_size):
         columns = list(batch)
         for values in zip(*(batch[c] for c in columns)):
-            yield f"{label} row {index}", dict(zip(columns, values))
+            yield f"{label} row {index}", as_written(dict(zip(columns, values)))
             index += 1
+
+
+def as_written(row: dict) -> dict:
+    """A row read from Arrow storage (Parquet, save_to_disk, load_dataset) without the nulls Arrow's one schema per
+    column adds: every struct holds every field any row's struct has, None where it had none. So each tool's
+    `parameters.properties` listed every other tool's parameters as null, dict arguments of a call every other call's
+    (the model learned to write `"city": null` into every call), and each message every other message's keys (a
+    `tool_calls: None` that a template testing `'tool_calls' in message` loops over). Arrow cannot tell a null written
+    from a field absent; a null JSON Schema keyword or argument value is rare, these are in every row. A message's
+    `content` keeps its None: OpenAI's form of a tool-calling message without text."""
+    cleaned = {}
+    for key, value in row.items():
+        if value is None:
+            continue
+        if key in ("messages", "conversations") and isinstance(value, list):
+            value = [_message_as_written(m) for m in value]
+        else:
+            value = _without_nulls(value)
+        cleaned[key] = value
+    return cleaned
+
+
+def _message_as_written(message):
+    if not isinstance(message, dict):
+        return message
+    return {k: _without_nulls(v) for k, v in message.items() if v is not None or k == "content"}
+
+
+def _without_nulls(value):
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value

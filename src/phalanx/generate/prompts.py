@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 from phalanx.config.chat_templates import template_text
 from phalanx.data.chat import PART_REPR, as_text_parts, template_refused
 from phalanx.data.formats import to_conversation
-from phalanx.data.sources import ACCEPTED_PATHS, bundled_dataset_path, iter_rows
+from phalanx.data.sources import ACCEPTED_PATHS, DATA_FILE_SUFFIXES, bundled_dataset_path, iter_rows
 from phalanx.errors import DataError
 
 BUNDLED = "bundled:health-agent"
@@ -94,7 +94,7 @@ def _iter_source(source: str):
         raise DataError(f"--prompts {path}: no such file or folder; {accepted}")
     if path.suffix == ".txt" and path.is_file():
         return _iter_txt(path)
-    if path.is_file() and path.suffix not in (".jsonl", ".json"):
+    if path.is_file() and path.suffix not in DATA_FILE_SUFFIXES:
         # training's reader would refuse it listing training's file types, which leave out .txt
         raise DataError(f"--prompts {path}: unsupported file type '{path.suffix or '(none)'}'; {accepted}")
     return iter_rows(path, kind="path")
