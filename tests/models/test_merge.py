@@ -80,6 +80,18 @@ def test_a_lora_run_is_merged_into_its_base_in_the_bases_dtype_with_the_runs_tem
     assert AutoModelForCausalLM.from_pretrained(out).dtype == torch.bfloat16
 
 
+def test_export_says_what_it_did_without_the_libraries_progress_bars_and_warnings(lora_run, tmp_path):
+    """Run as a user runs it: `phalanx export RUN OUT` printed transformers' 'Loading weights' and 'Writing model
+    shards' bars and a FutureWarning traceback line from peft ('warnings.warn(') around its one line."""
+    from helpers import run_phalanx
+
+    _, run = lora_run
+    proc = run_phalanx("export", str(run), str(tmp_path / "merged"))
+    assert proc.returncode == 0, proc.stderr
+    assert "merged the LoRA adapter of" in proc.stdout
+    assert proc.stderr.strip() == "", proc.stderr
+
+
 def test_a_base_given_by_name_replaces_the_one_adapter_config_names(lora_run, tmp_path, capsys):
     """A copied run whose adapter_config.json names a folder that is not here: --model_name gives the base."""
     base, run = lora_run

@@ -32,6 +32,9 @@ def main(argv: list[str]) -> int:
     )
     try:
         args = parser.parse_args(argv)
+        from phalanx.runtime.quiet import quiet_libraries
+
+        quiet_libraries()  # transformers' weight loading/writing bars and peft's deprecation chatter, as in train
         if (args.folder / "adapter_config.json").is_file():  # a LoRA run's adapter
             leave_out_bitsandbytes()  # it is merged into the unquantized base
             leave_out_deepspeed()  # (a ZeRO-3 checkpoint's export reads it with DeepSpeed's converter)
