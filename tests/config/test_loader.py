@@ -266,6 +266,26 @@ def test_both_dataset_sources_refused():
     assert "dataset_path or dataset_name" in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"data.eval_dataset_split": "test"}, "eval_dataset_split 'test' names a split of dataset_name, which is not"),
+        (
+            {"data.dataset_name": "org/ds", "data.eval_dataset_split": "test", "data.eval_dataset_path": "v.jsonl"},
+            "set eval_dataset_split or eval_dataset_path, not both",
+        ),
+        (
+            {"data.dataset_name": "org/ds", "data.eval_dataset_split": "train"},
+            "eval_dataset_split 'train' is the split the run trains on",
+        ),
+    ],
+)
+def test_an_eval_split_needs_a_dataset_name_and_another_split(data, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, data)
+    assert load_config(None, {"data.dataset_name": "org/ds", "data.eval_dataset_split": "test"}).data.eval_dataset_split
+
+
 def test_text_fields_get_the_text_typed_and_bool_fields_keep_yes_no(tmp_path: Path):
     """YAML 1.1 reads no/off/yes/on as booleans: a string or choice field gets the characters, from flags and files."""
     flags = overrides_from_flags(

@@ -77,6 +77,29 @@ def test_a_parquet_dataset_trains_the_rows_its_jsonl_would(tmp_path, tokenizer, 
         _prepare(_cfg(dataset_path=str(table.parent)), tokenizer, tmp_path)
 
 
+def test_eval_dataset_split_evaluates_the_datasets_own_split(tmp_path, tokenizer, chat_row):
+    """A Hub dataset with its own test split (a local repository of it here: data/train-*.parquet, data/test-*.parquet):
+    --eval_dataset_split test scores those rows and holds none of the training rows out; a split it lacks is named."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    repo = tmp_path / "repo"
+    (repo / "data").mkdir(parents=True)
+    pq.write_table(
+        pa.Table.from_pylist([chat_row(i) for i in range(6)]), repo / "data" / "train-00000-of-00001.parquet"
+    )
+    pq.write_table(
+        pa.Table.from_pylist([chat_row(i, "held") for i in range(2)]), repo / "data" / "test-00000-of-00001.parquet"
+    )
+    data = _prepare(_cfg(dataset_name=str(repo), eval_dataset_split="test", test_size=0.5), tokenizer, tmp_path)
+    assert (data.report.train_rows, data.report.eval_rows, data.report.rows_read) == (6, 2, 8)
+    assert sorted(_answers(data.eval, tokenizer)) == [f"held {i}<|im_end|>\n" for i in range(2)]
+    held_out = _prepare(_cfg(dataset_name=str(repo), test_size=0.5), tokenizer, tmp_path)
+    assert (held_out.report.train_rows, held_out.report.eval_rows) == (3, 3)  # without it: half the train split
+    with pytest.raises(DataError, match=r"split 'validation'.*Unknown split"):
+        _prepare(_cfg(dataset_name=str(repo), eval_dataset_split="validation"), tokenizer, tmp_path)
+
+
 def test_eval_dataset_path_replaces_test_size(tmp_path, tokenizer, write_jsonl, chat_row):
     train = write_jsonl(tmp_path / "train.jsonl", [chat_row(i) for i in range(4)])
     evalf = write_jsonl(tmp_path / "eval.jsonl", [{"text": "held out"}])

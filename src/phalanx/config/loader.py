@@ -38,6 +38,7 @@ FLAT_FLAGS: dict[str, str] = {
     "dataset_path": "data.dataset_path",
     "dataset_name": "data.dataset_name",
     "eval_dataset_path": "data.eval_dataset_path",
+    "eval_dataset_split": "data.eval_dataset_split",
     "test_size": "data.test_size",
     "max_length": "data.max_length",
     "truncation": "data.truncation",

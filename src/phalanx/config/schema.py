@@ -92,6 +92,11 @@ class DataConfig(Section):
         description="A Hugging Face Hub dataset id (or a local dataset repository folder) for datasets.load_dataset.",
     )
     dataset_split: str = Field("train", description="Split of dataset_name to train on.")
+    eval_dataset_split: Optional[str] = Field(
+        None,
+        description="A split of dataset_name to evaluate on (its own 'test' or 'validation'); when set, test_size is "
+        "not used.",
+    )
     format: Literal["auto", "messages", "sharegpt", "alpaca", "text"] = Field(
         "auto", description="Row format; 'auto' detects it from the first row's fields."
     )
@@ -163,6 +168,20 @@ class DataConfig(Section):
     def _one_source(self) -> "DataConfig":
         if self.dataset_path and self.dataset_name:
             raise ValueError("set dataset_path or dataset_name, not both")
+        if self.eval_dataset_split is not None:
+            if not self.dataset_name:
+                raise ValueError(
+                    f"eval_dataset_split {self.eval_dataset_split!r} names a split of dataset_name, which is not set; "
+                    "evaluate a file or folder with eval_dataset_path instead"
+                )
+            if self.eval_dataset_path:
+                raise ValueError("set eval_dataset_split or eval_dataset_path, not both")
+            if self.eval_dataset_split == self.dataset_split:
+                raise ValueError(
+                    f"eval_dataset_split {self.eval_dataset_split!r} is the split the run trains on "
+                    "(dataset_split): its rows would be trained on and then scored; name another split, or leave it "
+                    "out to hold out test_size of the training rows"
+                )
         return self
 
 

@@ -93,8 +93,9 @@ def preview(cfg: Any, tokenizer: Any, rows: int, color: bool, say: Callable[[str
     sources = [DataSource.for_training(data_cfg)]
     if sources[0].kind == "path":  # what training refuses before reading a row (a traj_val.jsonl in the folder)
         refuse_held_out_files_among_training_files(sources[0].target, data_cfg.eval_dataset_path)
-    if data_cfg.eval_dataset_path:
-        sources.append(DataSource.path(data_cfg.eval_dataset_path))
+    eval_source = DataSource.for_evaluation(data_cfg)
+    if eval_source is not None:
+        sources.append(eval_source)
     trained: list[dict] = []
     for source in sources:
         for outcome in iter_outcomes(source, data_cfg, tokenizer, counts):

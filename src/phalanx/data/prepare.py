@@ -69,7 +69,8 @@ _HASH_CONTENT_UP_TO = 64 * 2**20
 
 @dataclass
 class DataReport:
-    """What happened to the rows. Counts cover the training source and, when set, eval_dataset_path."""
+    """What happened to the rows. Counts cover the training source and, when set, the evaluation source
+    (eval_dataset_path or eval_dataset_split)."""
 
     rows_read: int  # rows and lines read, unreadable ones included
     rows_skipped: int  # bad rows skipped under on_bad_row="skip"
@@ -131,7 +132,7 @@ def _cached_or_built(cfg: DataConfig, tokenizer: Any, seed: int, cache_root: Pat
     train_source = DataSource.for_training(cfg)
     if train_source.kind == "path":
         refuse_held_out_files_among_training_files(train_source.target, cfg.eval_dataset_path)
-    eval_source = DataSource.path(cfg.eval_dataset_path, "data.eval_dataset_path") if cfg.eval_dataset_path else None
+    eval_source = DataSource.for_evaluation(cfg)
     key = _cache_key(cfg, tokenizer, seed, train_source, eval_source)
     final = cache_root / key
     if final.is_dir():  # rename is atomic: an existing folder is complete
@@ -209,6 +210,17 @@ class DataSource:
                 f"the bundled dataset is missing from the installation ({bundled}); reinstall phalanx or set dataset_path"
             )
         return cls.path(str(bundled))
+
+    @classmethod
+    def for_evaluation(cls, cfg: DataConfig) -> Optional["DataSource"]:
+        """A separate evaluation source: eval_dataset_path, or eval_dataset_split of dataset_name (None: test_size
+        of the training rows is held out)."""
+        if cfg.eval_dataset_path:
+            return cls.path(cfg.eval_dataset_path, "data.eval_dataset_path")
+        if cfg.eval_dataset_split and cfg.dataset_name:
+            ds = load_named_dataset(cfg.dataset_name, cfg.eval_dataset_split)
+            return cls("name", cfg.dataset_name, cfg.eval_dataset_split, ds, field="data.eval_dataset_split")
+        return None
 
     @classmethod
     def path(cls, path: str, field: str = "data.dataset_path") -> "DataSource":
@@ -390,7 +402,7 @@ def _build(cfg: DataConfig, tokenizer: Any, seed: int, train_source: DataSource,
             + (f"; first problem: {counts.reasons[0]}" if counts.reasons else "")
             + (
                 f"; every usable row was held out by data.test_size {cfg.test_size}: give more rows, "
-                "--test_size 0, or a separate --eval_dataset_path"
+                "--test_size 0, or a separate --eval_dataset_path (or --eval_dataset_split)"
                 if eval_ and eval_source is None
                 else ""
             )
