@@ -130,11 +130,17 @@ def test_what_cannot_be_merged_is_refused_and_nothing_is_written(lora_run, tmp_p
         ([str(committed), str(existing)], "exists; choose a new folder"),
         ([str(base), str(tmp_path / "x3"), "--model_name", str(base)], "--model_name is for a LoRA adapter's base"),
         ([str(committed), str(tmp_path / "x4"), "--model_nam", str(base)], "Did you mean --model_name?"),
+        # an OUT that cannot be made ended in an OSError traceback from save_pretrained's makedirs (/proc takes no
+        # new entry, whoever runs this)
+        ([str(run), "/proc/nope/merged"], "phalanx export OUT /proc/nope/merged: cannot create or write into /proc"),
+        ([str(run), str(existing / "notes.txt" / "m")], "is a file, not a folder"),
     ]
+    (existing / "notes.txt").write_text("keep me")
     for argv, expected in cases:
         assert main(argv) == 2, argv
         assert expected in capsys.readouterr().err, argv
-    assert not any((tmp_path / f"x{i}").exists() for i in range(1, 5)) and not any(existing.iterdir())
+    assert not any((tmp_path / f"x{i}").exists() for i in range(1, 5))
+    assert [p.name for p in existing.iterdir()] == ["notes.txt"]
     assert not list(tmp_path.glob(".*staging*"))
     assert main([str(committed), str(tmp_path / "from-best")]) == 0  # a committed checkpoint's adapter merges
 

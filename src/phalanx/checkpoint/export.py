@@ -26,7 +26,7 @@ from phalanx.checkpoint.layout import BEST, DS_DIR, DS_TAG, SHARDED_DIR, STEP_DI
 from phalanx.checkpoint.resume import FINISHED, RUN_RECORD
 from phalanx.checkpoint.safe_load import check_deepspeed_checkpoint, dcp_reader
 from phalanx.errors import PhalanxError
-from phalanx.runtime.durable import fsync_tree, remove_dead_writers
+from phalanx.runtime.durable import check_can_create, fsync_tree, remove_dead_writers
 
 
 def export_checkpoint(folder: Path, out: Path) -> Path:
@@ -47,8 +47,7 @@ def export_checkpoint(folder: Path, out: Path) -> Path:
             f"{folder} holds neither model weights nor {SHARDED_DIR}/ (FSDP2's sharded state) nor "
             f"{DS_DIR}/ (DeepSpeed's); nothing to export"
         )
-    if out.exists():
-        raise PhalanxError(f"{out} exists; choose a new folder to export into")
+    check_new_export_folder(out)
     config = AutoConfig.from_pretrained(folder)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -67,6 +66,14 @@ def export_checkpoint(folder: Path, out: Path) -> Path:
             f"{still_meta[:3]}, {len(unexpected)} unknown {unexpected[:3]}"
         )
     return write_new_folder(out, model, AutoTokenizer.from_pretrained(folder))
+
+
+def check_new_export_folder(out: Path) -> None:
+    """Refuse, before a model is loaded, an `out` that exists or that cannot be created (a read-only disk, a file on
+    its path), where the save into its staging folder would end in an OSError traceback."""
+    if out.exists():
+        raise PhalanxError(f"{out} exists; choose a new folder to export into")
+    check_can_create(out, f"phalanx export OUT {out}")
 
 
 def write_new_folder(out: Path, model: torch.nn.Module, tokenizer: Any) -> Path:

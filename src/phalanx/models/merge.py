@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from phalanx.checkpoint.export import check_whole_adapter, write_new_folder
+from phalanx.checkpoint.export import check_new_export_folder, check_whole_adapter, write_new_folder
 from phalanx.checkpoint.resume import run_config_of
 from phalanx.errors import PhalanxError
 
@@ -31,8 +31,7 @@ def export_merged_adapter(folder: Path, out: Path, model_name: Optional[str] = N
     check_whole_adapter(folder)
     field = "--model_name" if model_name else f"{folder / 'adapter_config.json'}: base_model_name_or_path"
     model_name = adapter_base(str(folder), "phalanx export", model_name)  # checks the adapter's files are there
-    if out.exists():
-        raise PhalanxError(f"{out} exists; choose a new folder to export into")
+    check_new_export_folder(out)
     dtype = published_dtype(model_name, field)
     # Merged in fp32 (W + scale * B @ A, rounded once) and cast to the dtype the base was published in.
     model = load_model(model_name, torch.float32, field=field)
