@@ -3,7 +3,10 @@
 import re
 from pathlib import Path
 
-from phalanx.generate.args import build_parser
+import pytest
+
+from phalanx.errors import ConfigError
+from phalanx.generate.args import build_parser, parse_args
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "generate.md"
 
@@ -21,3 +24,12 @@ def test_every_flag_is_in_the_docs_table():
     underscored = {name for name in flags if "-" not in name[2:]}  # each flag's dashed spelling is an alias
     assert underscored - table == set(), "flags missing from docs/generate.md"
     assert table - underscored == set(), "docs/generate.md lists flags phalanx generate does not take"
+
+
+def test_a_master_port_outside_tcp_is_refused_by_the_parser():
+    """--master_port 70000 went on to the launcher's free-port check and ended in socket.bind's OverflowError
+    traceback; now the parser names it, as phalanx train and launcher do."""
+    for bad in ("70000", "0", "abc"):
+        with pytest.raises(ConfigError, match=f"argument --master_port: {bad} is not a TCP port; give 1..65535"):
+            parse_args(["--world_size", "2", "--master_port", bad])
+    assert parse_args(["--master_port", "29501"]).master_port == 29501

@@ -84,6 +84,14 @@ def nearest_name(word: str, known: Sequence[str], cutoff: float = 0.6) -> Option
     return near[0] if near else None
 
 
+def tcp_port(value: str) -> int:
+    """argparse type of a --master_port flag: a TCP port number (one above 65535 reached socket.bind's OverflowError)."""
+    port = int(value) if value.isdigit() else 0
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port; give 1..65535")
+    return port
+
+
 class BareSwitch(str):
     """The value of a flag given with none (`--overwrite_output_dir`): reads as 'true', and is recognisable, so a
     flag that takes a value (`--learning_rate` at the end of a line) is refused as missing one rather than as 'true'."""

@@ -7,6 +7,7 @@ import argparse
 import math
 from typing import Sequence
 
+from phalanx.config.flags import tcp_port
 from phalanx.errors import ConfigError
 
 DEFAULT_OUTPUT = "data/traj_chat.jsonl"
@@ -97,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
         "allows it (sdpa or eager attention; a sliding window only if prompt + answer fit in it), growing otherwise. A job resumes only with the cache it started with.",
     )
     add("world_size", type=int, default=1, help="Ranks to start on this machine (ignored under torchrun).")
-    add("master_port", type=int, default=None, help="Rendezvous port for --world_size (default: a free one).")
+    add("master_port", type=tcp_port, default=None, help="Rendezvous port for --world_size (default: a free one).")
     add("timeout_minutes", type=float, default=30.0, help="How long a rank waits for the others at the end.")
     add(
         "shutdown_timeout_s",

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
-from phalanx.config.flags import CommandParser
+from phalanx.config.flags import CommandParser, tcp_port
 from phalanx.errors import ConfigError
 from phalanx.launch import scripts
 from phalanx.launch.scripts import DEFAULT_PORT, DEFAULT_RDZV_TIMEOUT, MEM_PER_GPU, Job, LaunchSpec, SlurmSpec
@@ -32,14 +32,6 @@ def split_train_args(args: Sequence[str]) -> tuple[list[str], list[str]]:
         i = args.index("--")
         return args[:i], args[i + 1 :]
     return args, []
-
-
-def tcp_port(value: str) -> int:
-    """argparse type of --master_port: a TCP port number."""
-    port = int(value) if value.isdigit() else 0
-    if not 0 < port < 65536:
-        raise argparse.ArgumentTypeError(f"{value} is not a TCP port; give 1..65535")
-    return port
 
 
 def common_flags(p: argparse.ArgumentParser) -> None:
