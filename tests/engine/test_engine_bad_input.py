@@ -220,3 +220,25 @@ def test_a_second_train_call_on_the_same_engine_continues_its_run(tmp_path, caps
     assert not list((tmp_path / "experiment").glob("earlier-run-*"))
     logged = (tmp_path / "experiment" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["epoch"] for line in logged if '"epoch"' in line] == [1, 2, 3, 4]
+
+
+def test_classes_where_instances_go_and_an_optimizer_of_another_model_are_named(tmp_path):
+    """nn.CrossEntropyLoss without its () was "Boolean value of Tensor with more than one value is ambiguous"; an
+    optimizer or scheduler class, or None, "zero_grad() missing 1 required positional argument: 'self'" or an
+    AttributeError; an optimizer built on another model's parameters trained nothing, without a word."""
+    model = mlp()
+    loader = DataLoader(pairs(), batch_size=4)
+    engine = TrainingEngine(model, "cpu", output_dir=tmp_path, **QUIET)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    cases = [
+        (sgd, nn.CrossEntropyLoss, None, r"criterion is the class CrossEntropyLoss.*nn.CrossEntropyLoss\(\)"),
+        (torch.optim.SGD, nn.CrossEntropyLoss(), None, r"optimizer is the class SGD.*model.parameters\(\)"),
+        (None, nn.CrossEntropyLoss(), None, r"optimizer = None.*torch.optim.Optimizer"),
+        (sgd, nn.CrossEntropyLoss(), torch.optim.lr_scheduler.StepLR, r"scheduler is the class StepLR.*optimizer"),
+        (sgd, "ce", None, r"criterion = 'ce' is not callable"),
+        (torch.optim.SGD(mlp().parameters(), lr=0.1), nn.CrossEntropyLoss(), None, r"holds none of the model's"),
+    ]
+    for optimizer, criterion, scheduler, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            engine.train(loader, None, optimizer, criterion, scheduler, num_epochs=1)
+    assert not (tmp_path / "experiment").exists(), "nothing was trained or written"

@@ -328,6 +328,7 @@ class TrainingEngine:
                     f"{name} is a {type(loader).__name__}, not a loader: pass DataLoader(dataset, batch_size=..., "
                     "sampler=DistributedSampler(dataset) when distributed), which yields (inputs, targets) batches"
                 )
+        self._check_training_objects(optimizer, criterion, scheduler)
         if save_steps is not None and (save_steps < 1 or _epoch_sampler(train_loader) is None):
             raise ConfigError(
                 f"save_steps = {save_steps!r} needs a positive step count and a train_loader whose sampler "
@@ -609,6 +610,43 @@ class TrainingEngine:
         if self.distributed:
             for buffer in model.buffers():
                 dist.broadcast(buffer, src=0)
+
+    def _check_training_objects(self, optimizer: Any, criterion: Any, scheduler: Any) -> None:
+        """What train() is handed, checked before anything is written: a class where an instance goes (a hurried
+        nn.CrossEntropyLoss without its ()) failed deep in the first step with torch's words ("Boolean value of Tensor
+        with more than one value is ambiguous", "missing 1 required positional argument: 'self'"), and an optimizer
+        built on another model's parameters trained nothing without a word."""
+        for name, value, example in (
+            ("criterion", criterion, "nn.CrossEntropyLoss()"),
+            ("optimizer", optimizer, "torch.optim.SGD(model.parameters(), lr=0.1)"),
+            ("scheduler", scheduler, "torch.optim.lr_scheduler.StepLR(optimizer, step_size=10)"),
+        ):
+            if isinstance(value, type):
+                raise ConfigError(
+                    f"{name} is the class {value.__name__}, not an instance of it: pass one, e.g. {example} (built on "
+                    f"the model's parameters for an optimizer, on the optimizer for a scheduler)"
+                )
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(
+                f"optimizer = {optimizer!r} is not a torch.optim.Optimizer; pass one built on the model's parameters, "
+                "e.g. torch.optim.SGD(model.parameters(), lr=0.1)"
+            )
+        if not callable(criterion):
+            raise ConfigError(
+                f"criterion = {criterion!r} is not callable; pass a loss module such as nn.CrossEntropyLoss() or a "
+                "function criterion(outputs, targets) -> loss"
+            )
+        if scheduler is not None and not callable(getattr(scheduler, "step", None)):
+            raise ConfigError(
+                f"scheduler = {scheduler!r} has no step(); pass a torch.optim.lr_scheduler instance or None"
+            )
+        mine = {id(p) for p in self.unwrapped_model.parameters() if p.requires_grad}
+        if mine and not any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
+            raise ConfigError(
+                f"the optimizer ({type(optimizer).__name__}) holds none of the model's trainable parameters, so "
+                "nothing would train: build it on the model you gave the engine, e.g. "
+                f"torch.optim.{type(optimizer).__name__}(engine.unwrapped_model.parameters(), ...)"
+            )
 
     def _check_loaders(self, loader: Iterable, val_loader: Optional[Iterable]) -> None:
         """Ranks must run the same number of training steps, or DDP's all-reduce waits forever; an empty loader is
