@@ -242,3 +242,21 @@ def test_classes_where_instances_go_and_an_optimizer_of_another_model_are_named(
         with pytest.raises(ConfigError, match=message):
             engine.train(loader, None, optimizer, criterion, scheduler, num_epochs=1)
     assert not (tmp_path / "experiment").exists(), "nothing was trained or written"
+
+
+def test_the_worker_names_an_instance_where_a_builder_goes(tmp_path):
+    """model_fn=Net() (the model, not its builder) was "forward() missing 1 required positional argument" and
+    criterion_fn=nn.CrossEntropyLoss() torch's "missing 2 required positional arguments", from inside every rank."""
+    model = engine_ranks.bn_cnn()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cases = [
+        ("model_fn", model, r"model_fn is a Sequential instance.*model_fn=Sequential"),
+        ("criterion_fn", nn.CrossEntropyLoss(), r"criterion_fn is a CrossEntropyLoss instance.*nn.CrossEntropyLoss"),
+        ("optimizer_fn", optimizer, r"optimizer_fn is a SGD instance.*functools.partial\(torch.optim.SGD"),
+        ("scheduler_fn", torch.optim.lr_scheduler.StepLR(optimizer, 1), r"scheduler_fn is a StepLR instance"),
+        ("model_fn", "resnet18", r"model_fn = 'resnet18' is not callable"),
+    ]
+    for key, value, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            distributed_train_worker(0, 1, **worker_config(tmp_path, **{key: value}))
+    assert not (tmp_path / "worker").exists(), "nothing was trained or written"

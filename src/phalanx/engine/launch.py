@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
+from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
 
 from phalanx.engine.engine import BACKEND_ENV, TrainingEngine, check_backend, warn_fallback
@@ -46,6 +47,12 @@ CONFIG_KEYS = (
     "seed",
 )
 REQUIRED_KEYS = ("model_fn", "train_dataset", "optimizer_fn", "criterion_fn")
+BUILDERS = (  # key, what it builds, an example: each is called inside every rank
+    ("model_fn", "the model (called with no arguments)", "model_fn={cls} (the class), or a function returning one"),
+    ("optimizer_fn", "the optimizer from the parameters", "optimizer_fn=functools.partial(torch.optim.{cls}, lr=0.1)"),
+    ("criterion_fn", "the loss (called with no arguments)", "criterion_fn=nn.{cls} (the class)"),
+    ("scheduler_fn", "the scheduler from the optimizer", "functools.partial(torch.optim.lr_scheduler.{cls}, ...)"),
+)
 SET_BY_WORKER = ("model", "device", "distributed", "local_rank", "world_size", "backend")
 TRAIN_ARGS_BY_WORKER = ("train_loader", "val_loader", "optimizer", "criterion", "scheduler")
 
@@ -284,6 +291,24 @@ def check_worker_config(config: dict) -> None:
         raise ConfigError(f"engine_kwargs {clash} are set by distributed_train_worker itself; remove them")
     _check_keywords("engine_kwargs", engine_kwargs, TrainingEngine.__init__, SET_BY_WORKER)
     _check_keywords("train_kwargs", config.get("train_kwargs") or {}, TrainingEngine.train, TRAIN_ARGS_BY_WORKER)
+    for key, builds, example in BUILDERS:
+        value = config.get(key)
+        if value is None and key not in REQUIRED_KEYS:
+            continue
+        # A built object where its builder goes (model_fn=Net()): called with no arguments inside every rank, it
+        # failed there with "forward() missing 1 required positional argument".
+        if isinstance(value, (nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)):
+            name = type(value).__name__
+            raise ConfigError(
+                f"{key} is a {name} instance; it must build {builds} in each rank, e.g. {example.format(cls=name)}"
+            )
+        if not callable(value):
+            generic = example.format(
+                cls={"model_fn": "MyModel", "optimizer_fn": "SGD", "criterion_fn": "CrossEntropyLoss"}.get(
+                    key, "StepLR"
+                )
+            )
+            raise ConfigError(f"{key} = {value!r} is not callable; it must build {builds}, e.g. {generic}")
     for key in ("train_dataset", "val_dataset"):
         dataset = config.get(key)
         if dataset is not None and (isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__")):
