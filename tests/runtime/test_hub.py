@@ -59,6 +59,12 @@ def test_a_hub_that_does_not_resolve_is_read_from_the_cache_and_fails_at_once(
     )
     with pytest.raises(HubUnreachable, match="could not load the model"):
         load_model("acme/not-cached-anywhere", torch.float32)
+    # phalanx plan reads the config only: it said the same as bad input (status 2, "a requeue would only repeat it")
+    from phalanx.config.loader import load_config
+    from phalanx.plan.model import build_meta_model
+
+    with pytest.raises(HubUnreachable, match="cannot build it from its config"):
+        build_meta_model(load_config(None, {"model.model_name": "acme/not-cached-anywhere"}))
     with pytest.raises(HubUnreachable, match="dataset 'acme/no-such-chats'") as raised:
         load_named_dataset("acme/no-such-chats")
     assert isinstance(raised.value, HubUnreachable) and not isinstance(raised.value, DataError)

@@ -65,6 +65,7 @@ def build_meta_model(cfg: RunConfig):
 
     from phalanx.models.adapters import apply_finetuning
     from phalanx.models.load import resolve_model_path
+    from phalanx.runtime.hub import hub_load_failure
 
     path = resolve_model_path(cfg.model.model_name)
     remote = cfg.model.trust_remote_code
@@ -73,8 +74,9 @@ def build_meta_model(cfg: RunConfig):
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=remote)
     except (OSError, ValueError, KeyError) as exc:
-        raise ConfigError(
-            f"model.model_name = {cfg.model.model_name!r}: cannot build it from its config: {exc}"
+        # A Hub id offline is the network's failure (status 1, a rerun may work), as train and generate say it
+        raise hub_load_failure(
+            exc, f"model.model_name = {cfg.model.model_name!r}: cannot build it from its config: {exc}", ConfigError
         ) from None
     # Checkpointing changes no parameter and the plan prices it separately; 4-bit storage is priced from the counts.
     off = {name: False for name in ("gradient_checkpointing", "load_in_4bit") if name in type(cfg.model).model_fields}
