@@ -57,6 +57,10 @@ def test_rank_that_raises_in_forward_stops_everyone_and_is_named(dataset, tmp_pa
 def test_rank_killed_mid_step_is_named(dataset, tmp_path):
     proc, _ = train(dataset, tmp_path / "o", "--max_steps", "6", fault="kill@step=3,rank=1")
     assert proc.returncode == 1 and "rank 1 (killed by SIGKILL)" in proc.stderr, proc.stderr[-2000:]
+    # Rank 0's all-reduce broke when rank 1 died: it stands aside in one line. It printed "error: rank 0 failed:
+    # RuntimeError: ... Connection closed by peer" first, an error line blaming the rank that was not at fault.
+    assert "rank 0 failed" not in proc.stderr and "Connection closed by peer" not in proc.stderr, proc.stderr[-2000:]
+    assert "[rank 0] local rank 1 (pid" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_rank_killed_while_the_others_start_is_named_and_they_stop_at_once(dataset, tmp_path):

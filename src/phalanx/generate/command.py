@@ -82,7 +82,7 @@ def main(argv: Sequence[str]) -> int:
 
         # A peer killed mid-run (kill -9, the OOM killer) fails this rank's next collective: the launcher names the
         # killed rank, and this one says why it stopped in one line instead of gloo's traceback.
-        if is_rank and int(os.environ["WORLD_SIZE"]) > 1 and stand_aside_for_killed_peer(exc):
+        if is_rank and int(os.environ["WORLD_SIZE"]) > 1 and stand_aside_for_killed_peer():
             return 1
         raise
 

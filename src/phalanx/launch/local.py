@@ -368,20 +368,16 @@ def stopped_for(lost: list[str]) -> str:
     return say
 
 
-def stand_aside_for_killed_peer(exc: BaseException) -> bool:
+def stand_aside_for_killed_peer() -> bool:
     """In a rank of launch_local whose collective failed (gloo: "Connection closed by peer") because a peer on this
     node was killed: say so in one line, instead of the collective's traceback, and leave the launcher to name the
-    killed rank alone. False (nothing said) when no peer was killed: then `exc` is this rank's own failure."""
+    killed rank alone. False (nothing said) when no peer was killed: then the failure is this rank's own."""
     record = rank_exit_record()
     lost = lost_peers(record) if record is not None else []
     if not lost:
         return False
-    detail = " ".join(str(exc).split())[:200]
-    print(
-        f"[rank {os.environ.get('RANK')}] {stopped_for(lost)}; stopping this rank (here: {type(exc).__name__}: {detail})",
-        file=sys.stderr,
-        flush=True,
-    )
+    # The collective's own error (gloo: "Connection closed by peer") only repeats that the peer is gone.
+    print(f"[rank {os.environ.get('RANK')}] {stopped_for(lost)}; stopping this rank", file=sys.stderr, flush=True)
     return True
 
 

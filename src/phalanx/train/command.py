@@ -194,6 +194,12 @@ def train_worker(cfg: RunConfig, preemption: PreemptionFlag) -> int:
             # A crash: status 1 as a single process that crashes, never the bad-input 2 that tells a requeue wrapper
             # (or torchrun's summary reader) a rerun would only repeat it. Often it is a peer's failure seen from
             # here (gloo: "Connection closed by peer"): then the peer is named, and this rank stands aside.
+            from phalanx.launch.local import stand_aside_for_killed_peer
+
+            # A peer killed mid-step (kill -9, the OOM killer) leaves no failure record: this rank says so in one line
+            # and the launcher names the killed rank (status 1).
+            if stand_aside_for_killed_peer():
+                return 1
             first = peer_that_failed(world, rank, after_own_timeout=is_timeout(exc))
             if first is not None:
                 write_rank_message(STOPPED_FOR_LOST_PEER, f"stopped: {first} failed first", rank)
