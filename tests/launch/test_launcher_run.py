@@ -134,6 +134,17 @@ def test_bad_rank_count_or_port_given_when_the_script_runs_is_named(project, gen
     assert not (project / "runs" / "default").exists(), "no rank started"
 
 
+def test_the_slurm_script_run_with_bash_says_to_submit_it(project, generate, support):
+    """`bash scripts/slurm_job.sh` outside any job printed scontrol's four errors and 'SLURM_JOB_ID: unbound
+    variable', status 1."""
+    generate("slurm", "--config", "train.yaml", "--num_gpus_per_node", "0", "--output", "scripts/job.sh")
+    env = {k: v for k, v in support.local_env().items() if not k.startswith("SLURM_")}
+    proc, _ = run_script(support, project, env, "scripts/job.sh", timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "job.sh is a SLURM batch script: submit it with sbatch job.sh" in proc.stderr
+    assert "unbound variable" not in proc.stderr and "scontrol" not in proc.stderr
+
+
 def worker_pids(launcher_pid: int) -> dict[int, int]:
     """{global rank: pid} of the ranks torchrun (the script exec's into it) has started."""
     out = {}

@@ -404,6 +404,12 @@ def render_slurm(spec: SlurmSpec, script: Path) -> str:
         *sbatch,
         "",
         "set -uo pipefail",
+        "# Run with bash instead of sbatch, it would fail on the first SLURM variable, after scontrol's own errors.",
+        'if [ -z "${SLURM_JOB_ID:-}" ]; then',
+        f'    echo "error: $(basename "$0") is a SLURM batch script: submit it with sbatch {script.name} (on one'
+        ' machine without SLURM, phalanx launcher writes a script to run with bash)" >&2',
+        "    exit 2",
+        "fi",
         "",
     ]
     if spec.setup:
