@@ -40,6 +40,22 @@ def test_nccl_ranks_without_cuda_devices_are_pointed_to_gloo(monkeypatch):
         check_world_fits(4, "nccl")
 
 
+def test_too_many_ranks_under_torchrun_are_named_by_its_flag(monkeypatch):
+    """`torchrun --nproc_per_node=3 -m phalanx train` on 2 cores was told 'Use --world_size 2 or fewer', a flag
+    torchrun's ranks ignore."""
+    cores = os.cpu_count() or 1
+    with pytest.raises(
+        ConfigError, match=f"distributed.world_size = {cores + 1} CPU ranks.* Use --world_size {cores} "
+    ):
+        check_world_fits(cores + 1, "gloo")
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", str(cores + 1))):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as err:
+        check_world_fits(cores + 1, "gloo")
+    assert f"torchrun --nproc_per_node {cores + 1} CPU ranks on this machine" in str(err.value)
+    assert f"Use --nproc_per_node {cores} or fewer" in str(err.value) and "--world_size" not in str(err.value)
+
+
 def test_cpu_ranks_share_the_cores_unless_omp_num_threads_says_otherwise(monkeypatch):
     """Without OMP_NUM_THREADS each CPU rank takes its share of the cores (more threads than cores slows every rank);
     a value the user set is left to torch. The test session sets OMP_NUM_THREADS=1 (tests/conftest.py), so the ranks

@@ -60,15 +60,21 @@ def resolve_backend(backend: str) -> str:
 
 
 def check_world_fits(local_world_size: int, backend: str) -> None:
-    """Refuse more ranks per machine than devices: one CUDA device per rank, one core per CPU rank."""
+    """Refuse more ranks per machine than devices: one CUDA device per rank, one core per CPU rank. Named as the user
+    asked for them: in ranks torchrun started, by its --nproc_per_node (--world_size is ignored there)."""
+    torchrun = launched_by_torchrun()
+    asked = (
+        f"torchrun --nproc_per_node {local_world_size}" if torchrun else f"distributed.world_size = {local_world_size}"
+    )
+    flag = "--nproc_per_node" if torchrun else "--world_size"
     if resolve_backend(backend) == "nccl":
         count = torch.cuda.device_count()
         if local_world_size > count:
             raise ConfigError(
-                f"distributed.world_size = {local_world_size} ranks on this machine, but only {count} CUDA device(s) "
+                f"{asked} ranks on this machine, but only {count} CUDA device(s) "
                 f"are visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}). "
                 + (
-                    f"Use --world_size {count} or fewer."
+                    f"Use {flag} {count} or fewer."
                     if count
                     else "NCCL runs on CUDA devices only: use --backend gloo (or auto) for CPU ranks."
                 )
@@ -77,8 +83,8 @@ def check_world_fits(local_world_size: int, backend: str) -> None:
         cores = os.cpu_count() or 1
         if local_world_size > cores:
             raise ConfigError(
-                f"distributed.world_size = {local_world_size} CPU ranks on this machine, but it has {cores} core(s). "
-                f"Use --world_size {cores} or fewer (each gloo rank needs a core)."
+                f"{asked} CPU ranks on this machine, but it has {cores} core(s). "
+                f"Use {flag} {cores} or fewer (each gloo rank needs a core)."
             )
 
 
