@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import multiprocessing
 import os
 import pickle
 import sys
@@ -84,11 +85,14 @@ def launch_distributed_training(
     from phalanx.launch.scratch import launcher_scratch
 
     port = free_port()
+    # What this process would start DataLoader workers with (fork on Linux): a spawned rank inherits 'spawn' instead,
+    # and each of its loader workers re-imported the script and torch and was sent a pickled copy of the dataset.
+    workers = multiprocessing.get_start_method()
     with launcher_scratch() as scratch:  # a later launch removes it if this process is killed
         result_file = scratch / "rank0.pkl"
         context = torch.multiprocessing.start_processes(
             _rank_entry,
-            args=(world_size, port, backend, train_fn, kwargs, str(result_file)),
+            args=(world_size, port, backend, train_fn, kwargs, str(result_file), workers),
             nprocs=world_size,
             join=False,
             start_method=method,
@@ -101,8 +105,16 @@ def launch_distributed_training(
 
 
 def _rank_entry(
-    rank: int, world_size: int, port: int, backend: str, train_fn: Callable, kwargs: dict, result_file: str
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    train_fn: Callable,
+    kwargs: dict,
+    result_file: str,
+    workers: str,
 ) -> None:
+    multiprocessing.set_start_method(workers, force=True)  # as under torchrun, whose ranks are plain processes
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
