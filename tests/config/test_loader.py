@@ -396,3 +396,23 @@ def test_dashes_in_a_flag_are_underscores_dotted_or_not():
 
     for flag in ("--max-steps", "--training.max-steps"):
         assert overrides_from_flags(split_flags([flag, "7"])[1]) == {"training.max_steps": 7}
+
+
+def test_a_home_relative_path_in_a_yaml_file_is_expanded_as_the_shell_would(tmp_path, monkeypatch):
+    """No shell reads a YAML file: `output_dir: ~/runs/a` made a folder named '~' in the current one, and
+    `dataset_path: ~/chats.jsonl` was 'no such file'. Each path field expands it; the model name already did."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "ds.json").write_text("{}")
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "output_dir: ~/runs/a\n"
+        "data:\n  dataset_path: ~/chats.jsonl\n  eval_dataset_path: ~/val.jsonl\n"
+        "checkpoint:\n  resume_from_checkpoint: ~/runs/a/checkpoint-4\n"
+        "distributed:\n  strategy: deepspeed\n  deepspeed_config: ~/ds.json\n"
+    )
+    cfg = load_config(str(config))
+    assert cfg.output_dir == f"{tmp_path}/runs/a"
+    assert (cfg.data.dataset_path, cfg.data.eval_dataset_path) == (f"{tmp_path}/chats.jsonl", f"{tmp_path}/val.jsonl")
+    assert cfg.checkpoint.resume_from_checkpoint == f"{tmp_path}/runs/a/checkpoint-4"
+    assert cfg.distributed.deepspeed_config == f"{tmp_path}/ds.json"
+    assert load_config(None, {"output_dir": "runs/~a"}).output_dir == "runs/~a"  # only a leading ~ is the home

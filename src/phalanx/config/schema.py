@@ -6,6 +6,7 @@ so the documentation cannot drift from what is validated.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal, Optional, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -18,6 +19,12 @@ class Section(BaseModel):
     """Base for config sections: unknown keys are errors, assignments are re-validated."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def home_expanded(value: Any) -> Any:
+    """A path field's `~/...` as the shell would expand it. A YAML file is read by no shell: `output_dir: ~/runs/a`
+    made a folder named '~' in the current one, and `dataset_path: ~/data.jsonl` was not found."""
+    return os.path.expanduser(value) if isinstance(value, str) and value.startswith("~") else value
 
 
 class ModelConfig(Section):
@@ -150,6 +157,8 @@ class DataConfig(Section):
         if problem:
             raise ValueError(problem)
         return value
+
+    _home = field_validator("dataset_path", "eval_dataset_path", "chat_template", mode="before")(home_expanded)
 
     @field_validator("chat_template")
     @classmethod
@@ -284,6 +293,8 @@ class CheckpointConfig(Section):
     )
     save_best: bool = Field(True, description="Keep checkpoint-best with the lowest evaluation loss.")
 
+    _home = field_validator("resume_from_checkpoint", mode="before")(home_expanded)
+
     @field_validator("save_total_limit")
     @classmethod
     def keep_a_fallback(cls, limit: Optional[int]) -> Optional[int]:
@@ -391,6 +402,8 @@ class DistributedConfig(Section):
         5, gt=0, description="How long a training collective may wait for a missing rank before every rank gives up."
     )
 
+    _home = field_validator("deepspeed_config", "fsdp_config", mode="before")(home_expanded)
+
 
 # What seed 003's `report_to` may name (Hugging Face's spelling): phalanx writes TensorBoard events or none.
 REPORT_TO = ("tensorboard", "none")
@@ -422,6 +435,8 @@ class RunConfig(Section):
         description="Seed 003's switch: 'tensorboard' (or a list holding it) writes TensorBoard events, 'none' (or "
         "[]) writes none; it sets logging.tensorboard. metrics.jsonl is written either way.",
     )
+
+    _home = field_validator("output_dir", mode="before")(home_expanded)
 
     @model_validator(mode="after")
     def _seed_003_spellings_and_impossible_combinations(self) -> "RunConfig":
