@@ -278,3 +278,21 @@ def test_ranks_start_their_loader_workers_as_the_launching_process_does():
 
     expected = multiprocessing.get_start_method()
     assert launch_distributed_training(loader_workers_start_method, 2) == expected
+
+
+def test_a_rendezvous_port_in_use_is_named_with_the_variable_to_change(monkeypatch):
+    """Two seed-004 scripts at once both take localhost:12355: the second's rank 0 failed with torch's "The server
+    socket has failed to listen on any local network address ... EADDRINUSE", which says nothing of MASTER_PORT."""
+    import os
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        with pytest.raises(
+            ConfigError, match=rf"MASTER_PORT {port} is already in use on this machine.*by pid {os.getpid()}"
+        ):
+            TrainingEngine.setup_distributed(0, 2, backend="gloo", timeout_minutes=0.2)
+    assert os.environ["MASTER_PORT"] == str(port) and "RANK" not in os.environ

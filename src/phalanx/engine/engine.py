@@ -188,12 +188,24 @@ class TrainingEngine:
         os.environ.update(env)
         try:
             return rt.init_runtime(backend, timeout_minutes)
-        except BaseException:
+        except BaseException as exc:
             for key, value in saved.items():
                 if value is None:
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
+            if rank == 0 and "EADDRINUSE" in str(exc):
+                # Two seed-004 scripts at once both take localhost:12355; torch's "failed to listen ... EADDRINUSE"
+                # says nothing of the variable that moves it.
+                from phalanx.launch.preflight import port_holder
+
+                holder = port_holder(int(env["MASTER_PORT"]))
+                raise ConfigError(
+                    f"MASTER_PORT {env['MASTER_PORT']} is already in use on this machine"
+                    + (f" (by {holder})" if holder else "")
+                    + ": another job, or an earlier run of this script, holds it. Set MASTER_PORT to a free port in "
+                    "every process of this job (launch_distributed_training picks one itself), or stop that process"
+                ) from None
             raise
 
     @staticmethod
