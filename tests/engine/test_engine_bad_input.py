@@ -161,6 +161,8 @@ def test_the_worker_refuses_an_iterable_dataset_and_bad_batch_settings_by_name(t
         distributed_train_worker(0, 1, **worker_config(tmp_path, train_dataset=Rows(8)))
     with pytest.raises(ConfigError, match=r"val_dataset is a Rows, an IterableDataset"):
         distributed_train_worker(0, 1, **worker_config(tmp_path, val_dataset=Rows(8)))
+    with pytest.raises(ConfigError, match=r"val_dataset is empty \(0 rows\).*None"):
+        distributed_train_worker(0, 1, **worker_config(tmp_path, val_dataset=pairs(0)))
     for key, bad in (("batch_size", 0), ("batch_size", "8"), ("num_workers", -1)):
         with pytest.raises(ConfigError, match=f"{key} = {bad!r}"):
             distributed_train_worker(0, 1, **worker_config(tmp_path, **{key: bad}))

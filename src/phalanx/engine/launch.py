@@ -333,6 +333,8 @@ def check_worker_config(config: dict) -> None:
             )
     if len(config["train_dataset"]) == 0:
         raise ConfigError("train_dataset is empty (0 rows); give a dataset with at least one row")
+    if config.get("val_dataset") is not None and len(config["val_dataset"]) == 0:
+        raise ConfigError("val_dataset is empty (0 rows); give it rows, or leave it out (None) to validate nothing")
     for key, default, least in (("batch_size", 32, 1), ("num_workers", 0, 0)):
         value = config.get(key, default)
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
