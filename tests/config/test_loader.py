@@ -416,3 +416,31 @@ def test_a_home_relative_path_in_a_yaml_file_is_expanded_as_the_shell_would(tmp_
     assert cfg.checkpoint.resume_from_checkpoint == f"{tmp_path}/runs/a/checkpoint-4"
     assert cfg.distributed.deepspeed_config == f"{tmp_path}/ds.json"
     assert load_config(None, {"output_dir": "runs/~a"}).output_dir == "runs/~a"  # only a leading ~ is the home
+
+
+def test_a_relative_path_found_only_beside_the_config_names_both_folders(tmp_path, monkeypatch):
+    """`phalanx train project/run.yaml` from another folder: relative paths are read from where phalanx runs, so
+    `dataset_path: chats.jsonl` beside the config was 'no such file' with no word of where it was looked for."""
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    (project / "config").mkdir(parents=True)
+    elsewhere.mkdir()
+    (project / "chats.jsonl").write_text("{}\n")
+    (project / "config" / "fsdp.json").write_text("{}")
+    config = project / "run.yaml"
+    config.write_text("data:\n  dataset_path: chats.jsonl\n")
+    monkeypatch.chdir(elsewhere)
+    with pytest.raises(ConfigError) as err:
+        load_config(str(config))
+    message = str(err.value)
+    assert (
+        f"{config} line 2: data.dataset_path = 'chats.jsonl' is read from the folder phalanx runs in, {elsewhere},"
+        in (message)
+    )
+    assert f"the config's folder has it ({project / 'chats.jsonl'}). Run phalanx from {project}" in message
+    config.write_text("distributed:\n  strategy: fsdp\n  fsdp_config: config/fsdp.json\n")
+    with pytest.raises(ConfigError, match="distributed.fsdp_config = 'config/fsdp.json' is read from the folder"):
+        load_config(str(config))
+    # from the project folder, or given on the command line (the shell's folder), it is what it always was
+    load_config(str(config), {"distributed.fsdp_config": str(project / "config" / "fsdp.json")})
+    monkeypatch.chdir(project)
+    assert load_config(str(config)).distributed.fsdp_config == "config/fsdp.json"

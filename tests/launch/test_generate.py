@@ -633,7 +633,9 @@ def test_hybrid_shard_needs_several_nodes(command, in_project, capsys, tmp_path)
 def test_slurm_checks_relative_paths_from_the_folder_the_job_runs_in(in_project, capsys, tmp_path):
     """With --chdir the ranks read a relative --chat_template from that folder: it is checked there, not here."""
     job_dir = tmp_path / "job"
-    job_dir.mkdir()
+    (job_dir / "data").mkdir(parents=True)
+    # the config's data/train.jsonl is read from there too (a job folder without it is refused when written)
+    (job_dir / "data" / "train.jsonl").write_bytes((in_project / "data" / "train.jsonl").read_bytes())
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     (job_dir / "mine.jinja").write_text(template)
     (in_project / "only_here.jinja").write_text(template)

@@ -401,10 +401,44 @@ def load_config(path: Optional[str] = None, overrides: Optional[dict[str, Any]] 
     for dotted, value in (overrides or {}).items():
         _set_dotted(tree, dotted, value)
         from_cli.add(tuple(dotted.split(".")))
+    if path is not None:
+        _refuse_paths_meant_beside_the_config(tree, path, lines, from_cli)
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as exc:
         raise ConfigError(_explain(exc, source, lines, from_cli)) from None
+
+
+# The fields that name a file or folder to read: what a config written beside its data names relatively.
+READ_PATH_FIELDS = (
+    ("model", "model_name"),
+    ("data", "dataset_path"),
+    ("data", "eval_dataset_path"),
+    ("data", "chat_template"),
+    ("checkpoint", "resume_from_checkpoint"),
+    ("distributed", "deepspeed_config"),
+    ("distributed", "fsdp_config"),
+)
+
+
+def _refuse_paths_meant_beside_the_config(tree: dict, path: str, lines: dict[tuple, int], from_cli: set[tuple]) -> None:
+    """Relative paths in a config are read from the folder phalanx runs in, as the seeds' scripts read theirs. Run
+    from elsewhere (`phalanx train project/run.yaml`), a file that sits beside the config was reported missing with no
+    word of where it was looked for, or a model folder was looked up on the Hub: name both places."""
+    here, beside = Path.cwd(), Path(path).resolve().parent
+    if beside == here.resolve():
+        return
+    for key in READ_PATH_FIELDS:
+        value = tree.get(key[0], {}).get(key[1]) if isinstance(tree.get(key[0]), dict) else None
+        if key in from_cli or not isinstance(value, str) or not value or Path(value).is_absolute():
+            continue
+        if value.startswith("~") or (here / value).exists() or not (beside / value).exists():
+            continue
+        raise ConfigError(
+            f"{path} line {lines.get(key, '?')}: {'.'.join(key)} = {value!r} is read from the folder phalanx runs in, "
+            f"{here}, which has no {value}; the config's folder has it ({beside / value}). Run phalanx from "
+            f"{beside}, or write the path from where it runs (or in full)"
+        )
 
 
 def _explain(exc: ValidationError, source: str, lines: dict[tuple, int], from_cli: set[tuple]) -> str:
