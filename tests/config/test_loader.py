@@ -444,3 +444,16 @@ def test_a_relative_path_found_only_beside_the_config_names_both_folders(tmp_pat
     load_config(str(config), {"distributed.fsdp_config": str(project / "config" / "fsdp.json")})
     monkeypatch.chdir(project)
     assert load_config(str(config)).distributed.fsdp_config == "config/fsdp.json"
+
+
+def test_a_mapping_flag_that_does_not_parse_says_what_yaml_found():
+    """--chat_template_kwargs '{enable_thinking: false' (the brace left out) was answered "Input should be a valid
+    dictionary", about a value the user wrote as one."""
+    with pytest.raises(ConfigError) as err:
+        overrides_from_flags([("chat_template_kwargs", "{enable_thinking: false")])
+    message = str(err.value)
+    assert "data.chat_template_kwargs = '{enable_thinking: false' is not a YAML or JSON mapping (expected ','" in message
+    assert "e.g. --chat_template_kwargs '{enable_thinking: false}'" in message
+    assert overrides_from_flags([("chat_template_kwargs", "{enable_thinking: false}")]) == {
+        "data.chat_template_kwargs": {"enable_thinking": False}
+    }

@@ -371,7 +371,16 @@ def parse_flag_value(dotted: str, text: str) -> Any:
     value = parse_value(text)
     try:
         node = yaml.compose(text)
-    except yaml.YAMLError:
+    except yaml.YAMLError as exc:
+        # A mapping that does not parse ('{enable_thinking: false' without its brace) reached validation as text,
+        # answered only "Input should be a valid dictionary"; say what YAML found. A field that takes text keeps it.
+        members = _union_args(field_annotation(dotted))
+        if str not in members and any(typing.get_origin(m) is dict for m in members):
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ConfigError(
+                f"command line: {dotted} = {text!r} is not a YAML or JSON mapping ({problem}); write it as "
+                "'{name: value, ...}', e.g. --chat_template_kwargs '{enable_thinking: false}'"
+            ) from None
         return value
     return keep_typed_text(value, node, field_annotation(dotted))
 
