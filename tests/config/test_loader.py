@@ -452,7 +452,9 @@ def test_a_mapping_flag_that_does_not_parse_says_what_yaml_found():
     with pytest.raises(ConfigError) as err:
         overrides_from_flags([("chat_template_kwargs", "{enable_thinking: false")])
     message = str(err.value)
-    assert "data.chat_template_kwargs = '{enable_thinking: false' is not a YAML or JSON mapping (expected ','" in message
+    assert (
+        "data.chat_template_kwargs = '{enable_thinking: false' is not a YAML or JSON mapping (expected ','" in message
+    )
     assert "e.g. --chat_template_kwargs '{enable_thinking: false}'" in message
     assert overrides_from_flags([("chat_template_kwargs", "{enable_thinking: false}")]) == {
         "data.chat_template_kwargs": {"enable_thinking": False}
