@@ -124,14 +124,15 @@ def test_an_iterable_dataset_trains_in_one_process(tmp_path):
     assert history["epoch"] == [1, 2]
 
 
-def uneven_iterable(rank: int, world: int, out_dir: str) -> str:
-    """Rank 0's IterableDataset holds 2 batches, rank 1's 3: the third step's all-reduce had no partner."""
+def uneven_iterable(rank: int, world: int, out_dir: str, even: bool = False) -> str:
+    """Rank 0's IterableDataset holds 2 batches, rank 1's 3 (`even`: 3 each): the third step's all-reduce had no
+    partner."""
     torch.set_num_threads(1)
     model = mlp()
     engine = TrainingEngine(
         model, "cpu", distributed=True, local_rank=rank, world_size=world, output_dir=out_dir, **QUIET
     )
-    loader = DataLoader(Rows(8 if rank == 0 else 12), batch_size=4)
+    loader = DataLoader(Rows(8 if rank == 0 and not even else 12), batch_size=4)
     try:
         engine.train(loader, None, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), num_epochs=1)
     except ConfigError as exc:
@@ -146,6 +147,7 @@ def test_an_iterable_dataset_that_runs_out_on_one_rank_is_refused_not_a_hang(tmp
     results = run_ranks(uneven_iterable, 2, str(tmp_path))
     for message in results:
         assert "train_loader ran out on rank 0 after 2 batches" in message and "rank 1 had more" in message, message
+    assert run_ranks(uneven_iterable, 2, str(tmp_path / "even"), True) == ["trained", "trained"]
 
 
 def worker_config(tmp_path, **changes) -> dict:
