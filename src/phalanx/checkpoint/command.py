@@ -34,16 +34,17 @@ def main(argv: list[str]) -> int:
         args = parser.parse_args(argv)
         from phalanx.runtime.quiet import quiet_libraries
 
-        quiet_libraries()  # transformers' weight loading/writing bars and peft's deprecation chatter, as in train
         if (args.folder / "adapter_config.json").is_file():  # a LoRA run's adapter
             leave_out_bitsandbytes()  # it is merged into the unquantized base
             leave_out_deepspeed()  # (a ZeRO-3 checkpoint's export reads it with DeepSpeed's converter)
+            quiet_libraries()  # after those: it imports transformers. Its weight bars, peft's deprecation chatter
             from phalanx.models.merge import export_merged_adapter
 
             print("\n".join(export_merged_adapter(args.folder, args.out, args.model_name)[1]))
             return 0
         if args.model_name is not None:
             raise PhalanxError(f"--model_name is for a LoRA adapter's base; {args.folder} holds no adapter_config.json")
+        quiet_libraries()
         out = export_checkpoint(args.folder, args.out)
     except PhalanxError as exc:
         print(f"error: {exc}", file=sys.stderr)
