@@ -300,3 +300,23 @@ def test_a_rendezvous_port_in_use_is_named_with_the_variable_to_change(monkeypat
         ):
             TrainingEngine.setup_distributed(0, 2, backend="gloo", timeout_minutes=0.2)
     assert os.environ["MASTER_PORT"] == str(port) and "RANK" not in os.environ
+
+
+def test_an_output_folder_that_cannot_be_made_and_a_bad_experiment_name_are_named(tmp_path):
+    """output_dir naming a file was NotADirectoryError, an experiment_name naming a file FileExistsError, and
+    experiment_name=None "unsupported operand type(s) for /: 'PosixPath' and 'NoneType'"."""
+    (tmp_path / "notes.txt").write_text("x")
+    loader = DataLoader(pairs(), batch_size=4)
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for output_dir, name, message in (
+        (tmp_path / "notes.txt", "experiment", r"notes.txt is a file, not a folder"),
+        (tmp_path, "notes.txt", r"notes.txt is a file, not a folder"),
+    ):
+        engine = TrainingEngine(model, "cpu", output_dir=output_dir, experiment_name=name, **QUIET)
+        with pytest.raises(ConfigError, match=rf"output_dir/experiment_name = .*: .*{message}"):
+            engine.train(loader, None, optimizer, nn.CrossEntropyLoss(), num_epochs=1)
+    for bad in (None, "", 3):
+        with pytest.raises(ConfigError, match=rf"experiment_name = {bad!r}.*non-empty"):
+            TrainingEngine(model, "cpu", output_dir=tmp_path, experiment_name=bad, **QUIET)
+    assert (tmp_path / "notes.txt").read_text() == "x"

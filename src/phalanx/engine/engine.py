@@ -36,6 +36,7 @@ from phalanx.errors import ConfigError, PhalanxError
 from phalanx.observe.metrics import Reporter
 from phalanx.parallel.base import Precision, Strategy
 from phalanx.runtime import dist as rt
+from phalanx.runtime.durable import check_can_create
 from phalanx.runtime.faults import Fault, kill_self, planned_fault
 from phalanx.runtime.output_lock import output_held, training_lock
 
@@ -139,6 +140,11 @@ class TrainingEngine:
         self.ema = ModelEMA(self.unwrapped_model, ema_decay, ema_warmup) if use_ema else None
         self.use_amp, self.use_ema = self.strategy.precision.dtype is not None, use_ema
 
+        if not isinstance(experiment_name, str) or not experiment_name:
+            raise ConfigError(
+                f"experiment_name = {experiment_name!r}; give a non-empty name: outputs go to "
+                f"output_dir/experiment_name ({output_dir}/NAME)"
+            )
         self.experiment_name = experiment_name
         self.output_dir = Path(output_dir) / experiment_name
         self.progress_bar, self.tensorboard = progress_bar, tensorboard
@@ -341,6 +347,8 @@ class TrainingEngine:
                     "sampler=DistributedSampler(dataset) when distributed), which yields (inputs, targets) batches"
                 )
         self._check_training_objects(optimizer, criterion, scheduler)
+        # A file on the way was NotADirectoryError or FileExistsError from the lock's mkdir.
+        check_can_create(self.output_dir, f"output_dir/experiment_name = {str(self.output_dir)!r}")
         if save_steps is not None and (save_steps < 1 or _epoch_sampler(train_loader) is None):
             raise ConfigError(
                 f"save_steps = {save_steps!r} needs a positive step count and a train_loader whose sampler "
