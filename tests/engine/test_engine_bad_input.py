@@ -320,3 +320,10 @@ def test_an_output_folder_that_cannot_be_made_and_a_bad_experiment_name_are_name
         with pytest.raises(ConfigError, match=rf"experiment_name = {bad!r}.*non-empty"):
             TrainingEngine(model, "cpu", output_dir=tmp_path, experiment_name=bad, **QUIET)
     assert (tmp_path / "notes.txt").read_text() == "x"
+
+
+def test_a_last_batch_of_one_row_under_batchnorm_is_named_with_the_fix(tmp_path):
+    """9 rows in batches of 4 leave a last batch of 1: BatchNorm's "Expected more than 1 value per channel when
+    training", after a whole epoch, with nothing said of the loader (distributed_train_worker in one process too)."""
+    with pytest.raises(ConfigError, match=r"a training batch of 1 row.*BatchNorm.*drop_last=True.*batch_size"):
+        fit(tmp_path, DictOut(), dict_loss, DataLoader(pairs(9), batch_size=4))

@@ -790,7 +790,17 @@ def forward_loss(model: nn.Module, criterion: Any, inputs: Any, targets: Any, *,
     """`model(inputs)` and `criterion(outputs, targets)`, refusing by name what cannot train: torch's own error
     (a None passed to cross_entropy, `.backward()` on None, "grad can be implicitly created only for scalar
     outputs") names neither the model nor the criterion nor what would be accepted."""
-    outputs = model(inputs)
+    try:
+        outputs = model(inputs)
+    except ValueError as exc:
+        if not (training and "Expected more than 1 value per channel when training" in str(exc)):
+            raise
+        # torch's words name neither the batch nor the loader setting that makes such a batch.
+        raise ConfigError(
+            f"a training batch of {rows_of(targets)} row reached BatchNorm, which needs 2 or more in training "
+            f"({exc}). The epoch's last batch holds len(dataset) % batch_size rows: pass drop_last=True to the "
+            "DataLoader, or choose a batch_size that leaves no single row"
+        ) from None
     if outputs is None:
         raise ConfigError(
             f"model(inputs) returned None ({type(getattr(model, 'module', model)).__name__}.forward has no return?); TrainingEngine passes "
