@@ -325,5 +325,13 @@ def test_an_output_folder_that_cannot_be_made_and_a_bad_experiment_name_are_name
 def test_a_last_batch_of_one_row_under_batchnorm_is_named_with_the_fix(tmp_path):
     """9 rows in batches of 4 leave a last batch of 1: BatchNorm's "Expected more than 1 value per channel when
     training", after a whole epoch, with nothing said of the loader (distributed_train_worker in one process too)."""
-    with pytest.raises(ConfigError, match=r"a training batch of 1 row.*BatchNorm.*drop_last=True.*batch_size"):
+    with pytest.raises(ConfigError, match=r"last batch holds 1 row \(9 rows, batch_size 4\).*drop_last=True"):
         fit(tmp_path, DictOut(), dict_loss, DataLoader(pairs(9), batch_size=4))
+    config = worker_config(tmp_path, train_dataset=engine_ranks.dataset("bn", 9, 1), batch_size=4)
+    with pytest.raises(ConfigError, match=r"last batch holds 1 row"):
+        distributed_train_worker(0, 1, **config)
+    assert not (tmp_path / "worker" / "checkpoint-last").exists(), "refused before an epoch was trained"
+    # A loader without len(): found when the batch reaches BatchNorm
+    with pytest.raises(ConfigError, match=r"a training batch of 1 row reached BatchNorm.*drop_last=True"):
+        fit(tmp_path / "it", DictOut(), dict_loss, DataLoader(Rows(9), batch_size=4))
+    fit(tmp_path / "dropped", DictOut(), dict_loss, DataLoader(pairs(9), batch_size=4, drop_last=True))

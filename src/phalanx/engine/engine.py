@@ -45,6 +45,10 @@ from phalanx.runtime.output_lock import output_held, training_lock
 BACKEND_ENV = "PHALANX_ENGINE_BACKEND"
 DEFAULT_PORT = "12355"  # seed 004's rendezvous port when MASTER_PORT is unset
 MONITORS = ("val_loss", "val_acc", "train_loss", "train_acc")  # what checkpoint-best can follow
+ONE_ROW = (
+    "BatchNorm needs 2 or more rows in training. The epoch's last batch holds len(dataset) % batch_size rows: pass "
+    "drop_last=True to the DataLoader, or choose a batch_size that leaves no single row"
+)
 NEEDS_ROWS = "give it at least one row (an empty epoch trains nothing and reports a loss of nan)"
 VAL_NEEDS_ROWS = (
     "give it rows, or pass val_loader=None to validate nothing (val_loss would be nan every epoch and no "
@@ -682,6 +686,10 @@ class TrainingEngine:
         if set(counts) == {0}:
             raise ConfigError(f"train_loader yields no batches; {NEEDS_ROWS}")
         if not self.distributed:
+            # Found before the epoch rather than at its end (synchronised BatchNorm counts every rank's rows).
+            batch, rows = getattr(loader, "batch_size", None), _length(getattr(loader, "sampler", None))
+            if batch and rows and rows % batch == 1 and not loader.drop_last and has_batchnorm(self.model):
+                raise ConfigError(f"train_loader's last batch holds 1 row ({rows} rows, batch_size {batch}); {ONE_ROW}")
             return
         if len(set(counts)) > 1:
             raise ConfigError(
@@ -796,11 +804,7 @@ def forward_loss(model: nn.Module, criterion: Any, inputs: Any, targets: Any, *,
         if not (training and "Expected more than 1 value per channel when training" in str(exc)):
             raise
         # torch's words name neither the batch nor the loader setting that makes such a batch.
-        raise ConfigError(
-            f"a training batch of {rows_of(targets)} row reached BatchNorm, which needs 2 or more in training "
-            f"({exc}). The epoch's last batch holds len(dataset) % batch_size rows: pass drop_last=True to the "
-            "DataLoader, or choose a batch_size that leaves no single row"
-        ) from None
+        raise ConfigError(f"a training batch of {rows_of(targets)} row reached BatchNorm ({exc}); {ONE_ROW}") from None
     if outputs is None:
         raise ConfigError(
             f"model(inputs) returned None ({type(getattr(model, 'module', model)).__name__}.forward has no return?); TrainingEngine passes "
