@@ -212,6 +212,15 @@ def test_a_missing_prompts_path_the_model_and_dtype_are_named_by_their_flags(tmp
     (tmp_path / "questions.csv").write_text("q\n")
     with pytest.raises(DataError, match=r"--prompts .*questions.csv: unsupported file type '.csv'; accepted: .*\.txt"):
         read_prompts(str(tmp_path / "questions.csv"), None)
+    # a folder without data files: the same (a folder of .txt files is no dataset; each .txt is given as a file)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(
+        DataError, match=r"--prompts .*empty: a folder with no \*.jsonl or \*.parquet files; accepted: .*\.txt"
+    ):
+        read_prompts(str(tmp_path / "empty"), None)
+    (tmp_path / "empty" / "qs.txt").write_text("why?\n")
+    with pytest.raises(DataError, match=r"its qs.txt must be given as a file: --prompts .*empty/qs.txt\)"):
+        read_prompts(str(tmp_path / "empty"), None)
     args = parse_args(["--model_name", str(tmp_path / "no-model"), "--output", str(tmp_path / "o.jsonl")])
     with pytest.raises(ConfigError, match=f"--model_name '{tmp_path}/no-model': no such folder"):
         plan_job(args, warn=print)

@@ -22,7 +22,14 @@ from typing import Any, Callable, Optional
 from phalanx.config.chat_templates import template_text
 from phalanx.data.chat import PART_REPR, as_text_parts, template_refused
 from phalanx.data.formats import to_conversation
-from phalanx.data.sources import ACCEPTED_PATHS, DATA_FILE_SUFFIXES, bundled_dataset_path, iter_rows
+from phalanx.data.sources import (
+    ACCEPTED_PATHS,
+    DATA_FILE_SUFFIXES,
+    DISK_MARKERS,
+    bundled_dataset_path,
+    folder_data_files,
+    iter_rows,
+)
 from phalanx.errors import DataError
 
 BUNDLED = "bundled:health-agent"
@@ -94,9 +101,13 @@ def _iter_source(source: str):
         raise DataError(f"--prompts {path}: no such file or folder; {accepted}")
     if path.suffix == ".txt" and path.is_file():
         return _iter_txt(path)
+    # What training's reader would refuse listing training's file types, which leave out .txt, and not by the flag:
     if path.is_file() and path.suffix not in DATA_FILE_SUFFIXES:
-        # training's reader would refuse it listing training's file types, which leave out .txt
         raise DataError(f"--prompts {path}: unsupported file type '{path.suffix or '(none)'}'; {accepted}")
+    if path.is_dir() and not folder_data_files(path) and not any((path / m).is_file() for m in DISK_MARKERS):
+        txt = sorted(p.name for p in path.glob("*.txt"))
+        held = f" (its {', '.join(txt[:3])} must be given as a file: --prompts {path / txt[0]})" if txt else ""
+        raise DataError(f"--prompts {path}: a folder with no *.jsonl or *.parquet files{held}; {accepted}")
     return iter_rows(path, kind="path")
 
 
