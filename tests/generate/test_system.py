@@ -174,6 +174,11 @@ def test_a_rerun_without_a_validation_share_points_out_the_earlier_validation_fi
     assert code == 0, out
     assert len(read_jsonl(output)) == PROMPTS * K and val.read_bytes() == before
     assert f"⚠️  {val} is left as it was: --val_fraction 0 writes no validation file" in out
+    # the same with the validation records written elsewhere (--val_output): the old traj_val.jsonl is pointed out
+    other = tmp_path / "w1" / "held_out.jsonl"
+    code, out = run_in_process(generate_args(prompts, output, "--val_output", str(other)), capsys)
+    assert code == 0 and other.is_file() and val.read_bytes() == before, out
+    assert f"⚠️  {val} is left as it was: this run wrote its validation records to {other}." in out, out
 
 
 def test_one_prompt_writes_no_empty_validation_file(tmp_path, capsys):

@@ -294,11 +294,15 @@ def _finish(job, world_size: int, everyone: list[dict], resumed: int, say) -> No
         say(f"⚠️  No validation file written: {why}; every record is in {job.output}")
     else:
         why = "--val_fraction 0 writes no validation file"
-    stale = job.val_output or default_val_output(job.output)
-    if val_output is None and stale.is_file():
-        # An earlier merge with a validation share wrote it; it is not deleted (it may be yours), but evaluating on
-        # it now would score prompts the training file holds as well.
+    # An earlier merge's validation file that this one did not write: it is not deleted (it may be yours), but
+    # evaluating on it could score prompts the training file now holds.
+    stale, tail = job.val_output or default_val_output(job.output), "are training rows too"
+    if val_output is not None:  # written elsewhere (--val_output): the default file beside the output is the stale one
+        stale, tail = default_val_output(job.output), "may be training rows now"
+        why = f"this run wrote its validation records to {val_output}"
+    if stale.is_file() and (val_output is None or stale.resolve() != val_output.resolve()):
+        every = f", and every prompt is now in {job.output}" if val_output is None else ""
         say(
-            f"⚠️  {stale} is left as it was: {why}, and every prompt is now in {job.output}. If an earlier run "
-            f"wrote {stale}, its prompts are training rows too: do not evaluate on it."
+            f"⚠️  {stale} is left as it was: {why}{every}. If an earlier run wrote {stale}, its prompts {tail}: "
+            "do not evaluate on it."
         )
