@@ -159,6 +159,14 @@ def test_load_dataset_failures_name_the_dataset(tmp_path, write_jsonl, chat_row)
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match=r"dataset '.*empty' .*load_dataset failed: \w+"):
         rows_of(str(tmp_path / "empty"), kind="name")
+    # seed 001's data/ as a dataset_name: datasets puts traj_val.jsonl in 'validation' and traj_chat.jsonl nowhere
+    write_jsonl(tmp_path / "data" / "traj_chat.jsonl", [chat_row(0)])
+    write_jsonl(tmp_path / "data" / "traj_val.jsonl", [chat_row(1)])
+    with pytest.raises(DataError) as err:
+        rows_of(str(tmp_path / "data"), kind="name")
+    said = str(err.value)
+    assert "Unknown split \"train\". Should be one of ['validation']. datasets names a local folder" in said, said
+    assert "this folder holds traj_chat.jsonl, traj_val.jsonl. Give the training file as --dataset_path" in said
 
 
 def test_a_dataset_name_that_is_a_file_or_a_missing_folder_says_so(tmp_path, write_jsonl, chat_row, monkeypatch):

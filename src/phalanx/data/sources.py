@@ -96,7 +96,23 @@ def load_named_dataset(name: str, split: str = "train"):
         # else the causes say what went wrong.
         said = f"{type(e).__name__}: {e}" if network_failed(e) else describe_causes(e)
         message = f"dataset '{name}' (split '{split}'): datasets.load_dataset failed: {said}"
+        if Path(name).expanduser().is_dir() and "Unknown split" in str(e):
+            message = message.rstrip(".") + _local_split_hint(Path(name).expanduser())
         raise hub_load_failure(e, message, DataError) from None
+
+
+def _local_split_hint(folder: Path) -> str:
+    """How load_dataset split a local folder, for a split it did not find: by its files' names, where a file named
+    for no split (seed 001's traj_chat.jsonl beside traj_val.jsonl) is left out of every split once another names one."""
+    entries = itertools.islice(folder.rglob("*"), 10_000)  # a dataset folder; a mistyped home folder stays quick
+    files = sorted(p.name for p in entries if p.suffix in (*DATA_FILE_SUFFIXES, ".csv") and p.is_file())
+    shown = ", ".join(files[:4]) + (f" and {len(files) - 4} more" if len(files) > 4 else "")
+    return (
+        f". datasets names a local folder's splits by its files' names (train*, test*, validation*/valid*/val*/dev*), "
+        f"and leaves out a file named for none once another names one; this folder holds {shown or 'no data files'}. "
+        "Give the training file as --dataset_path FILE (and a held-out one as --eval_dataset_path), or rename the "
+        "files for their splits"
+    )
 
 
 def first_unreadable_line(folder: Path) -> Optional[DataError]:
