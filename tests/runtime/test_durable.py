@@ -30,6 +30,13 @@ def test_a_folder_that_takes_no_new_entry_is_named_with_the_reason():
         create_folder(Path("/proc/nope/out"), "output_dir = 'o'")
 
 
+def test_a_relative_folder_is_named_by_the_folder_it_is_in(monkeypatch):
+    """A relative output in a folder that takes no new entry named that folder '.' (the one phalanx runs in)."""
+    monkeypatch.chdir("/proc")
+    with pytest.raises(ConfigError, match=r"^output_dir = 'o': cannot create or write into /proc \("):
+        create_folder(Path("o"), "output_dir = 'o'")
+
+
 def test_a_generated_file_never_replaces_what_someone_else_put_there(tmp_path: Path, capsys):
     """`phalanx config deepspeed|fsdp --output`, `launcher` and `slurm` replaced an existing file whatever it held
     (a DeepSpeed JSON the user had tuned by hand). The same text again is fine; other text needs --overwrite; a

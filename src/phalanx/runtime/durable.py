@@ -97,7 +97,7 @@ def check_can_create(folder: Path, subject: str) -> None:
         os.rmdir(tempfile.mkdtemp(prefix=".phalanx-write-check-", dir=existing))
     except OSError as exc:
         raise ConfigError(
-            f"{subject}: cannot create or write into {existing} ({exc.strerror}); give a folder this user can "
+            f"{subject}: cannot create or write into {existing.resolve()} ({exc.strerror}); give a folder this user can "
             "write to (it is created if missing)"
         ) from None
 
