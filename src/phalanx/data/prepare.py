@@ -49,9 +49,9 @@ from phalanx.data.formats import detect_format, to_conversation
 from phalanx.data.rows import TokenizedRows
 from phalanx.data.sources import (
     ACCEPTED_PATHS,
-    DISK_MARKERS,
     bundled_dataset_path,
     folder_data_files,
+    is_disk_dataset,
     iter_dataset_rows,
     iter_rows,
     load_named_dataset,
@@ -239,7 +239,7 @@ class DataSource:
             raise DataError(f"{self.field} = {str(root)!r}: no such file or folder; {ACCEPTED_PATHS}")
         if root.is_file():
             files = [root]
-        elif any((root / marker).is_file() for marker in DISK_MARKERS):  # save_to_disk: every file
+        elif is_disk_dataset(root):  # save_to_disk: every file
             files = sorted(p for p in root.rglob("*") if p.is_file())
         else:  # a folder of jsonl and Parquet files: the files that are read
             files = folder_data_files(root)

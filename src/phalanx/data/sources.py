@@ -31,6 +31,12 @@ FOLDER_FILE_SUFFIXES = (".jsonl", ".parquet")
 # save_to_disk writes one of these next to the Arrow files.
 DISK_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 
+
+def is_disk_dataset(folder: Path) -> bool:
+    """Whether `folder` was written by datasets' save_to_disk (read with load_from_disk, not file by file)."""
+    return any((Path(folder) / marker).is_file() for marker in DISK_MARKERS)
+
+
 OnBadRow = Callable[[DataError], None]
 # Words that, standing alone in a file's name (traj_val.jsonl, dev-set.jsonl), name a held-out split: the files
 # datasets' own folder loading would not put in "train" either.
@@ -177,7 +183,7 @@ def _iter_path(path: Path, split: str):
             raise DataError(f"{path}: unsupported file type '{path.suffix or '(none)'}'; {ACCEPTED_PATHS}")
         yield from _iter_file(path)
         return
-    if any((path / marker).is_file() for marker in DISK_MARKERS):
+    if is_disk_dataset(path):
         yield from _iter_arrow(*_load_disk(path, split))
         return
     files = folder_data_files(path)
@@ -233,7 +239,7 @@ def refuse_held_out_files_among_training_files(train_path: str, eval_path: Optio
             "scored on rows it trained on. Give a held-out file (phalanx generate writes one beside its output, e.g. "
             "data/traj_val.jsonl), or leave eval_dataset_path out to hold out data.test_size of the rows"
         )
-    if not folder.is_dir() or any((folder / marker).is_file() for marker in DISK_MARKERS):
+    if not folder.is_dir() or is_disk_dataset(folder):
         return
     files = folder_data_files(folder)
     eval_file = Path(eval_path).resolve() if eval_path else None

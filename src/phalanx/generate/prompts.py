@@ -25,9 +25,9 @@ from phalanx.data.formats import to_conversation
 from phalanx.data.sources import (
     ACCEPTED_PATHS,
     DATA_FILE_SUFFIXES,
-    DISK_MARKERS,
     bundled_dataset_path,
     folder_data_files,
+    is_disk_dataset,
     iter_rows,
 )
 from phalanx.errors import DataError
@@ -104,7 +104,7 @@ def _iter_source(source: str):
     # What training's reader would refuse listing training's file types, which leave out .txt, and not by the flag:
     if path.is_file() and path.suffix not in DATA_FILE_SUFFIXES:
         raise DataError(f"--prompts {path}: unsupported file type '{path.suffix or '(none)'}'; {accepted}")
-    if path.is_dir() and not folder_data_files(path) and not any((path / m).is_file() for m in DISK_MARKERS):
+    if path.is_dir() and not folder_data_files(path) and not is_disk_dataset(path):
         txt = sorted(p.name for p in path.glob("*.txt"))
         held = f" (its {', '.join(txt[:3])} must be given as a file: --prompts {path / txt[0]})" if txt else ""
         raise DataError(f"--prompts {path}: a folder with no *.jsonl or *.parquet files{held}; {accepted}")
