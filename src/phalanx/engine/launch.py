@@ -48,11 +48,26 @@ CONFIG_KEYS = (
     "seed",
 )
 REQUIRED_KEYS = ("model_fn", "train_dataset", "optimizer_fn", "criterion_fn")
-BUILDERS = (  # key, what it builds, an example: each is called inside every rank
-    ("model_fn", "the model (called with no arguments)", "model_fn={cls} (the class), or a function returning one"),
-    ("optimizer_fn", "the optimizer from the parameters", "optimizer_fn=functools.partial(torch.optim.{cls}, lr=0.1)"),
-    ("criterion_fn", "the loss (called with no arguments)", "criterion_fn=nn.{cls} (the class)"),
-    ("scheduler_fn", "the scheduler from the optimizer", "functools.partial(torch.optim.lr_scheduler.{cls}, ...)"),
+BUILDERS = (  # key, what it builds, an example, the class the example names when the value is no instance
+    (
+        "model_fn",
+        "the model (called with no arguments)",
+        "model_fn={cls} (the class), or a function returning one",
+        "MyModel",
+    ),
+    (
+        "optimizer_fn",
+        "the optimizer from the parameters",
+        "optimizer_fn=functools.partial(torch.optim.{cls}, lr=0.1)",
+        "SGD",
+    ),
+    ("criterion_fn", "the loss (called with no arguments)", "criterion_fn=nn.{cls} (the class)", "CrossEntropyLoss"),
+    (
+        "scheduler_fn",
+        "the scheduler from the optimizer",
+        "functools.partial(torch.optim.lr_scheduler.{cls}, ...)",
+        "StepLR",
+    ),
 )
 SET_BY_WORKER = ("model", "device", "distributed", "local_rank", "world_size", "backend")
 TRAIN_ARGS_BY_WORKER = ("train_loader", "val_loader", "optimizer", "criterion", "scheduler")
@@ -303,7 +318,7 @@ def check_worker_config(config: dict) -> None:
         raise ConfigError(f"engine_kwargs {clash} are set by distributed_train_worker itself; remove them")
     _check_keywords("engine_kwargs", engine_kwargs, TrainingEngine.__init__, SET_BY_WORKER)
     _check_keywords("train_kwargs", config.get("train_kwargs") or {}, TrainingEngine.train, TRAIN_ARGS_BY_WORKER)
-    for key, builds, example in BUILDERS:
+    for key, builds, example, example_cls in BUILDERS:
         value = config.get(key)
         if value is None and key not in REQUIRED_KEYS:
             continue
@@ -315,12 +330,9 @@ def check_worker_config(config: dict) -> None:
                 f"{key} is a {name} instance; it must build {builds} in each rank, e.g. {example.format(cls=name)}"
             )
         if not callable(value):
-            generic = example.format(
-                cls={"model_fn": "MyModel", "optimizer_fn": "SGD", "criterion_fn": "CrossEntropyLoss"}.get(
-                    key, "StepLR"
-                )
+            raise ConfigError(
+                f"{key} = {value!r} is not callable; it must build {builds}, e.g. {example.format(cls=example_cls)}"
             )
-            raise ConfigError(f"{key} = {value!r} is not callable; it must build {builds}, e.g. {generic}")
     for key in ("train_dataset", "val_dataset"):
         dataset = config.get(key)
         if dataset is not None and (isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__")):
