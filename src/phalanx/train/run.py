@@ -443,11 +443,12 @@ def build_run(
             sampler.load_state_dict(saved["sampler"])
         except ValueError as exc:  # the data position was counted in other units (batch_tokens changed under --force)
             raise ConfigError(f"{resume_from}: {exc}") from None
-        changed = take_configured_hyperparameters(optimizer, scheduler, cfg.training)
+        changed = take_configured_hyperparameters(optimizer, scheduler, cfg.training, total_steps)
         if rank.is_main:
             set_aside_future(output_dir, state)
             if changed:
-                print(f"↩️  {', '.join(changed)} from step {state.global_step} on (--force)", flush=True)
+                why = " (--force)" if cfg.force else ""  # without it, a new world_size changed the steps per epoch
+                print(f"↩️  {', '.join(changed)} from step {state.global_step} on{why}", flush=True)
             retuned = speed_and_cadence_changes(saved_config(resume_from), cfg.model_dump())
             if not cfg.checkpoint.save_best and (output_dir / BEST).is_dir():
                 print(
