@@ -97,6 +97,26 @@ def test_user_json_auto_values_filled_and_resume_from_engine_checkpoint(tmp_path
     assert (whole / "checkpoint-4" / "deepspeed" / "state").is_dir()
     assert not (whole / "checkpoint-4" / "optimizer.pt").exists()
     stopped = stopped_after(whole, 4, tmp_path / "stopped")  # as a run killed in step 5 leaves its folder
+    # On another number of ranks DeepSpeed cannot re-partition its optimizer state: refused by name with bad input's
+    # status (its own traceback exited 1, a crash a requeue repeats), the checkpoint left as it was for the resume.
+    proc = run_phalanx(*base, "--output_dir", str(stopped), "--world_size", "1")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert (
+        f"{stopped / 'checkpoint-4'} holds DeepSpeed ZeRO state partitioned over 2 ranks, and this run has 1: "
+        "DeepSpeed cannot re-partition it. Resume it on 2 ranks (--world_size 2)"
+    ) in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    # Nor can it load ZeRO-3's files into stage 1 or 2 (its loader stopped on a bare AssertionError).
+    stage_2 = tmp_path / "ds_stage_2.json"
+    stage_2.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    proc = run_phalanx(
+        *base, "--output_dir", str(stopped), "--world_size", "1", "--deepspeed_config", str(stage_2), "--force"
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert (
+        f"{stopped / 'checkpoint-4'} holds a DeepSpeed checkpoint of ZeRO stage 3, and this run uses ZeRO stage 1 "
+        "or 2 (zero_stage 2): DeepSpeed loads its state only into the stages that wrote it."
+    ) in proc.stderr, proc.stderr[-3000:]
     proc = run_phalanx(*base, "--output_dir", str(stopped))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "checkpoint-4 at step 4" in proc.stdout

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional
 
@@ -326,14 +327,49 @@ class DeepSpeedStrategy(Strategy):
             str(folder / DS_DIR), tag=DS_TAG, save_latest=False, exclude_frozen_parameters=self.finetune == "lora"
         )
 
+    def _check_loadable(self, folder: Path, saved: tuple[str, int]) -> None:
+        """DeepSpeed's own refusals of a checkpoint from another number of ranks or another ZeRO stage are a
+        traceback (a ZeRORuntimeException, or a bare AssertionError from stage 3's loader): exit 1, a crash that a
+        requeue or --max_restarts only repeats. Named here, with bad input's status and the way on."""
+        family, ranks = saved
+        here = ZERO_FAMILIES[self.zero_stage]
+        if family != here:
+            raise ConfigError(
+                f"{folder} holds a DeepSpeed checkpoint of {family}, and this run uses {here} "
+                f"(zero_stage {self.zero_stage}): DeepSpeed loads its state only into the stages that "
+                "wrote it. Resume it with the zero_stage it was trained with, or start fresh with --overwrite_output_dir"
+            )
+        if ranks and ranks != self.rank.world_size:
+            raise ConfigError(
+                f"{folder} holds DeepSpeed ZeRO state partitioned over {ranks} ranks, and this run has "
+                f"{self.rank.world_size}: DeepSpeed cannot re-partition it. Resume it on {ranks} ranks "
+                f"(--world_size {ranks}), or start fresh with --overwrite_output_dir"
+            )
+
     def load_sharded(self, folder: Path) -> None:
         if not (folder / DS_DIR / DS_TAG).is_dir():
             raise ConfigError(
                 f"{folder} holds no {DS_DIR}/ checkpoint (it was saved by another strategy); resume it "
                 "with the strategy it was trained with, or start fresh with --overwrite_output_dir"
             )
+        self._check_loadable(folder, saved_zero_layout(folder / DS_DIR / DS_TAG))
         path, _ = self.engine.load_checkpoint(
             str(folder / DS_DIR), tag=DS_TAG, load_lr_scheduler_states=False, load_module_strict=self.finetune != "lora"
         )
         if path is None:
             raise ConfigError(f"DeepSpeed could not load its checkpoint from {folder / DS_DIR}")
+
+
+# What each family of ZeRO stages writes; DeepSpeed loads a checkpoint only into the family that wrote it.
+ZERO_FAMILIES = {0: "no ZeRO (stage 0)", 1: "ZeRO stage 1 or 2", 2: "ZeRO stage 1 or 2", 3: "ZeRO stage 3"}
+
+
+def saved_zero_layout(state_dir: Path) -> tuple[str, int]:
+    """The ZeRO family (ZERO_FAMILIES' words) and the number of data-parallel ranks of a DeepSpeed checkpoint, from
+    its file names: every rank writes `[bf16_]zero_pp_rank_{rank}_mp_rank_00_optim_states.pt` under ZeRO, and under
+    stage 3 its `zero_pp_rank_{rank}_mp_rank_00_model_states.pt` too (stages 1-2 write one `mp_rank_00_model_states.pt`,
+    stage 0 only that)."""
+    names = os.listdir(state_dir)
+    ranks = {name.split("zero_pp_rank_")[1].split("_")[0] for name in names if "zero_pp_rank_" in name}
+    zero3 = any("zero_pp_rank_" in name and name.endswith("_model_states.pt") for name in names)
+    return ZERO_FAMILIES[3 if zero3 else 1 if ranks else 0], len(ranks)
