@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, ContextManager
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -16,6 +17,23 @@ if TYPE_CHECKING:
     from phalanx.config.schema import RunConfig
 
 COMM_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+
+
+def group_ddp_can_log() -> dist.ProcessGroup | None:
+    """The process group DDP all-reduces over; None: the default one.
+
+    Under TORCH_DISTRIBUTED_DEBUG=DETAIL (seed 001's advice for debugging) torch wraps every group in a checker of
+    collectives, and DDP's constructor, logging the gloo group's thread count, reads that wrapper as the gloo group
+    itself: every CPU rank died of SIGSEGV in c10d::Logger::set_env_variables (torch 2.13). There DDP gets a gloo group
+    of its own, made without the checker; every other collective (the loss, evaluation, checkpoints) keeps it.
+    NCCL ranks are not affected (the logger reads no NCCL group)."""
+    if dist.get_backend() != "gloo" or dist.get_debug_level() != dist.DebugLevel.DETAIL:
+        return None
+    dist.set_debug_level(dist.DebugLevel.INFO)
+    try:
+        return dist.new_group(backend="gloo")
+    finally:
+        dist.set_debug_level(dist.DebugLevel.DETAIL)
 
 
 class DDPStrategy(Strategy):
@@ -55,6 +73,7 @@ class DDPStrategy(Strategy):
             output_device=self.rank.device.index if on_cuda else None,
             find_unused_parameters=False,
             gradient_as_bucket_view=True,
+            process_group=group_ddp_can_log(),
             **buffers,
         )
         if self.comm_hook != "none":
