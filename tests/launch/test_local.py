@@ -169,6 +169,12 @@ def test_status_after_a_rank_failure_names_it_and_tells_bad_input_apart():
     # Only killed ranks: none wrote a message, so the status says where the cause is written instead.
     with pytest.raises(RanksFailed, match=r"rank 1 \(killed by SIGKILL\); .* out-of-memory killer \(`dmesg`"):
         after_rank_failure({"rank 1": -9}, None)
+    # A crash in native code is not memory: it was blamed on the out-of-memory killer, with no way to see where.
+    with pytest.raises(RanksFailed) as crashed:
+        after_rank_failure({"rank 0": -11, "rank 1": -11}, None)
+    said = str(crashed.value)
+    assert "SIGSEGV is a crash inside native code" in said and "PYTHONFAULTHANDLER=1" in said
+    assert "out-of-memory" not in said
 
 
 def test_an_unreachable_hub_on_the_ranks_is_said_once_with_its_own_status(tmp_path, monkeypatch, capsys):

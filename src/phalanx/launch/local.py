@@ -270,14 +270,36 @@ def after_rank_failure(failed: dict[str, Optional[int]], reported: Optional[Phal
     if reported is not None:
         raise reported
     if all(code is None or code < 0 for code in failed.values()):
-        # A rank killed by a signal wrote nothing: say where its cause is written instead.
-        see = (
-            "A killed rank leaves no message: SIGKILL is often the kernel's out-of-memory killer (`dmesg` says so), "
-            "and `phalanx plan` estimates what a run needs."
-        )
+        see = where_a_killed_rank_says_why(list(failed.values()))
     else:
         see = "See the rank's message above."
     raise RanksFailed(f"failed on {describe_rank_exits(failed)}; the other ranks were stopped. {see}")
+
+
+# Signals a process sends itself when it crashes in native code (torch, a library, a CUDA kernel).
+CRASH_SIGNALS = ("SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "SIGABRT")
+
+
+def where_a_killed_rank_says_why(codes: list[Optional[int]]) -> str:
+    """A rank killed by a signal wrote no message: say where its cause is written instead. SIGKILL (or no exit status)
+    is often the out-of-memory killer; a crash in native code, which the same sentence blamed on memory, shows where
+    it happened under PYTHONFAULTHANDLER=1 (torch's DDP under TORCH_DISTRIBUTED_DEBUG=DETAIL on gloo was one)."""
+    import signal
+
+    killed_by = {signal.Signals(-code).name for code in codes if code is not None}
+    crashed = sorted(killed_by.intersection(CRASH_SIGNALS))
+    said = "A killed rank leaves no message:"
+    if crashed:
+        said += (
+            f" {' and '.join(crashed)} is a crash inside native code (torch, a library or a CUDA kernel); rerun with "
+            "PYTHONFAULTHANDLER=1 in the environment and each rank prints the Python lines it crashed in."
+        )
+    if not crashed or None in codes or killed_by - set(crashed):
+        said += (
+            " SIGKILL is often the kernel's out-of-memory killer (`dmesg` says so), and `phalanx plan` estimates "
+            "what a run needs."
+        )
+    return said
 
 
 def still_starting(folder: Path, local_ranks: int, codes: dict[str, Optional[int]]) -> frozenset:
