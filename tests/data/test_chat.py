@@ -1113,6 +1113,27 @@ def test_a_greeting_the_template_takes_only_after_a_user_message_is_refused_as_t
         assert "Start the row with the user (or system) message the assistant answers" in message, message
 
 
+@pytest.mark.parametrize("multi_turn", ["auto", "per_turn"])
+def test_a_prompt_that_pre_fills_an_empty_reasoning_block_trains_the_turn_it_leaves_out(multi_turn):
+    """Cohere2MoE (North Mini Code) with reasoning off (data.chat_template_kwargs `reasoning: false`, or
+    `reasoning_effort: none`): its generation prompt pre-fills an empty `<|START_THINKING|><|END_THINKING|>`, which a
+    finished turn without reasoning does not write (it opens `<|START_TEXT|>`), as with reasoning on the prompt
+    pre-fills `<|START_THINKING|>` alone. Every row without reasoning was refused as one whose generation prompt is not
+    how the template starts the turn; the output is what the turn writes after the header, as with reasoning on."""
+    from data.templates import REAL, build_tokenizer
+
+    tok = build_tokenizer((REAL / "Cohere2MoE.jinja").read_text(encoding="utf-8"))
+    conv = to_conversation(exchange("Name a prime.", "7", "And an even one?", "2"), WHERE)
+    off = {"reasoning": False}
+    prompt = tok.apply_chat_template(conv["messages"][:1], add_generation_prompt=True, tokenize=False, **off)
+    assert prompt.endswith("<|CHATBOT_TOKEN|><|START_THINKING|><|END_THINKING|>")
+    want = ["<|START_TEXT|>7<|END_TEXT|><|END_OF_TURN_TOKEN|>", "<|START_TEXT|>2<|END_TEXT|><|END_OF_TURN_TOKEN|>"]
+    for kwargs in (None, off, {"reasoning_effort": "none"}):
+        result = tokenize_conversation(tok, conv, WHERE, multi_turn=multi_turn, template_kwargs=kwargs)
+        runs = [target_runs(tok, example) for example in result.examples]
+        assert runs == ([want] if multi_turn == "auto" else [[w] for w in want]), kwargs
+
+
 # Command A Reasoning's way: every assistant message's `content[0].thinking` is read (a string has a first character
 # unless it is empty), and a tool message's content is iterated as a list of results.
 READS_ASSISTANT_PARTS = (

@@ -888,10 +888,16 @@ def _header_end(view: str, header: str, start: int, own: int) -> int:
 
 def _prompt_opens_reasoning(r: _Renderer, i: int, prompt: str) -> bool:
     """Whether message i, given reasoning, renders everything the generation prompt writes (then what the prompt adds
-    past the message's own rendering opens the reasoning block)."""
+    past the message's own rendering opens the reasoning block), or everything but the reasoning itself: the prompt
+    pre-fills an empty reasoning block that a finished turn writes only around reasoning (Cohere2MoE with reasoning
+    off: prompt `<|CHATBOT_TOKEN|><|START_THINKING|><|END_THINKING|>`, turn `<|CHATBOT_TOKEN|><|START_TEXT|>7...`)."""
     probe = dict(r.messages[i], reasoning_content=SENTINEL)
     rendered = r.try_render(r.messages[:i] + [probe], False)
-    return rendered is not None and rendered.startswith(prompt)
+    if rendered is None:
+        return False
+    return rendered.startswith(prompt) or (
+        SENTINEL in rendered and rendered.replace(SENTINEL, "", 1).startswith(prompt)
+    )
 
 
 def _output_end(r: _Renderer, i: int, prompt: str, context: str, view: str, own_end: int) -> int:

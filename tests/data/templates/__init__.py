@@ -1371,6 +1371,67 @@ CASES = [
         },
         specials=("[gMASK]", "<sop>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
     ),
+    # The eighteenth trial (real/README.md). FunctionGemma: a call is followed by `<start_function_response>`, the token
+    # its model stops at, which the calling message writes only when it ends the conversation; once a result follows, the
+    # tool message writes it as its first text (the marked copy writes it in the call's block, as Apertus's end marker);
+    # the answer after the results continues the same model turn (no header: the generation prompt after a tool message
+    # is empty); arguments in its own `key:<escape>value<escape>` syntax; reasoning ignored.
+    TemplateCase(
+        "google-functiongemma-270m-it",
+        False,
+        "<bos>",
+        "<eos>",
+        "<pad>",
+        {k: FULL for k in ALL_ROWS},
+        specials=(
+            "<start_function_call>",
+            "<end_function_call>",
+            "<start_function_response>",
+            "<end_function_response>",
+            "<start_function_declaration>",
+            "<end_function_declaration>",
+            "<escape>",
+            "<start_of_image>",
+        ),
+    ),
+    # poolside Laguna XS.2: ships generation tags that hold the `<assistant>\n` header its generation prompt writes (the
+    # marked copy moves them after it); the prompt pre-fills `</think>` (thinking off, the default), which a turn writes
+    # before its text only when it has no reasoning; every turn writes its reasoning (`<think>\n...\n</think>\n`) and
+    # ends `</assistant>\n` (`</assistant>` is an end token, not the end-of-sequence token `〈|EOS|〉` the template opens
+    # with); a default system message.
+    TemplateCase(
+        "poolside-Laguna-XS.2",
+        False,
+        "〈|EOS|〉",
+        "〈|EOS|〉",
+        None,
+        {k: FULL for k in ALL_ROWS},
+        specials=(
+            "<system>",
+            "</system>",
+            "<user>",
+            "</user>",
+            "<assistant>",
+            "</assistant>",
+            "<arg_key>",
+            "</arg_key>",
+            "<arg_value>",
+            "</arg_value>",
+        ),
+    ),
+    # Cohere2MoE (North Mini Code): the generation prompt pre-fills `<|START_THINKING|>` (reasoning on, the default),
+    # which a turn writes only with reasoning (one without starts `<|START_TEXT|>`); tool-call ids regenerated from 0; a
+    # calling message's content dropped (a <think> block there counted as dropped reasoning); a long platform preamble.
+    # With reasoning off its prompt pre-fills an empty `<|START_THINKING|><|END_THINKING|>` no finished turn writes, and
+    # every row without reasoning was refused (tests/data/test_chat.py).
+    TemplateCase(
+        "Cohere2MoE",
+        False,
+        "<BOS_TOKEN>",
+        "<|END_OF_TURN_TOKEN|>",
+        None,
+        {k: FULL for k in ALL_ROWS},
+    ),
 ]
 CASE = {c.name: c for c in CASES}
 
