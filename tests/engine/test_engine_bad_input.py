@@ -302,6 +302,32 @@ def test_a_rendezvous_port_in_use_is_named_with_the_variable_to_change(monkeypat
     assert os.environ["MASTER_PORT"] == str(port) and "RANK" not in os.environ
 
 
+def test_too_many_cpu_ranks_are_named_as_the_engine_was_asked_for_them(monkeypatch):
+    """Seed 004's `distributed_training_example.py --distributed --world-size 4` on a 2-core machine: every rank's
+    start-up failure (the seed's fallback then trains one process) said 'torchrun --nproc_per_node 4 CPU ranks ...
+    Use --nproc_per_node 2 or fewer', a command the user never ran."""
+    import os
+
+    from phalanx.engine.engine import BACKEND_ENV
+
+    cores = os.cpu_count() or 1
+    too_many = cores + 1
+    with pytest.raises(ConfigError) as err:  # the user's own processes (seed 004's Method 1)
+        TrainingEngine.setup_distributed(0, too_many, backend="gloo")
+    assert f"TrainingEngine.setup_distributed's world_size = {too_many} CPU ranks" in str(err.value)
+    assert f"Use a world_size of {cores} or fewer" in str(err.value) and "torchrun" not in str(err.value)
+    # A rank launch_distributed_training started (Method 2): it sets the environment torchrun would, and its backend.
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", str(too_many)), (BACKEND_ENV, "gloo")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as err:
+        TrainingEngine.setup_distributed(0, too_many)
+    assert f"launch_distributed_training's world_size = {too_many} CPU ranks" in str(err.value)
+    assert "torchrun" not in str(err.value)
+    monkeypatch.delenv(BACKEND_ENV)  # under torchrun itself its flag names them, as before
+    with pytest.raises(ConfigError, match=f"torchrun --nproc_per_node {too_many} CPU ranks"):
+        TrainingEngine.setup_distributed(0, too_many)
+
+
 def test_an_output_folder_that_cannot_be_made_and_a_bad_experiment_name_are_named(tmp_path):
     """output_dir naming a file was NotADirectoryError, an experiment_name naming a file FileExistsError, and
     experiment_name=None "unsupported operand type(s) for /: 'PosixPath' and 'NoneType'"."""

@@ -97,6 +97,18 @@ def warn_fallback(message: str) -> None:
     warnings.warn(f"⚠️  {message}", DistributedFallbackWarning, stacklevel=3)
 
 
+def ranks_asked_by(local_world_size: int) -> Optional[tuple[str, str]]:
+    """How this machine's ranks were asked for, as too many of them are named (runtime.dist.check_world_fits): by
+    launch_distributed_training (its ranks hold BACKEND_ENV; seed 004's example passes --world-size to it), by the
+    user's own processes calling setup_distributed, or (None) by torchrun, named by its --nproc_per_node. Its ranks
+    were all told 'torchrun --nproc_per_node 4' before, a command the user never ran."""
+    if BACKEND_ENV in os.environ:
+        return f"launch_distributed_training's world_size = {local_world_size}", "a world_size of"
+    if not rt.launched_by_torchrun():
+        return f"TrainingEngine.setup_distributed's world_size = {local_world_size}", "a world_size of"
+    return None
+
+
 class TrainingEngine:
     """Train `model` with DDP across ranks (when `distributed`) or in one process, with optional AMP and EMA.
 
@@ -194,10 +206,11 @@ class TrainingEngine:
             "MASTER_ADDR": os.environ.get("MASTER_ADDR", "localhost"),
             "MASTER_PORT": os.environ.get("MASTER_PORT", DEFAULT_PORT),
         }
+        asked_by = ranks_asked_by(int(env["LOCAL_WORLD_SIZE"]))
         saved = {key: os.environ.get(key) for key in env}
         os.environ.update(env)
         try:
-            return rt.init_runtime(backend, timeout_minutes)
+            return rt.init_runtime(backend, timeout_minutes, ranks_asked_by=asked_by)
         except BaseException as exc:
             for key, value in saved.items():
                 if value is None:

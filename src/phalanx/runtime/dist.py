@@ -10,6 +10,7 @@ import os
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -59,14 +60,17 @@ def resolve_backend(backend: str) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def check_world_fits(local_world_size: int, backend: str) -> None:
+def check_world_fits(local_world_size: int, backend: str, asked_by: Optional[tuple[str, str]] = None) -> None:
     """Refuse more ranks per machine than devices: one CUDA device per rank, one core per CPU rank. Named as the user
-    asked for them: in ranks torchrun started, by its --nproc_per_node (--world_size is ignored there)."""
+    asked for them: in ranks torchrun started, by its --nproc_per_node (--world_size is ignored there); `asked_by`:
+    (what asked for them, the setting to change) where another caller did, e.g. TrainingEngine's launcher."""
     torchrun = launched_by_torchrun()
     asked = (
         f"torchrun --nproc_per_node {local_world_size}" if torchrun else f"distributed.world_size = {local_world_size}"
     )
     flag = "--nproc_per_node" if torchrun else "--world_size"
+    if asked_by is not None:
+        asked, flag = asked_by
     if resolve_backend(backend) == "nccl":
         count = torch.cuda.device_count()
         if local_world_size > count:
@@ -88,11 +92,17 @@ def check_world_fits(local_world_size: int, backend: str) -> None:
             )
 
 
-def init_runtime(backend: str = "auto", timeout_minutes: float = 10.0, group_of_one: bool = False) -> RankInfo:
+def init_runtime(
+    backend: str = "auto",
+    timeout_minutes: float = 10.0,
+    group_of_one: bool = False,
+    ranks_asked_by: Optional[tuple[str, str]] = None,
+) -> RankInfo:
     """Join the process group the environment describes (if any) and pick this rank's device.
 
     `group_of_one`: a single process still gets a (one-rank) process group, for strategies built on
     collectives (FSDP2, DeepSpeed) that users run on one device for their offload and memory savings.
+    `ranks_asked_by`: how the ranks were asked for, when not by torchrun or --world_size (check_world_fits).
     """
     rank, world, local_rank, local_world = env_rank_info()
     if not launched_by_torchrun() and os.environ.get("WORLD_SIZE", "1").strip() not in ("", "1"):
@@ -116,7 +126,7 @@ def init_runtime(backend: str = "auto", timeout_minutes: float = 10.0, group_of_
             # Ranks on one machine share its cores; more threads than cores makes every rank slower.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     if world > 1 and not dist.is_initialized():
-        check_world_fits(local_world, backend)
+        check_world_fits(local_world, backend, ranks_asked_by)
         dist.init_process_group(
             backend=backend,
             timeout=timedelta(minutes=timeout_minutes),
