@@ -83,15 +83,32 @@ def test_launcher_generate_runs_generation_first_and_trains_on_its_file(in_proje
         "--generate", flags, "--output", str(tmp_path / "seed001.sh"),
     )  # fmt: skip
     assert code == 0, err
-    assert f"it generates first: phalanx generate {flags}; then it trains." in out
+    # Seed 001's layout: train_loop.py saved its checkpoints in data/results/traj_chat/, beside the data.
+    assert f"it generates first: phalanx generate {flags}; then it trains, into data/results/traj_chat." in out
     sh = tmp_path / "seed001.sh"
     bash_syntax_ok(sh)
     text = sh.read_text()
     generate_line = '"$PYTHON" -m phalanx.launch.torchrun --standalone --nproc_per_node "$NPROC_PER_NODE"'
     assert text.index(generate_line) < text.index("-m phalanx train"), "the data first"
     assert f"    -m phalanx generate {flags}\n" in text
-    train = "-m phalanx train nodata.yaml --dataset_path data/traj_chat.jsonl --eval_dataset_path data/traj_val.jsonl"
+    train = (
+        "-m phalanx train nodata.yaml --output_dir data/results/traj_chat --dataset_path data/traj_chat.jsonl "
+        "--eval_dataset_path data/traj_val.jsonl"
+    )
     assert train in text
+    # An output_dir the config or the flags name is the run's.
+    for config, extra in (
+        ("training:\n  max_steps: 2\noutput_dir: runs/mine\n", []),
+        (None, ["--output_dir", "runs/mine"]),
+    ):
+        if config:
+            (in_project / "nodata.yaml").write_text(config)
+        code, out, err = cli(
+            capsys, "launcher", "--config", "nodata.yaml", "--num_gpus_per_node", "0", "--nproc_per_node", "2",
+            "--generate", flags, "--output", str(tmp_path / "mine.sh"), "--overwrite", "--", *extra,
+        )  # fmt: skip
+        assert code == 0 and "then it trains, into runs/mine." in out, err
+        assert "data/results" not in (tmp_path / "mine.sh").read_text()
     bat = (tmp_path / "seed001.bat").read_bytes().decode().splitlines()
     run = [line for line in bat if "torch.distributed.run" in line]
     assert len(run) == 2 and f"-m phalanx generate {flags}" in run[0] and "-m phalanx train" in run[1]

@@ -264,14 +264,24 @@ def check_generation(words: str, flags: JobFlags) -> tuple[list[str], Path, Opti
     return generate_args, output, val_output_of(output, args.val_output, args.val_fraction)
 
 
+def results_folder_of(generated: Path) -> Path:
+    """Where seed 001's train_loop.py saved its checkpoints, beside the data it trained on: data/traj_chat.jsonl ->
+    data/results/traj_chat/."""
+    return generated.parent / "results" / generated.stem
+
+
 def train_on_generated(flags: JobFlags, output: Path, val: Optional[Path]) -> None:
     """Point the training at what --generate writes when the config names no dataset (adding --dataset_path and
-    --eval_dataset_path to its flags). A config that trains on another dataset is refused."""
+    --eval_dataset_path to its flags), into seed 001's results folder when it names no output_dir. A config that
+    trains on another dataset is refused."""
     from phalanx.config.loader import config_from_args
     from phalanx.config.schema import BUNDLED_DATASET
 
-    # Only the data section is read here; checked_job then checks the whole config, these flags included.
-    d = config_from_args(flags.train_args, flags_only=True, config_path=flags.args.config)[0].data
+    # Only the data section and output_dir are read here; checked_job then checks the whole config, these flags included.
+    cfg = config_from_args(flags.train_args, flags_only=True, config_path=flags.args.config)[0]
+    if "output_dir" not in cfg.model_fields_set:
+        flags.train_args += ["--output_dir", str(results_folder_of(output))]
+    d = cfg.data
     given = d.dataset_name if d.dataset_name and d.dataset_name != BUNDLED_DATASET else d.dataset_path
     if given and given != BUNDLED_DATASET:
         if d.dataset_path and Path(d.dataset_path).resolve() == output.resolve():
@@ -309,7 +319,7 @@ def launcher_main(argv: Sequence[str]) -> int:
     if args.generate is not None:
         generate_args, output, val = check_generation(args.generate, flags)
         train_on_generated(flags, output, val)
-    job, _ = checked_job(flags, Path.cwd().resolve(), restarts=args.max_restarts > 0)
+    job, cfg = checked_job(flags, Path.cwd().resolve(), restarts=args.max_restarts > 0)
     job.generate_args = generate_args
     out = Path(args.output)
     spec = LaunchSpec(job, node_rank=args.node_rank, master_addr=master, master_port=args.master_port)
@@ -323,7 +333,10 @@ def launcher_main(argv: Sequence[str]) -> int:
     said = ", ".join(f"{path}{' (unchanged)' if how == 'unchanged' else ''}" for path, how in zip(written, outcomes))
     print(f"wrote {said}: {nproc} rank(s) on {where}.")
     if job.generate_args is not None:
-        print(f"it generates first: phalanx generate {' '.join(map(shlex.quote, job.generate_args))}; then it trains.")
+        print(
+            f"it generates first: phalanx generate {' '.join(map(shlex.quote, job.generate_args))}; then it trains, "
+            f"into {cfg.output_dir}."
+        )
     print(f"run it with: bash {out}" + (f"   (on Windows: {written[1]})" if len(written) > 1 else ""))
     if args.num_nodes > 1:
         print(
