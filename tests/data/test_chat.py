@@ -1134,6 +1134,28 @@ def test_a_prompt_that_pre_fills_an_empty_reasoning_block_trains_the_turn_it_lea
         assert runs == ([want] if multi_turn == "auto" else [[w] for w in want]), kwargs
 
 
+@pytest.mark.parametrize("multi_turn", ["auto", "per_turn"])
+def test_a_prompt_that_pre_fills_what_no_turn_writes_trains_the_turn_after_its_header(multi_turn):
+    """Cohere2MoE with `skip_thinking` (data.chat_template_kwargs) writes no reasoning in any turn, while its generation
+    prompt still pre-fills `<|START_THINKING|>` (or, with reasoning off, `<|START_THINKING|><|END_THINKING|>`) after the
+    `<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>` a finished turn writes too, and the turn writes `<|START_TEXT|>` there:
+    every row was refused as one whose generation prompt is not how the template starts the turn. The output is what the
+    turn writes after the part of the header it shares with the prompt, as without `skip_thinking`."""
+    from data.templates import REAL, build_tokenizer
+
+    tok = build_tokenizer((REAL / "Cohere2MoE.jinja").read_text(encoding="utf-8"))
+    row = exchange("Name a prime.", ("7", "Any prime will do."), "And an even one?", "2")
+    conv = to_conversation(row, WHERE)
+    want = ["<|START_TEXT|>7<|END_TEXT|><|END_OF_TURN_TOKEN|>", "<|START_TEXT|>2<|END_TEXT|><|END_OF_TURN_TOKEN|>"]
+    for kwargs in ({"skip_thinking": True}, {"skip_thinking": True, "reasoning": False}):
+        text = tok.apply_chat_template(conv["messages"], tokenize=False, **kwargs)
+        assert "<|START_THINKING|>" not in text[text.index("<|CHATBOT_TOKEN|>") :], kwargs  # no turn writes reasoning
+        result = tokenize_conversation(tok, conv, WHERE, multi_turn=multi_turn, template_kwargs=kwargs)
+        runs = [target_runs(tok, example) for example in result.examples]
+        assert runs == ([want] if multi_turn == "auto" else [[w] for w in want]), kwargs
+        assert result.reasoning_dropped == 1, kwargs
+
+
 # Command A Reasoning's way: every assistant message's `content[0].thinking` is read (a string has a first character
 # unless it is empty), and a tool message's content is iterated as a list of results.
 READS_ASSISTANT_PARTS = (

@@ -853,13 +853,17 @@ def _output_start(r: _Renderer, i: int, prompt: str, context: str, view: str, ow
         # is `<｜Assistant｜></think>7`): the message's text follows the same text in both, so the output starts at it.
         if opens < part < own and prompt[part:].endswith(view[part:own]):
             return own
-        # Or both at once: the context renders differently and the prompt's header pre-fills text no finished turn
-        # writes (OLMo 3 Think ends a conversation's last assistant message with its end-of-sequence token, an earlier
-        # one with `<|im_end|>\n`, and its prompt is `<|im_start|>assistant\n<think>`): a second assistant message in a
-        # row opens with the part of the header a finished turn writes, `<|im_start|>assistant\n`.
+        # Or the prompt's header pre-fills text no finished turn writes, after the part of it a finished turn writes
+        # (`turn_header`), and the view parts from the prompt right after that part or inside it: the output starts
+        # after it. Cohere2MoE's prompt pre-fills, after `<|CHATBOT_TOKEN|>`, an empty reasoning block
+        # (`<|START_THINKING|><|END_THINKING|>`) with reasoning off, and `<|START_THINKING|>` with `skip_thinking`, where
+        # no turn writes reasoning; the turn writes `<|START_TEXT|>` there. OLMo 3 Think ends a conversation's last
+        # assistant message with its end-of-sequence token, an earlier one with `<|im_end|>\n`, and its prompt is
+        # `<|im_start|>assistant\n<think>`: a second assistant message in a row opens with the part of the header a
+        # finished turn writes, `<|im_start|>assistant\n`, whose end the context renders differently.
         lead = r.turn_header()
         if lead.strip() and lead != header and header.startswith(lead):
-            at = view.rfind(lead, max(0, shared - len(lead) + 1), own)
+            at = view.rfind(lead, max(0, part - len(lead)), own)
             if at >= 0:
                 return at + len(lead)
     if at < 0:
@@ -888,16 +892,10 @@ def _header_end(view: str, header: str, start: int, own: int) -> int:
 
 def _prompt_opens_reasoning(r: _Renderer, i: int, prompt: str) -> bool:
     """Whether message i, given reasoning, renders everything the generation prompt writes (then what the prompt adds
-    past the message's own rendering opens the reasoning block), or everything but the reasoning itself: the prompt
-    pre-fills an empty reasoning block that a finished turn writes only around reasoning (Cohere2MoE with reasoning
-    off: prompt `<|CHATBOT_TOKEN|><|START_THINKING|><|END_THINKING|>`, turn `<|CHATBOT_TOKEN|><|START_TEXT|>7...`)."""
+    past the message's own rendering opens the reasoning block)."""
     probe = dict(r.messages[i], reasoning_content=SENTINEL)
     rendered = r.try_render(r.messages[:i] + [probe], False)
-    if rendered is None:
-        return False
-    return rendered.startswith(prompt) or (
-        SENTINEL in rendered and rendered.replace(SENTINEL, "", 1).startswith(prompt)
-    )
+    return rendered is not None and rendered.startswith(prompt)
 
 
 def _output_end(r: _Renderer, i: int, prompt: str, context: str, view: str, own_end: int) -> int:

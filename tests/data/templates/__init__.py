@@ -1422,8 +1422,8 @@ CASES = [
     # Cohere2MoE (North Mini Code): the generation prompt pre-fills `<|START_THINKING|>` (reasoning on, the default),
     # which a turn writes only with reasoning (one without starts `<|START_TEXT|>`); tool-call ids regenerated from 0; a
     # calling message's content dropped (a <think> block there counted as dropped reasoning); a long platform preamble.
-    # With reasoning off its prompt pre-fills an empty `<|START_THINKING|><|END_THINKING|>` no finished turn writes, and
-    # every row without reasoning was refused (tests/data/test_chat.py).
+    # With reasoning off its prompt pre-fills an empty `<|START_THINKING|><|END_THINKING|>`, with `skip_thinking`
+    # `<|START_THINKING|>` where no turn writes reasoning: every row was refused (tests/data/test_chat.py).
     TemplateCase(
         "Cohere2MoE",
         False,
