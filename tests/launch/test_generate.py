@@ -187,6 +187,32 @@ def test_launcher_multi_node_and_deepspeed(in_project, capsys, tmp_path):
     assert "note: the DeepSpeed launcher will start the ranks, but the config trains with strategy 'ddp'" in err
 
 
+def test_launcher_for_a_second_node_in_a_shared_folder_names_the_first_nodes_script(in_project, capsys):
+    """Seed 003's commands for node 0 and node 1, run as written in a project folder the nodes share, both write
+    scripts/run_training.sh: the second was refused as a file that "holds something else", pointing at --overwrite,
+    which would leave node 0 to run node 1's script."""
+    node = ["launcher", "--config", "train.yaml", "--num_nodes", "2", "--num_gpus_per_node", "8"]
+    node += ["--master_addr", "192.168.1.100", "--master_port", "29500", "--node_rank"]
+    assert cli(capsys, *node, "0")[0] == 0
+    script = in_project / "scripts" / "run_training.sh"
+    first = script.read_text()
+    code, _, err = cli(capsys, *node, "1")
+    assert code == 2
+    assert "scripts/run_training.sh holds node_rank 0's script of this same job" in err
+    assert "PHALANX_NODE_RANK=1 bash scripts/run_training.sh" in err and "--output scripts/node1.sh" in err
+    assert script.read_text() == first
+    # What the message offers is node 1's script: the same lines but for comments and the node rank it defaults to.
+    assert cli(capsys, *node, "1", "--output", "scripts/node1.sh")[0] == 0
+    second = (in_project / "scripts" / "node1.sh").read_text()
+    differ = [(a, b) for a, b in zip(first.splitlines(), second.splitlines()) if a != b]
+    assert len(first.splitlines()) == len(second.splitlines())
+    code_lines = [(a, b) for a, b in differ if not a.startswith("#")]
+    assert code_lines == [('NODE_RANK="${PHALANX_NODE_RANK:-0}"', 'NODE_RANK="${PHALANX_NODE_RANK:-1}"')], differ
+    # Another job's script there is still the user's to keep or replace, as before.
+    code, _, err = cli(capsys, *node, "1", "--master_port", "29600")
+    assert code == 2 and "holds something else" in err
+
+
 def test_deepspeed_launcher_on_cpu_nodes(in_project, capsys, tmp_path):
     """CPU ranks under the DeepSpeed launcher (executed in test_launcher_run.py and test_slurm.py): its CPU
     accelerator, gloo, and no single quote in the SLURM step (it is one single-quoted string)."""

@@ -295,6 +295,37 @@ def train_on_generated(flags: JobFlags, output: Path, val: Optional[Path]) -> No
         flags.train_args += ["--eval_dataset_path", str(val)]
 
 
+def refuse_another_nodes_script(script: Path, spec: LaunchSpec) -> None:
+    """Seed 003's commands for the other nodes (`... --node_rank 1`), run in a project folder the nodes share, write
+    each node's script to the same --output, scripts/run_training.sh: the second was refused as a file that "holds
+    something else", and --overwrite, the way it named, would leave node 0 to run node 1's script. When `script` holds
+    another node's script of this very job, say so, with the ways that keep both."""
+    import dataclasses
+    import re
+
+    try:
+        text = script.read_text()
+    except (OSError, UnicodeDecodeError):
+        return
+    found = re.search(r'^NODE_RANK="\$\{PHALANX_NODE_RANK:-(\d+)\}"$', text, re.MULTILINE)
+    if not found or int(found.group(1)) == spec.node_rank:
+        return
+    theirs = int(found.group(1))
+    other_node = scripts.render_launcher_sh(dataclasses.replace(spec, node_rank=theirs), script)
+
+    def without_command_line(lines: str) -> list[str]:
+        return [line for line in lines.splitlines() if not line.startswith("# Written by:")]
+
+    if without_command_line(other_node) != without_command_line(text):
+        return
+    raise ConfigError(
+        f"--output {script}: {script} holds node_rank {theirs}'s script of this same job (a project folder the nodes "
+        f"share); it is left as it is. Run that script on this node as `PHALANX_NODE_RANK={spec.node_rank} bash "
+        f"{script}`, or give each node's script its own --output (--output scripts/node{spec.node_rank}.sh); "
+        f"--overwrite would leave node_rank {theirs} running this node's script."
+    )
+
+
 def launcher_main(argv: Sequence[str]) -> int:
     flags = parse_job_flags(launcher_parser(), argv)
     args, nproc = flags.args, flags.nproc
@@ -323,6 +354,8 @@ def launcher_main(argv: Sequence[str]) -> int:
     job.generate_args = generate_args
     out = Path(args.output)
     spec = LaunchSpec(job, node_rank=args.node_rank, master_addr=master, master_port=args.master_port)
+    if args.num_nodes > 1 and not args.overwrite:
+        refuse_another_nodes_script(out, spec)
     files = {out: scripts.render_launcher_sh(spec, out)}
     if args.num_nodes == 1 and not args.use_deepspeed:
         bat = out.with_suffix(".bat")
