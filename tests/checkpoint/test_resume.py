@@ -106,6 +106,21 @@ def test_resume_on_one_rank_continues_the_same_data(forced_on_one_rank):
     assert [r["step"] for r in read_metrics(out)] == list(range(1, 9))
     state = json.loads((out / "checkpoint-8" / "trainer_state.json").read_text())
     assert state["sampler"]["world_size"] == 1 and state["tokens_seen"] > 0
+    assert "world_size 2 -> 1" not in proc.stdout, "batch 4 on 1 rank keeps the global batch: nothing to say"
+
+
+def test_a_resume_on_fewer_ranks_says_that_each_step_trains_fewer_rows(dataset, killed, tmp_path):
+    """world_size may change on a resume without --force, but batch_size is per rank: the killed 2-rank run resumed
+    on 1 rank with the same command trains 2 rows a step instead of 4. Accepted, and said, with the way back."""
+    out = tmp_path / "run"
+    shutil.copytree(killed, out)
+    proc = train(dataset, out, world=1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (
+        "world_size 2 -> 1: each optimizer step now trains 2 rows (batch_size 2 x 1 ranks x gradient_accumulation_steps"
+        " 1), where the checkpoint's run trained 4; --batch_size 4 --force keeps it"
+    ) in proc.stdout, proc.stdout[-3000:]
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, 9))
 
 
 def test_changed_config_is_shown_and_refused_unless_forced(dataset, killed, forced_on_one_rank, tmp_path):

@@ -131,6 +131,34 @@ def speed_and_cadence_changes(saved: dict, current: dict) -> list[str]:
     return _changes(saved, current, lambda key: key in SPEED_AND_CADENCE)
 
 
+def global_batch_change(saved: dict, saved_world: int, current: dict, world: int) -> Optional[str]:
+    """What one optimizer step trains, when a resume on another number of ranks (free, without --force) changes it:
+    batch_size is per rank, so 2 ranks x 2 rows resumed on 1 rank trained on at 2 rows a step, half the global
+    batch, and nothing said so. None when the ranks or the global batch stay the same (batch_size changed with them,
+    under --force, as docs/checkpoints.md advises)."""
+    old, new = saved.get("training", {}), current["training"]
+    unit = "tokens" if new.get("batch_tokens") else "rows"
+    per_rank = "batch_tokens" if unit == "tokens" else "batch_size"
+    if saved_world == world or unit != ("tokens" if old.get("batch_tokens") else "rows"):
+        return None  # another unit is a config change that --force already showed
+    before = old.get(per_rank, 0) * saved_world * old.get("gradient_accumulation_steps", 1)
+    accumulation = new["gradient_accumulation_steps"]
+    after = new[per_rank] * world * accumulation
+    if before == after:
+        return None
+    same = before // (world * accumulation)
+    advice = (
+        f"--{per_rank} {same} --force keeps it"
+        if same * world * accumulation == before
+        else f"keep {per_rank} x world_size x gradient_accumulation_steps at {before} (--force) to keep it"
+    )
+    return (
+        f"world_size {saved_world} -> {world}: each optimizer step now trains {after:,} {unit} ({per_rank} "
+        f"{new[per_rank]} x {world} ranks x gradient_accumulation_steps {accumulation}), where the checkpoint's "
+        f"run trained {before:,}; {advice}"
+    )
+
+
 def _changes(saved: dict, current: dict, compared) -> list[str]:
     old, new = flatten(saved), flatten(current)
     defaults = flatten(RunConfig().model_dump())

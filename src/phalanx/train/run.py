@@ -28,6 +28,7 @@ from phalanx.checkpoint.resume import (
     FINISHED,
     RUN_RECORD,
     existing_run_artifacts,
+    global_batch_change,
     resume_point,
     saved_config,
     set_aside_ahead,
@@ -449,7 +450,12 @@ def build_run(
             if changed:
                 why = " (--force)" if cfg.force else ""  # without it, a new world_size changed the steps per epoch
                 print(f"↩️  {', '.join(changed)} from step {state.global_step} on{why}", flush=True)
-            retuned = speed_and_cadence_changes(saved_config(resume_from), cfg.model_dump())
+            trained_with = saved_config(resume_from)
+            retuned = speed_and_cadence_changes(trained_with, cfg.model_dump())
+            saved_world = saved["sampler"].get("world_size", rank.world_size)
+            regrouped = global_batch_change(trained_with, saved_world, cfg.model_dump(), rank.world_size)
+            if regrouped:
+                print(f"↩️  {regrouped}", flush=True)
             if not cfg.checkpoint.save_best and (output_dir / BEST).is_dir():
                 print(
                     f"note: {output_dir / BEST} (step {state.best_step}) stays as it is: with save_best false a better "
