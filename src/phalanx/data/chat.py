@@ -861,8 +861,11 @@ def _output_start(r: _Renderer, i: int, prompt: str, context: str, view: str, ow
         # assistant message with its end-of-sequence token, an earlier one with `<|im_end|>\n`, and its prompt is
         # `<|im_start|>assistant\n<think>`: a second assistant message in a row opens with the part of the header a
         # finished turn writes, `<|im_start|>assistant\n`, whose end the context renders differently.
+        # That part must be the assistant's own header, which the conversation before a turn does not write (ChatML's
+        # `<|im_start|>` opens the user's message too: a prompt `<|im_start|>model\n` is not how `<|im_start|>assistant\n`
+        # starts a turn).
         lead = r.turn_header()
-        if lead.strip() and lead != header and header.startswith(lead):
+        if lead.strip() and lead != header and header.startswith(lead) and lead not in r.canonical_contexts()[0]:
             at = view.rfind(lead, max(0, part - len(lead)), own)
             if at >= 0:
                 return at + len(lead)
