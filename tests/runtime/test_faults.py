@@ -47,6 +47,10 @@ def test_rank_that_raises_in_forward_stops_everyone_and_is_named(dataset, tmp_pa
     proc, _ = train(dataset, tmp_path / "o", "--max_steps", "6", fault="raise@step=3,rank=1")
     assert proc.returncode == 1, proc.stderr[-2000:]  # a crash, as one process's: not bad input (2)
     assert "rank 1" in proc.stderr and "injected fault in forward at step 3" in proc.stderr
+    # A crash comes with where it happened, from the rank that crashed only (the launcher's line names no place).
+    assert proc.stderr.count("Traceback (most recent call last)") == 1, proc.stderr[-3000:]
+    assert "[rank 1] Traceback (most recent call last)" in proc.stderr, proc.stderr[-3000:]
+    assert 'phalanx/train/loop.py", line' in proc.stderr, proc.stderr[-3000:]
     # Rank 0's allreduce broke because rank 1 left: it stands aside and names rank 1, and the launcher names only
     # rank 1 (both were named, each with exit code 1, and rank 0's message was gloo's "Connection closed by peer").
     assert "rank 0 stopped: rank 1 (RuntimeError: injected fault in forward at step 3) failed first" in proc.stderr

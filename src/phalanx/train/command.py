@@ -125,6 +125,16 @@ def train_rank(args: Sequence[str], preemption: PreemptionFlag) -> int:
         return report_bad_input(exc, rank)
 
 
+def print_crash_traceback(rank: int, exc: BaseException) -> None:
+    """A crash is phalanx's or a library's fault, not the input's: where it happened is what a report of it needs.
+    The launcher's line says only `rank 0 failed: AssertionError: ` (DeepSpeed's loader asserted with no message),
+    which one process's run shows with its traceback; each line marked with the rank, as ranks' output interleaves."""
+    import traceback
+
+    lines = "".join(traceback.format_exception(exc)).rstrip("\n").splitlines()
+    print("\n".join(f"[rank {rank}] {line}" for line in lines), file=sys.stderr, flush=True)
+
+
 def merge_tokens_for_this_device(cfg: RunConfig) -> Optional[int]:
     """On CUDA, for merged micro-batches with no merge_tokens set: the largest pass `phalanx plan`'s memory model fits
     on this rank's GPU (None: keep what one micro-batch holds; merge_tokens_that_fit says when merging applies). An
@@ -206,6 +216,8 @@ def train_worker(cfg: RunConfig, preemption: PreemptionFlag) -> int:
                 raise RanksFailed(f"rank {rank} stopped: {first} failed first (here: {one_line(exc)})") from exc
             doing = describe_ranks(world)  # before this rank's own phase says "failed"
             record_failure(rank, exc)
+            if not is_timeout(exc):  # a wait for a peer that stopped taking part: the message names the peer
+                print_crash_traceback(rank, exc)
             raise RanksFailed(
                 f"rank {rank} failed: {type(exc).__name__}: {exc}\n  what each rank was doing: {doing}"
             ) from exc
