@@ -1432,6 +1432,22 @@ CASES = [
         None,
         {k: FULL for k in ALL_ROWS},
     ),
+    # OpenBMB MiniCPM5 1B: Qwen3's layout without the empty think block (a turn after the last user query writes
+    # `<think>\n...\n</think>\n\n` only with reasoning, which the generation prompt does not pre-fill: reasoning rows
+    # per_turn); calls as `<function name="..."><param name="...">...</param></function>`, a value holding `<`, `&` or a
+    # newline in CDATA; a `<tool_sep>` in content meant to place each call inside the text, whose `set` in a `for` does
+    # not last, so the text after the first separator is dropped (refused as dropped content).
+    TemplateCase(
+        "openbmb-MiniCPM5-1B",
+        False,
+        "<s>",
+        "<|im_end|>",
+        None,
+        {
+            **{k: FULL for k in ("plain", "nosys", "tool", "two_assistants")},
+            **{k: PER_TURN for k in ("reasoning", "reasoning_tool", "think", "think_tool")},
+        },
+    ),
 ]
 CASE = {c.name: c for c in CASES}
 
