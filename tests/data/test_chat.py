@@ -627,6 +627,30 @@ def test_template_that_drops_tool_calls_or_arguments_is_refused(make_tokenizer, 
         tokenize_conversation(make_tokenizer(no_content), to_conversation(tool_row, WHERE), WHERE)
 
 
+def test_content_a_template_renders_only_in_part_is_refused_naming_the_part_it_drops():
+    """MiniCPM5's template places each call at a `<tool_sep>` in the message's text, building the text in a `for` whose
+    `set`s do not last: it writes the text before the first separator and drops the rest. The refusal said the template
+    dropped the whole content, while the rendered turn it quotes begins with that text; it now names what is kept and
+    what is dropped (and, with nothing of it kept, the content as before)."""
+    from data.templates import REAL, build_tokenizer
+
+    tok = build_tokenizer((REAL / "openbmb-MiniCPM5-1B.jinja").read_text(encoding="utf-8"))
+    row = weather_call_row({"city": "Paris"})
+    row["messages"][1]["content"] = "Let me check.<tool_sep> Then I answer."
+    with pytest.raises(DataError) as info:
+        tokenize_conversation(tok, to_conversation(row, WHERE), WHERE)
+    assert str(info.value).startswith(
+        f"{WHERE}: messages[1] (assistant): the chat template dropped part of its content: it renders "
+        "'Let me check.' and drops what follows ('<tool_sep> Then I answer.'): the rendered turn reads "
+        '\'Let me check.\\n<function name="get_weather">'
+    ), str(info.value)
+    row["messages"][1]["content"] = "<tool_sep>"
+    with pytest.raises(
+        DataError, match=r"messages\[1\] \(assistant\): the chat template dropped its content \('<tool_sep>'\)"
+    ):
+        tokenize_conversation(tok, to_conversation(row, WHERE), WHERE)
+
+
 # gpt-oss's habit: a final answer ends with <|return|>, the same answer followed by more ends with <|end|>.
 FINAL_ONLY_MARKER = (
     "{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}"

@@ -1048,8 +1048,16 @@ def _check_rendered(r: _Renderer, turn: _Turn, where: str) -> bool:
     content = message.get("content") or ""
     answer = content.split("</think>")[-1].strip()
     if answer and answer not in out:
+        # It may render the start of the text and drop the rest (MiniCPM5's keeps the text before the first
+        # `<tool_sep>`, meant to place a call there): the refusal says which part is missing, not that all of it is.
+        kept = _longest_prefix_in(answer, out)
+        what = (
+            f"part of its content: it renders {_short(answer[:kept])} and drops what follows ({_short(answer[kept:])})"
+            if any(c.isalnum() for c in answer[:kept])  # words of it, not a stray `<` the template writes too
+            else f"its content ({_short(answer)})"
+        )
         raise DataError(
-            f"{where}: messages[{i}] (assistant): the chat template dropped its content ({_short(answer)}): "
+            f"{where}: messages[{i}] (assistant): the chat template dropped {what}: "
             f"the rendered turn reads {_short(out)}. Use a template that renders it (--chat_template FILE|NAME)."
         )
     for j, call in enumerate(message.get("tool_calls") or []):
@@ -1118,6 +1126,18 @@ def _check_rendered(r: _Renderer, turn: _Turn, where: str) -> bool:
     if reasoning is None and "</think>" in content:
         reasoning = content.split("</think>")[0].split("<think>")[-1]
     return bool(reasoning and reasoning.strip() and reasoning.strip() not in out)
+
+
+def _longest_prefix_in(text: str, rendered: str) -> int:
+    """The length of the longest start of `text` that `rendered` holds (a start it holds has every shorter one too)."""
+    low, high = 0, len(text)
+    while low < high:
+        mid = (low + high + 1) // 2
+        if text[:mid] in rendered:
+            low = mid
+        else:
+            high = mid - 1
+    return low
 
 
 def _reasoning(message: dict) -> str:
