@@ -463,6 +463,28 @@ def test_slurm_script_like_seed_003(in_project, capsys, tmp_path):
     assert all(i < first_command for i, line in enumerate(lines) if line.startswith("#SBATCH"))
 
 
+def test_slurm_setup_lines_run_as_the_seeds_script_ran_them(in_project, capsys, tmp_path):
+    """Seed 003's job ran `source activate llm_finetuning`; conda's activate reads PS1, which a batch shell has not
+    set, and the script's `set -u` ended the job on that line. A stand-in activate script that reads PS1 runs here
+    (and then ends the script, as SLURM is not here to go on)."""
+    (in_project / "activate").write_text('echo "env ${PS1}llm_finetuning" > activated.txt\nexit 0\n')
+    script = tmp_path / "slurm_job.sh"
+    code, _, err = cli(
+        capsys, "slurm", "--config", "train.yaml", "--num_nodes", "1", "--num_gpus_per_node", "0",
+        "--nproc_per_node", "1", "--setup", "source ./activate", "--output", str(script),
+    )  # fmt: skip
+    assert code == 0, err
+    env = {k: v for k, v in os.environ.items() if k != "PS1"}
+    run = subprocess.run(
+        ["bash", str(script)], cwd=in_project, env={**env, "SLURM_JOB_ID": "7"}, capture_output=True, text=True,
+        timeout=30,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert (in_project / "activated.txt").read_text() == "env llm_finetuning\n"
+    lines = script.read_text().splitlines()
+    assert lines[lines.index("source ./activate") + 1] == "set -u", "the rest of the script keeps its checks"
+
+
 def test_slurm_cpu_nodes_request_no_gpus(in_project, capsys, tmp_path):
     script = tmp_path / "cpu.sh"
     code, _, err = cli(

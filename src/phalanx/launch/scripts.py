@@ -413,7 +413,10 @@ def render_slurm(spec: SlurmSpec, script: Path) -> str:
         "",
     ]
     if spec.setup:
-        lines += ["# Environment set-up (--setup):", *spec.setup, ""]
+        # Without `set -u`: seed 003's `source activate llm_finetuning` (conda's activate and activate.d scripts, some
+        # `module` versions) reads variables a batch shell never set (PS1, ...), and under -u the job ended there.
+        lines += ["# Environment set-up (--setup), as the seed's script ran it: unset variables allowed", "set +u"]
+        lines += [*spec.setup, "set -u", ""]
     lines += [
         f'PYTHON="${{PHALANX_PYTHON:-{job.python}}}"',
         f'OUTPUT_DIR="${{PHALANX_OUTPUT_DIR:-{spec.output_dir}}}"',
