@@ -47,3 +47,4 @@ def test_ddp_trains_on_gloo_ranks_under_torch_distributed_debug_detail(tmp_path)
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "level DebugLevel.DETAIL" in run.stdout  # the rest of the run keeps the checks it asked for
+    assert run.stderr.count("DDP's gradient all-reduce runs on a gloo group without DETAIL's checks") == 1

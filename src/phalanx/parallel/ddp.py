@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import TYPE_CHECKING, ContextManager
 
 import torch.distributed as dist
@@ -29,6 +30,13 @@ def group_ddp_can_log() -> dist.ProcessGroup | None:
     NCCL ranks are not affected (the logger reads no NCCL group)."""
     if dist.get_backend() != "gloo" or dist.get_debug_level() != dist.DebugLevel.DETAIL:
         return None
+    if dist.get_rank() == 0:
+        print(
+            "note: TORCH_DISTRIBUTED_DEBUG=DETAIL: DDP's gradient all-reduce runs on a gloo group without DETAIL's "
+            "checks (torch's DDP crashes with them on gloo); every other collective is checked",
+            file=sys.stderr,
+            flush=True,
+        )
     dist.set_debug_level(dist.DebugLevel.INFO)
     try:
         return dist.new_group(backend="gloo")
