@@ -302,10 +302,11 @@ def test_a_rendezvous_port_in_use_is_named_with_the_variable_to_change(monkeypat
     assert os.environ["MASTER_PORT"] == str(port) and "RANK" not in os.environ
 
 
-def test_too_many_cpu_ranks_are_named_as_the_engine_was_asked_for_them(monkeypatch):
+def test_start_up_failures_name_the_engines_own_arguments(monkeypatch):
     """Seed 004's `distributed_training_example.py --distributed --world-size 4` on a 2-core machine: every rank's
     start-up failure (the seed's fallback then trains one process) said 'torchrun --nproc_per_node 4 CPU ranks ...
-    Use --nproc_per_node 2 or fewer', a command the user never ran."""
+    Use --nproc_per_node 2 or fewer', a command the user never ran; `--backend nccl` without CUDA named phalanx
+    train's 'distributed.backend'."""
     import os
 
     from phalanx.engine.engine import BACKEND_ENV
@@ -326,6 +327,10 @@ def test_too_many_cpu_ranks_are_named_as_the_engine_was_asked_for_them(monkeypat
     monkeypatch.delenv(BACKEND_ENV)  # under torchrun itself its flag names them, as before
     with pytest.raises(ConfigError, match=f"torchrun --nproc_per_node {too_many} CPU ranks"):
         TrainingEngine.setup_distributed(0, too_many)
+    # NCCL on a machine without CUDA (the example's --backend nccl): the engine's argument, not phalanx train's field.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"^backend = 'nccl' needs CUDA devices; none are visible"):
+        TrainingEngine.setup_distributed(0, 2, backend="nccl")
 
 
 def test_an_output_folder_that_cannot_be_made_and_a_bad_experiment_name_are_named(tmp_path):

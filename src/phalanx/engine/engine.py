@@ -210,7 +210,7 @@ class TrainingEngine:
         saved = {key: os.environ.get(key) for key in env}
         os.environ.update(env)
         try:
-            return rt.init_runtime(backend, timeout_minutes, ranks_asked_by=asked_by)
+            return rt.init_runtime(backend, timeout_minutes, ranks_asked_by=asked_by, backend_setting="backend")
         except BaseException as exc:
             for key, value in saved.items():
                 if value is None:

@@ -97,12 +97,14 @@ def init_runtime(
     timeout_minutes: float = 10.0,
     group_of_one: bool = False,
     ranks_asked_by: Optional[tuple[str, str]] = None,
+    backend_setting: str = "distributed.backend",
 ) -> RankInfo:
     """Join the process group the environment describes (if any) and pick this rank's device.
 
     `group_of_one`: a single process still gets a (one-rank) process group, for strategies built on
     collectives (FSDP2, DeepSpeed) that users run on one device for their offload and memory savings.
-    `ranks_asked_by`: how the ranks were asked for, when not by torchrun or --world_size (check_world_fits).
+    `ranks_asked_by`: how the ranks were asked for, when not by torchrun or --world_size (check_world_fits);
+    `backend_setting`: the name the caller gave the backend under, for the message that refuses it.
     """
     rank, world, local_rank, local_world = env_rank_info()
     if not launched_by_torchrun() and os.environ.get("WORLD_SIZE", "1").strip() not in ("", "1"):
@@ -115,9 +117,7 @@ def init_runtime(
     backend = resolve_backend(backend)
     if backend == "nccl":
         if not torch.cuda.is_available():
-            raise ConfigError(
-                "distributed.backend = 'nccl' needs CUDA devices; none are visible. Use 'gloo' or 'auto'."
-            )
+            raise ConfigError(f"{backend_setting} = 'nccl' needs CUDA devices; none are visible. Use 'gloo' or 'auto'.")
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
