@@ -85,6 +85,18 @@ def test_preview_marks_trained_tokens_and_lists_every_refused_row(tmp_path):
     assert typo.returncode == 2 and "unknown subcommand 'previw'; accepted: preview, templates" in typo.stderr
 
 
+def test_preview_counts_the_eval_files_rows_as_eval_rows(tmp_path, tokenizer, write_jsonl):
+    """`--eval_dataset_path` rows were counted as train rows ('60 rows read -> 60 train rows' for 50 training rows and
+    10 to evaluate on), where the run's own line says '50 train rows, 10 eval rows'."""
+    train = write_jsonl(tmp_path / "train.jsonl", [chat_row(i) for i in range(3)])
+    held = write_jsonl(tmp_path / "val.jsonl", [chat_row(i) for i in range(3, 5)])
+    flags = [("dataset_path", str(train)), ("eval_dataset_path", str(held)), ("max_length", "4096")]
+    lines: list[str] = []
+    assert preview(load_config(None, overrides_from_flags(flags)), tokenizer, 0, False, lines.append) == 0
+    summary = next(line for line in lines if line.startswith("Data: "))
+    assert summary.startswith("Data: 5 rows read -> 3 train rows, 2 eval rows, "), summary
+
+
 def test_preview_colours_on_a_terminal_and_fails_when_nothing_trains(tmp_path, tokenizer, write_jsonl):
     cfg = load_config(
         None,

@@ -97,15 +97,16 @@ def preview(cfg: Any, tokenizer: Any, rows: int, color: bool, say: Callable[[str
     if eval_source is not None:
         sources.append(eval_source)
     trained: list[dict] = []
+    evaluated: list[dict] = []  # rows of eval_dataset_path (or eval_dataset_split), counted as the run counts them
     for source in sources:
         for outcome in iter_outcomes(source, data_cfg, tokenizer, counts):
-            trained += outcome.examples
+            (trained if source is sources[0] else evaluated).extend(outcome.examples)
             if outcome.tokenized is not None and shown[0] < rows:
                 shown[0] += 1
                 _show(outcome, tokenizer, color, say)
     refusals.finish()
-    # No train/eval split here: every row that would train is counted as a train row.
-    report = DataReport(**counts.report(trained, None), cache_hit=False, cache_dir="")
+    # test_size is not held out here (which rows it holds out depends on the seed): every training row counts as one.
+    report = DataReport(**counts.report(trained, evaluated or None), cache_hit=False, cache_dir="")
     add_template_notes(report, data_cfg, tokenizer, generation_config_eos_ids(cfg.model.model_name))
     lines = describe_report(report, cfg.data, saves_stop_tokens=cfg.model.finetune == "full")
     say("Data: " + lines[0])
