@@ -651,6 +651,29 @@ def test_content_a_template_renders_only_in_part_is_refused_naming_the_part_it_d
         tokenize_conversation(tok, to_conversation(row, WHERE), WHERE)
 
 
+def test_a_template_that_needs_a_tool_message_name_gets_the_function_its_call_id_names():
+    """OpenAI's tool messages name only the call they answer (`tool_call_id`); FunctionGemma's template raises
+    "Invalid tool response: 'name' must be provided" without a `name`, and every such row was refused as one to change.
+    Where the template raises, the row is rendered again with each tool message named after its call's function; a
+    message whose id answers no call keeps the template's refusal."""
+    from data.templates import REAL, build_tokenizer
+
+    tok = build_tokenizer((REAL / "google-functiongemma-270m-it.jinja").read_text(encoding="utf-8"))
+    row = weather_call_row({"city": "Paris"})
+    assert "name" not in row["messages"][2]
+    result = tokenize_conversation(tok, to_conversation(row, WHERE), WHERE)
+    assert target_runs(tok, one(result)) == [
+        "<start_function_call>call:get_weather{city:<escape>Paris<escape>}<end_function_call><start_function_response>",
+        "Sunny.<end_of_turn>\n",
+    ]
+    assert "<start_function_response>response:get_weather{value:<escape>sunny<escape>}" in tok.decode(
+        one(result)["input_ids"]
+    )
+    row["messages"][2]["tool_call_id"] = "c9"  # answers no call: nothing to name it after
+    with pytest.raises(DataError, match=r"the chat template failed on messages\[:3\].*'name' must be provided"):
+        tokenize_conversation(tok, to_conversation(row, WHERE), WHERE)
+
+
 # gpt-oss's habit: a final answer ends with <|return|>, the same answer followed by more ends with <|end|>.
 FINAL_ONLY_MARKER = (
     "{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}"

@@ -61,7 +61,8 @@ marker (GLM-4-9B skips it).
 A template that raises on the row may read a message's content as OpenAI's list of parts, which phalanx joins into
 one string (Gemma 3's first template takes the system prompt as ``content[0]['text']``): the row is rendered again with
 each system, user and tool message's content as one text part, and refused with the template's error where that fails
-too.
+too. Likewise a template that needs a tool message's `name` (FunctionGemma's), which OpenAI's tool messages lack (they
+name the call they answer, `tool_call_id`): the row is rendered again with each named after that call's function.
 
 Labels are the input ids on target tokens and -100 elsewhere; the shift by one happens in the
 loss, not here.
@@ -165,18 +166,26 @@ def tokenize_conversation(
     # prompt as `messages[0]['content'][0]['text']`) fails on the string phalanx makes of it: when the template raised,
     # the conversation is rendered again with each non-assistant message's content as one text part. Where that fails
     # too, further on in the row (a tool message Gemma 3 has no role for), its error is the one to fix.
+    # A template that reads a tool message's `name` (FunctionGemma's raises "Invalid tool response: 'name' must be
+    # provided") fails on OpenAI's tool messages, which name only the call they answer (`tool_call_id`): when the
+    # template raised, the conversation is rendered again with each such message named after that call's function.
     as_text = _with_text_arguments(conv)
+    named = _with_tool_names(conv)
+    variants = [(as_text, False, False), (conv, True, True), (as_text, True, True)]
+    if named is not None:
+        named_text = _with_text_arguments(named)
+        variants += [(named, False, True), (named_text, False, True), (named, True, True), (named_text, True, True)]
     try:
         result, texts = _tokenize_chat(tokenizer, conv, where, multi_turn, template_kwargs)
     except DataError as error:
         refusal = error
-        for variant, parts in ((as_text, False), (conv, True), (as_text, True)):
-            if variant is None or (parts and not isinstance(error, _TemplateRaised)):
+        for variant, parts, when_raised in variants:
+            if variant is None or (when_raised and not isinstance(error, _TemplateRaised)):
                 continue
             try:
                 result, texts = _tokenize_chat(tokenizer, variant, where, multi_turn, template_kwargs, parts)
             except DataError as later:
-                if parts and isinstance(later, _TemplateRaised) and later.messages > error.messages:
+                if when_raised and isinstance(later, _TemplateRaised) and later.messages > _refusal_at(refusal):
                     refusal = later
                 continue
             if not (parts and any(PART_REPR in text for text in texts)):  # not the list printed as Python's repr
@@ -268,6 +277,27 @@ def _with_text_arguments(conv: Conversation) -> Optional[Conversation]:
         for call in message.get("tool_calls") or []:
             call["function"]["arguments"] = json.dumps(call["function"]["arguments"], ensure_ascii=False)
     return {**conv, "messages": messages}
+
+
+def _refusal_at(error: DataError) -> int:
+    """How many messages the rendering the template raised on held (0 for another refusal)."""
+    return error.messages if isinstance(error, _TemplateRaised) else 0
+
+
+def _with_tool_names(conv: Conversation) -> Optional[Conversation]:
+    """The conversation with each tool message that has no `name` named after the function of the call its
+    `tool_call_id` answers (an earlier assistant message's); None when no such message can be named."""
+    names: dict[str, str] = {}
+    messages = copy.deepcopy(conv["messages"])
+    named = False
+    for message in messages:
+        for call in message.get("tool_calls") or []:
+            if call.get("id"):
+                names[str(call["id"])] = call["function"]["name"]
+        if message["role"] == "tool" and not message.get("name") and message.get("tool_call_id") in names:
+            message["name"] = names[message["tool_call_id"]]
+            named = True
+    return {**conv, "messages": messages} if named else None
 
 
 def as_text_parts(messages: list[dict]) -> list[dict]:
