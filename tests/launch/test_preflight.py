@@ -83,9 +83,22 @@ def test_more_cpu_ranks_than_cores(monkeypatch):
         preflight.check_devices(0, 3)
 
 
-def test_multi_node_refuses_a_loopback_master():
-    with pytest.raises(PhalanxError, match="loopback"):
-        preflight.preflight(0, 1, num_nodes=2, node_rank=0, master_addr="localhost", master_port=29500, timeout=1)
+def test_multi_node_refuses_a_loopback_master(monkeypatch):
+    with pytest.raises(PhalanxError, match="--master_addr 127.0.0.1 is a loopback address, which the other 1 node"):
+        preflight.preflight(0, 1, num_nodes=2, node_rank=0, master_addr="127.0.0.1", master_port=29500, timeout=1)
+    # A host name that resolves to loopback only here (Debian's /etc/hosts lists the machine's own name as 127.0.1.1)
+    # is said to be one: `--master_addr $(hostname)` on the master was refused as 'a loopback address'.
+    real = preflight.socket.getaddrinfo
+
+    def etc_hosts(host, *args):
+        return real("127.0.1.1" if host == "master-node" else host, *args)
+
+    monkeypatch.setattr(preflight.socket, "getaddrinfo", etc_hosts)
+    with pytest.raises(PhalanxError) as err:
+        preflight.preflight(0, 1, num_nodes=3, node_rank=0, master_addr="master-node", master_port=29500, timeout=1)
+    assert "--master_addr master-node resolves to 127.0.1.1 on this machine" in str(err.value)
+    assert "/etc/hosts" in str(err.value) and "which the other 2 node(s) cannot reach" in str(err.value)
+    assert "master node's IP address" in str(err.value)
 
 
 def test_interface_towards_loopback():

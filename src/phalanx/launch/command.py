@@ -335,17 +335,13 @@ def launcher_main(argv: Sequence[str]) -> int:
         )
     master = args.master_addr or "127.0.0.1"
     if args.num_nodes > 1:
-        from phalanx.launch.preflight import is_loopback
+        from phalanx.launch.preflight import refuse_loopback_master
 
         if args.master_addr is None:
             raise ConfigError(
                 f"--num_nodes {args.num_nodes} needs --master_addr: the master node's address, the same on every node"
             )
-        if is_loopback(master):
-            raise ConfigError(
-                f"--master_addr {master} is a loopback address; the other nodes cannot reach it. "
-                "Give the master node's address on the network the nodes share."
-            )
+        refuse_loopback_master(master, args.num_nodes)
     generate_args = None
     if args.generate is not None:
         generate_args, output, val = check_generation(args.generate, flags)

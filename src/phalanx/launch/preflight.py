@@ -89,6 +89,26 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def refuse_loopback_master(host: str, num_nodes: int) -> None:
+    """Several nodes cannot meet at a loopback master address. A host name is named with what it resolves to here:
+    Debian and Ubuntu list a machine's own name as 127.0.1.1 in /etc/hosts, so `--master_addr $(hostname)` on the
+    master was refused as 'a loopback address', which the name is not anywhere else."""
+    if num_nodes < 2 or not is_loopback(host):
+        return
+    try:
+        ipaddress.ip_address("127.0.0.1" if host.lower() == "localhost" else host)
+        what = f"--master_addr {host} is a loopback address"
+    except ValueError:
+        what = (
+            f"--master_addr {host} resolves to {resolve(host)} on this machine ({socket.gethostname()}), a loopback "
+            "address (/etc/hosts lists it so; Debian and Ubuntu list a machine's own name that way)"
+        )
+    raise PhalanxError(
+        f"{what}, which the other {num_nodes - 1} node(s) cannot reach. Give the master node's IP address on the "
+        "network the nodes share (`hostname -I` on the master lists its addresses)."
+    )
+
+
 def check_master_is_here(host: str) -> None:
     """Node 0 hosts the rendezvous, so the master address must be one of its own."""
     addr = resolve(host)
@@ -245,11 +265,7 @@ def preflight(
     check_devices(num_gpus_per_node, nproc_per_node)
     if not 0 <= node_rank < num_nodes:
         raise PhalanxError(f"--node_rank {node_rank} is outside 0..{num_nodes - 1} for --num_nodes {num_nodes}")
-    if num_nodes > 1 and is_loopback(master_addr):
-        raise PhalanxError(
-            f"--master_addr {master_addr} is a loopback address, which the other {num_nodes - 1} node(s) cannot reach. "
-            "Give the master node's address on the network the nodes share."
-        )
+    refuse_loopback_master(master_addr, num_nodes)
     if node_rank == 0:
         check_master_is_here(master_addr)
         check_port_free(master_port)
