@@ -1,7 +1,19 @@
 """The run's set-up and closing report (train.run)."""
 
+import json
+import shutil
+
+import pytest
+
+from helpers import read_metrics, tiny_run, write_chat_jsonl
+from phalanx.config.flags import split_flags
+from phalanx.config.loader import load_config, overrides_from_flags
 from phalanx.config.schema import RunConfig
+from phalanx.data.prepare import DataSource, source_digest
 from phalanx.data.sampler import StatefulDistributedSampler
+from phalanx.errors import ConfigError
+from phalanx.runtime.signals import PreemptionFlag
+from phalanx.train.command import train_worker
 from phalanx.train.run import describe_dataset, describe_epochs, describe_eval
 from phalanx.train.state import TrainerState
 
@@ -164,3 +176,49 @@ def test_full_fine_tuning_saves_a_generation_config_that_stops_where_the_trained
     for folder in (out, out / "checkpoint-1", out / "checkpoint-best"):
         saved = json.loads((folder / "generation_config.json").read_text())
         assert saved["eos_token_id"] == [endoftext, im_end], (folder, saved)
+
+
+def config_of(flags: list[str]) -> RunConfig:
+    return load_config(None, overrides_from_flags(split_flags(flags)[1]))
+
+
+def test_a_resume_on_data_that_changed_since_its_checkpoint_is_refused_unless_forced(tmp_path, monkeypatch, capsys):
+    """Rows appended to the training file between a crash and the rerun: the config names the same file, but the
+    shuffled order and the train/eval split are new, so the saved data position would go on in another order. The
+    rerun is refused with what changed and the way on, touching nothing; with --force it goes on and says so."""
+    data = write_chat_jsonl(tmp_path / "train.jsonl", 24)
+    out = tmp_path / "o"
+    flags = tiny_run({"max_steps": 4, "save_steps": 2, "test_size": 0.25})
+    flags += ["--dataset_path", str(data), "--output_dir", str(out), "--batch_size", "2"]
+    monkeypatch.setenv("PHALANX_FAULT", "raise@step=3")
+    with pytest.raises(RuntimeError, match="injected fault"):
+        train_worker(config_of(flags), PreemptionFlag())
+    monkeypatch.delenv("PHALANX_FAULT")
+    saved = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["data_sources"]
+
+    # The same file under another spelling of its path, or a copy elsewhere, holds the same rows.
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(data, tmp_path / "copy.jsonl")
+    for spelling in ("train.jsonl", str(data), "./copy.jsonl"):
+        assert source_digest(DataSource.path(spelling).identity()) == saved["data.dataset_path"], spelling
+
+    more = write_chat_jsonl(tmp_path / "more.jsonl", 8, start=24)
+    data.write_text(data.read_text() + more.read_text())
+    left = sorted(p.name for p in out.iterdir()), read_metrics(out)
+    with pytest.raises(ConfigError) as refused:
+        train_worker(config_of(flags), PreemptionFlag())
+    assert (
+        f"{out / 'checkpoint-2'} was trained on other data: data.dataset_path = {str(data)!r} holds other rows now "
+        "than when it was saved"
+    ) in str(refused.value)
+    assert "Put the data back as it was, pass --force to go on with these rows anyway" in str(refused.value)
+    assert (sorted(p.name for p in out.iterdir()), read_metrics(out)) == left, "a refused resume touches nothing"
+
+    capsys.readouterr()
+    assert train_worker(config_of(flags + ["--force"]), PreemptionFlag()) == 0
+    said = capsys.readouterr().out
+    assert f"data.dataset_path = {str(data)!r} holds other rows than when checkpoint-2 was saved (--force)" in said
+    assert "checkpoint-2 at step 2" in said
+    # Its own checkpoints record the rows it trained on: the next resume on them is a plain one.
+    now = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())["data_sources"]
+    assert now.keys() == saved.keys() and now != saved

@@ -208,6 +208,19 @@ def saved_config(folder: Path) -> dict:
         ) from None
 
 
+def data_changes(folder: Path, sources: dict[str, str]) -> list[str]:
+    """The data fields (`data.dataset_path`) whose files hold something else now than when the checkpoint in
+    `folder` was saved: `sources` is the run's data.prepare.PreparedData.sources, compared with the one its
+    trainer_state.json recorded (none in a checkpoint from before phalanx recorded it)."""
+    try:
+        recorded = json.loads((folder / TRAINER_STATE).read_text(encoding="utf-8")).get("data_sources")
+    except (OSError, ValueError, AttributeError):
+        return []
+    if not isinstance(recorded, dict):
+        return []
+    return [name for name, digest in recorded.items() if name in sources and sources[name] != digest]
+
+
 def recorded_config(output_dir: Path) -> Optional[dict]:
     """The config the run in output_dir started with (training_info.json), None when there is no readable record."""
     return _config_in(output_dir / RUN_RECORD)

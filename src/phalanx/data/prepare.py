@@ -116,6 +116,9 @@ class PreparedData:
     train: TokenizedRows
     eval: Optional[TokenizedRows]
     report: DataReport
+    # config field -> what its local files hold (source_digest), recorded in each checkpoint: a resume on data that
+    # changed since is refused unless --force. Hub datasets are left out: their fingerprint follows the local cache.
+    sources: dict[str, str] = field(default_factory=dict)
 
 
 def prepare_data(
@@ -133,14 +136,21 @@ def _cached_or_built(cfg: DataConfig, tokenizer: Any, seed: int, cache_root: Pat
     if train_source.kind == "path":
         refuse_held_out_files_among_training_files(train_source.target, cfg.eval_dataset_path)
     eval_source = DataSource.for_evaluation(cfg)
-    key = _cache_key(cfg, tokenizer, seed, train_source, eval_source)
+    train_identity = train_source.identity()
+    eval_identity = eval_source.identity() if eval_source else None
+    key = _cache_key(cfg, tokenizer, seed, train_identity, eval_identity)
     final = cache_root / key
+    sources = {
+        source.field: source_digest(identity)
+        for source, identity in ((train_source, train_identity), (eval_source, eval_identity))
+        if source is not None and source.kind == "path"
+    }
     if final.is_dir():  # rename is atomic: an existing folder is complete
-        return _load(final, cache_hit=True)
+        return _load(final, cache_hit=True, sources=sources)
     cache_root.mkdir(parents=True, exist_ok=True)
     with FileLock(str(cache_root / f"{key}.lock")):
         if final.is_dir():  # another process built it while we waited
-            return _load(final, cache_hit=True)
+            return _load(final, cache_hit=True, sources=sources)
         for stale in cache_root.glob(f"{key}.tmp-*"):  # left by a process that died mid-write
             shutil.rmtree(stale, ignore_errors=True)
         train, eval_, report = _build(cfg, tokenizer, seed, train_source, eval_source)
@@ -156,7 +166,7 @@ def _cached_or_built(cfg: DataConfig, tokenizer: Any, seed: int, cache_root: Pat
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-    return _load(final, cache_hit=False)
+    return _load(final, cache_hit=False, sources=sources)
 
 
 def add_template_notes(
@@ -258,15 +268,28 @@ def _file_identity(path: Path, root: Path) -> list:
     return [name, stat.st_size, digest.hexdigest()]
 
 
+def source_digest(identity: dict) -> str:
+    """What a path source holds, from its DataSource.identity(), however its path is spelled (`data/a.jsonl` or
+    `/home/me/data/a.jsonl`) and wherever a copy lies (each node's own disk): its files' names within a folder, their
+    sizes and contents; for a file over 64 MiB, which is not read for this, its size alone (its modification time
+    differs between copies)."""
+    single_file = len(identity["files"]) == 1 and identity["files"][0][0] == Path(identity["path"]).name
+    files = [[*entry[:2], *([] if isinstance(entry[2], int) else entry[2:])] for entry in identity["files"]]
+    if single_file:
+        files = [entry[1:] for entry in files]  # a file's own name is its path's, which the config compares
+    return hashlib.sha256(json.dumps(files).encode()).hexdigest()[:20]
+
+
 # ---------------------------------------------------------------------------- cache key
 
 
-def _cache_key(cfg: DataConfig, tokenizer: Any, seed: int, train: DataSource, eval_: Optional[DataSource]) -> str:
+def _cache_key(cfg: DataConfig, tokenizer: Any, seed: int, train: dict, eval_: Optional[dict]) -> str:
+    """`train`, `eval_`: the sources' DataSource.identity()."""
     identity = {
         "version": CACHE_VERSION,
         "code": _tokenizing_code_digest(),
-        "train": train.identity(),
-        "eval": eval_.identity() if eval_ else None,
+        "train": train,
+        "eval": eval_,
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "config": {
             "format": cfg.format,
@@ -691,12 +714,12 @@ def _split(rows: list[tuple[int, dict]], test_size: float, seed: int, n_read: in
 # ---------------------------------------------------------------------------- storage
 
 
-def _load(folder: Path, *, cache_hit: bool) -> PreparedData:
+def _load(folder: Path, *, cache_hit: bool, sources: dict[str, str]) -> PreparedData:
     fields = json.loads((folder / "report.json").read_text())
     report = DataReport(**fields, cache_hit=cache_hit, cache_dir=str(folder))
     train = TokenizedRows.read(folder / "train.arrow")
     eval_ = TokenizedRows.read(folder / "eval.arrow") if (folder / "eval.arrow").is_file() else None
-    return PreparedData(train=train, eval=eval_, report=report)
+    return PreparedData(train=train, eval=eval_, report=report, sources=sources)
 
 
 def report_dict(report: DataReport) -> dict:

@@ -27,7 +27,9 @@ from phalanx.checkpoint.resume import (
     CRASH_LEFTOVERS,
     FINISHED,
     RUN_RECORD,
+    data_changes,
     existing_run_artifacts,
+    flatten,
     global_batch_change,
     resume_point,
     saved_config,
@@ -209,6 +211,34 @@ def set_aside_future(output_dir: Path, state: TrainerState) -> None:
         print(f"↩️  {line}", flush=True)
 
 
+def check_same_data(cfg: RunConfig, resume_from: Path, sources: dict[str, str], announce: bool) -> None:
+    """A resume reads the data the checkpoint was trained on, or says what changed. The config names the same file,
+    so nothing else would: train.jsonl with rows added between a kill and the rerun was split into train and eval
+    rows and shuffled anew, and the saved data position went on in that other order (rows trained twice, rows never
+    trained, eval rows trained on), without a word. Refused unless --force, as a changed config is."""
+    changed = data_changes(resume_from, sources)
+    if not changed:
+        return
+    values = flatten(cfg.model_dump())
+    what = ", ".join(f"{name} = {values.get(name) or 'the bundled chats'!r}" for name in changed)
+    if changed == ["data.eval_dataset_path"]:
+        effect = "evaluation losses from here on are measured on other rows than the best the checkpoint records"
+    else:
+        effect = (
+            "on these the shuffled order (and a test_size split into train and eval rows) differ, so from the saved "
+            "data position some rows are trained twice and others skipped"
+        )
+    if not cfg.force:
+        raise ConfigError(
+            f"{resume_from} was trained on other data: {what} holds other rows now than when it was saved (the "
+            f"files' contents or sizes differ from its record in trainer_state.json): {effect}. Put the data back as "
+            "it was, pass --force to go on with these rows anyway, --overwrite_output_dir to start over, or another "
+            "--output_dir."
+        )
+    if announce:
+        print(f"↩️  {what} holds other rows than when {resume_from.name} was saved (--force): {effect}", flush=True)
+
+
 def load_data(cfg: RunConfig) -> tuple[Any, PreparedData]:
     """Tokenizer and tokenized data; cached on disk and safe to call from several processes at once."""
     tokenizer = load_tokenizer(cfg.model.model_name, cfg.model.trust_remote_code, cfg.data.chat_template)
@@ -351,6 +381,8 @@ def build_run(
     resume_from = check_output_dir(cfg)
     # Tokenize before joining the process group: a long tokenization can never trip a collective timeout.
     tokenizer, data = load_data(cfg)
+    if resume_from is not None:
+        check_same_data(cfg, resume_from, data.sources, announce=rank_id == 0)
     rank = rt.init_runtime(
         cfg.distributed.backend, cfg.distributed.init_timeout_minutes, group_of_one=cfg.distributed.strategy != "ddp"
     )
@@ -470,6 +502,7 @@ def build_run(
                 )
     elif rank.is_main:
         start_over(cfg, output_dir)  # a fresh start: overwriting was allowed, nothing was there, or a crashed run
+    state.data_sources = data.sources  # what this run trains on from here, for its checkpoints
     if rank.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
         # The record of this run's config, before any log exists: a rerun after a crash before the first

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 
@@ -22,6 +22,9 @@ class TrainerState:
     # Likewise the steps since the last train log line: a resume between two log steps still logs their mean.
     log_loss_sum: float = 0.0
     log_loss_steps: int = 0
+    # What the run's local data files held (data.prepare.PreparedData.sources): a resume compares it with the data
+    # it finds (train.run.check_same_data).
+    data_sources: dict[str, str] = field(default_factory=dict)
 
     def add_loss(self, loss: float) -> None:
         """A finished step's global loss, into the epoch's mean and the next log line's."""
