@@ -78,9 +78,27 @@ def test_more_gpus_than_the_node_has():
 
 
 def test_more_cpu_ranks_than_cores(monkeypatch):
+    """`bash launch_distributed.sh 4` on a 2-core machine was told to use '--nproc_per_node 2', a flag of phalanx
+    launcher, not of the script it ran."""
     monkeypatch.setattr(preflight.os, "cpu_count", lambda: 2)
-    with pytest.raises(PhalanxError, match="--nproc_per_node 3 CPU ranks .* it has 2 core"):
+    with pytest.raises(PhalanxError) as err:
         preflight.check_devices(0, 3)
+    assert str(err.value).startswith("3 ranks per node (the script's first argument, PHALANX_NPROC_PER_NODE or ")
+    assert "which has 2 core(s): each CPU (gloo) rank needs one. Give 2 or fewer." in str(err.value)
+
+
+def test_a_script_for_more_gpus_runs_on_fewer():
+    """Seed 000's `bash launch_distributed.sh 2` on a 4-GPU machine, as docs/launch.md shows it (`phalanx launcher
+    --num_gpus_per_node 4`, then `bash scripts/run_training.sh 2`): 2 ranks on GPUs 0 and 1. It was refused as 'GPU
+    nodes run one rank per GPU'. More ranks than visible GPUs are named as the script was given them."""
+    preflight.check_devices(4, 2, cuda_count=lambda: 4)
+    preflight.check_devices(8, 4, cuda_count=lambda: 4)  # a script written for 8 GPUs, run with 4 on a 4-GPU node
+    with pytest.raises(PhalanxError) as err:
+        preflight.check_devices(4, 6, cuda_count=lambda: 4)
+    assert "has 4 CUDA device(s) visible" in str(err.value)
+    assert "but 6 ranks per node (the script's first argument, " in str(err.value) and "Give 4 or fewer" in str(
+        err.value
+    )
 
 
 def test_multi_node_refuses_a_loopback_master(monkeypatch):

@@ -42,29 +42,38 @@ def visible_cuda_devices() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+# How the scripts' rank count is given when they run; the written --nproc_per_node is only its default.
+RANKS_PER_NODE = "ranks per node (the script's first argument, PHALANX_NPROC_PER_NODE or --nproc_per_node)"
+
+
 def check_devices(num_gpus_per_node: int, nproc_per_node: int, cuda_count: Optional[Callable[[], int]] = None) -> None:
-    """One rank per GPU on GPU nodes; no more CPU ranks than cores on CPU nodes."""
+    """One rank per GPU on GPU nodes; no more CPU ranks than cores on CPU nodes.
+
+    `nproc_per_node` is what the script runs, which its first argument or PHALANX_NPROC_PER_NODE may make fewer
+    than the GPUs it was written for: seed 000's `launch_distributed.sh 2` on a 4-GPU machine trains on GPUs 0 and 1
+    (torchrun and DeepSpeed's launcher take GPUs 0..N-1). It was refused as 'GPU nodes run one rank per GPU', as was
+    the `bash run_training.sh 2` docs/launch.md shows. Too many are named as they were given."""
+    asked = f"{nproc_per_node} {RANKS_PER_NODE}"
     if num_gpus_per_node > 0:
         count = (cuda_count or visible_cuda_devices)()
-        if num_gpus_per_node > count:
+        visible = (
+            f"this node ({socket.gethostname()}) has {count} CUDA device(s) visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})"
+        )
+        if nproc_per_node == num_gpus_per_node and num_gpus_per_node > count:
             raise PhalanxError(
-                f"this node ({socket.gethostname()}) has {count} CUDA device(s) visible "
-                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}), but the launcher asks for "
-                f"{num_gpus_per_node} per node. Use --num_gpus_per_node {count}"
+                f"{visible}, but the launcher asks for {num_gpus_per_node} per node. Use --num_gpus_per_node {count}"
                 + (" or fewer" if count else "")
                 + ", or --num_gpus_per_node 0 --nproc_per_node N to run N CPU ranks over gloo."
             )
-        if nproc_per_node != num_gpus_per_node:
-            raise PhalanxError(
-                f"--nproc_per_node {nproc_per_node} with --num_gpus_per_node {num_gpus_per_node}: GPU nodes run one rank "
-                "per GPU. Leave --nproc_per_node out, or use --num_gpus_per_node 0 for CPU ranks."
-            )
+        if nproc_per_node > count:
+            raise PhalanxError(f"{visible}, but {asked} ask for one each. Give {count} or fewer.")
     else:
         cores = os.cpu_count() or 1
         if nproc_per_node > cores:
             raise PhalanxError(
-                f"--nproc_per_node {nproc_per_node} CPU ranks on this node ({socket.gethostname()}), but it has "
-                f"{cores} core(s). Use --nproc_per_node {cores} or fewer (each gloo rank needs a core)."
+                f"{asked} on this node ({socket.gethostname()}), which has {cores} core(s): each CPU (gloo) rank "
+                f"needs one. Give {cores} or fewer."
             )
 
 
@@ -278,7 +287,7 @@ def preflight(
 # PHALANX_* variables), past the checks `phalanx launcher` made when it wrote them: a bad one is named as it was
 # set, not as preflight's flag (a 0 ranks per node otherwise reached torch's launcher as a bare AssertionError).
 SCRIPT_VALUES = {
-    "nproc_per_node": ("ranks per node (the script's first argument, PHALANX_NPROC_PER_NODE or --nproc_per_node)", 1),
+    "nproc_per_node": (RANKS_PER_NODE, 1),
     "num_nodes": ("the number of nodes (PHALANX_NUM_NODES or --num_nodes)", 1),
     "node_rank": ("the node rank (PHALANX_NODE_RANK or --node_rank)", 0),
     "master_port": ("the master port (PHALANX_MASTER_PORT or --master_port)", 1),
