@@ -69,6 +69,27 @@ def test_save_to_disk_dataset_and_dataset_dict(tmp_path, tool_row):
         rows_of(tmp_path / "dict", split="validation")
 
 
+def test_a_save_to_disk_folder_given_as_dataset_name(tmp_path, tool_row, monkeypatch):
+    """Seed 000's ./health-agent-dataset (a save_to_disk folder) named seed 002's way, --dataset_name: a single
+    Dataset was refused by load_dataset ("Please use `load_from_disk` instead", which no flag does). It is read as
+    --dataset_path reads it; a DatasetDict's splits are picked by name (--eval_dataset_split test evaluates on its
+    own test split); a split a single Dataset cannot have is refused, not read as its training rows."""
+    monkeypatch.chdir(tmp_path)
+    ds = datasets.Dataset.from_list([tool_row, {"messages": tool_row["messages"][:2], "tools": None}])
+    ds.save_to_disk("health-agent-dataset")
+    assert [row for _, row in rows_of("./health-agent-dataset", kind="name")] == [
+        row for _, row in rows_of("./health-agent-dataset")
+    ]
+    with pytest.raises(DataError, match=r"\(split 'test'\): a save_to_disk Dataset has no splits"):
+        rows_of("./health-agent-dataset", kind="name", split="test")
+    datasets.DatasetDict({"train": ds, "test": ds.select([1])}).save_to_disk("dict")
+    assert len(rows_of("./dict", kind="name")) == 2
+    test = rows_of("./dict", kind="name", split="test")
+    assert len(test) == 1 and test[0][0] == "./dict (split 'test') row 0"
+    with pytest.raises(DataError, match=r"without a 'validation' split \(splits: train, test\)"):
+        rows_of("./dict", kind="name", split="validation")
+
+
 def write_parquet(path, rows):
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows), path)

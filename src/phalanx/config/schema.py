@@ -96,7 +96,8 @@ class DataConfig(Section):
     )
     dataset_name: Optional[str] = Field(
         None,
-        description="A Hugging Face Hub dataset id (or a local dataset repository folder) for datasets.load_dataset.",
+        description="A Hugging Face Hub dataset id (or a local dataset repository folder) for datasets.load_dataset; "
+        "a save_to_disk folder is read with load_from_disk, a DatasetDict's splits picked as load_dataset's.",
     )
     dataset_split: str = Field("train", description="Split of dataset_name to train on.")
     eval_dataset_split: Optional[str] = Field(

@@ -86,6 +86,8 @@ def load_named_dataset(name: str, split: str = "train"):
     refuse_unloadable_name(name)
     if not Path(name).expanduser().exists():  # a Hub id, not a local folder
         read_hub_from_cache_if_unresolvable()
+    elif is_disk_dataset(Path(name).expanduser()):
+        return saved_split(Path(name).expanduser(), split)
     try:
         return datasets.load_dataset(name, split=split)
     except Exception as e:  # noqa: BLE001 - missing repo, bad split, bad files: the user's to fix; or no network
@@ -105,6 +107,25 @@ def load_named_dataset(name: str, split: str = "train"):
         if Path(name).expanduser().is_dir() and "Unknown split" in str(e):
             message = message.rstrip(".") + _local_split_hint(Path(name).expanduser())
         raise hub_load_failure(e, message, DataError) from None
+
+
+def saved_split(folder: Path, split: str):
+    """A save_to_disk folder given as dataset_name (seed 000's ./health-agent-dataset, named seed 002's way): read
+    with load_from_disk, its split picked as load_dataset's would be. load_dataset read a DatasetDict's split folders
+    by chance and refused a single Dataset ("You are trying to load a dataset that was saved using `save_to_disk`.
+    Please use `load_from_disk` instead", which no flag does). A single Dataset has no splits: it is the training
+    data, and another split asked of it (eval_dataset_split) is refused rather than read as the same rows."""
+    import datasets
+
+    saved = _load_from_disk(folder)
+    if isinstance(saved, datasets.DatasetDict):
+        return _split_of(saved, folder, split)
+    if split != "train":
+        raise DataError(
+            f"dataset '{folder}' (split '{split}'): a save_to_disk Dataset has no splits, so this is none of it; "
+            "evaluate on other rows with --eval_dataset_path, or leave the split out to hold out test_size"
+        )
+    return saved
 
 
 def _local_split_hint(folder: Path) -> str:
@@ -339,18 +360,29 @@ def _iter_parquet(path: Path, batch_size: int = 1000):
 # ---------------------------------------------------------------------------- Arrow datasets
 
 
-def _load_disk(path: Path, split: str):
+def _load_from_disk(path: Path):
     import datasets
 
     try:
-        ds = datasets.load_from_disk(str(path))
+        return datasets.load_from_disk(str(path))
     except Exception as e:  # noqa: BLE001 - any failure here is a bad dataset folder
         raise DataError(f"{path}: cannot be loaded with datasets.load_from_disk: {type(e).__name__}: {e}") from None
+
+
+def _split_of(saved, path: Path, split: str):
+    """`split` of a DatasetDict read from `path`, or a DataError naming the splits it has."""
+    if split not in saved:
+        raise DataError(f"{path}: a DatasetDict without a '{split}' split (splits: {', '.join(saved)})")
+    log.info("%s is a DatasetDict: using its '%s' split", path, split)
+    return saved[split]
+
+
+def _load_disk(path: Path, split: str):
+    import datasets
+
+    ds = _load_from_disk(path)
     if isinstance(ds, datasets.DatasetDict):
-        if split not in ds:
-            raise DataError(f"{path}: a DatasetDict without a '{split}' split (splits: {', '.join(ds)})")
-        log.info("%s is a DatasetDict: using its '%s' split", path, split)
-        return ds[split], f"{path} (split '{split}')"
+        return _split_of(ds, path, split), f"{path} (split '{split}')"
     return ds, str(path)
 
 
