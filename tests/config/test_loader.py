@@ -270,6 +270,10 @@ def test_both_dataset_sources_refused():
     ("data", "message"),
     [
         ({"data.eval_dataset_split": "test"}, "eval_dataset_split 'test' names a split of dataset_name, which is not"),
+        (  # seed 000's ./health-agent-dataset, a DatasetDict with its own test split, given as dataset_path
+            {"data.dataset_path": "./health-agent-dataset", "data.eval_dataset_split": "test"},
+            "for a split of the save_to_disk DatasetDict at dataset_path, give ./health-agent-dataset as dataset_name",
+        ),
         (
             {"data.dataset_name": "org/ds", "data.eval_dataset_split": "test", "data.eval_dataset_path": "v.jsonl"},
             "set eval_dataset_split or eval_dataset_path, not both",

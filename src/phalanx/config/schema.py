@@ -183,6 +183,12 @@ class DataConfig(Section):
                 raise ValueError(
                     f"eval_dataset_split {self.eval_dataset_split!r} names a split of dataset_name, which is not set; "
                     "evaluate a file or folder with eval_dataset_path instead"
+                    + (
+                        f" (or, for a split of the save_to_disk DatasetDict at dataset_path, give {self.dataset_path} "
+                        "as dataset_name)"
+                        if self.dataset_path
+                        else ""
+                    )
                 )
             if self.eval_dataset_path:
                 raise ValueError("set eval_dataset_split or eval_dataset_path, not both")
