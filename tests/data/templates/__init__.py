@@ -1448,6 +1448,12 @@ CASES = [
             **{k: PER_TURN for k in ("reasoning", "reasoning_tool", "think", "think_tool")},
         },
     ),
+    # Qwen3.8 (TRL's copy of the model's own): `preserve_thinking` defaults to true, so every turn writes its think
+    # block (`<think>\n` + reasoning, empty or not, + `\n</think>\n\n`), whatever follows: every row full, the
+    # `<think>\n` the generation prompt pre-fills left out; a `<think>` block in content is not read (the turn writes an
+    # empty block, then the content's); a reasoning-effort system message by default; a greeting or a mid-conversation
+    # system message raises.
+    TemplateCase("trl-Qwen3.8", False, None, "<|im_end|>", "<|endoftext|>", {k: FULL for k in ALL_ROWS}),
 ]
 CASE = {c.name: c for c in CASES}
 
