@@ -333,6 +333,29 @@ def test_start_up_failures_name_the_engines_own_arguments(monkeypatch):
         TrainingEngine.setup_distributed(0, 2, backend="nccl")
 
 
+def test_a_model_wrapped_in_ddp_already_is_trained_and_saved_as_the_model_inside(tmp_path):
+    """Seed 004's Method 1 imports DistributedDataParallel beside the engine: a model the user wrapped was wrapped
+    again, and checkpoint-best held 'module.0.weight' where the model has '0.weight' (load_weights into it failed)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from phalanx.engine.checkpoint import load_weights
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = mlp()
+        with pytest.warns(RuntimeWarning, match="wrapped in DistributedDataParallel already"):
+            engine = TrainingEngine(DDP(model), "cpu", distributed=True, output_dir=tmp_path, **QUIET)
+        assert engine.unwrapped_model is model
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        engine.train(DataLoader(pairs(), batch_size=4), None, optimizer, nn.CrossEntropyLoss(), num_epochs=1)
+    finally:
+        dist.destroy_process_group()
+    fresh = mlp()
+    fresh.load_state_dict(load_weights(tmp_path / "experiment" / "checkpoint-best", map_location="cpu"))
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+
+
 def test_an_output_folder_that_cannot_be_made_and_a_bad_experiment_name_are_named(tmp_path):
     """output_dir naming a file was NotADirectoryError, an experiment_name naming a file FileExistsError, and
     experiment_name=None "unsupported operand type(s) for /: 'PosixPath' and 'NoneType'"."""

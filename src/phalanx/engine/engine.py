@@ -97,6 +97,22 @@ def warn_fallback(message: str) -> None:
     warnings.warn(f"⚠️  {message}", DistributedFallbackWarning, stacklevel=3)
 
 
+def without_ddp(model: nn.Module, say: bool = True) -> nn.Module:
+    """The model inside a DistributedDataParallel wrapper, which the engine makes itself. Seed 004's Method 1 imports
+    DDP beside the engine, whose checkpoints handled DDP models; a model wrapped already was wrapped again, every
+    gradient all-reduced twice, and saved with 'module.' before each key (load_weights into the model then failed)."""
+    if not isinstance(model, nn.parallel.DistributedDataParallel):
+        return model
+    if say:  # once, on rank 0
+        warnings.warn(
+            "TrainingEngine: the model is wrapped in DistributedDataParallel already; the engine trains the module "
+            "inside and wraps it itself (pass the model unwrapped: that wrapper's gradient buckets still take memory)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return without_ddp(model.module, say=False)
+
+
 def ranks_asked_by(local_world_size: int) -> Optional[tuple[str, str]]:
     """How this machine's ranks were asked for, as too many of them are named (runtime.dist.check_world_fits): by
     launch_distributed_training (its ranks hold BACKEND_ENV; seed 004's example passes --world-size to it), by the
@@ -149,6 +165,7 @@ class TrainingEngine:
         self.world_size = self.rank.world_size
 
         self.strategy = self._make_strategy(use_amp, amp_dtype)
+        model = without_ddp(model, say=self.rank.is_main)
         if self.distributed and sync_batchnorm and has_batchnorm(model):
             # Statistics over the global batch: N ranks with batch b normalise like one process with N*b.
             model = convert_sync_batchnorm(model, self.device)
