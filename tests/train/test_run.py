@@ -222,3 +222,30 @@ def test_a_resume_on_data_that_changed_since_its_checkpoint_is_refused_unless_fo
     # Its own checkpoints record the rows it trained on: the next resume on them is a plain one.
     now = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())["data_sources"]
     assert now.keys() == saved.keys() and now != saved
+
+
+def test_a_resume_with_another_global_batch_trains_the_rest_of_its_epochs_once(tmp_path, monkeypatch, capsys):
+    """num_epochs 1 over 24 rows at 2 rows a step: 12 steps. Crashed in step 9 (checkpoint-8: 16 rows read) and
+    resumed at 4 rows a step (--batch_size 4 --force; another world_size does the same), the run counted its steps
+    from the start at the new batch (6), stopped at once and reported done with 8 rows never trained. The rest of
+    the epoch is 8 rows, 2 steps: it ends at step 10 with every row trained once, and its schedule ends there."""
+    data = write_chat_jsonl(tmp_path / "train.jsonl", 24)
+    out = tmp_path / "o"
+    flags = tiny_run({"max_steps": None, "num_epochs": 1, "save_steps": 2, "test_size": 0})
+    flags += ["--dataset_path", str(data), "--output_dir", str(out), "--batch_size", "2"]
+    monkeypatch.setenv("PHALANX_FAULT", "raise@step=9")
+    with pytest.raises(RuntimeError, match="injected fault"):
+        train_worker(config_of(flags), PreemptionFlag())
+    monkeypatch.delenv("PHALANX_FAULT")
+    rows = json.loads((out / "checkpoint-8" / "trainer_state.json").read_text())["sampler"]
+    assert (rows["epoch"], rows["position"]) == (0, 16)  # the test's premise
+
+    capsys.readouterr()
+    assert train_worker(config_of(flags + ["--batch_size", "4", "--force"]), PreemptionFlag()) == 0
+    said = capsys.readouterr().out
+    assert "checkpoint-8 at step 8" in said and "the schedule now runs 10 steps" in said
+    info = json.loads((out / "final_training_info.json").read_text())
+    assert (info["global_step"], info["total_steps"], info["epoch"]) == (10, 10, 1)
+    state = json.loads((out / "checkpoint-10" / "trainer_state.json").read_text())
+    assert (state["sampler"]["epoch"], state["sampler"]["position"]) == (0, 24), "the epoch was read to its end"
+    assert [r["step"] for r in read_metrics(out, "epoch")] == [10]

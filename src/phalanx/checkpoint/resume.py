@@ -199,9 +199,15 @@ def model_folder_files(output_dir: Path) -> list[str]:
 
 
 def saved_config(folder: Path) -> dict:
+    return saved_trainer_state(folder, "config")
+
+
+def saved_trainer_state(folder: Path, key: str) -> Any:
+    """One entry of a checkpoint's trainer_state.json: `config` (what it was trained with), `sampler` (its data
+    position), a counter."""
     try:
-        return json.loads((folder / TRAINER_STATE).read_text(encoding="utf-8"))["config"]
-    except (OSError, ValueError, KeyError) as exc:
+        return json.loads((folder / TRAINER_STATE).read_text(encoding="utf-8"))[key]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(
             f"{folder}/trainer_state.json cannot be read ({exc}); resume from another checkpoint "
             "with --resume_from_checkpoint PATH, or --overwrite_output_dir"

@@ -33,6 +33,7 @@ from phalanx.checkpoint.resume import (
     global_batch_change,
     resume_point,
     saved_config,
+    saved_trainer_state,
     set_aside_ahead,
     set_aside_crashed_run,
     speed_and_cadence_changes,
@@ -252,19 +253,55 @@ def load_data(cfg: RunConfig) -> tuple[Any, PreparedData]:
     return tokenizer, data
 
 
-def count_total_steps(cfg: RunConfig, sampler: TrainSampler) -> int:
+def count_total_steps(cfg: RunConfig, sampler: TrainSampler, resumed: Optional[tuple[int, int, int]] = None) -> int:
     """max_steps, else the optimizer steps of num_epochs epochs (token-budget epochs differ by a micro-batch or so:
-    each is counted, so the last epoch ends where its rows do)."""
+    each is counted, so the last epoch ends where its rows do).
+
+    `resumed`: (step, epoch, data position) of a checkpoint saved with another global batch (world_size, batch_size,
+    batch_tokens or gradient_accumulation_steps): its steps, then the rest of the epochs from that position at this
+    run's batch. Counted from the start at this batch, the run ended elsewhere than where its epochs do: a 12-step
+    epoch on 1 rank, resumed at step 8 on 2 ranks (6 steps an epoch there), stopped at once and reported done with
+    a third of the rows never trained; resumed on fewer ranks, it went on into another epoch."""
     t = cfg.training
     if t.max_steps:
         return t.max_steps
+    budget = isinstance(sampler, TokenBudgetBatchSampler)
 
-    def steps_of(epoch: int) -> int:
-        return math.ceil(micro_batches_per_rank(sampler, epoch, t.batch_size) / t.gradient_accumulation_steps)
+    def units_of(epoch: int) -> int:  # what the sampler's position counts to in an epoch: rows, or micro-batches
+        return len(sampler.bins(epoch)) if budget else sampler.total
+
+    def steps_for(units: int) -> int:
+        per_rank = units // sampler.world_size
+        return math.ceil((per_rank if budget else math.ceil(per_rank / t.batch_size)) / t.gradient_accumulation_steps)
 
     whole, part = int(t.num_epochs), t.num_epochs - int(t.num_epochs)
-    steps = sum(steps_of(epoch) for epoch in range(whole)) + (math.ceil(part * steps_of(whole)) if part else 0)
+    if resumed is not None:
+        step, epoch, position = resumed
+        shares = [(e, 1.0) for e in range(whole)] + ([(whole, part)] if part else [])
+        left = sum(
+            steps_for(max(0, math.ceil(share * units_of(e)) - (position if e == epoch else 0)))
+            for e, share in shares
+            if e >= epoch
+        )
+        return max(1, step + left)
+    steps = sum(steps_for(units_of(e)) for e in range(whole)) + (
+        math.ceil(part * steps_for(units_of(whole))) if part else 0
+    )
     return max(1, steps)
+
+
+def regrouped_resume(cfg: RunConfig, resume_from: Optional[Path], world_size: int) -> Optional[tuple[int, int, int]]:
+    """(step, epoch, data position) of the checkpoint a resume starts from when it was saved with another global
+    batch than this run's (count_total_steps counts the rest of its epochs from there), else None."""
+    if resume_from is None:
+        return None
+    sampler = saved_trainer_state(resume_from, "sampler")
+    before = saved_config(resume_from).get("training", {})
+    now = cfg.training.model_dump()
+    shape = ("batch_size", "batch_tokens", "gradient_accumulation_steps")
+    if sampler.get("world_size", world_size) == world_size and all(before.get(k) == now[k] for k in shape):
+        return None
+    return saved_trainer_state(resume_from, "global_step"), sampler["epoch"], sampler["position"]
 
 
 def describe_dataset(cfg: RunConfig) -> str:
@@ -410,7 +447,7 @@ def build_run(
     install_target_head(model, fused=cfg.training.liger_kernels == "auto")
     collate = partial(collate_rows, pad_token_id=tokenizer.pad_token_id, packing=packing)
     sampler, train_loader = make_train_loader(cfg, data.train, rank, collate)
-    total_steps = count_total_steps(cfg, sampler.sampler)
+    total_steps = count_total_steps(cfg, sampler.sampler, regrouped_resume(cfg, resume_from, rank.world_size))
     merge_tokens = merge_budget(cfg, rank.device, packing)
     fitted = bool(merge_tokens and merge_tokens_that_fit and merge_tokens_that_fit > merge_tokens)
     if fitted:
