@@ -224,7 +224,9 @@ def test_a_resume_on_data_that_changed_since_its_checkpoint_is_refused_unless_fo
     assert now.keys() == saved.keys() and now != saved
 
 
-def test_a_resume_with_another_global_batch_trains_the_rest_of_its_epochs_once(tmp_path, monkeypatch, capsys):
+def test_a_resume_with_another_global_batch_trains_the_rest_of_its_epochs_once_and_none_past_its_end(
+    tmp_path, monkeypatch, capsys
+):
     """num_epochs 1 over 24 rows at 2 rows a step: 12 steps. Crashed in step 9 (checkpoint-8: 16 rows read) and
     resumed at 4 rows a step (--batch_size 4 --force; another world_size does the same), the run counted its steps
     from the start at the new batch (6), stopped at once and reported done with 8 rows never trained. The rest of
@@ -249,3 +251,15 @@ def test_a_resume_with_another_global_batch_trains_the_rest_of_its_epochs_once(t
     state = json.loads((out / "checkpoint-10" / "trainer_state.json").read_text())
     assert (state["sampler"]["epoch"], state["sampler"]["position"]) == (0, 24), "the epoch was read to its end"
     assert [r["step"] for r in read_metrics(out, "epoch")] == [10]
+
+    # A checkpoint past the last step asked for leaves nothing to train: the run ended at once, 'Done: 10 steps', its
+    # final model step 10's under a record of 6 steps. Refused with the checkpoint that ends where asked.
+    left = sorted(p.name for p in out.iterdir())
+    with pytest.raises(ConfigError) as refused:
+        train_worker(config_of(flags + ["--batch_size", "4", "--max_steps", "6", "--force"]), PreemptionFlag())
+    assert (
+        f"{out / 'checkpoint-10'} is at step 10, past this run's last step 6 (training.max_steps): nothing is left to "
+        f"train, and the final model would be step 10's. --resume_from_checkpoint {out / 'checkpoint-6'} ends it with "
+        "step 6's model"
+    ) in str(refused.value)
+    assert sorted(p.name for p in out.iterdir()) == left

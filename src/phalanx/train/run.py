@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 from phalanx.checkpoint.checkpointer import BestMetric, Checkpointer, CheckpointPolicy
-from phalanx.checkpoint.commit import recover_replaced, uncommit
+from phalanx.checkpoint.commit import committed_step_checkpoints, recover_replaced, uncommit
 from phalanx.checkpoint.io import save_model_files
 from phalanx.checkpoint.layout import BEST, final_model_staging
 from phalanx.checkpoint.resume import (
@@ -304,6 +304,26 @@ def regrouped_resume(cfg: RunConfig, resume_from: Optional[Path], world_size: in
     return saved_trainer_state(resume_from, "global_step"), sampler["epoch"], sampler["position"]
 
 
+def check_not_past_the_end(cfg: RunConfig, resume_from: Path, total_steps: int) -> None:
+    """A checkpoint past the run's last step (--max_steps 4 --force over checkpoint-6) leaves nothing to train: the
+    run ended at once, 'Done: 6 steps', its final model step 6's under a record of a 4-step run. Refused, naming the
+    checkpoint that ends where asked."""
+    step = saved_trainer_state(resume_from, "global_step")
+    if step <= total_steps:
+        return
+    field = "training.max_steps" if cfg.training.max_steps else "training.num_epochs"
+    earlier = [(at, path) for at, path in committed_step_checkpoints(resume_from.parent) if at <= total_steps]
+    back = ""
+    if earlier:
+        at, path = earlier[-1]
+        goes = f"ends it with step {at}'s model" if at == total_steps else f"trains on from step {at} to {total_steps}"
+        back = f"--resume_from_checkpoint {path} {goes}; "
+    raise ConfigError(
+        f"{resume_from} is at step {step}, past this run's last step {total_steps} ({field}): nothing is left to "
+        f"train, and the final model would be step {step}'s. {back}or set {field} to reach step {step} at least."
+    )
+
+
 def describe_dataset(cfg: RunConfig) -> str:
     """The header's dataset. Seed 001's train_loop.py read data/traj_chat.jsonl, what generate_data.py (and
     `phalanx generate`) wrote; phalanx trains on what it is given, so with no dataset beside such a file it says so."""
@@ -448,6 +468,8 @@ def build_run(
     collate = partial(collate_rows, pad_token_id=tokenizer.pad_token_id, packing=packing)
     sampler, train_loader = make_train_loader(cfg, data.train, rank, collate)
     total_steps = count_total_steps(cfg, sampler.sampler, regrouped_resume(cfg, resume_from, rank.world_size))
+    if resume_from is not None:
+        check_not_past_the_end(cfg, resume_from, total_steps)
     merge_tokens = merge_budget(cfg, rank.device, packing)
     fitted = bool(merge_tokens and merge_tokens_that_fit and merge_tokens_that_fit > merge_tokens)
     if fitted:
