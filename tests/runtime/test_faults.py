@@ -6,6 +6,7 @@ committed, and (for NaN and preemption) decide the same on all ranks.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -302,3 +303,26 @@ def test_full_or_read_only_disk_keeps_the_previous_checkpoint(how, dataset, smal
     from safetensors.torch import load_file
 
     assert load_file(kept[-1][1] / "adapter_model.safetensors"), "the committed checkpoint still loads"
+
+
+def test_a_full_cache_disk_is_named_as_the_cache_not_output_dir(dataset, small_disk):
+    """The tokenized data go to phalanx's cache (PHALANX_CACHE), not to output_dir. With no room left there, the run
+    said 'rank 0 cannot write to output_dir ...: No space left on device (None)': a user who freed space in
+    output_dir met the same error again. Named as the cache, with the variable that moves it; no partial folder
+    is left for a later run to trust (it is renamed into place only when complete)."""
+    from phalanx.config.schema import DataConfig
+    from phalanx.data.prepare import prepare_data
+    from phalanx.errors import PhalanxError
+    from phalanx.models.load import load_tokenizer
+
+    tokenizer = load_tokenizer("embedded:tiny-qwen3")
+    cache = small_disk / "data"
+    cache.mkdir()
+    with open(small_disk / "filler", "wb") as f:  # leave a few KB: room for the lock file, not for the rows
+        f.write(b"\0" * (shutil.disk_usage(small_disk).free - 16 * 1024))
+    with pytest.raises(PhalanxError) as refused:
+        prepare_data(DataConfig(dataset_path=str(dataset), test_size=0), tokenizer, seed=0, cache_root=cache)
+    said = str(refused.value)
+    assert f"cannot write the tokenized data into phalanx's cache {cache}: No space left on device" in said, said
+    assert "PHALANX_CACHE" in said and "not output_dir" in said, said
+    assert [p.suffix for p in cache.iterdir()] == [".lock"], "no partial tokenized folder is left"

@@ -194,8 +194,9 @@ def train_worker(cfg: RunConfig, preemption: PreemptionFlag) -> int:
         from phalanx.checkpoint.commit import committed_step_checkpoints
 
         kept = [p.name for _, p in committed_step_checkpoints(Path(cfg.output_dir))]
+        where = f" ({exc.filename})" if exc.filename else ""  # pyarrow's and safetensors' errors name no file
         raise PhalanxError(
-            f"rank {rank} cannot write to output_dir {cfg.output_dir}: {exc.strerror} ({exc.filename}). "
+            f"rank {rank} cannot write to output_dir {cfg.output_dir}: {exc.strerror}{where}. "
             f"Committed checkpoints are intact: {kept or 'none yet'}; free space or fix permissions, "
             "then rerun the same command to resume."
         ) from None
