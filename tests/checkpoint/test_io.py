@@ -107,3 +107,26 @@ def test_background_save_writes_the_state_of_the_moment_it_was_called(tmp_path):
     assert (tmp_path / "sync" / "trainer_state.json").read_text() == (
         tmp_path / "checkpoint-1" / "trainer_state.json"
     ).read_text()
+
+
+@pytest.mark.parametrize("saved, resumed", [("full", "lora"), ("lora", "full")])
+def test_a_checkpoint_of_another_finetune_kind_is_named_as_such(tmp_path, saved, resumed):
+    """--finetune changed under --force: a full checkpoint resumed as LoRA was called damaged (its
+    adapter_model.safetensors unreadable), a LoRA one resumed in full was said to hold its weights in a strategy's
+    sharded state. The kind each side trains is named, with the ways on."""
+    save_checkpoint(
+        tmp_path / "checkpoint-1",
+        rank=RANK,
+        model=tiny(),
+        tokenizer=None,
+        stateful={},
+        trainer_state={"global_step": 1, "config": {"model": {"finetune": saved}}},
+    )
+    with pytest.raises(PhalanxError) as refused:
+        load_checkpoint(tmp_path / "checkpoint-1", rank=RANK, model=tiny(), stateful={}, finetune=resumed)
+    said = str(refused.value)
+    assert (
+        f"{tmp_path / 'checkpoint-1'} holds a checkpoint of model.finetune {saved!r}, and this run trains with "
+        f"{resumed!r}: a resume goes on with the training a checkpoint holds. Resume with --finetune {saved}"
+    ) in said, said
+    assert f"phalanx export {tmp_path / 'checkpoint-1'}" in said and "damaged" not in said, said

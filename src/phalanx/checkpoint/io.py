@@ -292,6 +292,7 @@ def load_checkpoint(
             f"{folder} is not a committed phalanx checkpoint ({why_not_committed(folder)}): give a checkpoint-* "
             "folder a run committed"
         )
+    check_same_finetune(folder, finetune)
     if sharded is not None:
         sharded.load_sharded(folder)  # weights and optimizer, each rank its own shards
     else:
@@ -347,6 +348,32 @@ def load_rng_file(folder: Path, rank: rt.RankInfo) -> bool:
         return False
     load_rng_state(_native_rng(read_or_explain(path, load_state_file)))
     return True
+
+
+def check_same_finetune(folder: Path, finetune: str) -> None:
+    """A resume goes on with the kind of training its checkpoint holds. A LoRA checkpoint resumed with --finetune full
+    --force was told its weights were 'in the sharded state of the strategy that saved it' and to export them; a full
+    one resumed as LoRA, that its adapter_model.safetensors was damaged. Neither was so."""
+    try:
+        saved = json.loads((folder / TRAINER_STATE).read_text(encoding="utf-8"))["config"]["model"]["finetune"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # no record to compare (TrainingEngine's checkpoints); a damaged one is named where it is read
+    if saved == finetune:
+        return
+    if saved == "lora":
+        way = (
+            f"Resume with --finetune lora, or, to fine-tune every weight from where the adapter got to, merge it "
+            f"(phalanx export {folder} MERGED) and train from that (--model_name MERGED) into another --output_dir"
+        )
+    else:
+        way = (
+            f"Resume with --finetune {saved}, or, to train an adapter on its weights, write them as a model folder "
+            f"(phalanx export {folder} OUT) and train from that (--model_name OUT) into another --output_dir"
+        )
+    raise PhalanxError(
+        f"{folder} holds a checkpoint of model.finetune {saved!r}, and this run trains with {finetune!r}: a resume "
+        f"goes on with the training a checkpoint holds. {way}"
+    )
 
 
 def load_model_weights(model: nn.Module, folder: Path, finetune: str) -> None:
