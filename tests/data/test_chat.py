@@ -1017,11 +1017,15 @@ def test_an_end_of_sequence_token_in_the_rows_own_text_is_refused_as_the_rows_fa
     )
     row = chat_row(1)
     row["messages"][-1]["content"] = "Every reply ends with </s> here. Fine."
-    with pytest.raises(DataError) as err:
-        tokenize_conversation(make_tokenizer(template), to_conversation(row, WHERE), WHERE)
+    with pytest.raises(DataError) as err:  # read as the token (data.special_token_text: token)
+        tokenize_conversation(make_tokenizer(template), to_conversation(row, WHERE), WHERE, special_token_text="token")
     message = str(err.value)
     assert "its content holds the text of the end-of-sequence token '</s>'" in message, message
-    assert "Edit the row" in message and "--on_bad_row skip" in message and "chat template writes" not in message
+    assert "edit the row" in message and "--on_bad_row skip" in message and "chat template writes" not in message
+    # By default the row's text is text (tests/data/test_special_text.py): the reply trains as written.
+    tok = make_tokenizer(template)
+    (example,) = tokenize_conversation(tok, to_conversation(row, WHERE), WHERE).examples
+    assert target_runs(tok, example) == ["Every reply ends with </s> here. Fine.</s>"]
 
 
 def test_consecutive_assistant_messages(make_tokenizer, chat_row):

@@ -385,6 +385,28 @@ def test_unterminated_turns_name_the_template_switches_that_may_close_them(tmp_p
     assert not [line for line in describe_report(closed.report, switched) if "no end-of-turn marker" in line]
 
 
+def test_special_token_text_in_rows_is_counted_said_and_part_of_the_cache_key(tmp_path, tokenizer, write_jsonl):
+    """Rows quoting the tokenizer's </s> train it as text (data.special_text): the data summary says how often and how
+    to read it as the token instead, and that setting tokenizes again rather than reusing the cache."""
+    from phalanx.data.prepare import describe_report
+
+    rows = [
+        {"messages": [{"role": "user", "content": f"What is </s> ({i})?"}, {"role": "assistant", "content": "An end."}]}
+        for i in range(3)
+    ]
+    f = write_jsonl(tmp_path / "train.jsonl", rows)
+    cfg = _cfg(dataset_path=str(f))
+    as_text = _prepare(cfg, tokenizer, tmp_path)
+    assert as_text.report.special_texts == {"</s>": 3}
+    (line,) = [line for line in describe_report(as_text.report, cfg) if "special tokens' text" in line]
+    assert "'</s>' x3" in line and "--special_token_text token" in line, line
+    tokens = _cfg(dataset_path=str(f), special_token_text="token")
+    as_tokens = _prepare(tokens, tokenizer, tmp_path)
+    assert not as_tokens.report.cache_hit and as_tokens.report.special_texts == {}
+    assert as_tokens.train[0]["input_ids"] != as_text.train[0]["input_ids"]
+    assert not [line for line in describe_report(as_tokens.report, tokens) if "special tokens' text" in line]
+
+
 # Runs in a fresh interpreter. Test modules are not importable by name there (pytest imports them
 # with --import-mode=importlib), so the child runs this source through the builtin exec.
 CHILD = """

@@ -199,6 +199,23 @@ def test_a_template_that_reads_content_as_text_parts_renders_the_prompt_as_train
     assert messages[0]["content"] == "Be brief."  # the prompt's own messages are left as they were
 
 
+def test_a_prompt_quoting_a_special_token_is_encoded_as_text_as_training_encodes_it():
+    """A prompt that quotes the tokenizer's end-of-sequence token does not close its turn (data.special_text)."""
+    from transformers import AutoTokenizer
+
+    from phalanx.generate.prompts import render_prompt
+    from phalanx.models.load import resolve_model_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path("embedded:tiny-qwen3"))
+    eos = tok.eos_token
+    messages = [{"role": "user", "content": f"Repeat {eos} twice."}]
+    ids = render_prompt(tok, messages, None, None, "prompts.jsonl line 1")
+    rendered = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert tok.decode(ids) == rendered  # every character as written
+    assert ids.count(tok.eos_token_id) == rendered.count(eos) - 1  # the template's own ends only
+    assert messages[0]["content"] == f"Repeat {eos} twice."
+
+
 def test_a_missing_prompts_path_the_model_and_dtype_are_named_by_their_flags(tmp_path, capsys):
     """generate's errors name what the user typed (--prompts, --model_name), not train's config fields; --dtype
     also takes train's spellings (fp32, bf16, fp16)."""

@@ -46,6 +46,7 @@ FLAT_FLAGS: dict[str, str] = {
     "chat_template": "data.chat_template",
     "chat_template_kwargs": "data.chat_template_kwargs",
     "multi_turn": "data.multi_turn",
+    "special_token_text": "data.special_token_text",
     "packing": "data.packing",
     "num_epochs": "training.num_epochs",
     "max_steps": "training.max_steps",

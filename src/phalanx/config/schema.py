@@ -141,6 +141,14 @@ class DataConfig(Section):
         "context at inference (for templates that rewrite earlier turns, e.g. drop past reasoning); 'auto' = full "
         "where every turn renders the same whatever follows it, else per_turn.",
     )
+    special_token_text: Literal["text", "token"] = Field(
+        "text",
+        description="A special token's text written in a row (a user quoting ChatML's end of turn, an answer "
+        "mentioning '</s>'): 'text' encodes it as ordinary text (in an answer, the sequence tokens only: end, begin, "
+        "padding), so only the chat template's own markup becomes control tokens and a row cannot close a turn or "
+        "teach a stop in mid-sentence; 'token' reads it as the token (rows that write a model's markup by hand). "
+        "Added tokens that are not special (<think>, <tool_call>) are tokens either way.",
+    )
     packing: bool = Field(
         True,
         description="Padding-free micro-batches: a micro-batch's rows are concatenated into one sequence with "

@@ -84,6 +84,7 @@ from phalanx.config.chat_templates import (
     unset_template_variable,
 )
 from phalanx.data.formats import REASONING_KEYS, Conversation
+from phalanx.data.special_text import SPECIAL_TOKEN_TEXT, Shield, as_text_ids, encode, shield_for_template
 from phalanx.errors import DataError
 
 IGNORE_INDEX = -100
@@ -111,6 +112,8 @@ class Tokenized:
     # <|im_end|> under a base model's <|endoftext|>, Llama 3.1's <|eom_id|> after a tool call): token -> turns. Whether
     # generation stops at it is the model's generation config's to say (data.prepare.add_template_notes).
     end_tokens: dict[str, int] = field(default_factory=dict)
+    # special tokens' text the row's own strings hold, encoded as ordinary text (data.special_text): text -> occurrences
+    special_texts: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -145,13 +148,18 @@ def tokenize_conversation(
     where: str,
     multi_turn: str = "auto",
     template_kwargs: Optional[dict[str, Any]] = None,
+    special_token_text: str = "text",
 ) -> Tokenized:
     """The rows (``{"input_ids", "labels"}``) of one normalised conversation or plain text row. `template_kwargs`:
-    variables every rendering passes to the template (data.chat_template_kwargs, e.g. Qwen3's enable_thinking)."""
+    variables every rendering passes to the template (data.chat_template_kwargs, e.g. Qwen3's enable_thinking).
+    `special_token_text`: "text" encodes a special token's text in the row's own strings as ordinary text, "token" as
+    the token (data.special_token_text)."""
     if conv.get("text") is not None:
         return Tokenized([_tokenize_text(tokenizer, conv["text"])], "text")
     if multi_turn not in MULTI_TURN_POLICIES:
         raise ValueError(f"multi_turn must be one of {MULTI_TURN_POLICIES}, not {multi_turn!r}")
+    if special_token_text not in SPECIAL_TOKEN_TEXT:
+        raise ValueError(f"special_token_text must be one of {SPECIAL_TOKEN_TEXT}, not {special_token_text!r}")
     if not getattr(tokenizer, "chat_template", None):
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
         raise DataError(
@@ -159,6 +167,29 @@ def tokenize_conversation(
             "use a model whose tokenizer ships one (an instruct/chat model), pass --chat_template FILE|NAME, "
             'or give plain {"text": ...} rows'
         )
+    if special_token_text == "token":
+        return _tokenize_variants(tokenizer, conv, where, multi_turn, template_kwargs, None)
+    messages, tools, shielded = shield_for_template(
+        tokenizer, conv["messages"], conv.get("tools"), where, template_kwargs
+    )
+    if shielded is None:
+        return _tokenize_variants(tokenizer, conv, where, multi_turn, template_kwargs, None)
+    try:
+        shielded_conv = {**conv, "messages": messages, "tools": tools}
+        return _tokenize_variants(tokenizer, shielded_conv, where, multi_turn, template_kwargs, shielded)
+    except DataError as error:  # it quotes the rendering: with the row's text as written
+        raise DataError(shielded.readable(str(error))) from None
+
+
+def _tokenize_variants(
+    tokenizer: Any,
+    conv: Conversation,
+    where: str,
+    multi_turn: str,
+    template_kwargs: Optional[dict[str, Any]],
+    shielded: Optional[Shield],
+) -> Tokenized:
+    """The conversation's rows, from the first form of it the template takes."""
     # Tool call arguments go to the template as a mapping (most write `arguments | tojson`). A template that
     # concatenates them as text (DeepSeek-V3.1) fails on a mapping, and one that prints the value (`| string`)
     # writes Python's repr: both get the JSON text instead, as the data wrote it.
@@ -176,14 +207,16 @@ def tokenize_conversation(
         named_text = _with_text_arguments(named)
         variants += [(named, False, True), (named_text, False, True), (named, True, True), (named_text, True, True)]
     try:
-        result, texts = _tokenize_chat(tokenizer, conv, where, multi_turn, template_kwargs)
+        result, texts = _tokenize_chat(tokenizer, conv, where, multi_turn, template_kwargs, shield=shielded)
     except DataError as error:
         refusal = error
         for variant, parts, when_raised in variants:
             if variant is None or (when_raised and not isinstance(error, _TemplateRaised)):
                 continue
             try:
-                result, texts = _tokenize_chat(tokenizer, variant, where, multi_turn, template_kwargs, parts)
+                result, texts = _tokenize_chat(
+                    tokenizer, variant, where, multi_turn, template_kwargs, parts, shield=shielded
+                )
             except DataError as later:
                 if when_raised and isinstance(later, _TemplateRaised) and later.messages > _refusal_at(refusal):
                     refusal = later
@@ -193,7 +226,7 @@ def tokenize_conversation(
         raise refusal from None
     if as_text is not None and _writes_python_mappings(conv, texts):
         try:
-            return _tokenize_chat(tokenizer, as_text, where, multi_turn, template_kwargs)[0]
+            return _tokenize_chat(tokenizer, as_text, where, multi_turn, template_kwargs, shield=shielded)[0]
         except DataError:
             pass
     return result
@@ -206,6 +239,7 @@ def _tokenize_chat(
     multi_turn: str,
     template_kwargs: Optional[dict[str, Any]],
     text_parts: bool = False,
+    shield: Optional[Shield] = None,
 ) -> tuple[Tokenized, list[str]]:
     renderer = _Renderer(tokenizer, conv["messages"], conv.get("tools"), where, template_kwargs, text_parts)
     turns = [_locate_turn(renderer, i) for i, m in enumerate(conv["messages"]) if m["role"] == "assistant"]
@@ -220,13 +254,14 @@ def _tokenize_chat(
             # token it writes first) follows it in the whole rendering and is trained with it.
             unterminated = sum(t.unmarked and e - s == t.end - t.start for t, (s, e) in zip(turns, spans))
             return Tokenized(
-                [_tokenize_spans(tokenizer, full, spans)],
+                [_tokenize_spans(tokenizer, full, spans, shield, where)],
                 "full",
                 dropped,
                 _system_dropped(conv["messages"], [full]),
                 _tools_dropped(conv.get("tools"), [full]),
                 unterminated,
                 **_end_markers(renderer, turns),
+                special_texts=dict(shield.counts) if shield else {},
             ), [full]
         if multi_turn == "full":
             raise DataError(
@@ -235,7 +270,9 @@ def _tokenize_chat(
                 "multi_turn 'per_turn' (one row per assistant turn, each rendered as the model saw it) or 'auto'."
             )
         notes.append(problem)
-    examples = [_tokenize_spans(tokenizer, text, [span]) for text, span in (turn.example() for turn in turns)]
+    examples = [
+        _tokenize_spans(tokenizer, text, [span], shield, where) for text, span in (turn.example() for turn in turns)
+    ]
     views = [turn.view for turn in turns]
     return Tokenized(
         examples,
@@ -246,6 +283,7 @@ def _tokenize_chat(
         sum(turn.unmarked and not turn.close for turn in turns),
         notes,
         **_end_markers(renderer, turns),
+        special_texts=dict(shield.counts) if shield else {},
     ), views
 
 
@@ -798,9 +836,10 @@ def _check_no_end_of_sequence_inside(r: _Renderer, i: int, view: str, start: int
         if written:  # the row's own text holds the token, not the template's markup
             raise DataError(
                 f"{r.where}: messages[{i}] (assistant): its {' and '.join(written)} holds the text of the "
-                f"end-of-sequence token {eos!r}, which the tokenizer reads as that token: a model stops there and could "
-                "never generate what follows it. Edit the row (remove or reword that text), or skip such rows "
-                "(--on_bad_row skip)."
+                f"end-of-sequence token {eos!r}, which the tokenizer reads as that token (data.special_token_text is "
+                "'token'): a model stops there and could never generate what follows it. Leave special_token_text at "
+                "'text' (the row's words encoded as written), edit the row (remove or reword that text), or skip such "
+                "rows (--on_bad_row skip)."
             )
         # Name the parts the message has: the template writes some of them as blocks of their own, each closed by the
         # token (Nemotron: content, then tool calls; Solar Open: reasoning, then the answer). "Split content and tool
@@ -1234,25 +1273,34 @@ def _json_forms(text: str) -> tuple[str, ...]:
 # ---------------------------------------------------------------------------- tokens
 
 
-def _tokenize_spans(tokenizer: Any, text: str, spans: list[tuple[int, int]]) -> dict[str, list[int]]:
+def _tokenize_spans(
+    tokenizer: Any, text: str, spans: list[tuple[int, int]], shield: Optional[Shield] = None, where: str = ""
+) -> dict[str, list[int]]:
+    """`text` (a rendering, of a shielded row when `shield` is given) as ids, labelled on the tokens in `spans`."""
     # add_special_tokens=False everywhere: templates write their own BOS; adding one would double it.
     spans = [s for s in spans if s[1] > s[0]]
+    as_text: list[tuple[int, int]] = []
+    if shield is not None:
+        text, as_text = shield.restore(text, where)
     if getattr(tokenizer, "is_fast", False):
         # Tokenize the whole text as inference will, and keep each token that overlaps a span.
-        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids, labels, k = enc["input_ids"], [], 0
-        for token, (a, b) in zip(ids, enc["offset_mapping"]):
+        ids, offsets = encode(tokenizer, text, as_text)
+        labels, k = [], 0
+        for token, (a, b) in zip(ids, offsets or []):
             while k < len(spans) and spans[k][1] <= a:  # spans are sorted and disjoint
                 k += 1
             inside = k < len(spans) and spans[k][0] < max(b, a + 1)  # zero-width tokens count at their start
             labels.append(token if inside else IGNORE_INDEX)
-        return {"input_ids": list(ids), "labels": labels}
+        return {"input_ids": ids, "labels": labels}
     # Slow tokenizers have no offsets: tokenize segment by segment, so target tokens are exact.
-    bounds = sorted({0, len(text), *(x for span in spans for x in span)})
+    bounds = sorted({0, len(text), *(x for span in [*spans, *as_text] for x in span)})
     segments = [(bounds[j], bounds[j + 1]) for j in range(len(bounds) - 1)]
+    literal = [any(s <= a and b <= e for s, e in as_text) for a, b in segments]
+    plain = [text[a:b] for (a, b), lit in zip(segments, literal) if not lit]
+    read = iter(tokenizer(plain, add_special_tokens=False)["input_ids"] if plain else [])
     ids, labels = [], []
-    pieces = tokenizer([text[a:b] for a, b in segments], add_special_tokens=False)["input_ids"] if segments else []
-    for (a, b), piece in zip(segments, pieces):
+    for (a, b), lit in zip(segments, literal):
+        piece = as_text_ids(tokenizer, text[a:b]) if lit else next(read)
         ids += piece
         inside = any(s <= a and b <= e for s, e in spans)
         labels += piece if inside else [IGNORE_INDEX] * len(piece)

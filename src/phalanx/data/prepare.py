@@ -110,6 +110,8 @@ class DataReport:
     # those the model does not stop at (add_template_notes, each run): token -> (turns, its id), and what it stops at
     unstopped_end_tokens: dict[str, list[int]] = field(default_factory=dict)
     stop_tokens: list[str] = field(default_factory=list)
+    # special tokens' text written in the rows, encoded as ordinary text (data.special_token_text): text -> occurrences
+    special_texts: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -318,6 +320,7 @@ def _cache_key(cfg: DataConfig, tokenizer: Any, seed: int, train: dict, eval_: O
             "on_bad_row": cfg.on_bad_row,
             "multi_turn": cfg.multi_turn,
             "chat_template_kwargs": cfg.chat_template_kwargs,
+            "special_token_text": cfg.special_token_text,
             "test_size": None if eval_ else cfg.test_size,
         },
         "seed": seed,
@@ -330,10 +333,10 @@ def _cache_key(cfg: DataConfig, tokenizer: Any, seed: int, train: dict, eval_: O
 def _tokenizing_code_digest() -> str:
     """A hash of the modules that turn rows into ids and labels: a phalanx whose reading or masking changed (a template handled
     differently) re-tokenizes instead of training on rows an older version masked."""
-    from phalanx.data import chat, formats, sources
+    from phalanx.data import chat, formats, sources, special_text
 
     digest = hashlib.blake2b(digest_size=16)
-    for module in (chat, formats, sources):  # sources: what a row read from Arrow storage holds
+    for module in (chat, formats, sources, special_text):  # sources: what a row read from Arrow storage holds
         digest.update(Path(module.__file__).read_bytes())
     return digest.hexdigest()
 
@@ -369,6 +372,7 @@ class RowCounts:
         self.reasoning_dropped = self.system_dropped = self.tools_dropped = self.unterminated = 0
         self.foreign_end_markers: dict[str, int] = {}
         self.end_tokens: dict[str, int] = {}
+        self.special_texts: dict[str, int] = {}
         self.without_system = 0  # chat rows whose first message is not a system message
         self.shortened = 0  # rows that fit after their oldest exchanges were left out (truncation keep_recent)
         self.on_refusal: Optional[Callable[[DataError], None]] = None  # `phalanx data preview` prints each one
@@ -385,6 +389,8 @@ class RowCounts:
             self.foreign_end_markers[marker] = self.foreign_end_markers.get(marker, 0) + turns
         for token, turns in result.end_tokens.items():
             self.end_tokens[token] = self.end_tokens.get(token, 0) + turns
+        for text, times in result.special_texts.items():
+            self.special_texts[text] = self.special_texts.get(text, 0) + times
 
     def drop(self, reason: str) -> None:
         self.dropped += 1
@@ -421,6 +427,7 @@ class RowCounts:
             "unterminated_turns": self.unterminated,
             "foreign_end_markers": self.foreign_end_markers,
             "turn_end_tokens": self.end_tokens,
+            "special_texts": self.special_texts,
             "conversations_without_system": self.without_system,
             "train_rows": len(train),
             "eval_rows": len(eval_) if eval_ else 0,
@@ -492,7 +499,9 @@ def iter_outcomes(source: DataSource, cfg: DataConfig, tokenizer: Any, counts: R
             if fmt == "auto":  # the first readable row decides for the whole source
                 fmt, detected_at = detect_format(row, where), where
             conv = _convert(row, where, fmt, detected_at)
-            result = tokenize_conversation(tokenizer, conv, where, cfg.multi_turn, cfg.chat_template_kwargs)
+            result = tokenize_conversation(
+                tokenizer, conv, where, cfg.multi_turn, cfg.chat_template_kwargs, cfg.special_token_text
+            )
             counts.lengths += [len(ex["input_ids"]) for ex in result.examples]  # as rendered, before max_length
             if cfg.truncation == "keep_recent" and _too_long(result.examples, cfg):
                 result = _keep_recent(tokenizer, conv, result, where, cfg, counts)
@@ -647,6 +656,14 @@ def describe_report(report: DataReport, cfg: DataConfig, saves_stop_tokens: bool
                 "(--chat_template FILE|NAME)"
             )
         lines.append(said)
+    if r.special_texts:
+        texts = ", ".join(
+            f"{text!r} x{times:,}" for text, times in sorted(r.special_texts.items(), key=lambda i: -i[1])
+        )
+        lines.append(
+            f"   special tokens' text in the rows, encoded as ordinary text (the template's own markup alone is tokens): "
+            f"{texts}; --special_token_text token reads it as the tokens"
+        )
     without = r.conversations_without_system
     counts = {
         WITHOUT_SYSTEM: without,
@@ -707,7 +724,7 @@ def _keep_recent(
                 kept_system = [m for m in messages[:k] if m["role"] == "system"]
                 shorter = {**conv, "messages": kept_system + messages[k : end + 1]}
                 rows = tokenize_conversation(
-                    tokenizer, shorter, where, result.policy, cfg.chat_template_kwargs
+                    tokenizer, shorter, where, result.policy, cfg.chat_template_kwargs, cfg.special_token_text
                 ).examples
                 example = rows[-1] if result.policy == "per_turn" else rows[0]
                 if len(example["input_ids"]) <= cfg.max_length:

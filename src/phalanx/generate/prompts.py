@@ -30,6 +30,7 @@ from phalanx.data.sources import (
     is_disk_dataset,
     iter_rows,
 )
+from phalanx.data.special_text import encode, shield_for_template
 from phalanx.errors import DataError
 
 BUNDLED = "bundled:health-agent"
@@ -229,6 +230,9 @@ def render_prompt(
             ids.insert(0, bos)
         return ids
     if has_chat_template(tokenizer):
+        # A special token's text in the prompt is text, as training encodes its rows (data.special_text): a prompt that
+        # quotes <|im_end|> does not close its turn.
+        messages, tools, shielded = shield_for_template(tokenizer, messages, tools, where, template_kwargs, True)
         try:
             rendered = tokenizer.apply_chat_template(
                 messages, tools=tools, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
@@ -241,6 +245,9 @@ def render_prompt(
                 ) from None
         if not isinstance(rendered, str):
             rendered = rendered[0]
+        if shielded is not None:
+            rendered, as_text = shielded.restore(rendered, where)
+            return encode(tokenizer, rendered, as_text)[0]
     else:
         rendered = plain_transcript(messages, tools)
     return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
