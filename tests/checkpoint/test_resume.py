@@ -147,6 +147,7 @@ def test_speed_and_cadence_change_on_resume_without_force(dataset, uninterrupted
     out = tmp_path / "run"
     shutil.copytree(killed, out)
     changes = ("--lora.kernel", "peft", "--training.loader_workers", "1", "--save_steps", "3", "--eval_steps", "2")
+    changes += ("--gradient_checkpointing", "--shutdown_timeout_s", "900")  # for a resume out of memory, or of time
     proc = train(dataset, out, *changes, "--training.merge_micro_batches", "false", "--checkpoint.save_best", "false")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "checkpoint-4 at step 4" in proc.stdout
@@ -158,6 +159,7 @@ def test_speed_and_cadence_change_on_resume_without_force(dataset, uninterrupted
         "eval.eval_steps: 4 -> 2",
         "training.merge_micro_batches: 'auto' -> 'false'",
         "checkpoint.save_best: True -> False",
+        "model.gradient_checkpointing: False -> True",
     ):
         assert change in line, line
     assert "from step 4 on" in line

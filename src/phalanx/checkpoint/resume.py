@@ -51,6 +51,10 @@ SPEED_AND_CADENCE = (
     "training.merge_micro_batches",
     "training.merge_tokens",
     "lora.kernel",
+    # Activations recomputed in backward instead of kept: the same forward, dropout's masks included (the checkpoint
+    # restores the RNG for the recomputation), for less memory; what a resume that ran out of memory needs.
+    "model.gradient_checkpointing",
+    "training.gradient_checkpointing",
     "eval.eval_steps",
     "eval.eval_batch_size",
     "checkpoint.save_steps",
@@ -71,6 +75,7 @@ RESUME_FREE = (
     "distributed.backend",
     "distributed.timeout_minutes",
     "distributed.init_timeout_minutes",
+    "distributed.shutdown_timeout_s",  # how long a stop may take to save: raised after a save the launcher cut short
     *SPEED_AND_CADENCE,
 )
 RUN_ARTIFACTS = ("training_info.json", "final_training_info.json", METRICS_FILE, BEST)
