@@ -105,6 +105,20 @@ def test_fsdp_file_has_seed_003_fields(tmp_path):
     }
 
 
+@pytest.mark.parametrize(
+    "given, written", [("bf16", "BFLOAT16"), ("fp16", "FP16"), ("no", "NO"), ("Bfloat16", "BFLOAT16")]
+)
+def test_fsdp_precision_takes_trainings_spellings(tmp_path, given, written):
+    """`--mixed_precision bf16`, as training.mixed_precision spells it, was an invalid choice; any case is taken."""
+    out = tmp_path / "fsdp_config.json"
+    assert (
+        config_main(["fsdp", "--mixed_precision", given, "--sharding_strategy", "shard_grad_op", "--output", str(out)])
+        == 0
+    )
+    config = json.loads(out.read_text())
+    assert config["fsdp_mixed_precision"] == written and config["fsdp_sharding_strategy"] == "SHARD_GRAD_OP"
+
+
 @pytest.mark.distributed
 def test_train_runs_with_generated_files(equivalence_data, tmp_path):
     ds, fsdp = tmp_path / "ds.json", tmp_path / "fsdp.json"
@@ -145,7 +159,7 @@ def test_train_runs_with_generated_files(equivalence_data, tmp_path):
             ["deepspeed", "--zero-stag", "2"],
             "phalanx config deepspeed: unrecognized arguments: --zero-stag 2. Did you mean --zero_stage?",
         ),
-        (["fsdp", "--mixed_precision", "BF16"], "phalanx config fsdp: argument --mixed_precision: invalid choice"),
+        (["fsdp", "--mixed_precision", "BF8"], "phalanx config fsdp: argument --mixed_precision: invalid choice"),
         ([], "phalanx config: the following arguments are required: deepspeed|fsdp"),
     ],
 )

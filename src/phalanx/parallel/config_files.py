@@ -103,6 +103,13 @@ def fsdp_config(
     }
 
 
+def fsdp_precision_name(value: str) -> str:
+    """accelerate's name for a precision given either way: `bf16` (as training.mixed_precision spells it) is
+    BFLOAT16; a name it does not know is left for argparse to list the choices."""
+    upper = value.upper()
+    return {"BF16": "BFLOAT16"}.get(upper, upper)
+
+
 def read_fsdp_config(path: str) -> dict:
     """The settings `phalanx train` takes from an FSDP JSON: sharding strategy, mixed precision, CPU offload. The
     other fields are accelerate's; fsdp_transformer_layer_cls_to_wrap in particular is not needed, since phalanx
@@ -159,8 +166,14 @@ def config_main(argv: Sequence[str]) -> int:
     ds.add_argument("--output", default=None, help="file to write; standard output when unset")
     ds.add_argument("--overwrite", action="store_true", help="replace an existing --output that holds something else")
     fs = sub.add_parser("fsdp", help="an FSDP config")
-    fs.add_argument("--sharding_strategy", choices=SHARDING_STRATEGIES, default="FULL_SHARD")
-    fs.add_argument("--mixed_precision", choices=FSDP_MIXED_PRECISION, default="BFLOAT16")
+    fs.add_argument("--sharding_strategy", type=str.upper, choices=SHARDING_STRATEGIES, default="FULL_SHARD")
+    fs.add_argument(
+        "--mixed_precision",
+        type=fsdp_precision_name,
+        choices=FSDP_MIXED_PRECISION,
+        default="BFLOAT16",
+        help="BFLOAT16, FP16, FP32 or NO (training's spellings bf16, fp16, fp32 and no are taken too)",
+    )
     fs.add_argument(
         "--cpu_offload", action="store_true", help="parameters, gradients and the optimizer step on the CPU"
     )
