@@ -75,6 +75,20 @@ def test_unknown_yaml_key_names_line_and_nearest(tmp_path: Path):
     assert "training.learnig_rate" in msg and "Did you mean 'learning_rate'" in msg
 
 
+def test_a_key_outside_its_section_is_answered_with_its_dotted_name(tmp_path: Path):
+    """A flat `max_steps:` at the top of a YAML file (as the flag is written), or another tool's key there: the key it
+    is under is named; before, only the section names were listed."""
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text("max_steps: 1\nmicro_batch_size: 4\nbf16: true\nwarmup_steps: 3\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(cfg_file))
+    msg = str(err.value)
+    assert f"{cfg_file} line 1: unknown key 'max_steps'. Did you mean 'training.max_steps' (a key goes under" in msg
+    assert "line 2: unknown key 'micro_batch_size'. Did you mean 'training.batch_size'" in msg
+    assert "line 3: unknown key 'bf16'. Did you mean 'training.mixed_precision: bf16'?" in msg
+    assert "line 4: unknown key 'warmup_steps'. Did you mean 'training.warmup_ratio' (a fraction of the run's" in msg
+
+
 def test_another_tools_flag_is_answered_with_phalanxs_name():
     """`--lr` (Axolotl), `--num_train_epochs`, `--bf16` (Trainer): named as phalanx spells them, where the nearest
     spelling would mislead (`--lr` is closest to lr_scheduler)."""

@@ -107,6 +107,23 @@ def _nearest(name: str, choices: list[str]) -> str:
     return f" Did you mean '{close}'?" if close else ""
 
 
+def _in_its_section(key: str) -> str:
+    """' Did you mean ...?' for a key written outside its section (a flat `max_steps:` at the top of a YAML file, as a
+    flag is written, or another tool's name such as `micro_batch_size`): the dotted key it is under."""
+    dotted = FLAT_FLAGS.get(key)
+    if dotted is None and key in OTHER_TOOLS_FLAGS:
+        flag = OTHER_TOOLS_FLAGS[key].split()[0].removeprefix("--")
+        dotted = FLAT_FLAGS.get(flag, flag if "." in flag else None)
+        said = OTHER_TOOLS_FLAGS[key].split(maxsplit=1)[1:]
+        if dotted and said:  # bf16 -> mixed_precision bf16; warmup_steps -> warmup_ratio (a fraction ...)
+            return (
+                f" Did you mean '{dotted}' {said[0]}?"
+                if said[0].startswith("(")
+                else f" Did you mean '{dotted}: {said[0]}'?"
+            )
+    return f" Did you mean '{dotted}' (a key goes under its section)?" if dotted else ""
+
+
 # Flags of Hugging Face Trainer, TRL and Axolotl that people type out of habit: what phalanx names them (the spelling
 # is too far off for a nearest-name guess: `--lr` reads as lr_scheduler).
 OTHER_TOOLS_FLAGS = {
@@ -475,7 +492,7 @@ def _explain(exc: ValidationError, source: str, lines: dict[tuple, int], from_cl
         if err["type"] == "extra_forbidden":
             section_model = _section_model(loc[:-1])
             choices = _field_names(section_model) if section_model else []
-            hint = _nearest(loc[-1], choices)
+            hint = _nearest(loc[-1], choices) or _in_its_section(loc[-1])
             accepted = ", ".join(choices)
             problems.append(f"{where}: unknown key '{dotted}'.{hint} Keys accepted here: {accepted}")
         else:
