@@ -118,7 +118,8 @@ def test_a_resume_on_fewer_ranks_says_that_each_step_trains_fewer_rows(dataset, 
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (
         "world_size 2 -> 1: each optimizer step now trains 2 rows (batch_size 2 x 1 ranks x gradient_accumulation_steps"
-        " 1), where the checkpoint's run trained 4; --batch_size 4 --force keeps it"
+        " 1), where the checkpoint's run trained 4; --batch_size 4 or --gradient_accumulation_steps 2 (with --force)"
+        " keeps it"
     ) in proc.stdout, proc.stdout[-3000:]
     assert [r["step"] for r in read_metrics(out)] == list(range(1, 9))
 
@@ -190,6 +191,20 @@ def test_only_speed_and_cadence_fields_are_free_on_resume():
     other = {"training": {"compile": "true", "learning_rate": 2e-4}, "checkpoint": {"save_steps": 50}}
     assert config_diff(saved, other) == ["training.learning_rate: 0.0001 -> 0.0002"]
     assert speed_and_cadence_changes(saved, other) == ["training.compile: 'auto' -> 'true'"]
+
+
+def test_the_way_back_to_the_global_batch_is_one_the_config_accepts():
+    """A token budget must hold max_length: 2 ranks of 1,400 tokens resumed on 1 rank are kept by 2,800 tokens or
+    2 micro-batches a step; 1 rank of 1,400 on 2 ranks by no budget (700 is less than max_length 1,024), which was
+    what the line advised."""
+    from phalanx.checkpoint.resume import global_batch_change
+    from phalanx.config.schema import RunConfig
+
+    budget = RunConfig(training={"batch_tokens": 1400}, data={"max_length": 1024}).model_dump()
+    fewer = global_batch_change(budget, 2, budget, 1)
+    assert fewer.endswith("--batch_tokens 2800 or --gradient_accumulation_steps 2 (with --force) keeps it"), fewer
+    more = global_batch_change(budget, 1, budget, 2)
+    assert "--batch_tokens 700" not in more and more.endswith("at 1,400 (--force) to keep it"), more
 
 
 def test_named_checkpoint_and_finished_run(dataset, uninterrupted, tmp_path):

@@ -151,11 +151,18 @@ def global_batch_change(saved: dict, saved_world: int, current: dict, world: int
     after = new[per_rank] * world * accumulation
     if before == after:
         return None
-    same = before // (world * accumulation)
+    # What keeps it: another per-rank batch (a token budget no smaller than max_length, which it must hold), or
+    # another accumulation; each where it divides.
+    ways = []
+    size, steps = before // (world * accumulation), before // (world * new[per_rank])
+    if size * world * accumulation == before and (unit == "rows" or size >= current["data"]["max_length"]):
+        ways.append(f"--{per_rank} {size}")
+    if steps * world * new[per_rank] == before and steps >= 1:
+        ways.append(f"--gradient_accumulation_steps {steps}")
     advice = (
-        f"--{per_rank} {same} --force keeps it"
-        if same * world * accumulation == before
-        else f"keep {per_rank} x world_size x gradient_accumulation_steps at {before} (--force) to keep it"
+        f"{' or '.join(ways)} (with --force) keeps it"
+        if ways
+        else f"keep {per_rank} x world_size x gradient_accumulation_steps at {before:,} (--force) to keep it"
     )
     return (
         f"world_size {saved_world} -> {world}: each optimizer step now trains {after:,} {unit} ({per_rank} "
