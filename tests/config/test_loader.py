@@ -89,6 +89,18 @@ def test_a_key_outside_its_section_is_answered_with_its_dotted_name(tmp_path: Pa
     assert "line 4: unknown key 'warmup_steps'. Did you mean 'training.warmup_ratio' (a fraction of the run's" in msg
 
 
+def test_a_dataset_split_without_a_dataset_name_is_refused_not_left_unread(tmp_path: Path):
+    """--dataset_split test with a --dataset_path trained on the path's rows (a save_to_disk DatasetDict's 'train')
+    without a word; it names dataset_name as the way to pick a split."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, {"data.dataset_path": str(tmp_path / "saved"), "data.dataset_split": "test"})
+    msg = str(err.value)
+    assert "dataset_split 'test' names a split of dataset_name, which is not set" in msg, msg
+    assert f"give {tmp_path / 'saved'} as dataset_name" in msg, msg
+    assert load_config(None, {"data.dataset_path": str(tmp_path / "saved"), "data.dataset_split": "train"})
+    assert load_config(None, {"data.dataset_name": str(tmp_path / "saved"), "data.dataset_split": "test"})
+
+
 def test_another_tools_flag_is_answered_with_phalanxs_name():
     """`--lr` (Axolotl), `--num_train_epochs`, `--bf16` (Trainer): named as phalanx spells them, where the nearest
     spelling would mislead (`--lr` is closest to lr_scheduler)."""

@@ -186,6 +186,18 @@ class DataConfig(Section):
     def _one_source(self) -> "DataConfig":
         if self.dataset_path and self.dataset_name:
             raise ValueError("set dataset_path or dataset_name, not both")
+        if self.dataset_split != "train" and not self.dataset_name:
+            # A file of rows has no splits, and a save_to_disk folder read as dataset_path gives its 'train': the split
+            # asked for would be left unread without a word.
+            raise ValueError(
+                f"dataset_split {self.dataset_split!r} names a split of dataset_name, which is not set"
+                + (
+                    f"; for a split of the save_to_disk DatasetDict or the Hub-style folder at dataset_path, give "
+                    f"{self.dataset_path} as dataset_name"
+                    if self.dataset_path
+                    else ""
+                )
+            )
         if self.eval_dataset_split is not None:
             if not self.dataset_name:
                 raise ValueError(
