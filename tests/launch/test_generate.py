@@ -213,6 +213,28 @@ def test_launcher_for_a_second_node_in_a_shared_folder_names_the_first_nodes_scr
     assert code == 2 and "holds something else" in err
 
 
+def test_the_same_command_spelled_another_way_leaves_the_scripts_unchanged(in_project, capsys):
+    """`--num_gpus_per_node=0` and flags in another order write the same scripts: the rerun said they hold "something
+    else". Only the "Written by" lines differ, and they are kept; another value is still refused."""
+    first = ["launcher", "--config", "train.yaml", "--num_gpus_per_node", "0", "--nproc_per_node", "2"]
+    assert cli(capsys, *first, "--output", "spelled.sh")[0] == 0
+    sh, bat = in_project / "spelled.sh", in_project / "spelled.bat"
+    written = sh.read_bytes(), bat.read_bytes()
+    again = ["--nproc_per_node=2", "--output=spelled.sh", "--config=train.yaml", "--num_gpus_per_node=0"]
+    code, out, err = cli(capsys, "launcher", *again)
+    assert code == 0, err
+    assert "wrote spelled.sh (unchanged), spelled.bat (unchanged)" in out
+    assert (sh.read_bytes(), bat.read_bytes()) == written
+    code, _, err = cli(capsys, "launcher", *again[1:], "--nproc_per_node=1")
+    assert code == 2 and "holds something else" in err and (sh.read_bytes(), bat.read_bytes()) == written
+    job = ["--config", "train.yaml", "--num_gpus_per_node", "0", "--nproc_per_node", "2", "--output", "spelled_job.sh"]
+    assert cli(capsys, "slurm", *job)[0] == 0
+    submitted = (in_project / "spelled_job.sh").read_bytes()
+    code, out, err = cli(capsys, "slurm", *[f"{flag}={value}" for flag, value in zip(job[::2], job[1::2])])
+    assert code == 0 and "wrote spelled_job.sh (unchanged)" in out, err
+    assert (in_project / "spelled_job.sh").read_bytes() == submitted
+
+
 def test_deepspeed_launcher_on_cpu_nodes(in_project, capsys, tmp_path):
     """CPU ranks under the DeepSpeed launcher (executed in test_launcher_run.py and test_slurm.py): its CPU
     accelerator, gloo, and no single quote in the SLURM step (it is one single-quoted string)."""

@@ -326,6 +326,28 @@ def refuse_another_nodes_script(script: Path, spec: LaunchSpec) -> None:
     )
 
 
+WRITTEN_BY = ("# Written by:", "REM Written by:")
+
+
+def same_but_for_the_command(files: dict[Path, str]) -> dict[Path, str]:
+    """The files, each as it already is where it differs only in its "Written by" line: the same command spelled
+    another way (`--num_gpus_per_node=0`, the flags in another order) writes the same script, and a rerun was refused
+    as a file that "holds something else"."""
+
+    def body(text: str) -> list[str]:
+        return [line for line in text.splitlines() if not line.startswith(WRITTEN_BY)]
+
+    kept = {}
+    for path, text in files.items():
+        try:
+            existing = path.read_bytes().decode("utf-8")
+        except (OSError, UnicodeDecodeError):
+            existing = None
+        same = existing is not None and existing != text and body(existing) == body(text)
+        kept[path] = existing if same and existing.count("\r\n") == text.count("\r\n") else text
+    return kept
+
+
 def launcher_main(argv: Sequence[str]) -> int:
     flags = parse_job_flags(launcher_parser(), argv)
     args, nproc = flags.args, flags.nproc
@@ -357,7 +379,9 @@ def launcher_main(argv: Sequence[str]) -> int:
         bat = out.with_suffix(".bat")
         files[bat] = scripts.render_launcher_bat(spec, bat)
     written = list(files)
-    outcomes = write_generated_files(files, args.overwrite, f"--output {out}", executable=True)
+    outcomes = write_generated_files(
+        same_but_for_the_command(files), args.overwrite, f"--output {out}", executable=True
+    )
     where = f"node {args.node_rank} of {args.num_nodes}" if args.num_nodes > 1 else "this machine"
     said = ", ".join(f"{path}{' (unchanged)' if how == 'unchanged' else ''}" for path, how in zip(written, outcomes))
     print(f"wrote {said}: {nproc} rank(s) on {where}.")
@@ -526,7 +550,7 @@ def slurm_main(argv: Sequence[str]) -> int:
         text = scripts.render_slurm(spec, out)
     except ValueError as exc:  # a value sbatch cannot take in a directive
         raise ConfigError(f"phalanx slurm: {exc}") from None
-    (outcome,) = write_generated_files({out: text}, args.overwrite, f"--output {out}", True)
+    (outcome,) = write_generated_files(same_but_for_the_command({out: text}), args.overwrite, f"--output {out}", True)
     kind = f"{gpus} GPU(s)" if gpus else f"{nproc} CPU rank(s)"
     print(
         f"wrote {out}{' (unchanged)' if outcome == 'unchanged' else ''}: {args.num_nodes} node(s) x {kind}, "
