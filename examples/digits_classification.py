@@ -102,7 +102,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output-dir", default="runs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress-bar", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.world_size is not None and not args.distributed:
+        # Without --distributed the example trains in this process: the ranks asked for would not start.
+        p.error(f"--world-size {args.world_size} starts ranks only with --distributed (add it, or leave --world-size out)")
+    return args
 
 
 def main(argv=None) -> dict:

@@ -355,6 +355,7 @@ def test_the_digits_example_answers_bad_values_in_one_line(tmp_path):
     for args, needle in [
         (["--batch-size", "0"], "argument --batch-size: '0': give a whole number, at least 1"),
         (["--distributed", "--world-size", "2", "--backend", "foo"], "error: backend = 'foo': not a torch.distributed"),
+        (["--world-size", "2"], "error: --world-size 2 starts ranks only with --distributed"),  # was trained on 1
     ]:
         proc = subprocess.run(
             [sys.executable, example, *args, "--output-dir", str(tmp_path / "runs")],
