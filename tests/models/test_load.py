@@ -128,3 +128,7 @@ def test_an_adapter_of_an_embedded_model_finds_its_base_without_the_cached_folde
     ):
         (folder / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(base)}))
         assert adapter_base(str(folder)) == found
+    # Where the folder is here, the name too: generate's record said the cache path, not the model the run was given.
+    gone.mkdir(parents=True)
+    (folder / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(gone)}))
+    assert adapter_base(str(folder)) == "embedded:tiny-qwen3"

@@ -152,11 +152,11 @@ def adapter_base(adapter: str, named: str = "--adapter", model_name: Optional[st
         raise ConfigError(f"{config}: not valid JSON ({e})") from None
     if not base:
         raise ConfigError(f"{config}: no base_model_name_or_path; pass --model_name")
-    if not Path(base).exists():
-        from phalanx.models.presets import embedded_name_of
+    from phalanx.models.presets import embedded_name_of
 
-        base = embedded_name_of(base) or base  # trained on an embedded model whose cached folder is not here
-    return base
+    # An embedded model is named as such, whether or not its cached folder is here: another machine, or a cleared
+    # cache, rebuilds it from the name, and what generate and export record reads as the model the run was given.
+    return embedded_name_of(base) or base
 
 
 def published_dtype(model_name: str, field: str = "model.model_name") -> torch.dtype:
