@@ -341,3 +341,22 @@ R1_DISTILL_SHAPE = {
     "tie_word_embeddings": False,
     "use_sliding_window": False,
 }
+
+
+def chatml_bpe_tokenizer(corpus: list[str], vocab_size: int = 500):
+    """A real fast (Rust) byte-level BPE tokenizer with ChatML's special tokens, trained on `corpus` in milliseconds;
+    <|im_end|> ends a sequence, <|endoftext|> pads."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 
-from helpers import trained_runs
+from helpers import chatml_bpe_tokenizer, trained_runs
 from phalanx.data.chat import IGNORE_INDEX, tokenize_conversation
 from phalanx.data.collate import pad_batch
 from phalanx.data.formats import to_conversation
@@ -144,20 +144,7 @@ def fast_tokenizer(chatml, tool_row):
     """A real fast (Rust) byte-level BPE tokenizer, trained here in milliseconds, with special tokens."""
     import json
 
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=500,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    bpe.train_from_iterator([chatml, json.dumps(tool_row)] * 5, trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok = chatml_bpe_tokenizer([chatml, json.dumps(tool_row)] * 5)
     tok.chat_template = chatml
     return tok
 

@@ -1,9 +1,9 @@
 """A special token's text written in a row is encoded as text; only the chat template's markup becomes control tokens."""
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from helpers import chatml_bpe_tokenizer
 from phalanx.data.chat import IGNORE_INDEX, tokenize_conversation
 from phalanx.data.formats import to_conversation
 from phalanx.data.special_text import shield, special_token_texts
@@ -28,17 +28,7 @@ QUOTING = {
 @pytest.fixture(scope="module")
 def fast():
     """A real fast byte-level BPE tokenizer with ChatML's special tokens and a non-special added <think>/</think>."""
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    bpe.train_from_iterator([CHATML, "user assistant What does it do? It ends a turn."] * 5, trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok = chatml_bpe_tokenizer([CHATML, "user assistant What does it do? It ends a turn."] * 5, vocab_size=400)
     tok.add_tokens(["<think>", "</think>"])  # added, not special: an answer's reasoning block is the model's output
     tok.chat_template = CHATML
     return tok
