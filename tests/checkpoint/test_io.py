@@ -130,3 +130,22 @@ def test_a_checkpoint_of_another_finetune_kind_is_named_as_such(tmp_path, saved,
         f"{resumed!r}: a resume goes on with the training a checkpoint holds. Resume with --finetune {saved}"
     ) in said, said
     assert f"phalanx export {tmp_path / 'checkpoint-1'}" in said and "damaged" not in said, said
+
+
+@pytest.mark.parametrize("sharded, strategy", [("sharded_state", "fsdp"), ("deepspeed", "deepspeed")])
+def test_a_sharded_strategys_checkpoint_resumed_under_ddp_names_the_strategy(tmp_path, sharded, strategy):
+    """An FSDP2 or DeepSpeed checkpoint resumed with --strategy ddp --force was called damaged ('optimizer.pt cannot
+    be read'): it holds that strategy's own state, and says so."""
+    model = tiny()
+    save_checkpoint(
+        tmp_path / "checkpoint-1", rank=RANK, model=model, tokenizer=None, stateful={}, trainer_state={"global_step": 1}
+    )
+    (tmp_path / "checkpoint-1" / sharded).mkdir()  # what the sharded strategy wrote in place of optimizer.pt
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(PhalanxError) as refused:
+        load_checkpoint(
+            tmp_path / "checkpoint-1", rank=RANK, model=tiny(), stateful={"optimizer": optimizer}, finetune="full"
+        )
+    said = str(refused.value)
+    assert f"holds {strategy}'s sharded state ({sharded}/)" in said and f"--strategy {strategy}" in said, said
+    assert "damaged" not in said, said

@@ -39,7 +39,16 @@ from phalanx.checkpoint.commit import (
     is_committed,
     why_not_committed,
 )
-from phalanx.checkpoint.layout import ADAPTER_WEIGHTS, TRAINER_STATE, WEIGHTS, rng_file, staging_dir, state_file
+from phalanx.checkpoint.layout import (
+    ADAPTER_WEIGHTS,
+    DS_DIR,
+    SHARDED_DIR,
+    TRAINER_STATE,
+    WEIGHTS,
+    rng_file,
+    staging_dir,
+    state_file,
+)
 from phalanx.checkpoint.safe_load import load_state_file
 from phalanx.errors import PhalanxError
 from phalanx.runtime import dist as rt
@@ -296,6 +305,7 @@ def load_checkpoint(
     if sharded is not None:
         sharded.load_sharded(folder)  # weights and optimizer, each rank its own shards
     else:
+        check_not_sharded(folder)
         load_model_weights(model, folder, finetune)
     for name, obj in stateful.items():
         load_stateful(folder / state_file(name), name, obj)
@@ -374,6 +384,19 @@ def check_same_finetune(folder: Path, finetune: str) -> None:
         f"{folder} holds a checkpoint of model.finetune {saved!r}, and this run trains with {finetune!r}: a resume "
         f"goes on with the training a checkpoint holds. {way}"
     )
+
+
+def check_not_sharded(folder: Path) -> None:
+    """A checkpoint of FSDP2 or DeepSpeed keeps its optimizer state in that strategy's own files, which a DDP or
+    one-process run cannot read: resumed with --strategy ddp --force, it was called damaged ('optimizer.pt cannot be
+    read'), as if a disk had failed. (The other way round, FSDP2 and DeepSpeed name the strategy already.)"""
+    for name, strategy, ranks in ((SHARDED_DIR, "fsdp", "any number of ranks"), (DS_DIR, "deepspeed", "its ranks")):
+        if (folder / name).is_dir():
+            raise PhalanxError(
+                f"{folder} holds {strategy}'s sharded state ({name}/), not the optimizer.pt a ddp or one-process run "
+                f"reads: it was saved by another strategy. Resume it with --strategy {strategy} ({ranks}), or start "
+                "fresh with --overwrite_output_dir"
+            )
 
 
 def load_model_weights(model: nn.Module, folder: Path, finetune: str) -> None:
