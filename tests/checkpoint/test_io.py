@@ -149,3 +149,18 @@ def test_a_sharded_strategys_checkpoint_resumed_under_ddp_names_the_strategy(tmp
     said = str(refused.value)
     assert f"holds {strategy}'s sharded state ({sharded}/)" in said and f"--strategy {strategy}" in said, said
     assert "damaged" not in said, said
+
+
+def test_a_failed_write_on_another_rank_leaves_the_staging_folder_to_rank_0(tmp_path):
+    """The staging folder is rank 0's: rank 1's full-disk error removed it while rank 0 still wrote into it, and rank 0
+    then reported 'Parent directory .checkpoint-4.staging does not exist' instead of the full disk."""
+    from phalanx.checkpoint.io import CheckpointWriteError
+    from phalanx.checkpoint.layout import staging_dir
+
+    final = tmp_path / "checkpoint-4"
+    staging = staging_dir(final)
+    staging.mkdir()
+    said = str(CheckpointWriteError(final, OSError(28, "No space left on device"), main=False))
+    assert staging.is_dir() and "No space left on device" in said and "Committed checkpoints are intact" in said
+    CheckpointWriteError(final, OSError(28, "No space left on device"), main=True)
+    assert not staging.exists()

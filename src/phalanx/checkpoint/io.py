@@ -56,10 +56,11 @@ from phalanx.runtime.seed import load_rng_state, rng_state
 
 
 class CheckpointWriteError(PhalanxError):
-    def __init__(self, final: Path, exc: Exception):
+    def __init__(self, final: Path, exc: Exception, main: bool):
         free_mb = shutil.disk_usage(final.parent).free / 2**20 if final.parent.exists() else 0.0
         kept = [p.name for _, p in committed_step_checkpoints(final.parent)]
-        shutil.rmtree(staging_dir(final), ignore_errors=True)
+        if main:  # the staging folder is rank 0's: removed under another rank, rank 0's own write failed on its parent
+            shutil.rmtree(staging_dir(final), ignore_errors=True)
         super().__init__(
             f"cannot write checkpoint {final.name} into {final.parent}: {exc}. Free space there: {free_mb:.1f} MB. "
             f"Committed checkpoints are intact: {kept or 'none yet'}. Free space or fix permissions, then rerun "
@@ -162,7 +163,7 @@ def save_checkpoint(
             if not asynchronous:
                 write_main()
     except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as a RuntimeError
-        raise CheckpointWriteError(final, exc) from exc
+        raise CheckpointWriteError(final, exc, rank.is_main) from exc
     rt.barrier()  # every rank's synchronous files are written (and its background writes started)
     meta = {"global_step": trainer_state.get("global_step"), "world_size": rank.world_size}
     if asynchronous:
@@ -246,6 +247,7 @@ class PendingCheckpoint:
         after_commit: Optional[Callable[[], Any]],
     ):
         self.final = final
+        self._main = write_main is not None
         self._background = background
         self._error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
@@ -276,11 +278,11 @@ class PendingCheckpoint:
             if self._background is not None:
                 self._background.result()
         except (OSError, RuntimeError) as exc:
-            raise CheckpointWriteError(self.final, exc) from exc
+            raise CheckpointWriteError(self.final, exc, self._main) from exc
         if self._thread is not None:
             self._thread.join()
             if isinstance(self._error, (OSError, RuntimeError)):
-                raise CheckpointWriteError(self.final, self._error) from self._error
+                raise CheckpointWriteError(self.final, self._error, self._main) from self._error
             if self._error is not None:
                 raise self._error
 
