@@ -326,3 +326,20 @@ def test_a_full_cache_disk_is_named_as_the_cache_not_output_dir(dataset, small_d
     assert f"cannot write the tokenized data into phalanx's cache {cache}: No space left on device" in said, said
     assert "PHALANX_CACHE" in said and "not output_dir" in said, said
     assert [p.suffix for p in cache.iterdir()] == [".lock"], "no partial tokenized folder is left"
+
+
+def test_a_full_cache_disk_while_building_the_embedded_model_is_named_as_the_cache(small_disk):
+    """Building an embedded model on a full cache disk ended in safetensors' own SafetensorError traceback."""
+    from phalanx.errors import PhalanxError
+    from phalanx.models.presets import materialize_embedded_model
+
+    models = small_disk / "models"
+    models.mkdir()
+    with open(small_disk / "filler", "wb") as f:  # room for the lock file and the config, not for the weights
+        f.write(b"\0" * (shutil.disk_usage(small_disk).free - 64 * 1024))
+    with pytest.raises(PhalanxError) as refused:
+        materialize_embedded_model("tiny-qwen3", models)
+    said = str(refused.value)
+    assert f"cannot write the embedded model 'tiny-qwen3' into phalanx's cache {models}: No space left" in said, said
+    assert "PHALANX_CACHE" in said
+    assert [p.suffix for p in models.iterdir()] == [".lock"], "no partial model folder is left"

@@ -27,6 +27,7 @@ import logging
 import math
 import os
 import random
+import re
 import shutil
 import uuid
 from dataclasses import dataclass, field
@@ -277,13 +278,24 @@ def _file_identity(path: Path, root: Path) -> list:
 DISK_REFUSED = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
 
 
-def cache_not_writable(cache_root: Path, exc: OSError) -> PhalanxError:
-    """The tokenized data could not be written into the cache. Said of output_dir by the run's catch-all for a full
-    disk ('rank 0 cannot write to output_dir ...: No space left on device (None)'): a user who freed space there
-    met the same error again."""
+def disk_refusal(exc: BaseException) -> Optional[OSError]:
+    """The full, over-quota or read-only disk `exc` reports, as an OSError; None for any other failure. safetensors
+    reports one as its own error, with the OS error's number in the text ('... (os error 28)')."""
+    if isinstance(exc, OSError):
+        return exc if exc.errno in DISK_REFUSED else None
+    found = re.search(r"\(os error (\d+)\)", str(exc))
+    if found and int(found.group(1)) in DISK_REFUSED:
+        return OSError(int(found.group(1)), os.strerror(int(found.group(1))))
+    return None
+
+
+def cache_not_writable(cache_root: Path, exc: OSError, what: str = "the tokenized data") -> PhalanxError:
+    """`what` could not be written into the cache. Said of output_dir by the run's catch-all for a full disk ('rank 0
+    cannot write to output_dir ...: No space left on device (None)'): a user who freed space there met the same error
+    again."""
     free_mb = shutil.disk_usage(cache_root).free / 2**20
     return PhalanxError(
-        f"cannot write the tokenized data into phalanx's cache {cache_root}: {os.strerror(exc.errno)} (free space "
+        f"cannot write {what} into phalanx's cache {cache_root}: {os.strerror(exc.errno)} (free space "
         f"there: {free_mb:.1f} MB). That is the cache folder (PHALANX_CACHE, by default ~/.cache/phalanx), not "
         "output_dir: free space there, or set PHALANX_CACHE to a folder with room on a local disk, then rerun the same "
         "command."

@@ -204,13 +204,15 @@ def materialize_embedded_model(name: str, root: Path) -> Path:
                 _build(preset, tmp)
                 fsync_tree(tmp)
                 os.replace(tmp, target)
-            except OSError:
+            except BaseException as exc:
                 shutil.rmtree(tmp, ignore_errors=True)
-                if target.is_dir():  # lost a race on a filesystem where locks do not hold
+                if isinstance(exc, OSError) and target.is_dir():  # lost a race on a filesystem where locks do not hold
                     return target
-                raise
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
+                from phalanx.data.prepare import cache_not_writable, disk_refusal
+
+                refused = disk_refusal(exc)
+                if refused is not None:  # safetensors' own error for a full disk; a traceback said no more
+                    raise cache_not_writable(root, refused, f"the embedded model {name!r}") from None
                 raise
             fsync_path(root)
     except Timeout as e:
