@@ -48,8 +48,11 @@ def test_the_header_points_to_generated_records_that_a_run_without_a_dataset_lea
     (tmp_path / "data" / "traj_val.jsonl").write_text("{}\n")
     assert describe_dataset(cfg) == (
         "bundled health-agent chats (not data/traj_chat.jsonl, which `phalanx generate` wrote here: "
-        "--dataset_path data/traj_chat.jsonl --eval_dataset_path data/traj_val.jsonl trains on it)"
+        "--dataset_path data/traj_chat.jsonl --eval_dataset_path data/traj_val.jsonl "
+        "--output_dir data/results/traj_chat trains on it)"  # seed 001's results folder, as the launcher uses
     )
+    cfg.output_dir = "runs/mine"  # an output folder the run names already stays
+    assert describe_dataset(cfg).endswith("--eval_dataset_path data/traj_val.jsonl trains on it)")
     cfg.data.dataset_path = "mine.jsonl"
     assert describe_dataset(cfg) == "mine.jsonl"
 

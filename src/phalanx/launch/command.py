@@ -18,7 +18,15 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 from phalanx.config.flags import CommandParser, tcp_port
 from phalanx.errors import ConfigError
 from phalanx.launch import scripts
-from phalanx.launch.scripts import DEFAULT_PORT, DEFAULT_RDZV_TIMEOUT, MEM_PER_GPU, Job, LaunchSpec, SlurmSpec
+from phalanx.launch.scripts import (
+    DEFAULT_PORT,
+    DEFAULT_RDZV_TIMEOUT,
+    MEM_PER_GPU,
+    Job,
+    LaunchSpec,
+    SlurmSpec,
+    results_folder_of,
+)
 from phalanx.runtime.durable import write_generated_files
 
 if TYPE_CHECKING:
@@ -262,12 +270,6 @@ def check_generation(words: str, flags: JobFlags) -> tuple[list[str], Path, Opti
         raise ConfigError(f"--generate: {exc}") from None
     output = Path(args.output)
     return generate_args, output, val_output_of(output, args.val_output, args.val_fraction)
-
-
-def results_folder_of(generated: Path) -> Path:
-    """Where seed 001's train_loop.py saved its checkpoints, beside the data it trained on: data/traj_chat.jsonl ->
-    data/results/traj_chat/."""
-    return generated.parent / "results" / generated.stem
 
 
 def train_on_generated(flags: JobFlags, output: Path, val: Optional[Path]) -> None:

@@ -537,3 +537,9 @@ def render_slurm(spec: SlurmSpec, script: Path) -> str:
         'exit "$RC"',
     ]
     return "\n".join(lines) + "\n"
+
+
+def results_folder_of(generated: Path) -> Path:
+    """Where seed 001's train_loop.py saved its checkpoints, beside the data it trained on: data/traj_chat.jsonl ->
+    data/results/traj_chat/."""
+    return generated.parent / "results" / generated.stem

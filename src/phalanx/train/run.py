@@ -335,6 +335,10 @@ def describe_dataset(cfg: RunConfig) -> str:
         return "bundled health-agent chats"
     val = generated.with_name("traj_val.jsonl")
     flags = f"--dataset_path {generated}" + (f" --eval_dataset_path {val}" if val.is_file() else "")
+    if cfg.output_dir == RunConfig.model_fields["output_dir"].default:
+        from phalanx.launch.scripts import results_folder_of
+
+        flags += f" --output_dir {results_folder_of(generated)}"  # where seed 001 kept what it trained on that file
     return f"bundled health-agent chats (not {generated}, which `phalanx generate` wrote here: {flags} trains on it)"
 
 
