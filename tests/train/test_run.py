@@ -227,6 +227,37 @@ def test_a_resume_on_data_that_changed_since_its_checkpoint_is_refused_unless_fo
     assert now.keys() == saved.keys() and now != saved
 
 
+def test_a_resume_with_a_chat_template_edited_since_its_checkpoint_is_refused_unless_forced(
+    tmp_path, monkeypatch, capsys
+):
+    """A --chat_template file edited between a crash and the rerun: the config names the same file, but the rows are
+    rendered and masked otherwise from there. Refused as changed data is, naming the template; --force goes on."""
+    from phalanx.models.load import load_tokenizer
+
+    data = write_chat_jsonl(tmp_path / "train.jsonl", 12)
+    template = tmp_path / "chat.jinja"
+    template.write_text(load_tokenizer("embedded:tiny-qwen3").chat_template)
+    out = tmp_path / "o"
+    flags = tiny_run({"max_steps": 3, "save_steps": 1, "test_size": 0})
+    flags += ["--dataset_path", str(data), "--output_dir", str(out), "--chat_template", str(template)]
+    monkeypatch.setenv("PHALANX_FAULT", "raise@step=2")
+    with pytest.raises(RuntimeError, match="injected fault"):
+        train_worker(config_of(flags), PreemptionFlag())
+    monkeypatch.delenv("PHALANX_FAULT")
+    assert "data.chat_template" in json.loads((out / "checkpoint-1" / "trainer_state.json").read_text())["data_sources"]
+    template.write_text(template.read_text().replace("<|im_start|>", "<|im_start|> "))
+    with pytest.raises(ConfigError) as refused:
+        train_worker(config_of(flags), PreemptionFlag())
+    said = str(refused.value)
+    assert f"was trained on other data: the chat template ({template}) writes other text now" in said, said
+    assert "Put the template back as it was, pass --force to go on with it anyway" in said, said
+    capsys.readouterr()
+    assert train_worker(config_of(flags + ["--force"]), PreemptionFlag()) == 0
+    assert f"the chat template ({template}) writes other text than when checkpoint-1 was saved (--force)" in (
+        capsys.readouterr().out
+    )
+
+
 def test_a_resume_with_another_global_batch_trains_the_rest_of_its_epochs_once_and_none_past_its_end(
     tmp_path, monkeypatch, capsys
 ):

@@ -122,7 +122,11 @@ class PreparedData:
     report: DataReport
     # config field -> what its local files hold (source_digest), recorded in each checkpoint: a resume on data that
     # changed since is refused unless --force. Hub datasets are left out: their fingerprint follows the local cache.
+    # data.chat_template: the text of the template the rows were rendered with (the model's own when it is unset).
     sources: dict[str, str] = field(default_factory=dict)
+
+
+CHAT_TEMPLATE_SOURCE = "data.chat_template"
 
 
 def prepare_data(
@@ -132,6 +136,10 @@ def prepare_data(
     `stop_token_ids`: what the model's generation config stops at, besides the tokenizer's end-of-sequence token."""
     data = _cached_or_built(cfg, tokenizer, seed, Path(cache_root))
     add_template_notes(data.report, cfg, tokenizer, stop_token_ids)
+    template = getattr(tokenizer, "chat_template", None)
+    if template:  # a template file edited between a kill and the rerun masks the rows otherwise from there
+        text = template if isinstance(template, str) else json.dumps(template, sort_keys=True)
+        data.sources[CHAT_TEMPLATE_SOURCE] = hashlib.sha256(text.encode()).hexdigest()[:20]
     return data
 
 

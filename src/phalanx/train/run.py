@@ -41,7 +41,7 @@ from phalanx.checkpoint.resume import (
 from phalanx.config.schema import ModelConfig, RunConfig
 from phalanx.data.collate import collate as collate_rows
 from phalanx.data.collate import merge_budget, passes_per_step
-from phalanx.data.prepare import PreparedData, describe_report, prepare_data
+from phalanx.data.prepare import CHAT_TEMPLATE_SOURCE, PreparedData, describe_report, prepare_data
 from phalanx.data.sampler import (
     StatefulDistributedSampler,
     TakenPosition,
@@ -221,23 +221,33 @@ def check_same_data(cfg: RunConfig, resume_from: Path, sources: dict[str, str], 
     if not changed:
         return
     values = flatten(cfg.model_dump())
-    what = ", ".join(f"{name} = {values.get(name) or 'the bundled chats'!r}" for name in changed)
-    if changed == ["data.eval_dataset_path"]:
-        effect = "evaluation losses from here on are measured on other rows than the best the checkpoint records"
+    if changed == [CHAT_TEMPLATE_SOURCE]:
+        template = values.get(CHAT_TEMPLATE_SOURCE) or "the model's own"
+        what, held = f"the chat template ({template})", "writes other text"
+        effect = "the rows are rendered and masked otherwise from here (other text, other trained tokens)"
+        back = "Put the template back as it was, pass --force to go on with it anyway"
     else:
-        effect = (
-            "on these the shuffled order (and a test_size split into train and eval rows) differ, so from the saved "
-            "data position some rows are trained twice and others skipped"
-        )
+        data = [name for name in changed if name != CHAT_TEMPLATE_SOURCE]
+        what = ", ".join(f"{name} = {values.get(name) or 'the bundled chats'!r}" for name in data)
+        held = "holds other rows"
+        if data == ["data.eval_dataset_path"]:
+            effect = "evaluation losses from here on are measured on other rows than the best the checkpoint records"
+        else:
+            effect = (
+                "on these the shuffled order (and a test_size split into train and eval rows) differ, so from the "
+                "saved data position some rows are trained twice and others skipped"
+            )
+        if CHAT_TEMPLATE_SOURCE in changed:
+            effect += ", and the chat template writes other text too"
+        back = "Put the data back as it was, pass --force to go on with these rows anyway"
     if not cfg.force:
         raise ConfigError(
-            f"{resume_from} was trained on other data: {what} holds other rows now than when it was saved (the "
-            f"files' contents or sizes differ from its record in trainer_state.json): {effect}. Put the data back as "
-            "it was, pass --force to go on with these rows anyway, --overwrite_output_dir to start over, or another "
+            f"{resume_from} was trained on other data: {what} {held} now than when it was saved (its record in "
+            f"trainer_state.json differs): {effect}. {back}, --overwrite_output_dir to start over, or another "
             "--output_dir."
         )
     if announce:
-        print(f"↩️  {what} holds other rows than when {resume_from.name} was saved (--force): {effect}", flush=True)
+        print(f"↩️  {what} {held} than when {resume_from.name} was saved (--force): {effect}", flush=True)
 
 
 def load_data(cfg: RunConfig) -> tuple[Any, PreparedData]:
