@@ -5,6 +5,7 @@ The Windows .bat cannot run on this Linux machine, so its content is checked lin
 """
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -187,10 +188,16 @@ def test_launcher_multi_node_and_deepspeed(in_project, capsys, tmp_path):
     assert "note: the DeepSpeed launcher will start the ranks, but the config trains with strategy 'ddp'" in err
 
 
-def test_launcher_for_a_second_node_in_a_shared_folder_names_the_first_nodes_script(in_project, capsys):
+def test_launcher_for_a_second_node_in_a_shared_folder_names_the_first_nodes_script(
+    project, capsys, tmp_path, monkeypatch
+):
     """Seed 003's commands for node 0 and node 1, run as written in a project folder the nodes share, both write
     scripts/run_training.sh: the second was refused as a file that "holds something else", pointing at --overwrite,
     which would leave node 0 to run node 1's script."""
+    # A copy of the project: the launched tier's reference run writes scripts/run_training.sh into the shared one.
+    in_project = tmp_path / "shared"
+    shutil.copytree(project, in_project, ignore=shutil.ignore_patterns("runs", "scripts", "*.sh", "*.bat"))
+    monkeypatch.chdir(in_project)
     node = ["launcher", "--config", "train.yaml", "--num_nodes", "2", "--num_gpus_per_node", "8"]
     node += ["--master_addr", "192.168.1.100", "--master_port", "29500", "--node_rank"]
     assert cli(capsys, *node, "0")[0] == 0

@@ -287,7 +287,9 @@ def test_script_status_tells_a_requeue_what_the_ranks_did(project, generate, sup
     text = proc.stdout + proc.stderr
     assert proc.returncode == 1, text[-4000:]  # a rank's crash, told apart from bad input (2)
     assert "rank 1 failed: RuntimeError: injected fault in forward at step 2" in text, text[-4000:]
-    assert "error: failed on rank" in text and "Traceback" not in text, text[-4000:]
+    # A crash shows where: the failed rank's traceback once, each line marked with the rank (dd8d332).
+    assert "error: failed on rank" in text and text.count("Traceback (most recent call last)") == 1, text[-4000:]
+    assert "[rank 1] Traceback (most recent call last)" in text, text[-4000:]
 
 
 def test_deepspeed_launcher_script_trains_cpu_ranks_with_the_deepspeed_engine(

@@ -40,7 +40,9 @@ def test_ddp_trains_on_gloo_ranks_under_torch_distributed_debug_detail(tmp_path)
     # died of SIGSEGV in every rank (its logger took DETAIL's wrapper for the gloo group; torch 2.13).
     run = subprocess.run(
         [sys.executable, "-c", TWO_RANKS, str(tmp_path / "store")],
-        env=phalanx_env({"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "OMP_NUM_THREADS": "1"}),
+        # gloo on loopback, as the launched tiers run it: found through the host name it hung past the timeout in a
+        # full suite run (the network-namespace tests run beside it)
+        env=phalanx_env({"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}),
         capture_output=True,
         text=True,
         timeout=120,
